@@ -1,0 +1,29 @@
+"""shardwise: distributed training strategies for PyTorch, implemented on the collectives.
+
+import shardwise as sw
+rt = sw.init()
+model, opt = sw.prepare(MyModel(), sw.DDP(), optimizer=torch.optim.AdamW, lr=1e-3)
+loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
+"""
+
+from shardwise import comm, data
+from shardwise.api import full_state_dict, prepare
+from shardwise.runtime import Runtime, init, shutdown
+from shardwise.strategies import DDP, Strategy
+from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DDP",
+    "Runtime",
+    "Strategy",
+    "SyncBatchNorm",
+    "comm",
+    "convert_sync_batchnorm",
+    "data",
+    "full_state_dict",
+    "init",
+    "prepare",
+    "shutdown",
+]

@@ -1,0 +1,139 @@
+"""Communication accounting: calls, bytes sent by this rank and time spent waiting, per step.
+
+Every collective shardwise issues goes through `shardwise.comm`, which records here. The
+training loop reads `stats.end_step()` once per step; benchmarks and tests read the same numbers.
+
+Bytes are the bytes *this rank sends*. For our own algorithms built on point-to-point messages
+(ring all-reduce, pipelines, parameter servers) that is the sum of the messages' sizes. For the
+backend's native collectives, whose internal algorithm we cannot observe, it is the volume the
+bandwidth-optimal textbook algorithm sends per rank (see `native_volume`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+def native_volume(op: str, nbytes: int, group_size: int, is_root: bool = False) -> int:
+    """Bytes one rank sends for a native collective over `nbytes` of payload.
+
+    all_reduce: ring reduce-scatter + all-gather, 2(n-1)/n of the payload.
+    all_gather / reduce_scatter: (n-1)/n of the full (gathered / unscattered) payload.
+    broadcast: the root sends the payload once to each other rank (flat tree).
+    reduce: every non-root rank sends its payload once to the root (flat tree).
+    """
+    n = group_size
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * nbytes // n
+    if op == "broadcast":
+        return (n - 1) * nbytes if is_root else 0
+    if op == "reduce":
+        return 0 if is_root else nbytes
+    raise ValueError(f"unknown collective {op!r}")
+
+
+@dataclass
+class OpTotals:
+    calls: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+
+    def add(self, other: OpTotals) -> None:
+        self.calls += other.calls
+        self.bytes += other.bytes
+        self.wait_s += other.wait_s
+
+
+@dataclass
+class CommSnapshot:
+    """Totals over a window (one step, or the whole run), overall and per operation."""
+
+    calls: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    by_op: dict[str, OpTotals] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "calls": self.calls,
+            "bytes": self.bytes,
+            "wait_s": round(self.wait_s, 6),
+            "by_op": {k: vars(v) for k, v in sorted(self.by_op.items())},
+        }
+
+
+class CommStats:
+    """Thread-safe counters; communication may be issued from a background thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step: dict[str, OpTotals] = {}
+        self._total: dict[str, OpTotals] = {}
+        self._local = threading.local()
+
+    def record(self, op: str, nbytes: int, wait_s: float = 0.0, calls: int = 1) -> None:
+        """Count one call of `op` sending `nbytes`, which blocked the caller `wait_s` seconds."""
+        if getattr(self._local, "background", False):
+            wait_s = 0.0  # a background thread's blocking does not stall training
+        delta = OpTotals(calls, int(nbytes), wait_s)
+        with self._lock:
+            for table in (self._step, self._total):
+                table.setdefault(op, OpTotals()).add(delta)
+
+    def add_wait(self, op: str, seconds: float) -> None:
+        """Add time the training thread spent blocked on an asynchronous `op`."""
+        self.record(op, 0, seconds, calls=0)
+
+    @contextlib.contextmanager
+    def background(self) -> Iterator[None]:
+        """Mark this thread as a communication thread: its blocking is not waiting time."""
+        self._local.background = True
+        try:
+            yield
+        finally:
+            self._local.background = False
+
+    def end_step(self) -> CommSnapshot:
+        """Return the counters since the previous call and start a new step window."""
+        with self._lock:
+            table, self._step = self._step, {}
+        return _snapshot(table)
+
+    def total(self) -> CommSnapshot:
+        with self._lock:
+            return _snapshot(self._total)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._step, self._total = {}, {}
+
+
+def _snapshot(table: dict[str, OpTotals]) -> CommSnapshot:
+    snap = CommSnapshot(by_op={k: OpTotals(v.calls, v.bytes, v.wait_s) for k, v in table.items()})
+    for v in table.values():
+        snap.calls += v.calls
+        snap.bytes += v.bytes
+        snap.wait_s += v.wait_s
+    return snap
+
+
+class Timer:
+    """Seconds since construction; a tiny helper so call sites read as one line."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+#: The process-wide recorder. Like torch.distributed's default group, one process has one.
+stats = CommStats()

@@ -1,0 +1,172 @@
+"""The collectives and point-to-point messages shardwise issues, each one counted.
+
+Strategies never call `torch.distributed` directly: they call these, so that bytes and waiting
+time are recorded in one place (`accounting.stats`). Asynchronous calls return a `Handle` whose
+`wait()` measures how long the caller was blocked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.accounting import Timer, native_volume, stats
+
+ProcessGroup = dist.ProcessGroup
+
+
+class Handle:
+    """An operation in flight: a backend `Work` or a `Future` from a communication thread."""
+
+    def __init__(self, op: str, pending: dist.Work | Future | None) -> None:
+        self.op = op
+        self._pending = pending
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        timer = Timer()
+        if isinstance(self._pending, Future):
+            self._pending.result()
+        else:
+            self._pending.wait()
+        self._pending = None
+        stats.add_wait(self.op, timer.elapsed())
+
+
+def group_size(group: ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None = None) -> int:
+    return dist.get_rank(group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _issue(op: str, nbytes: int, call, async_op: bool) -> Handle:
+    """Run a backend call, count it, and either wait (timing the wait) or hand back a Handle."""
+    timer = Timer()
+    work = call()
+    if async_op:
+        stats.record(op, nbytes, timer.elapsed())
+        return Handle(op, work)
+    if work is not None:
+        work.wait()
+    stats.record(op, nbytes, timer.elapsed())
+    return Handle(op, None)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> Handle:
+    """In-place all-reduce with the backend's native algorithm."""
+    volume = native_volume("all_reduce", _nbytes(tensor), group_size(group))
+    return _issue(
+        "all_reduce",
+        volume,
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        async_op,
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False
+) -> Handle:
+    """In-place broadcast from group rank `src`."""
+    is_root = group_rank(group) == src
+    volume = native_volume("broadcast", _nbytes(tensor), group_size(group), is_root)
+    return _issue(
+        "broadcast",
+        volume,
+        lambda: dist.broadcast(tensor, group_src=src, group=group, async_op=True),
+        async_op,
+    )
+
+
+def reduce(
+    tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, async_op: bool = False
+) -> Handle:
+    """In-place sum-reduce onto group rank `dst`."""
+    is_root = group_rank(group) == dst
+    volume = native_volume("reduce", _nbytes(tensor), group_size(group), is_root)
+    return _issue(
+        "reduce",
+        volume,
+        lambda: dist.reduce(tensor, group_dst=dst, group=group, async_op=True),
+        async_op,
+    )
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Gather every rank's equal-sized `shard` into `output` (group-rank order)."""
+    volume = native_volume("all_gather", _nbytes(output), group_size(group))
+    return _issue(
+        "all_gather",
+        volume,
+        lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=True),
+        async_op,
+    )
+
+
+def reduce_scatter_tensor(
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Sum `full` over ranks and keep this rank's equal-sized slice in `shard`."""
+    volume = native_volume("reduce_scatter", _nbytes(full), group_size(group))
+    return _issue(
+        "reduce_scatter",
+        volume,
+        lambda: dist.reduce_scatter_tensor(shard, full, group=group, async_op=True),
+        async_op,
+    )
+
+
+def exchange(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: ProcessGroup | None = None,
+    op: str = "p2p",
+) -> None:
+    """Post all sends and receives (peers are group ranks) at once and wait for all of them.
+
+    Posting both directions together is what keeps a ring from deadlocking: every rank sends to
+    its right neighbour while it receives from its left one.
+    """
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    timer = Timer()
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    stats.record(op, sum(_nbytes(t) for t, _ in sends), timer.elapsed())
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    timer = Timer()
+    dist.barrier(group=group)
+    stats.record("barrier", 0, timer.elapsed())
+
+
+def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = None) -> object:
+    """Broadcast a small picklable object (configuration, paths); counted by call only."""
+    box = [obj]
+    timer = Timer()
+    dist.broadcast_object_list(box, group_src=src, group=group)
+    stats.record("broadcast_object", 0, timer.elapsed())
+    return box[0]

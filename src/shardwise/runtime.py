@@ -1,0 +1,102 @@
+"""Process-group bring-up: one call that works under torchrun, our launcher or plain `python`.
+
+`init()` reads the environment torchrun's agent sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+...). Without it, the process is a world of size 1 with a real (gloo) process group, so every
+strategy runs the same code path in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    timeout: timedelta
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+_runtime: Runtime | None = None
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend in (None, "auto"):
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    return backend
+
+
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
+    """Join (or create) the process group and return this process's `Runtime`.
+
+    `timeout_s` bounds every collective: a peer that dies or hangs ends the job with an error
+    after that long instead of a silent hang. Calling `init` again returns the same runtime.
+    """
+    global _runtime
+    if _runtime is not None:
+        return _runtime
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    backend = _pick_backend(backend)
+    timeout = timedelta(seconds=timeout_s)
+    env = os.environ
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" in env and "WORLD_SIZE" in env:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:  # plain `python script.py`: a world of one, same code path
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    world_size = dist.get_world_size()
+    _runtime = Runtime(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+        device=device,
+        backend=backend,
+        timeout=timeout,
+    )
+    return _runtime
+
+
+def current() -> Runtime:
+    """The runtime `init()` created; an error if it was not called."""
+    if _runtime is None:
+        raise RuntimeError("shardwise is not initialised: call shardwise.init() first")
+    return _runtime
+
+
+def shutdown() -> None:
+    """Leave the process group. Safe to call twice."""
+    global _runtime
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _runtime = None
