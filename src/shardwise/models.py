@@ -6,6 +6,7 @@ tiny character-level GPT in the style of nanoGPT (pre-norm blocks, causal self-a
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -18,7 +19,7 @@ class MLP(nn.Sequential):
 
     def __init__(self, sizes: list[int]) -> None:
         layers: list[nn.Module] = []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
             layers.append(nn.Linear(a, b))
             if i < len(sizes) - 2:
                 layers.append(nn.ReLU())

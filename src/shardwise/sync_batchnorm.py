@@ -93,10 +93,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
         self.num_batches_tracked.add_(1)
-        if self.momentum is None:  # cumulative moving average, as nn.BatchNorm does
-            factor = 1.0 / float(self.num_batches_tracked)
-        else:
-            factor = self.momentum
+        # momentum=None means a cumulative moving average, as in nn.BatchNorm.
+        cumulative = 1.0 / float(self.num_batches_tracked)
+        factor = cumulative if self.momentum is None else self.momentum
         unbiased = var * (count / max(count - 1.0, 1.0))
         # Same formula (and rounding) as the native kernel: (1 - m) * running + m * batch.
         self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)

@@ -47,7 +47,8 @@ class Bucket:
 def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
     """Copy rank `src`'s parameters and buffers to every rank, one flat message per dtype."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel()]
-    for dtype in {t.dtype for t in tensors}:
+    # An ordered set: a plain set's order can differ between processes, and so would the messages.
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         comm.broadcast(flat, src=src)
@@ -116,9 +117,7 @@ class GradientReducer:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         view = self.view_of[p]
-        if (
-            p.grad.data_ptr() != view.data_ptr()
-        ):  # someone set .grad to None or replaced it: move it back home
+        if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad): move it in
             view.copy_(p.grad)
             p.grad = view
         if not self.sync_enabled:
@@ -154,7 +153,10 @@ class GradientReducer:
                 f"{len(unused)} parameter(s) received no gradient in this backward pass "
                 f"({names}); pass find_unused_parameters=True to DDP if that is intended"
             )
-        # Unused parameters keep whatever their gradient holds (zero after zero_grad).
+        for p in unused:  # an unused parameter contributes a zero gradient, as in torch DDP
+            if p.grad is None or p.grad.data_ptr() != self.view_of[p].data_ptr():
+                self.view_of[p].zero_()
+                p.grad = self.view_of[p]
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
         for bucket in self.buckets:
@@ -162,12 +164,15 @@ class GradientReducer:
         self._reset_counts()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the buckets; gradients stay views (`set_to_none` is accepted and ignored)."""
-        del set_to_none
+        """Clear gradients. With `set_to_none` (the default) nothing is written: autograd hands
+        each hook a fresh gradient that is copied into its bucket slot, cheaper than zeroing the
+        buckets and adding into them. Either way, gradients live in the buckets after backward.
+        """
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            if not set_to_none:
+                bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views, strict=True):
-                p.grad = view
+                p.grad = None if set_to_none else view
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

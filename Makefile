@@ -1,0 +1,30 @@
+# The two commands of the README. Each sets up .venv (CPU torch pinned by constraints.txt) first.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+# /opt/wheels holds the CPU torch wheel on this project's machines; elsewhere pip uses PyPI.
+FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/shardwise: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(PIP) install --quiet --disable-pip-version-check $(FIND) -c constraints.txt -e '.[dev]'
+	@touch $@
+
+setup: $(BIN)/shardwise
+
+demo: setup  ## set up and run the default job (digits, 2 ranks, our DDP)
+	$(BIN)/shardwise train
+
+test: setup  ## set up, lint and run the test suite
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/python -m pytest -q
+
+bench: setup  ## ours vs torch DDP, world size 2
+	$(BIN)/shardwise bench ddp --world-size 2
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

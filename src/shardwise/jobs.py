@@ -1,0 +1,83 @@
+"""Turn a `Config` into the pieces of a job: model, data splits, loss and strategy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise import datasets
+from shardwise.config import Config, DDPConfig, OptimConfig, resolve_data_path
+from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
+from shardwise.strategies import DDP, Strategy
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
+
+
+@dataclass
+class Job:
+    model: nn.Module
+    splits: datasets.Splits
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_job(cfg: Config) -> Job:
+    """Data first (the model's sizes depend on it), then a model seeded by `train.seed`."""
+    if cfg.data.dataset == "digits":
+        splits = datasets.digits(cfg.data.test_fraction, seed=cfg.train.seed)
+    else:
+        path = resolve_data_path(cfg.data.path)
+        splits = datasets.text(path, cfg.data.seq_len, cfg.data.test_fraction)
+    torch.manual_seed(cfg.train.seed)
+    m = cfg.model
+    if m.name == "gpt":
+        if cfg.data.dataset != "text":
+            raise ValueError("model 'gpt' needs data.dataset 'text'")
+        model = TinyGPT(splits.num_classes, cfg.data.seq_len, m.d_model, m.n_layer, m.n_head)
+        return Job(model, splits, lm_loss)
+    if cfg.data.dataset != "digits":
+        raise ValueError(f"model {m.name!r} needs data.dataset 'digits'")
+    if m.name == "cnn":
+        model = ConvNet(m.channels, splits.num_classes)
+    else:
+        model = MLP([splits.input_dim, *m.hidden, splits.num_classes])
+    return Job(model, splits, F.cross_entropy)
+
+
+def build_strategy(cfg: DDPConfig) -> Strategy:
+    return DDP(
+        bucket_mb=cfg.bucket_mb,
+        algorithm=cfg.algorithm,
+        group_size=cfg.group_size,
+        find_unused_parameters=cfg.find_unused_parameters,
+        sync_batchnorm=cfg.sync_batchnorm,
+    )
+
+
+def optimizer_kwargs(cfg: OptimConfig) -> dict:
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if cfg.name == "sgd":
+        kwargs["momentum"] = cfg.momentum
+    return kwargs
+
+
+def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Linear warm-up, then constant or cosine decay to 10% (as in nanoGPT)."""
+
+    def multiplier(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return multiplier

@@ -1,0 +1,46 @@
+"""Model-state memory accounting: bytes held in parameters, gradients and optimizer state.
+
+Tensors are counted by their underlying storage, once: a gradient that is a view into a DDP
+bucket costs nothing beyond the bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # Scalar state (Adam's step counter) is included: it is real memory, if tiny.
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = ()
+) -> dict[str, int]:
+    """Bytes per category, each storage counted once (in the first category that holds it)."""
+    seen: set[int] = set()
+    report: dict[str, int] = {}
+    categories = {
+        "params": list(model.parameters()),
+        "grads": [p.grad for p in model.parameters() if p.grad is not None],
+        "optimizer": optimizer_tensors(optimizer),
+        "buffers": list(extra),
+    }
+    for name, tensors in categories.items():
+        storages = {k: v for k, v in _storages(tensors).items() if k not in seen}
+        seen.update(storages)
+        report[name] = sum(storages.values())
+    report["total"] = sum(report.values())
+    return report

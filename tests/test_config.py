@@ -1,0 +1,52 @@
+"""Config loading: built-ins validate, overrides apply, bad input is one clear line."""
+
+import pytest
+
+from shardwise.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("name", ["digits", "tiny_gpt", "cnn_bn"])
+def test_builtin_configs_validate(name):
+    cfg = load_config(name)
+    assert cfg.name == name
+
+
+def test_overrides_are_parsed_as_yaml_scalars():
+    cfg = load_config("digits", ["optim.lr=1e-2", "model.hidden=[8, 4]", "strategy.algorithm=ring"])
+    assert cfg.optim.lr == 0.01
+    assert cfg.model.hidden == [8, 4]
+    assert cfg.strategy.algorithm == "ring"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("strategy.bucket_mb=-1", "config error: strategy.bucket_mb = -1: Input should be greater"),
+        ("strategy.algorithm=tree", "'native', 'ring' or 'hierarchical'"),
+        ("train.stepz=3", "config error: train.stepz = 3: Extra inputs are not permitted"),
+        ("optim.name=lamb", "config error: optim.name = 'lamb': Input should be 'adamw'"),
+        ("data.path=missing.txt", "config error: data.path: dataset file not found: missing.txt"),
+        ("model.n_head=3", "n_head (3) must divide d_model (256)"),
+        ("launch.nproc=0", "config error: launch.nproc = 0: Input should be greater than or equal"),
+        ("nokey", "--set expects key=value"),
+    ],
+)
+def test_bad_values_name_the_field_and_what_is_allowed(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_gpt", [override])
+    message = str(err.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_unknown_config_lists_the_builtins(tmp_path):
+    with pytest.raises(ConfigError, match="cnn_bn, digits, tiny_gpt"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_yaml_file_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bad))
+    assert "not valid YAML" in str(err.value) and "\n" not in str(err.value)
