@@ -30,6 +30,7 @@ from shardwise import comm
 from shardwise.comm.algorithms import AllReduceName, make_all_reduce
 from shardwise.runtime import Runtime
 from shardwise.strategies.base import Strategy
+from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
 from shardwise.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -40,7 +41,6 @@ class Bucket:
     buffer: torch.Tensor
     params: list[nn.Parameter]
     views: list[torch.Tensor]
-    pending: int = 0
     handle: comm.Handle | None = None
 
 
@@ -57,24 +57,19 @@ def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
                 t.copy_(chunk.view_as(t))
 
 
-def _assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Group parameters (in the given order) into buckets of at most `bucket_bytes`, per dtype."""
-    buckets: list[list[nn.Parameter]] = []
-    open_bucket: dict[tuple, tuple[list[nn.Parameter], int]] = {}
-    for p in params:
-        key = (p.dtype, p.device)
-        members, size = open_bucket.get(key, ([], 0))
-        if members and size + p.numel() * p.element_size() > bucket_bytes:
-            buckets.append(members)
-            members, size = [], 0
-        members.append(p)
-        open_bucket[key] = (members, size + p.numel() * p.element_size())
-    buckets.extend(members for members, _ in open_bucket.values())
-    return buckets
+def _make_bucket(params: list[nn.Parameter]) -> Bucket:
+    numels = [p.numel() for p in params]
+    buffer = torch.zeros(sum(numels), dtype=params[0].dtype, device=params[0].device)
+    views = [v.view_as(p) for v, p in zip(buffer.split(numels), params, strict=True)]
+    for p, v in zip(params, views, strict=True):
+        if p.grad is not None:
+            v.copy_(p.grad)
+        p.grad = v
+    return Bucket(buffer, params, views)
 
 
 class GradientReducer:
-    """Owns the buckets and the hooks; averages gradients over the world during backward."""
+    """Owns the buckets; averages gradients over the world during backward."""
 
     def __init__(
         self,
@@ -84,84 +79,40 @@ class GradientReducer:
         bucket_bytes: int,
         find_unused_parameters: bool,
     ) -> None:
-        self.names = {p: name for name, p in named_params}
         self.all_reduce = all_reduce
         self.world_size = world_size
-        self.find_unused_parameters = find_unused_parameters
-        self.sync_enabled = True
         params = [p for _, p in reversed(named_params)]
-        self.buckets = [self._make_bucket(ps) for ps in _assign_buckets(params, bucket_bytes)]
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.buckets = [_make_bucket(ps) for ps in assign_buckets(params, bucket_bytes)]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        self._next_launch = 0
-        self._in_backward = False
-        self._reset_counts()
+        callbacks = BucketCallbacks(self._move_into_bucket, self._launch, self._zero, self._wait)
+        self.backward = BucketedBackward(
+            [b.params for b in self.buckets],
+            {p: name for name, p in named_params},
+            callbacks,
+            find_unused_parameters,
+        )
 
-    @staticmethod
-    def _make_bucket(params: list[nn.Parameter]) -> Bucket:
-        numels = [p.numel() for p in params]
-        buffer = torch.zeros(sum(numels), dtype=params[0].dtype, device=params[0].device)
-        views = [v.view_as(p) for v, p in zip(buffer.split(numels), params, strict=True)]
-        for p, v in zip(params, views, strict=True):
-            if p.grad is not None:
-                v.copy_(p.grad)
-            p.grad = v
-        return Bucket(buffer, params, views)
-
-    def _reset_counts(self) -> None:
-        for b in self.buckets:
-            b.pending, b.handle = len(b.params), None
-        self._next_launch = 0
-        self._ready: set[nn.Parameter] = set()
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
+    def _move_into_bucket(self, p: nn.Parameter) -> None:
         view = self.view_of[p]
         if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad): move it in
             view.copy_(p.grad)
             p.grad = view
-        if not self.sync_enabled:
-            return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._ready.add(p)
-        bucket = self.bucket_of[p]
-        bucket.pending -= 1
-        self._launch_ready_buckets()
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _zero(self, p: nn.Parameter) -> None:
+        if p.grad is None or p.grad.data_ptr() != self.view_of[p].data_ptr():
+            self.view_of[p].zero_()
+            p.grad = self.view_of[p]
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
         # Divide before summing (as torch DDP does) so fp16 sums do not overflow.
         bucket.buffer.div_(self.world_size)
         bucket.handle = self.all_reduce.start(bucket.buffer)
-        self._next_launch += 1
 
-    def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.pending:
-                return
-            self._launch(bucket)
-
-    def _finish_backward(self) -> None:
-        self._in_backward = False
-        unused = [p for p in self.bucket_of if p not in self._ready]
-        if unused and not self.find_unused_parameters:
-            names = ", ".join(self.names[p] for p in unused[:8])
-            self._reset_counts()
-            raise RuntimeError(
-                f"{len(unused)} parameter(s) received no gradient in this backward pass "
-                f"({names}); pass find_unused_parameters=True to DDP if that is intended"
-            )
-        for p in unused:  # an unused parameter contributes a zero gradient, as in torch DDP
-            if p.grad is None or p.grad.data_ptr() != self.view_of[p].data_ptr():
-                self.view_of[p].zero_()
-                p.grad = self.view_of[p]
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
+    def _wait(self) -> None:
         for bucket in self.buckets:
             bucket.handle.wait()
-        self._reset_counts()
+            bucket.handle = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. With `set_to_none` (the default) nothing is written: autograd hands
@@ -176,15 +127,14 @@ class GradientReducer:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        previous, self.sync_enabled = self.sync_enabled, False
+        previous, self.backward.enabled = self.backward.enabled, False
         try:
             yield
         finally:
-            self.sync_enabled = previous
+            self.backward.enabled = previous
 
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        self.backward.remove()
         self.all_reduce.close()
 
 

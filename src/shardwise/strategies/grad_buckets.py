@@ -1,0 +1,106 @@
+"""Bucketed gradient reduction during backward, shared by DDP and ZeRO.
+
+Gradients are grouped into buckets. A post-accumulate-grad hook per parameter hands each fresh
+gradient to the strategy (`on_grad`, which moves it into the bucket) and counts the bucket down;
+a complete bucket is launched (`launch`, asynchronous) as soon as every earlier bucket has been,
+so all ranks issue their collectives in the same order even if gradients arrive in another.
+At the end of backward an autograd callback launches what is left and calls `finish`, which
+waits, so reduced gradients are ready when `loss.backward()` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters, in the given order, into buckets of at most `bucket_bytes` per dtype."""
+    buckets: list[list[nn.Parameter]] = []
+    open_bucket: dict[tuple, tuple[list[nn.Parameter], int]] = {}
+    for p in params:
+        key = (p.dtype, p.device)
+        members, size = open_bucket.get(key, ([], 0))
+        if members and size + p.numel() * p.element_size() > bucket_bytes:
+            buckets.append(members)
+            members, size = [], 0
+        members.append(p)
+        open_bucket[key] = (members, size + p.numel() * p.element_size())
+    buckets.extend(members for members, _ in open_bucket.values())
+    return buckets
+
+
+@dataclass
+class BucketCallbacks:
+    on_grad: Callable[[nn.Parameter], None]  # move p's fresh gradient into its bucket
+    launch: Callable[[int], None]  # start reducing bucket i
+    zero_unused: Callable[[nn.Parameter], None]  # p got no gradient: make its slot zero
+    finish: Callable[[], None]  # wait for every launched reduction
+
+
+class BucketedBackward:
+    """Hooks that launch bucket reductions in order while backward runs."""
+
+    def __init__(
+        self,
+        buckets: list[list[nn.Parameter]],
+        names: dict[nn.Parameter, str],
+        callbacks: BucketCallbacks,
+        find_unused_parameters: bool,
+    ) -> None:
+        self.callbacks = callbacks
+        self.names = names
+        self.find_unused_parameters = find_unused_parameters
+        self.enabled = True  # False inside no_sync(): gradients stay local
+        self.bucket_of = {p: i for i, members in enumerate(buckets) for p in members}
+        self.sizes = [len(members) for members in buckets]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.bucket_of
+        ]
+        self._in_backward = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pending = list(self.sizes)
+        self.next_launch = 0
+        self.ready: set[nn.Parameter] = set()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self.callbacks.on_grad(p)
+        if not self.enabled:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.ready.add(p)
+        self.pending[self.bucket_of[p]] -= 1
+        while self.next_launch < len(self.sizes) and self.pending[self.next_launch] == 0:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        self.callbacks.launch(self.next_launch)
+        self.next_launch += 1
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        unused = [p for p in self.bucket_of if p not in self.ready]
+        if unused and not self.find_unused_parameters:
+            names = ", ".join(self.names[p] for p in unused[:8])
+            self._reset()
+            raise RuntimeError(
+                f"{len(unused)} parameter(s) received no gradient in this backward pass "
+                f"({names}); pass find_unused_parameters=True if that is intended"
+            )
+        for p in unused:  # an unused parameter contributes a zero gradient, as in torch DDP
+            self.callbacks.zero_unused(p)
+        while self.next_launch < len(self.sizes):
+            self._launch_next()
+        self._reset()
+        self.callbacks.finish()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
