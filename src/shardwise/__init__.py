@@ -7,9 +7,9 @@ loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
 """
 
 from shardwise import comm, data
-from shardwise.api import full_state_dict, prepare
+from shardwise.api import clip_grad_norm_, full_state_dict, prepare
 from shardwise.runtime import Runtime, init, shutdown
-from shardwise.strategies import DDP, Strategy
+from shardwise.strategies import DDP, Strategy, ZeRO
 from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __version__ = "0.1.0"
@@ -19,6 +19,8 @@ __all__ = [
     "Runtime",
     "Strategy",
     "SyncBatchNorm",
+    "ZeRO",
+    "clip_grad_norm_",
     "comm",
     "convert_sync_batchnorm",
     "data",

@@ -43,3 +43,29 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if strategy is None:
         return dict(model.state_dict())
     return strategy.full_state_dict(model)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most `max_norm`; return the norm before.
+
+    Correct for every strategy: where ranks hold disjoint gradient shards (ZeRO), the squared
+    norms of all shards on all ranks are summed; replicated gradients (DDP) need no message.
+    Same formula as `torch.nn.utils.clip_grad_norm_`.
+    """
+    from shardwise import comm
+
+    strategy = strategy_of(model)
+    if strategy is None:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grads = strategy.local_grads(model)
+    device = grads[0].device if grads else runtime.current().device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        squares += g.detach().float().pow(2).sum()
+    if strategy.grads_are_sharded():
+        comm.all_reduce(squares)
+    total_norm = squares.sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return total_norm

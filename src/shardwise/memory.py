@@ -32,9 +32,11 @@ def model_state_bytes(
     """Bytes per category, each storage counted once (in the first category that holds it)."""
     seen: set[int] = set()
     report: dict[str, int] = {}
+    # The optimizer's parameters may be shards that the model does not register (ZeRO).
+    params = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
     categories = {
-        "params": list(model.parameters()),
-        "grads": [p.grad for p in model.parameters() if p.grad is not None],
+        "params": params,
+        "grads": [p.grad for p in params if p.grad is not None],
         "optimizer": optimizer_tensors(optimizer),
         "buffers": list(extra),
     }

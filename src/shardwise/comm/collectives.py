@@ -17,6 +17,10 @@ from shardwise.comm.accounting import Timer, native_volume, stats
 
 ProcessGroup = dist.ProcessGroup
 
+# torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Handle:
     """An operation in flight: a backend `Work` or a `Future` from a communication thread."""
@@ -117,7 +121,7 @@ def all_gather_into_tensor(
     return _issue(
         "all_gather",
         volume,
-        lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=True),
+        lambda: _all_gather_flat(output, shard, group=group, async_op=True),
         async_op,
     )
 
@@ -133,7 +137,7 @@ def reduce_scatter_tensor(
     return _issue(
         "reduce_scatter",
         volume,
-        lambda: dist.reduce_scatter_tensor(shard, full, group=group, async_op=True),
+        lambda: _reduce_scatter_flat(shard, full, group=group, async_op=True),
         async_op,
     )
 

@@ -2,5 +2,6 @@
 
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.ddp import DDP
+from shardwise.strategies.zero import ZeRO
 
-__all__ = ["DDP", "Strategy"]
+__all__ = ["DDP", "Strategy", "ZeRO"]

@@ -34,5 +34,32 @@ class Strategy(ABC):
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The complete, unsharded state dict with single-process keys, on every rank."""
 
+    def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
+        """The gradients this rank holds (all of them, or its shard)."""
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    def grads_are_sharded(self) -> bool:
+        """True when ranks hold disjoint pieces of the gradient (norms must be summed)."""
+        return False
+
     def close(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Release threads or groups the strategy created."""
+
+
+class WrappedModel(nn.Module):
+    """A strategy's model: forwards to `module`; its state dict has the unwrapped keys."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -29,7 +29,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm.algorithms import AllReduceName, make_all_reduce
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import Strategy, WrappedModel
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
 from shardwise.sync_batchnorm import convert_sync_batchnorm
 
@@ -138,28 +138,14 @@ class GradientReducer:
         self.all_reduce.close()
 
 
-class DataParallelModel(nn.Module):
-    """The wrapped model: forwards to `module`; its state dict has the unwrapped keys."""
-
+class DataParallelModel(WrappedModel):
     def __init__(self, module: nn.Module, reducer: GradientReducer) -> None:
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.reducer = reducer
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""
         return self.reducer.no_sync()
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(
-        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
-    ):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 @dataclass

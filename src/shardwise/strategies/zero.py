@@ -1,0 +1,339 @@
+"""ZeRO: data parallel without the redundancy (Rajbhandari et al., SC 2020).
+
+Plain data parallel keeps 16 bytes per parameter on every rank with fp32 Adam: parameters (4),
+gradients (4) and optimizer state (8). ZeRO shards them over the N ranks, stage by stage:
+
+- Stage 1 shards the optimizer state: each rank's optimizer sees only its 1/N slice of the
+  flattened parameters. Gradients are reduce-scattered (each rank receives the averaged slice it
+  owns), the rank steps its slice, and the updated slices are all-gathered. 4P + 4P + 8P/N.
+- Stage 2 also shards gradients: a bucket's full gradients exist only until its reduce-scatter
+  has run, during backward. 4P + (4P + 8P)/N.
+- Stage 3 also shards the parameters: each unit (a block of the model) is all-gathered just
+  before its forward and again before its backward, and freed right after each; the next unit
+  is prefetched. 16P/N.
+
+Communication: reduce-scatter + all-gather is the volume of one all-reduce, so stages 1 and 2
+send what DDP sends; stage 3 gathers twice, 1.5x.
+
+Parameters are flattened into "units" (padded so N divides them); rank r owns slice r of every
+unit. Stages 1/2 make units by size (`bucket_mb`, reverse registration order, like DDP buckets);
+stage 3 makes one unit per module of the model (each element of an `nn.ModuleList` /
+`nn.Sequential` and each other child with parameters), so gathering follows the forward pass.
+Any element-wise `torch.optim` optimizer (SGD, Adam, AdamW, ...) works unchanged on the slices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.runtime import Runtime
+from shardwise.strategies.base import Strategy, WrappedModel
+from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
+
+
+class FlatUnit:
+    """Some parameters flattened into one padded buffer; this rank owns one equal slice of it."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int) -> None:
+        assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
+        self.params, self.rank = params, rank
+        self.numels = [p.numel() for p in params]
+        offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.offset_of = dict(zip(params, offsets, strict=True))  # parameters hash by identity
+        total = sum(self.numels)
+        self.shard_numel = -(-total // world_size)  # ceil: pad so that N divides the buffer
+        padded = self.shard_numel * world_size
+        self.full = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        with torch.no_grad():
+            for p, n in zip(params, self.numels, strict=True):
+                self.full[offset : offset + n].copy_(p.reshape(-1))
+                offset += n
+        self.bind_views()
+        self.grad_full: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None
+        self.handle: comm.Handle | None = None
+        self.gather_handle: comm.Handle | None = None
+
+    def bind_views(self) -> None:
+        """Make every parameter a view into `full` (so gathering `full` updates the model)."""
+        offset = 0
+        for p, n in zip(self.params, self.numels, strict=True):
+            p.data = self.full[offset : offset + n].view_as(p)
+            offset += n
+
+    def slot(self, buffer: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s place in a unit-sized buffer."""
+        offset = self.offset_of[p]
+        return buffer[offset : offset + p.numel()].view_as(p)
+
+    def own(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a unit-sized buffer."""
+        return buffer[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    # Stage 3: the full buffer exists only while the unit runs forward or backward.
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def start_gather(self, shard: torch.Tensor) -> None:
+        if self.is_gathered() or self.gather_handle is not None:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.gather_handle = comm.all_gather_into_tensor(self.full, shard.detach(), async_op=True)
+
+    def wait_gather(self) -> None:
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+
+
+def stage3_units(model: nn.Module) -> list[nn.Module]:
+    """Modules that become stage-3 units, in registration (≈ forward) order."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                visit(child)
+            elif any(p.requires_grad for p in child.parameters()):
+                units.append(child)
+
+    visit(model)
+    return units
+
+
+class ZeroEngine:
+    """Owns the units, the optimizer's shards and the hooks that move gradients and weights."""
+
+    def __init__(self, model: nn.Module, stage: int, bucket_bytes: int, rt: Runtime) -> None:
+        self.stage, self.world_size = stage, rt.world_size
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if stage == 3:
+            modules = stage3_units(model)
+            covered = {p for m in modules for p in m.parameters()}
+            groups = [[p for p in m.parameters() if p.requires_grad] for m in modules]
+            rest = [p for _, p in named if p not in covered]
+            groups = [rest, *groups] if rest else groups
+            groups = [g for g in groups if g]
+        else:
+            groups = assign_buckets([p for _, p in named], bucket_bytes)
+        self.units = [FlatUnit(g, rt.rank, rt.world_size) for g in groups]
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        self.shards = [self._make_shard(u) for u in self.units]
+        # Gradients become ready roughly in reverse forward order: reduce units in that order.
+        order = list(reversed(range(len(self.units))))
+        self.backward = BucketedBackward(
+            [self.units[i].params for i in order],
+            {p: n for n, p in named},
+            BucketCallbacks(
+                self._on_grad, lambda k: self._launch(order[k]), self._zero, self._finish
+            ),
+            find_unused_parameters=False,
+        )
+        if stage == 1:
+            for u in self.units:
+                u.grad_full = torch.zeros_like(u.full)
+        if stage == 3:
+            self._install_stage3_hooks(model, modules, rest)
+            for u in self.units:
+                u.free()
+
+    def _make_shard(self, unit: FlatUnit) -> nn.Parameter:
+        # Stages 1/2: the shard is a view of the full buffer, so stepping it updates the model.
+        # Stage 3: the full buffer is transient; the shard is the only persistent copy.
+        own = unit.own(unit.full)
+        return nn.Parameter(own if self.stage < 3 else own.clone())
+
+    # ---- gradients: fill the unit's full gradient buffer, reduce-scatter it, keep our slice
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit = self.unit_of[p]
+        if unit.grad_full is None:
+            unit.grad_full = torch.zeros_like(unit.full, memory_format=torch.contiguous_format)
+        slot = unit.slot(unit.grad_full, p)
+        if self.stage == 1:  # gradients stay views into the persistent buffer (as in DDP)
+            if p.grad.data_ptr() != slot.data_ptr():
+                slot.copy_(p.grad)
+                p.grad = slot
+        else:  # stage 2/3: the parameter's gradient is not kept beyond this hook
+            slot.copy_(p.grad)
+            p.grad = None
+
+    def _zero(self, p: nn.Parameter) -> None:
+        unit = self.unit_of[p]
+        if unit.grad_full is None:
+            unit.grad_full = torch.zeros_like(unit.full)
+        unit.slot(unit.grad_full, p).zero_()
+
+    def _launch(self, index: int) -> None:
+        unit = self.units[index]
+        unit.grad_full.div_(self.world_size)  # average, before summing (fp16-safe)
+        unit.reduced = torch.empty_like(self.shards[index])
+        unit.handle = comm.reduce_scatter_tensor(unit.reduced, unit.grad_full, async_op=True)
+        if self.stage == 3:
+            unit.free()  # its backward is done: the gathered weights can go
+
+    def _finish(self) -> None:
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            unit.handle.wait()
+            unit.handle = None
+            if self.stage == 1:
+                if shard.grad is not None:
+                    raise RuntimeError(
+                        "ZeRO stage 1 accumulates gradients only inside no_sync(): call "
+                        "optimizer.zero_grad() after each step"
+                    )
+                own = unit.own(unit.grad_full)
+                own.copy_(unit.reduced)
+                shard.grad = own
+            else:
+                shard.grad = unit.reduced if shard.grad is None else shard.grad.add_(unit.reduced)
+                unit.grad_full = None  # full gradients are transient from stage 2 on
+            unit.reduced = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            shard.grad = None
+            if self.stage == 1:
+                if not set_to_none:
+                    unit.grad_full.zero_()
+                for p in unit.params:
+                    p.grad = None if set_to_none else unit.slot(unit.grad_full, p)
+
+    # ---- parameters: after the step, stages 1/2 all-gather the updated slices
+    @torch.no_grad()
+    def after_step(self) -> None:
+        if self.stage == 3:
+            return
+        handles = [
+            comm.all_gather_into_tensor(u.full, s.detach().clone(), async_op=True)
+            for u, s in zip(self.units, self.shards, strict=True)
+        ]
+        for h in handles:
+            h.wait()
+
+    # ---- stage 3: gather before forward and backward, free after, prefetch the next unit
+    def _install_stage3_hooks(self, model, modules, rest) -> None:
+        offset = 1 if rest else 0
+        unit_index = {m: i + offset for i, m in enumerate(modules)}
+        if rest:  # parameters outside every unit: gathered for the whole forward/backward
+            model.register_forward_pre_hook(lambda *_: self._gather(0, prefetch=False))
+        for module, i in unit_index.items():
+            module.register_forward_pre_hook(lambda _m, _a, i=i: self._gather(i, prefetch=True))
+            module.register_forward_hook(lambda _m, _a, out, i=i: self._after_forward(i, out))
+
+    def _gather(self, i: int, prefetch: bool, direction: int = 1) -> None:
+        unit = self.units[i]
+        unit.start_gather(self.shards[i])
+        nxt = i + direction
+        if prefetch and 0 <= nxt < len(self.units):
+            self.units[nxt].start_gather(self.shards[nxt])
+        unit.wait_gather()
+
+    def _after_forward(self, i: int, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            tensors = output if isinstance(output, (tuple, list)) else (output,)
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, i=i: self._gather(i, prefetch=True, direction=-1))
+        self.units[i].free()
+        return output
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """All parameters materialised (stage 3), e.g. to read the full state dict."""
+        if self.stage < 3:
+            yield
+            return
+        for i, unit in enumerate(self.units):
+            unit.start_gather(self.shards[i])
+            unit.wait_gather()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.free()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        if self.stage != 1:
+            raise RuntimeError(
+                f"ZeRO stage {self.stage} reduces every backward pass; to accumulate, call "
+                "backward k times (loss / k) before the step: the gradient shards add up"
+            )
+
+        @contextlib.contextmanager
+        def disabled() -> Iterator[None]:
+            previous, self.backward.enabled = self.backward.enabled, False
+            try:
+                yield
+            finally:
+                self.backward.enabled = previous
+
+        return disabled()
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.shards if s.grad is not None]
+
+
+class ZeroModel(WrappedModel):
+    def __init__(self, module: nn.Module, engine: ZeroEngine) -> None:
+        super().__init__(module)
+        self.engine = engine
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.engine.no_sync()
+
+
+@dataclass
+class ZeRO(Strategy):
+    """Options for ZeRO.
+
+    stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) sharded over the ranks.
+    bucket_mb: stages 1/2: size of the flat units gradients are reduce-scattered in.
+    """
+
+    stage: int = 1
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+    def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroModel:
+        broadcast_module_state(model)
+        engine = ZeroEngine(model, self.stage, int(self.bucket_mb * 2**20), runtime)
+        return ZeroModel(model, engine)
+
+    def make_optimizer(
+        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        engine = model.engine
+        optimizer = optimizer_cls(engine.shards, **kwargs)
+        optimizer.zero_grad = engine.zero_grad
+        optimizer.register_step_post_hook(lambda *_: engine.after_step())
+        return optimizer
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        with model.engine.gathered():
+            return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+    def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
+        return model.engine.grad_shards()
+
+    def grads_are_sharded(self) -> bool:
+        return True
+
+    def close(self, model: nn.Module) -> None:
+        model.engine.backward.remove()
