@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -41,7 +42,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     torch.set_num_threads(1)
     try:
         sw.init(backend="gloo", timeout_s=60)
-        result = fn(*args)
+        # Plain pickle copies tensors by value; the queue's own pickler would share them through
+        # file descriptors that die with this process.
+        result = pickle.dumps(fn(*args))
         queue.put((rank, "ok", result))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -65,7 +68,7 @@ def run(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> li
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the others will now block in a collective; stop them below

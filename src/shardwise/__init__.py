@@ -8,6 +8,8 @@ loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
 
 from shardwise import comm, data
 from shardwise.api import clip_grad_norm_, full_state_dict, prepare
+from shardwise.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
+from shardwise.memory import memory_report
 from shardwise.runtime import Runtime, init, shutdown
 from shardwise.strategies import DDP, Strategy, ZeRO
 from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -24,8 +26,12 @@ __all__ = [
     "comm",
     "convert_sync_batchnorm",
     "data",
+    "export_checkpoint",
     "full_state_dict",
     "init",
+    "load_checkpoint",
+    "memory_report",
     "prepare",
+    "save_checkpoint",
     "shutdown",
 ]

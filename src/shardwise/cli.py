@@ -5,6 +5,7 @@
         -m shardwise train CONFIG                                 # same job on several machines
     shardwise run --nproc 2 my_script.py [ARGS]                   # your own script
     shardwise bench ddp --world-size 2                            # ours vs torch DDP
+    shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
 
 Inside a worker process (torchrun's environment is set), `train` runs the job in-process;
@@ -76,6 +77,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_benchmark(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"shardwise: wrote full fp32 weights to {out}")
+    return 0
+
+
 def cmd_configs(_: argparse.Namespace) -> int:
     for path in sorted(BUILTIN_CONFIGS.glob("*.yaml")):
         first = path.read_text().splitlines()[0].lstrip("# ")
@@ -109,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="a Python file that calls shardwise.init()")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(func=cmd_run)
+
+    export = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file")
+    export.add_argument("checkpoint", help="a checkpoint directory (sharded or final)")
+    export.add_argument("out", help="output .safetensors path")
+    export.set_defaults(func=cmd_export)
 
     configs = sub.add_parser("configs", help="list the built-in configs")
     configs.set_defaults(func=cmd_configs)

@@ -7,7 +7,7 @@ invalid file fails with one line naming the field path, the bad value and what i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -91,6 +91,17 @@ class DDPConfig(_Section):
     sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
 
 
+class ZeROConfig(_Section):
+    name: Literal["zero"] = Field("zero", description="the parallelism strategy")
+    stage: Literal[1, 2, 3] = Field(
+        1, description="1: optimizer state, 2: + gradients, 3: + parameters sharded"
+    )
+    bucket_mb: float = Field(25.0, gt=0, description="stages 1/2: flat unit size in MiB")
+
+
+StrategyConfig = Annotated[DDPConfig | ZeROConfig, Field(discriminator="name")]
+
+
 class OptimConfig(_Section):
     name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="torch.optim optimizer")
     lr: float = Field(1e-3, gt=0, description="learning rate")
@@ -107,6 +118,9 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="seed for model initialisation and data order")
     log_every: int = Field(10, ge=1, description="steps between logged (globally averaged) losses")
     eval_batch_size: int = Field(256, ge=1, description="per-rank batch size for evaluation")
+    clip_grad_norm: float | None = Field(
+        None, gt=0, description="clip gradients to this global L2 norm (any strategy)"
+    )
 
 
 class LaunchConfig(_Section):
@@ -127,7 +141,7 @@ class Config(_Section):
     name: str = Field("job", description="run name; the run directory starts with it")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    strategy: DDPConfig = Field(default_factory=DDPConfig)
+    strategy: StrategyConfig = Field(default_factory=DDPConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
@@ -196,7 +210,10 @@ def validate(raw: dict[str, Any]) -> Config:
         return Config.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        loc = [str(p) for p in err["loc"]]
+        if loc[:1] == ["strategy"] and len(loc) > 2:  # drop pydantic's union tag (strategy.zero.x)
+            loc.pop(1)
+        where = ".".join(loc) or "config"
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] in ("value_error", "assertion_error") or "input" not in err:
             raise ConfigError(f"config error: {where}: {message}") from None

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import datasets
-from shardwise.config import Config, DDPConfig, OptimConfig, resolve_data_path
+from shardwise.config import Config, DDPConfig, OptimConfig, ZeROConfig, resolve_data_path
 from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
-from shardwise.strategies import DDP, Strategy
+from shardwise.strategies import DDP, Strategy, ZeRO
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -52,7 +52,9 @@ def build_job(cfg: Config) -> Job:
     return Job(model, splits, F.cross_entropy)
 
 
-def build_strategy(cfg: DDPConfig) -> Strategy:
+def build_strategy(cfg: DDPConfig | ZeROConfig) -> Strategy:
+    if isinstance(cfg, ZeROConfig):
+        return ZeRO(stage=cfg.stage, bucket_mb=cfg.bucket_mb)
     return DDP(
         bucket_mb=cfg.bucket_mb,
         algorithm=cfg.algorithm,

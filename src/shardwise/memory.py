@@ -46,3 +46,22 @@ def model_state_bytes(
         report[name] = sum(storages.values())
     report["total"] = sum(report.values())
     return report
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocated on the GPU, or resident (RSS) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Per-rank bytes in parameters, gradients and optimizer state (master weights included
+    where a strategy keeps them), and the process's peak. Call it after backward, before the
+    step, to see the model state at its fullest."""
+    report = model_state_bytes(model, optimizer)
+    device = next(model.parameters()).device
+    report["peak"] = peak_bytes(device)
+    return report

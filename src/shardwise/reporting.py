@@ -68,6 +68,11 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _memory_cell(memory: dict[str, int]) -> str:
+    parts = (human_bytes(memory[k]) for k in ("params", "grads", "optimizer"))
+    return " / ".join(parts)
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=f"shardwise run: {summary['name']}", show_header=False)
     table.add_column("metric", style="bold")
@@ -83,6 +88,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("comm sent / rank / step", human_bytes(summary["comm_bytes_per_step"])),
         ("comm sent / rank (total)", human_bytes(summary["comm_bytes_total"])),
         ("comm wait (rank 0)", f"{summary['comm_wait_s']:.3f} s"),
+        ("params / grads / optim (rank 0)", _memory_cell(summary["memory"])),
+        ("peak memory (rank 0)", human_bytes(summary["memory"]["peak"])),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("run directory", summary["run_dir"]),
     ]

@@ -99,6 +99,10 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         local_loss = job.loss_fn(model(x), y)
         local_loss.backward()
+        if step == cfg.train.steps:  # gradients present: the model state at its fullest
+            memory = sw.memory_report(model, opt)
+        if cfg.train.clip_grad_norm:
+            sw.clip_grad_norm_(model, cfg.train.clip_grad_norm)
         opt.step()
         opt.zero_grad()
         lr = scheduler.get_last_lr()[0]
@@ -129,7 +133,7 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
     timed = step_times[WARMUP_STEPS_EXCLUDED:] or step_times
     summary = {
         "name": cfg.name,
-        "strategy": cfg.strategy.name,
+        "strategy": _describe(cfg),
         "world_size": rt.world_size,
         "steps": cfg.train.steps,
         "final_train_loss": loss,
@@ -139,6 +143,7 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
         "comm_bytes_per_step": train_comm.bytes / cfg.train.steps,
         "comm_bytes_total": train_comm.bytes,
         "comm_wait_s": train_comm.wait_s,
+        "memory": memory,
         "run_dir": str(out),
     }
     if rt.is_main:
@@ -153,3 +158,9 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
     # Nobody leaves while rank 0 still writes: an early exit would look like a crash to it.
     comm.barrier()
     return summary
+
+
+def _describe(cfg: Config) -> str:
+    if cfg.strategy.name == "zero":
+        return f"zero-{cfg.strategy.stage}"
+    return f"ddp ({cfg.strategy.algorithm} all-reduce)"

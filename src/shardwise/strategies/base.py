@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import runtime
 from shardwise.runtime import Runtime
 
 
@@ -42,8 +43,60 @@ class Strategy(ABC):
         """True when ranks hold disjoint pieces of the gradient (norms must be summed)."""
         return False
 
+    def checkpoint_shard(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+        """Layout and this rank's tensors for a sharded checkpoint (see `checkpoint.py`).
+
+        This default is for replicated state: one unit per parameter, written by rank 0 alone.
+        """
+        named = list(model.module.named_parameters())
+        layout = {
+            "num_shards": 1,
+            "strategy": type(self).__name__.lower(),
+            "units": [{"params": [[n, list(p.shape)]]} for n, p in named],
+        }
+        if runtime.current().rank != 0:
+            return layout, None
+        tensors = buffer_tensors(model)
+        for i, (_, p) in enumerate(named):
+            tensors[f"unit{i}/param"] = p.detach().reshape(-1)
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    tensors[f"unit{i}/{key}"] = value.reshape(-1) if value.dim() else value
+        return layout, tensors
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        params: dict[str, torch.Tensor],
+        states: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        """Take this strategy's part of full per-parameter tensors (any saved world size)."""
+        load_buffers(model, params)
+        with torch.no_grad():
+            for name, p in model.module.named_parameters():
+                p.copy_(params[name])
+                optimizer.state[p] = {
+                    k: (v.view_as(p) if v.dim() else v).clone().to(p.device)
+                    for k, v in states.get(name, {}).items()
+                }
+
     def close(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Release threads or groups the strategy created."""
+
+
+def buffer_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Module buffers (replicated on every rank) for rank 0's checkpoint file."""
+    return {f"buffer/{n}": b.detach() for n, b in model.module.named_buffers()}
+
+
+@torch.no_grad()
+def load_buffers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, b in model.module.named_buffers():
+        if name in tensors:
+            b.copy_(tensors[name])
 
 
 class WrappedModel(nn.Module):

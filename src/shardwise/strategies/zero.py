@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import comm
+from shardwise import comm, runtime
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy, WrappedModel
+from shardwise.strategies.base import Strategy, WrappedModel, buffer_tensors, load_buffers
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
 
@@ -74,6 +74,13 @@ class FlatUnit:
         """`p`'s place in a unit-sized buffer."""
         offset = self.offset_of[p]
         return buffer[offset : offset + p.numel()].view_as(p)
+
+    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One tensor per parameter (any device/dtype) -> a padded unit-sized flat buffer."""
+        out = torch.zeros(self.full.numel(), dtype=self.full.dtype, device=self.full.device)
+        flat = torch.cat([t.reshape(-1).to(out.device, out.dtype) for t in tensors])
+        out[: flat.numel()] = flat
+        return out
 
     def own(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a unit-sized buffer."""
@@ -119,6 +126,7 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, stage: int, bucket_bytes: int, rt: Runtime) -> None:
         self.stage, self.world_size = stage, rt.world_size
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = {p: n for n, p in named}
         if stage == 3:
             modules = stage3_units(model)
             covered = {p for m in modules for p in m.parameters()}
@@ -334,6 +342,44 @@ class ZeRO(Strategy):
 
     def grads_are_sharded(self) -> bool:
         return True
+
+    def checkpoint_shard(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        engine = model.engine
+        layout = {
+            "num_shards": engine.world_size,
+            "strategy": f"zero-{self.stage}",
+            "units": [
+                {"params": [[engine.names[p], list(p.shape)] for p in u.params]}
+                for u in engine.units
+            ],
+        }
+        tensors = buffer_tensors(model) if runtime.current().rank == 0 else {}
+        for i, shard in enumerate(engine.shards):
+            tensors[f"unit{i}/param"] = shard.detach()
+            for key, value in optimizer.state.get(shard, {}).items():
+                if torch.is_tensor(value):
+                    tensors[f"unit{i}/{key}"] = value
+        return layout, tensors
+
+    @torch.no_grad()
+    def load_full_state(self, model, optimizer, params, states) -> None:
+        engine = model.engine
+        load_buffers(model, params)
+        for unit, shard in zip(engine.units, engine.shards, strict=True):
+            names = [engine.names[p] for p in unit.params]
+
+            full = unit.flatten([params[n] for n in names])
+            shard.copy_(unit.own(full))
+            if self.stage < 3:
+                unit.full.copy_(full)  # the model's parameters are views of it
+            optimizer.state[shard] = {
+                key: value.clone().to(shard.device)
+                if value.dim() == 0
+                else unit.own(unit.flatten([states[n][key] for n in names])).clone()
+                for key, value in states.get(names[0], {}).items()
+            }
 
     def close(self, model: nn.Module) -> None:
         model.engine.backward.remove()
