@@ -63,7 +63,7 @@ def _assert_same_training_state(a, b):
             torch.testing.assert_close(states_a[k][key], states_b[k][key], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])  # zero2: in the chain below
 def test_reshard_4_to_2_equals_uninterrupted_training(tmp_path, strategy):
     run(train_segment, 4, strategy, 0, 20, None, str(tmp_path / "straight"))
     run(train_segment, 4, strategy, 0, 10, None, str(tmp_path / "half"))

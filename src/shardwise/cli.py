@@ -5,6 +5,7 @@
         -m shardwise train CONFIG                                 # same job on several machines
     shardwise run --nproc 2 my_script.py [ARGS]                   # your own script
     shardwise bench ddp --world-size 2                            # ours vs torch DDP
+    shardwise bench zero --world-size 2                           # DDP, ZeRO-1/2/3 vs FSDP2
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
-    bench.add_argument("suite", choices=["ddp"], help="what to benchmark")
+    bench.add_argument("suite", choices=["ddp", "zero"], help="what to benchmark")
     bench.add_argument("--world-size", type=int, default=2, help="ranks")
     bench.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per repetition")

@@ -15,6 +15,7 @@ from torch import nn
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     out: dict[int, int] = {}
     for t in tensors:
+        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2) holds its shard locally
         if isinstance(t, torch.Tensor) and t.numel():
             storage = t.untyped_storage()
             out[storage.data_ptr()] = storage.nbytes()

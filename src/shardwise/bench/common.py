@@ -1,0 +1,73 @@
+"""What every benchmark shares: the workloads, interleaved timing and state accounting."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardwise.memory import model_state_bytes
+from shardwise.models import MLP, TinyGPT, lm_loss
+
+WARMUP_STEPS = 3
+VERBOSE = bool(int(os.environ.get("SHARDWISE_BENCH_VERBOSE", "0")))
+GPT_VOCAB = 65  # tiny-shakespeare-sized vocabulary: ~3.3M parameters
+
+
+def make_workload(name: str, rank: int):
+    """Model factory, one batch for this rank, and the loss (the issue's benchmark jobs)."""
+    g = torch.Generator().manual_seed(1234 + rank)
+    if name == "mlp":  # 784-2048-2048-10, 5.8M parameters, batch 64 per rank
+        x, y = torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g)
+        return (lambda: MLP([784, 2048, 2048, 10])), (x, y), F.cross_entropy
+    if name == "gpt":  # 4 layers, d_model 256, seq 128, batch 8 per rank
+        tokens = torch.randint(0, GPT_VOCAB, (8, 129), generator=g)
+        model = lambda: TinyGPT(GPT_VOCAB, seq_len=128, d_model=256, n_layer=4, n_head=4)  # noqa: E731
+        return model, (tokens[:, :-1], tokens[:, 1:]), lm_loss
+    raise ValueError(f"unknown benchmark model {name!r}; choose mlp or gpt")
+
+
+def timed_steps(model, opt, batch, loss_fn, steps: int) -> float:
+    """Seconds per step on the slowest rank."""
+    x, y = batch
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    elapsed = torch.tensor([(time.perf_counter() - t0) / steps])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def median_step_times(
+    variants: dict[str, tuple], batch, loss_fn: Callable, steps: int, reps: int
+) -> dict[str, float]:
+    """Warm every variant up, then time them in rotating order, `reps` rounds; medians."""
+    for model, opt in variants.values():
+        timed_steps(model, opt, batch, loss_fn, WARMUP_STEPS)
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for rep in range(reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for key in order:
+            times[key].append(timed_steps(*variants[key], batch, loss_fn, steps))
+    if dist.get_rank() == 0 and VERBOSE:
+        print({k: [round(1000 * t, 1) for t in v] for k, v in times.items()}, flush=True)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def state_bytes_after_backward(model, opt, batch, loss_fn) -> dict[str, int]:
+    """Model state at its fullest: gradients exist (after backward, before the step)."""
+    x, y = batch
+    loss_fn(model(x), y).backward()
+    report = model_state_bytes(model, opt)
+    opt.step()
+    opt.zero_grad()
+    return report
