@@ -97,6 +97,9 @@ class ZeROConfig(_Section):
         1, description="1: optimizer state, 2: + gradients, 3: + parameters sharded"
     )
     bucket_mb: float = Field(25.0, gt=0, description="stages 1/2: flat unit size in MiB")
+    mixed_precision: Literal["bf16", "fp16"] | None = Field(
+        None, description="compute dtype over fp32 master weights; fp16 adds loss scaling"
+    )
 
 
 StrategyConfig = Annotated[DDPConfig | ZeROConfig, Field(discriminator="name")]

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from shardwise import comm, runtime
+from shardwise.mixed_precision import LossScaler, compute_dtype, install_casts
 from shardwise.runtime import Runtime
 from shardwise.strategies.base import Strategy, WrappedModel, buffer_tensors, load_buffers
 from shardwise.strategies.ddp import broadcast_module_state
@@ -42,21 +43,24 @@ from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward,
 class FlatUnit:
     """Some parameters flattened into one padded buffer; this rank owns one equal slice of it."""
 
-    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], rank: int, world_size: int, dtype: torch.dtype
+    ) -> None:
         assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
         self.params, self.rank = params, rank
+        self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
         self.numels = [p.numel() for p in params]
         offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.offset_of = dict(zip(params, offsets, strict=True))  # parameters hash by identity
-        total = sum(self.numels)
-        self.shard_numel = -(-total // world_size)  # ceil: pad so that N divides the buffer
-        padded = self.shard_numel * world_size
-        self.full = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        padded = self.shard_numel * world_size  # shard_numel is rounded up: N divides this
+        exact = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
         offset = 0
         with torch.no_grad():
             for p, n in zip(params, self.numels, strict=True):
-                self.full[offset : offset + n].copy_(p.reshape(-1))
+                exact[offset : offset + n].copy_(p.reshape(-1))
                 offset += n
+        self.master_init = self.own(exact).clone() if dtype != exact.dtype else None
+        self.full = exact.to(dtype)  # the compute copy (the same tensor without mixed precision)
         self.bind_views()
         self.grad_full: torch.Tensor | None = None
         self.reduced: torch.Tensor | None = None
@@ -75,9 +79,9 @@ class FlatUnit:
         offset = self.offset_of[p]
         return buffer[offset : offset + p.numel()].view_as(p)
 
-    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """One tensor per parameter (any device/dtype) -> a padded unit-sized flat buffer."""
-        out = torch.zeros(self.full.numel(), dtype=self.full.dtype, device=self.full.device)
+        out = torch.zeros(self.full.numel(), dtype=dtype, device=self.full.device)
         flat = torch.cat([t.reshape(-1).to(out.device, out.dtype) for t in tensors])
         out[: flat.numel()] = flat
         return out
@@ -123,8 +127,18 @@ def stage3_units(model: nn.Module) -> list[nn.Module]:
 class ZeroEngine:
     """Owns the units, the optimizer's shards and the hooks that move gradients and weights."""
 
-    def __init__(self, model: nn.Module, stage: int, bucket_bytes: int, rt: Runtime) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: int,
+        bucket_bytes: int,
+        rt: Runtime,
+        mixed_precision: str | None = None,
+    ) -> None:
         self.stage, self.world_size = stage, rt.world_size
+        self.compute_dtype = compute_dtype(mixed_precision)
+        self.mixed = mixed_precision is not None
+        self.scaler = LossScaler() if mixed_precision == "fp16" else None
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         if stage == 3:
@@ -136,7 +150,7 @@ class ZeroEngine:
             groups = [g for g in groups if g]
         else:
             groups = assign_buckets([p for _, p in named], bucket_bytes)
-        self.units = [FlatUnit(g, rt.rank, rt.world_size) for g in groups]
+        self.units = [FlatUnit(g, rt.rank, rt.world_size, self.compute_dtype) for g in groups]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.shards = [self._make_shard(u) for u in self.units]
         # Gradients become ready roughly in reverse forward order: reduce units in that order.
@@ -156,12 +170,21 @@ class ZeroEngine:
             self._install_stage3_hooks(model, modules, rest)
             for u in self.units:
                 u.free()
+        if self.mixed:
+            install_casts(model, self.compute_dtype, self.scaler)
 
     def _make_shard(self, unit: FlatUnit) -> nn.Parameter:
         # Stages 1/2: the shard is a view of the full buffer, so stepping it updates the model.
         # Stage 3: the full buffer is transient; the shard is the only persistent copy.
+        # Mixed precision: the shard is the fp32 master, separate from the compute copy.
+        if self.mixed:
+            return nn.Parameter(unit.master_init)
         own = unit.own(unit.full)
         return nn.Parameter(own if self.stage < 3 else own.clone())
+
+    def _compute_copy(self, shard: torch.Tensor) -> torch.Tensor:
+        """What the ranks all-gather: the master slice in the compute dtype."""
+        return shard.detach().to(self.compute_dtype) if self.mixed else shard.detach().clone()
 
     # ---- gradients: fill the unit's full gradient buffer, reduce-scatter it, keep our slice
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -186,7 +209,7 @@ class ZeroEngine:
     def _launch(self, index: int) -> None:
         unit = self.units[index]
         unit.grad_full.div_(self.world_size)  # average, before summing (fp16-safe)
-        unit.reduced = torch.empty_like(self.shards[index])
+        unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
         unit.handle = comm.reduce_scatter_tensor(unit.reduced, unit.grad_full, async_op=True)
         if self.stage == 3:
             unit.free()  # its backward is done: the gathered weights can go
@@ -195,7 +218,14 @@ class ZeroEngine:
         for unit, shard in zip(self.units, self.shards, strict=True):
             unit.handle.wait()
             unit.handle = None
-            if self.stage == 1:
+            if self.mixed or self.scaler:
+                reduced = unit.reduced.float()
+                if self.scaler is not None:
+                    reduced.div_(self.scaler.scale)
+                shard.grad = reduced if shard.grad is None else shard.grad.add_(reduced)
+                if self.stage > 1:
+                    unit.grad_full = None
+            elif self.stage == 1:
                 if shard.grad is not None:
                     raise RuntimeError(
                         "ZeRO stage 1 accumulates gradients only inside no_sync(): call "
@@ -224,7 +254,7 @@ class ZeroEngine:
         if self.stage == 3:
             return
         handles = [
-            comm.all_gather_into_tensor(u.full, s.detach().clone(), async_op=True)
+            comm.all_gather_into_tensor(u.full, self._compute_copy(s), async_op=True)
             for u, s in zip(self.units, self.shards, strict=True)
         ]
         for h in handles:
@@ -242,10 +272,10 @@ class ZeroEngine:
 
     def _gather(self, i: int, prefetch: bool, direction: int = 1) -> None:
         unit = self.units[i]
-        unit.start_gather(self.shards[i])
+        unit.start_gather(self._compute_copy(self.shards[i]))
         nxt = i + direction
         if prefetch and 0 <= nxt < len(self.units):
-            self.units[nxt].start_gather(self.shards[nxt])
+            self.units[nxt].start_gather(self._compute_copy(self.shards[nxt]))
         unit.wait_gather()
 
     def _after_forward(self, i: int, output: Any) -> Any:
@@ -256,21 +286,6 @@ class ZeroEngine:
                     t.register_hook(lambda grad, i=i: self._gather(i, prefetch=True, direction=-1))
         self.units[i].free()
         return output
-
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """All parameters materialised (stage 3), e.g. to read the full state dict."""
-        if self.stage < 3:
-            yield
-            return
-        for i, unit in enumerate(self.units):
-            unit.start_gather(self.shards[i])
-            unit.wait_gather()
-        try:
-            yield
-        finally:
-            for unit in self.units:
-                unit.free()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         if self.stage != 1:
@@ -302,18 +317,33 @@ class ZeroModel(WrappedModel):
         return self.engine.no_sync()
 
 
+def _skip_on_overflow(step, engine: ZeroEngine):
+    """fp16: run the optimizer step only if no rank saw an inf/NaN gradient."""
+
+    def guarded_step(closure=None):
+        overflow = engine.scaler.found_overflow(engine.grad_shards())
+        engine.scaler.after_step(overflow)
+        return None if overflow else step(closure)
+
+    return guarded_step
+
+
 @dataclass
 class ZeRO(Strategy):
     """Options for ZeRO.
 
     stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) sharded over the ranks.
     bucket_mb: stages 1/2: size of the flat units gradients are reduce-scattered in.
+    mixed_precision: None (fp32), 'bf16' or 'fp16' compute and communication, with fp32 master
+        weights in the sharded optimizer; 'fp16' adds dynamic loss scaling.
     """
 
     stage: int = 1
     bucket_mb: float = 25.0
+    mixed_precision: str | None = None
 
     def __post_init__(self) -> None:
+        compute_dtype(self.mixed_precision)  # validates the name
         if self.stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
         if self.bucket_mb <= 0:
@@ -321,7 +351,9 @@ class ZeRO(Strategy):
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroModel:
         broadcast_module_state(model)
-        engine = ZeroEngine(model, self.stage, int(self.bucket_mb * 2**20), runtime)
+        engine = ZeroEngine(
+            model, self.stage, int(self.bucket_mb * 2**20), runtime, self.mixed_precision
+        )
         return ZeroModel(model, engine)
 
     def make_optimizer(
@@ -331,11 +363,22 @@ class ZeRO(Strategy):
         optimizer = optimizer_cls(engine.shards, **kwargs)
         optimizer.zero_grad = engine.zero_grad
         optimizer.register_step_post_hook(lambda *_: engine.after_step())
+        if engine.scaler is not None:
+            optimizer.step = _skip_on_overflow(optimizer.step, engine)
         return optimizer
 
+    @torch.no_grad()
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        with model.engine.gathered():
-            return {k: v.clone() for k, v in model.module.state_dict().items()}
+        """Parameters all-gathered from the shards the optimizer steps (fp32 masters under
+        mixed precision), buffers as the module holds them."""
+        engine, full = model.engine, {}
+        for unit, shard in zip(engine.units, engine.shards, strict=True):
+            flat = torch.empty(unit.full.numel(), dtype=shard.dtype, device=shard.device)
+            comm.all_gather_into_tensor(flat, shard.detach().contiguous())
+            for p in unit.params:
+                full[engine.names[p]] = unit.slot(flat, p).clone()
+        state = model.module.state_dict(keep_vars=True)
+        return {k: full[k] if k in full else v.detach().clone() for k, v in state.items()}
 
     def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
         return model.engine.grad_shards()
@@ -370,14 +413,14 @@ class ZeRO(Strategy):
         for unit, shard in zip(engine.units, engine.shards, strict=True):
             names = [engine.names[p] for p in unit.params]
 
-            full = unit.flatten([params[n] for n in names])
+            full = unit.flatten([params[n] for n in names], shard.dtype)
             shard.copy_(unit.own(full))
             if self.stage < 3:
                 unit.full.copy_(full)  # the model's parameters are views of it
             optimizer.state[shard] = {
                 key: value.clone().to(shard.device)
                 if value.dim() == 0
-                else unit.own(unit.flatten([states[n][key] for n in names])).clone()
+                else unit.own(unit.flatten([states[n][key] for n in names], shard.dtype)).clone()
                 for key, value in states.get(names[0], {}).items()
             }
 

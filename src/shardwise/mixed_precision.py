@@ -1,0 +1,83 @@
+"""Mixed precision: low-precision compute over fp32 master weights, and dynamic loss scaling.
+
+Compute (forward, backward, gradient communication) runs in bf16 or fp16; the optimizer keeps
+fp32 master weights and steps them (Micikevicius et al., "Mixed Precision Training", ICLR 2018).
+fp16's narrow range needs loss scaling: gradients are computed for `loss * scale` so small values
+do not flush to zero, divided by `scale` before the step, and a step whose gradients overflowed
+(inf/NaN on any rank) is skipped while the scale halves; after `growth_interval` good steps it
+doubles again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+
+DTYPES = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(name: str | None) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {name!r}")
+    return DTYPES[name]
+
+
+class LossScaler:
+    """Dynamic loss scale shared by all ranks (they agree on overflow through one all-reduce)."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+        self.skipped_steps: list[int] = []
+        self.steps = 0
+
+    def found_overflow(self, grads: list[torch.Tensor]) -> bool:
+        local = any(not torch.isfinite(g).all() for g in grads)
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def after_step(self, overflow: bool) -> None:
+        """Back off on overflow (the step was skipped), grow after a run of good steps."""
+        if overflow:
+            self.skipped_steps.append(self.steps)
+            self.scale /= 2
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2
+        self.steps += 1
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | None) -> None:
+    """Inputs enter in `dtype`; outputs leave in fp32, and with a scaler their gradient is
+    multiplied by the loss scale on its way back (so `loss.backward()` needs no change)."""
+
+    def cast_inputs(_module, args, kwargs):
+        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+
+    def cast_outputs(_module, _args, output):
+        output = _cast_floats(output, torch.float32)
+        if scaler is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: grad * scaler.scale)
+        return output
+
+    model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    model.register_forward_hook(cast_outputs)
