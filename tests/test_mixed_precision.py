@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -93,3 +95,53 @@ def test_bf16_stages_agree_learn_and_stay_near_fp32():
     # bf16 keeps ~3 significant digits. Adam's sign-like updates let single weights drift by a
     # few learning rates, so compare what training achieves: the loss, within 5% of fp32's.
     assert sum(losses[-4:]) == pytest.approx(sum(reference[-4:]), rel=0.05)
+
+
+def offloaded_vs_in_memory(stage: int, directory: str):
+    world = dist.get_world_size()
+    offloaded, off_opt = sw.prepare(_model(), sw.ZeRO(stage=stage, offload_dir=directory), lr=1e-2)
+    plain, plain_opt = sw.prepare(_model(), sw.ZeRO(stage=stage), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(off_opt, lambda s: 1.0 / (1 + s))
+    plain_scheduler = torch.optim.lr_scheduler.LambdaLR(plain_opt, lambda s: 1.0 / (1 + s))
+    for step in range(10):
+        x, y = _batch(step, world)
+        for model, opt, sched in (
+            (offloaded, off_opt, scheduler),
+            (plain, plain_opt, plain_scheduler),
+        ):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    a, b = sw.full_state_dict(offloaded), sw.full_state_dict(plain)
+    shard = offloaded.engine.shards[0]
+    state = off_opt.state[shard]
+    return (
+        max((a[k] - b[k]).abs().max().item() for k in a),
+        sorted(p.name for p in (Path(directory) / f"rank{dist.get_rank()}").iterdir()),
+        # the files hold the current master weights and Adam moments (read back from disk)
+        all(
+            torch.equal(torch.from_file(str(path), size=t.numel(), dtype=t.dtype), t.detach())
+            for path, t in (
+                (Path(directory) / f"rank{dist.get_rank()}" / "unit0.master.bin", shard),
+                (
+                    Path(directory) / f"rank{dist.get_rank()}" / "unit0.exp_avg.bin",
+                    state["exp_avg"],
+                ),
+            )
+        ),
+        len(offloaded.engine.units),
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_disk_offload_trains_identically_from_memory_mapped_files(tmp_path, stage):
+    for diff, files, mapped, num_units in run(offloaded_vs_in_memory, 2, stage, str(tmp_path)):
+        assert diff == 0.0  # the same arithmetic, only the memory is elsewhere
+        expected = {
+            f"unit{i}.{k}.bin"
+            for i in range(num_units)
+            for k in ("master", "exp_avg", "exp_avg_sq", "step")
+        }
+        assert set(files) == expected
+        assert mapped

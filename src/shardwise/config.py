@@ -100,6 +100,9 @@ class ZeROConfig(_Section):
     mixed_precision: Literal["bf16", "fp16"] | None = Field(
         None, description="compute dtype over fp32 master weights; fp16 adds loss scaling"
     )
+    offload_dir: str | None = Field(
+        None, description="keep master weights and optimizer state in memory-mapped files here"
+    )
 
 
 StrategyConfig = Annotated[DDPConfig | ZeROConfig, Field(discriminator="name")]

@@ -54,7 +54,12 @@ def build_job(cfg: Config) -> Job:
 
 def build_strategy(cfg: DDPConfig | ZeROConfig) -> Strategy:
     if isinstance(cfg, ZeROConfig):
-        return ZeRO(stage=cfg.stage, bucket_mb=cfg.bucket_mb, mixed_precision=cfg.mixed_precision)
+        return ZeRO(
+            stage=cfg.stage,
+            bucket_mb=cfg.bucket_mb,
+            mixed_precision=cfg.mixed_precision,
+            offload_dir=cfg.offload_dir,
+        )
     return DDP(
         bucket_mb=cfg.bucket_mb,
         algorithm=cfg.algorithm,

@@ -25,8 +25,10 @@ Any element-wise `torch.optim` optimizer (SGD, Adam, AdamW, ...) works unchanged
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from shardwise.runtime import Runtime
 from shardwise.strategies.base import Strategy, WrappedModel, buffer_tensors, load_buffers
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
+from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
 
 
 class FlatUnit:
@@ -134,8 +137,11 @@ class ZeroEngine:
         bucket_bytes: int,
         rt: Runtime,
         mixed_precision: str | None = None,
+        separate_master: bool = False,
     ) -> None:
         self.stage, self.world_size = stage, rt.world_size
+        # fp32 masters apart from the compute copy: with mixed precision, and with offload.
+        self.separate_master = separate_master or mixed_precision is not None
         self.compute_dtype = compute_dtype(mixed_precision)
         self.mixed = mixed_precision is not None
         self.scaler = LossScaler() if mixed_precision == "fp16" else None
@@ -177,14 +183,15 @@ class ZeroEngine:
         # Stages 1/2: the shard is a view of the full buffer, so stepping it updates the model.
         # Stage 3: the full buffer is transient; the shard is the only persistent copy.
         # Mixed precision: the shard is the fp32 master, separate from the compute copy.
-        if self.mixed:
-            return nn.Parameter(unit.master_init)
         own = unit.own(unit.full)
+        if self.separate_master:
+            return nn.Parameter(unit.master_init if self.mixed else own.clone())
         return nn.Parameter(own if self.stage < 3 else own.clone())
 
     def _compute_copy(self, shard: torch.Tensor) -> torch.Tensor:
         """What the ranks all-gather: the master slice in the compute dtype."""
-        return shard.detach().to(self.compute_dtype) if self.mixed else shard.detach().clone()
+        device = self.units[0].full.device
+        return shard.detach().to(device, self.compute_dtype, copy=True)
 
     # ---- gradients: fill the unit's full gradient buffer, reduce-scatter it, keep our slice
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -317,15 +324,22 @@ class ZeroModel(WrappedModel):
         return self.engine.no_sync()
 
 
-def _skip_on_overflow(step, engine: ZeroEngine):
-    """fp16: run the optimizer step only if no rank saw an inf/NaN gradient."""
+def _zero_step(optimizer: torch.optim.Optimizer, engine: ZeroEngine, inner):
+    """The optimizer's step under ZeRO: skip on fp16 overflow (all ranks agree), step the
+    shards (`inner`), then all-gather the updated parameters (stages 1/2)."""
 
-    def guarded_step(closure=None):
-        overflow = engine.scaler.found_overflow(engine.grad_shards())
-        engine.scaler.after_step(overflow)
-        return None if overflow else step(closure)
+    def step(_optimizer, closure=None):
+        if engine.scaler is not None:
+            overflow = engine.scaler.found_overflow(engine.grad_shards())
+            engine.scaler.after_step(overflow)
+            if overflow:
+                return None
+        loss = inner(closure)
+        engine.after_step()
+        return loss
 
-    return guarded_step
+    # A bound method, as LR schedulers expect when they wrap `optimizer.step`.
+    return types.MethodType(step, optimizer)
 
 
 @dataclass
@@ -336,11 +350,14 @@ class ZeRO(Strategy):
     bucket_mb: stages 1/2: size of the flat units gradients are reduce-scattered in.
     mixed_precision: None (fp32), 'bf16' or 'fp16' compute and communication, with fp32 master
         weights in the sharded optimizer; 'fp16' adds dynamic loss scaling.
+    offload_dir: keep master weights and optimizer state in memory-mapped files under this
+        directory (one sub-directory per rank), stepped and paged in shard by shard.
     """
 
     stage: int = 1
     bucket_mb: float = 25.0
     mixed_precision: str | None = None
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         compute_dtype(self.mixed_precision)  # validates the name
@@ -352,7 +369,12 @@ class ZeRO(Strategy):
     def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroModel:
         broadcast_module_state(model)
         engine = ZeroEngine(
-            model, self.stage, int(self.bucket_mb * 2**20), runtime, self.mixed_precision
+            model,
+            self.stage,
+            int(self.bucket_mb * 2**20),
+            runtime,
+            self.mixed_precision,
+            separate_master=self.offload_dir is not None,
         )
         return ZeroModel(model, engine)
 
@@ -362,9 +384,11 @@ class ZeRO(Strategy):
         engine = model.engine
         optimizer = optimizer_cls(engine.shards, **kwargs)
         optimizer.zero_grad = engine.zero_grad
-        optimizer.register_step_post_hook(lambda *_: engine.after_step())
-        if engine.scaler is not None:
-            optimizer.step = _skip_on_overflow(optimizer.step, engine)
+        inner = optimizer.step
+        if self.offload_dir is not None:
+            store = DiskStore(Path(self.offload_dir) / f"rank{runtime.current().rank}")
+            inner = DiskOffloadedStep(optimizer, engine.shards, store)
+        optimizer.step = _zero_step(optimizer, engine, inner)
         return optimizer
 
     @torch.no_grad()
