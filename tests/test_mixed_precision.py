@@ -97,51 +97,44 @@ def test_bf16_stages_agree_learn_and_stay_near_fp32():
     assert sum(losses[-4:]) == pytest.approx(sum(reference[-4:]), rel=0.05)
 
 
-def offloaded_vs_in_memory(stage: int, directory: str):
-    world = dist.get_world_size()
-    offloaded, off_opt = sw.prepare(_model(), sw.ZeRO(stage=stage, offload_dir=directory), lr=1e-2)
+def offloaded_vs_in_memory(stage: int, offload: str, directory: str):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    strategy = sw.ZeRO(stage=stage, offload=offload, offload_dir=directory)
+    offloaded, off_opt = sw.prepare(_model(), strategy, lr=1e-2)
     plain, plain_opt = sw.prepare(_model(), sw.ZeRO(stage=stage), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(off_opt, lambda s: 1.0 / (1 + s))
-    plain_scheduler = torch.optim.lr_scheduler.LambdaLR(plain_opt, lambda s: 1.0 / (1 + s))
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        for opt in (off_opt, plain_opt)
+    ]
     for step in range(10):
         x, y = _batch(step, world)
-        for model, opt, sched in (
-            (offloaded, off_opt, scheduler),
-            (plain, plain_opt, plain_scheduler),
+        for model, opt, sched in zip(
+            (offloaded, plain), (off_opt, plain_opt), schedules, strict=True
         ):
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
             sched.step()
     a, b = sw.full_state_dict(offloaded), sw.full_state_dict(plain)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    if offload != "disk":
+        return diff, None, None, None
     shard = offloaded.engine.shards[0]
-    state = off_opt.state[shard]
-    return (
-        max((a[k] - b[k]).abs().max().item() for k in a),
-        sorted(p.name for p in (Path(directory) / f"rank{dist.get_rank()}").iterdir()),
-        # the files hold the current master weights and Adam moments (read back from disk)
-        all(
-            torch.equal(torch.from_file(str(path), size=t.numel(), dtype=t.dtype), t.detach())
-            for path, t in (
-                (Path(directory) / f"rank{dist.get_rank()}" / "unit0.master.bin", shard),
-                (
-                    Path(directory) / f"rank{dist.get_rank()}" / "unit0.exp_avg.bin",
-                    state["exp_avg"],
-                ),
-            )
-        ),
-        len(offloaded.engine.units),
-    )
+    folder = Path(directory) / f"rank{rank}"
+    on_disk = [  # the files hold the current master weights and Adam moments
+        torch.equal(torch.from_file(str(folder / f"unit0.{name}.bin"), size=t.numel()), t.detach())
+        for name, t in (("master", shard), ("exp_avg", off_opt.state[shard]["exp_avg"]))
+    ]
+    files = sorted(p.name for p in folder.iterdir())
+    return diff, files, all(on_disk), len(offloaded.engine.units)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_disk_offload_trains_identically_from_memory_mapped_files(tmp_path, stage):
-    for diff, files, mapped, num_units in run(offloaded_vs_in_memory, 2, stage, str(tmp_path)):
+@pytest.mark.parametrize(("stage", "offload"), [(1, "disk"), (3, "disk"), (2, "cpu")])
+def test_offload_trains_identically(tmp_path, stage, offload):
+    results = run(offloaded_vs_in_memory, 2, stage, offload, str(tmp_path))
+    for diff, files, on_disk, num_units in results:
         assert diff == 0.0  # the same arithmetic, only the memory is elsewhere
-        expected = {
-            f"unit{i}.{k}.bin"
-            for i in range(num_units)
-            for k in ("master", "exp_avg", "exp_avg_sq", "step")
-        }
-        assert set(files) == expected
-        assert mapped
+        if offload == "disk":
+            keys = ("master", "exp_avg", "exp_avg_sq", "step")
+            assert set(files) == {f"unit{i}.{k}.bin" for i in range(num_units) for k in keys}
+            assert on_disk

@@ -100,8 +100,11 @@ class ZeROConfig(_Section):
     mixed_precision: Literal["bf16", "fp16"] | None = Field(
         None, description="compute dtype over fp32 master weights; fp16 adds loss scaling"
     )
-    offload_dir: str | None = Field(
-        None, description="keep master weights and optimizer state in memory-mapped files here"
+    offload: Literal["cpu", "disk"] | None = Field(
+        None, description="master weights and optimizer state in host memory, or on disk"
+    )
+    offload_dir: str = Field(
+        "shardwise-offload", description="offload=disk: directory of the memory-mapped files"
     )
 
 

@@ -58,6 +58,7 @@ def build_strategy(cfg: DDPConfig | ZeROConfig) -> Strategy:
             stage=cfg.stage,
             bucket_mb=cfg.bucket_mb,
             mixed_precision=cfg.mixed_precision,
+            offload=cfg.offload,
             offload_dir=cfg.offload_dir,
         )
     return DDP(

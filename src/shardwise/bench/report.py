@@ -56,7 +56,7 @@ def main_for(suite: str, bench_model: Callable, table_rows: Callable) -> None:
         for result in results:
             for row in table_rows(result):
                 table.add_row(*row)
-        Console().print(table)
+        Console(width=120).print(table)
         line = {
             "bench": suite,
             "world_size": rt.world_size,

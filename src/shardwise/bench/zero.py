@@ -1,15 +1,19 @@
 """Benchmark: DDP and ZeRO-1/2/3 (ours) against torch FSDP2 (`fully_shard`), one job, one run.
 
-Every variant wraps an identical copy of the model, trains with AdamW fp32 on the same batches,
-and is timed in rotating order. Reported per variant: step time, samples/s, model-state bytes
-per parameter per rank (parameters, gradients, optimizer state, measured after backward), and,
-for ours, the bytes our accounting layer counted for one step. FSDP2 shards per unit as our
-stage 3 does (each block / layer, then the root).
+DeepSpeed ZeRO-1/2/3 join when `deepspeed` is installed (`pip install --no-build-isolation
+deepspeed`; CPU accelerator over the same gloo group). Every variant wraps an identical copy of
+the model, trains with AdamW fp32 on the same batches, and is timed in rotating order. Reported
+per variant: step time, samples/s, model-state bytes per parameter per rank (parameters,
+gradients, optimizer state, measured after backward), and, for ours, the bytes our accounting
+layer counted for one step. FSDP2 shards per unit as our stage 3 does (each block or layer,
+then the root).
 
 Run: shardwise bench zero --world-size 2
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,85 @@ def fsdp2(factory) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+class DeepSpeedStep:
+    """DeepSpeed's engine behind the optimizer interface the timing loop uses."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()  # also zeroes the gradients
+
+    def zero_grad(self) -> None:
+        pass
+
+    def state_bytes(self) -> dict[str, int]:
+        """Model state as the ZeRO paper counts it: parameters (or their partitions), fp32
+        master partitions, gradient partitions and optimizer state; communication buffers
+        (DeepSpeed's reduce buckets) are not model state and are left out."""
+        zero = self.engine.optimizer
+        tensors: list = []
+        for p in self.engine.module.parameters():
+            tensors += [p, p.grad, getattr(p, "ds_tensor", None)]
+        for group in zero.optimizer.param_groups:  # the torch optimizer over the partitions
+            tensors += [(p, p.grad) for p in group["params"]]
+        tensors += [list(state.values()) for state in zero.optimizer.state.values()]
+        for name in MODEL_STATE_ATTRIBUTES:
+            tensors.append(getattr(zero, name, None))
+        storages = {}
+        for t in _flatten(tensors):
+            if t.numel():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return {"total": sum(storages.values())}
+
+
+# Where DeepSpeed's ZeRO optimizers keep flat parameters, masters and gradient partitions.
+MODEL_STATE_ATTRIBUTES = (
+    "bit16_groups_flat",
+    "single_partition_of_fp32_groups",
+    "averaged_gradients",
+    "fp16_partitioned_groups_flat",
+    "fp32_partitioned_groups_flat",
+    "grad_partitions_flat_buffer",
+)
+
+
+def _flatten(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _flatten(item)]
+    return []
+
+
+def deepspeed_variants(factory, batch_size: int) -> dict[str, tuple]:
+    """DeepSpeed ZeRO-1/2/3 on the CPU accelerator over our gloo group, when installed."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError:
+        return {}
+    variants = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = factory()
+        config = {
+            "train_micro_batch_size_per_gpu": batch_size,
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 2**31,
+        }
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
+        )
+        variants[f"deepspeed{stage}"] = (engine, DeepSpeedStep(engine))
+    return variants
+
+
 def comm_bytes_of_one_step(model, opt, batch, loss_fn) -> int:
     x, y = batch
     sw.comm.stats.end_step()
@@ -53,6 +136,7 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
     torch.manual_seed(0)
     theirs = fsdp2(factory)
     variants["fsdp2"] = (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4))
+    variants.update(deepspeed_variants(factory, batch[0].shape[0]))
     step_times = median_step_times(variants, batch, loss_fn, steps, reps)
     params = num_parameters(variants["ddp"][0])
     global_batch = batch[0].shape[0] * world
@@ -63,17 +147,20 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
             "step_time_s": step_times[key],
             "samples_per_s": global_batch / step_times[key],
             "bytes_per_param": memory["total"] / params,
-            # FSDP2 talks to torch.distributed directly: our layer cannot count its bytes.
-            "comm_bytes_per_step": None
-            if key == "fsdp2"
-            else comm_bytes_of_one_step(model, opt, batch, loss_fn),
+            # The rivals talk to torch.distributed directly: our layer cannot count their bytes.
+            "comm_bytes_per_step": comm_bytes_of_one_step(model, opt, batch, loss_fn)
+            if key in OURS
+            else None,
         }
     result["ratio_zero3_over_fsdp2"] = step_times["zero3"] / step_times["fsdp2"]
+    if "deepspeed3" in step_times:
+        result["ratio_zero3_over_deepspeed3"] = step_times["zero3"] / step_times["deepspeed3"]
     return result
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    return ratio_table(result, [*OURS, "fsdp2"], baseline="fsdp2")
+    rivals = [k for k in ("fsdp2", "deepspeed1", "deepspeed2", "deepspeed3") if k in result]
+    return ratio_table(result, [*OURS, *rivals], baseline="fsdp2")
 
 
 if __name__ == "__main__":

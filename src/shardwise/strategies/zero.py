@@ -137,11 +137,12 @@ class ZeroEngine:
         bucket_bytes: int,
         rt: Runtime,
         mixed_precision: str | None = None,
-        separate_master: bool = False,
+        master_device: torch.device | None = None,
     ) -> None:
         self.stage, self.world_size = stage, rt.world_size
         # fp32 masters apart from the compute copy: with mixed precision, and with offload.
-        self.separate_master = separate_master or mixed_precision is not None
+        self.master_device = master_device
+        self.separate_master = master_device is not None or mixed_precision is not None
         self.compute_dtype = compute_dtype(mixed_precision)
         self.mixed = mixed_precision is not None
         self.scaler = LossScaler() if mixed_precision == "fp16" else None
@@ -185,7 +186,8 @@ class ZeroEngine:
         # Mixed precision: the shard is the fp32 master, separate from the compute copy.
         own = unit.own(unit.full)
         if self.separate_master:
-            return nn.Parameter(unit.master_init if self.mixed else own.clone())
+            master = unit.master_init if self.mixed else own.clone()
+            return nn.Parameter(master.to(self.master_device or master.device))
         return nn.Parameter(own if self.stage < 3 else own.clone())
 
     def _compute_copy(self, shard: torch.Tensor) -> torch.Tensor:
@@ -225,14 +227,8 @@ class ZeroEngine:
         for unit, shard in zip(self.units, self.shards, strict=True):
             unit.handle.wait()
             unit.handle = None
-            if self.mixed or self.scaler:
-                reduced = unit.reduced.float()
-                if self.scaler is not None:
-                    reduced.div_(self.scaler.scale)
-                shard.grad = reduced if shard.grad is None else shard.grad.add_(reduced)
-                if self.stage > 1:
-                    unit.grad_full = None
-            elif self.stage == 1:
+            if self.stage == 1 and not self.separate_master:
+                # Gradients stay views of the persistent buffer (4P + 4P + 8P/N bytes).
                 if shard.grad is not None:
                     raise RuntimeError(
                         "ZeRO stage 1 accumulates gradients only inside no_sync(): call "
@@ -241,9 +237,15 @@ class ZeroEngine:
                 own = unit.own(unit.grad_full)
                 own.copy_(unit.reduced)
                 shard.grad = own
-            else:
-                shard.grad = unit.reduced if shard.grad is None else shard.grad.add_(unit.reduced)
-                unit.grad_full = None  # full gradients are transient from stage 2 on
+            else:  # the master's own gradient: fp32, on the master's device
+                reduced = unit.reduced.to(shard.device, shard.dtype)
+                if self.scaler is not None:
+                    reduced.div_(self.scaler.scale)
+                shard.grad = reduced if shard.grad is None else shard.grad.add_(reduced)
+                if self.stage == 1:  # reduced into the master: the next backward starts at zero
+                    unit.grad_full.zero_()
+                else:  # full gradients are transient from stage 2 on
+                    unit.grad_full = None
             unit.reduced = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -350,17 +352,21 @@ class ZeRO(Strategy):
     bucket_mb: stages 1/2: size of the flat units gradients are reduce-scattered in.
     mixed_precision: None (fp32), 'bf16' or 'fp16' compute and communication, with fp32 master
         weights in the sharded optimizer; 'fp16' adds dynamic loss scaling.
-    offload_dir: keep master weights and optimizer state in memory-mapped files under this
-        directory (one sub-directory per rank), stepped and paged in shard by shard.
+    offload: None, 'cpu' (master weights, their gradients and optimizer state in host memory
+        while training on a GPU) or 'disk' (the same in memory-mapped files under `offload_dir`,
+        one sub-directory per rank, stepped and paged in shard by shard).
     """
 
     stage: int = 1
     bucket_mb: float = 25.0
     mixed_precision: str | None = None
-    offload_dir: str | None = None
+    offload: str | None = None
+    offload_dir: str = "shardwise-offload"
 
     def __post_init__(self) -> None:
         compute_dtype(self.mixed_precision)  # validates the name
+        if self.offload not in (None, "cpu", "disk"):
+            raise ValueError(f"offload must be None, 'cpu' or 'disk', got {self.offload!r}")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
         if self.bucket_mb <= 0:
@@ -374,7 +380,7 @@ class ZeRO(Strategy):
             int(self.bucket_mb * 2**20),
             runtime,
             self.mixed_precision,
-            separate_master=self.offload_dir is not None,
+            master_device=torch.device("cpu") if self.offload else None,
         )
         return ZeroModel(model, engine)
 
@@ -385,7 +391,7 @@ class ZeRO(Strategy):
         optimizer = optimizer_cls(engine.shards, **kwargs)
         optimizer.zero_grad = engine.zero_grad
         inner = optimizer.step
-        if self.offload_dir is not None:
+        if self.offload == "disk":
             store = DiskStore(Path(self.offload_dir) / f"rank{runtime.current().rank}")
             inner = DiskOffloadedStep(optimizer, engine.shards, store)
         optimizer.step = _zero_step(optimizer, engine, inner)
