@@ -23,8 +23,9 @@ test: setup  ## set up, lint and run the test suite
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/python -m pytest -q
 
-bench: setup  ## ours vs torch DDP, world size 2
+bench: setup  ## ours vs torch DDP, and ZeRO vs FSDP2, world size 2
 	$(BIN)/shardwise bench ddp --world-size 2
+	$(BIN)/shardwise bench zero --world-size 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

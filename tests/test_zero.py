@@ -107,62 +107,69 @@ def test_clip_returns_the_global_norm_and_clips_to_it():
         assert after == pytest.approx(1e-3, rel=1e-3)
 
 
-def bytes_per_step(stage: int):
-    world = dist.get_world_size()
-    model, opt = sw.prepare(_model("gpt"), sw.ZeRO(stage=stage, bucket_mb=0.001), lr=1e-2)
-    padded = [u.full.numel() for u in model.engine.units]
-    x, y = _batch("gpt", 0, world)
-    sw.comm.stats.end_step()
-    lm_loss(model(_local(x)), _local(y)).backward()
-    opt.step()
-    opt.zero_grad()
-    return sw.comm.stats.end_step().by_op, padded
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_comm_bytes_equal_the_zero_formulas(world_size, stage):
-    n = world_size
-    for by_op, padded in run(bytes_per_step, world_size, stage):
-        # Each unit: one reduce-scatter of its gradients, (n-1)/n of its bytes per rank ...
-        assert by_op["reduce_scatter"].bytes == sum(4 * (n - 1) * p // n for p in padded)
-        # ... and all-gathers of its parameters: once after the step (stages 1/2), or before
-        # forward and before backward (stage 3): 1.5x DDP's volume in all.
-        gathers = 2 if stage == 3 else 1
-        assert by_op["all_gather"].bytes == gathers * sum(4 * (n - 1) * p // n for p in padded)
-        assert by_op["all_gather"].calls == gathers * len(padded)
-
-
-def state_bytes(strategy_name: str, stage: int):
-    torch.manual_seed(0)
-    model = MLP([64, 512, 512, 10])  # ~300k parameters: Adam's step counters are noise
-    strategy = sw.DDP() if strategy_name == "ddp" else sw.ZeRO(stage=stage)
-    model, opt = sw.prepare(model, strategy, lr=1e-3)
-    x = torch.randn(8, 64)
-    y = torch.randint(0, 10, (8,))
-    for _ in range(2):
-        F.cross_entropy(model(x), y).backward()
+def bytes_per_step():
+    """One step's counted bytes for each stage (one process group serves all three)."""
+    world, out = dist.get_world_size(), {}
+    for stage in (1, 2, 3):
+        model, opt = sw.prepare(_model("gpt"), sw.ZeRO(stage=stage, bucket_mb=0.001), lr=1e-2)
+        padded = [u.full.numel() for u in model.engine.units]
+        x, y = _batch("gpt", 0, world)
+        sw.comm.stats.end_step()
+        lm_loss(model(_local(x)), _local(y)).backward()
         opt.step()
         opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()  # measured with gradients present: the fullest state
-    params = sum(p.numel() for p in sw.full_state_dict(model).values())
-    return model_state_bytes(model, opt)["total"], params
+        out[stage] = (sw.comm.stats.end_step().by_op, padded)
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize(
-    ("name", "stage", "formula"),
-    [
-        ("ddp", 0, lambda p, n: 16 * p),
-        ("zero", 1, lambda p, n: 4 * p + 4 * p + 8 * p / n),
-        ("zero", 2, lambda p, n: 4 * p + (4 * p + 8 * p) / n),
-        ("zero", 3, lambda p, n: 16 * p / n),
-    ],
-)
-def test_model_state_memory_matches_the_zero_paper(world_size, name, stage, formula):
-    for measured, params in run(state_bytes, world_size, name, stage):
-        expected = formula(params, world_size)
-        assert abs(measured - expected) / expected <= 0.02, (measured, expected)
+def test_comm_bytes_equal_the_zero_formulas(world_size):
+    n = world_size
+    for per_stage in run(bytes_per_step, world_size):
+        for stage, (by_op, padded) in per_stage.items():
+            # Each unit: one reduce-scatter of its gradients, (n-1)/n of its bytes per rank ...
+            assert by_op["reduce_scatter"].bytes == sum(4 * (n - 1) * p // n for p in padded)
+            # ... and all-gathers of its parameters: once after the step (stages 1/2), or
+            # before forward and before backward (stage 3): 1.5x DDP's volume in all.
+            gathers = 2 if stage == 3 else 1
+            volume = gathers * sum(4 * (n - 1) * p // n for p in padded)
+            assert by_op["all_gather"].bytes == volume
+            assert by_op["all_gather"].calls == gathers * len(padded)
+
+
+FORMULAS = {  # model-state bytes per rank, ZeRO paper (fp32 Adam: K = 12)
+    "ddp": lambda p, n: 16 * p,
+    "zero1": lambda p, n: 4 * p + 4 * p + 8 * p / n,
+    "zero2": lambda p, n: 4 * p + (4 * p + 8 * p) / n,
+    "zero3": lambda p, n: 16 * p / n,
+}
+
+
+def state_bytes():
+    out = {}
+    for name in FORMULAS:
+        torch.manual_seed(0)
+        model = MLP([64, 512, 512, 10])  # ~300k parameters: Adam's step counters are noise
+        strategy = sw.DDP() if name == "ddp" else sw.ZeRO(stage=int(name[-1]))
+        model, opt = sw.prepare(model, strategy, lr=1e-3)
+        x = torch.randn(8, 64)
+        y = torch.randint(0, 10, (8,))
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # measured with gradients: the fullest state
+        params = sum(p.numel() for p in sw.full_state_dict(model).values())
+        out[name] = (model_state_bytes(model, opt)["total"], params)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_model_state_memory_matches_the_zero_paper(world_size):
+    for per_strategy in run(state_bytes, world_size):
+        for name, (measured, params) in per_strategy.items():
+            expected = FORMULAS[name](params, world_size)
+            assert abs(measured - expected) / expected <= 0.02, (name, measured, expected)
 
 
 def zero2_no_sync_is_refused():

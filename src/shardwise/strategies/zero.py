@@ -148,15 +148,15 @@ class ZeroEngine:
         self.scaler = LossScaler() if mixed_precision == "fp16" else None
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
+        params = [p for _, p in named]
+        modules, rest = (stage3_units(model), []) if stage == 3 else ([], params)
         if stage == 3:
-            modules = stage3_units(model)
             covered = {p for m in modules for p in m.parameters()}
+            rest = [p for p in params if p not in covered]
             groups = [[p for p in m.parameters() if p.requires_grad] for m in modules]
-            rest = [p for _, p in named if p not in covered]
             groups = [rest, *groups] if rest else groups
-            groups = [g for g in groups if g]
         else:
-            groups = assign_buckets([p for _, p in named], bucket_bytes)
+            groups = assign_buckets(params, bucket_bytes)
         self.units = [FlatUnit(g, rt.rank, rt.world_size, self.compute_dtype) for g in groups]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.shards = [self._make_shard(u) for u in self.units]
@@ -164,7 +164,7 @@ class ZeroEngine:
         order = list(reversed(range(len(self.units))))
         self.backward = BucketedBackward(
             [self.units[i].params for i in order],
-            {p: n for n, p in named},
+            self.names,
             BucketCallbacks(
                 self._on_grad, lambda k: self._launch(order[k]), self._zero, self._finish
             ),
