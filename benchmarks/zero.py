@@ -1,4 +1,4 @@
-"""Ours vs FSDP2 (and DeepSpeed); the same as `shardwise bench zero` (src/shardwise/bench/zero.py)."""
+"""Ours vs FSDP2 and DeepSpeed; the same as `shardwise bench zero` (see src/shardwise/bench)."""
 
 import sys
 

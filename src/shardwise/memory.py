@@ -33,11 +33,15 @@ def model_state_bytes(
     """Bytes per category, each storage counted once (in the first category that holds it)."""
     seen: set[int] = set()
     report: dict[str, int] = {}
-    # The optimizer's parameters may be shards that the model does not register (ZeRO).
-    params = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+    # The optimizer's parameters may be shards the model does not hold (ZeRO): where they are
+    # not views of the model's parameters, they are master weights (the only persistent copy in
+    # ZeRO-3; fp32 beside a bf16 compute copy under mixed precision).
+    params = list(model.parameters())
+    masters = [p for g in optimizer.param_groups for p in g["params"]]
     categories = {
         "params": params,
-        "grads": [p.grad for p in params if p.grad is not None],
+        "master_weights": masters,
+        "grads": [p.grad for p in (*params, *masters) if p.grad is not None],
         "optimizer": optimizer_tensors(optimizer),
         "buffers": list(extra),
     }

@@ -69,7 +69,7 @@ def human_bytes(n: float) -> str:
 
 
 def _memory_cell(memory: dict[str, int]) -> str:
-    parts = (human_bytes(memory[k]) for k in ("params", "grads", "optimizer"))
+    parts = (human_bytes(memory[k]) for k in ("params", "master_weights", "grads", "optimizer"))
     return " / ".join(parts)
 
 
@@ -88,11 +88,14 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("comm sent / rank / step", human_bytes(summary["comm_bytes_per_step"])),
         ("comm sent / rank (total)", human_bytes(summary["comm_bytes_total"])),
         ("comm wait (rank 0)", f"{summary['comm_wait_s']:.3f} s"),
-        ("params / grads / optim (rank 0)", _memory_cell(summary["memory"])),
+        ("params / masters / grads / optim (rank 0)", _memory_cell(summary["memory"])),
         ("peak memory (rank 0)", human_bytes(summary["memory"]["peak"])),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("run directory", summary["run_dir"]),
     ]
     for key, value in rows:
         table.add_row(key, value)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # logs and CI: no terminal width to fit, so do not truncate
+        console = Console(width=120)
+    console.print(table)
