@@ -53,21 +53,9 @@ def build_job(cfg: Config) -> Job:
 
 
 def build_strategy(cfg: DDPConfig | ZeROConfig) -> Strategy:
-    if isinstance(cfg, ZeROConfig):
-        return ZeRO(
-            stage=cfg.stage,
-            bucket_mb=cfg.bucket_mb,
-            mixed_precision=cfg.mixed_precision,
-            offload=cfg.offload,
-            offload_dir=cfg.offload_dir,
-        )
-    return DDP(
-        bucket_mb=cfg.bucket_mb,
-        algorithm=cfg.algorithm,
-        group_size=cfg.group_size,
-        find_unused_parameters=cfg.find_unused_parameters,
-        sync_batchnorm=cfg.sync_batchnorm,
-    )
+    """The config sections mirror the strategies' fields one to one."""
+    strategy = ZeRO if isinstance(cfg, ZeROConfig) else DDP
+    return strategy(**cfg.model_dump(exclude={"name"}))
 
 
 def optimizer_kwargs(cfg: OptimConfig) -> dict:

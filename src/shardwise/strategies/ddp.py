@@ -19,7 +19,6 @@ How it works, top to bottom:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,13 +124,8 @@ class GradientReducer:
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 p.grad = None if set_to_none else view
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous, self.backward.enabled = self.backward.enabled, False
-        try:
-            yield
-        finally:
-            self.backward.enabled = previous
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.backward.paused()
 
     def remove(self) -> None:
         self.backward.remove()

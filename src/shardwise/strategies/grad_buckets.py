@@ -10,7 +10,8 @@ waits, so reduced gradients are ready when `loss.backward()` returns.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,15 @@ class BucketedBackward:
             self._launch_next()
         self._reset()
         self.callbacks.finish()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No reductions inside: gradients accumulate locally (what `no_sync()` means)."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,16 +301,7 @@ class ZeroEngine:
                 f"ZeRO stage {self.stage} reduces every backward pass; to accumulate, call "
                 "backward k times (loss / k) before the step: the gradient shards add up"
             )
-
-        @contextlib.contextmanager
-        def disabled() -> Iterator[None]:
-            previous, self.backward.enabled = self.backward.enabled, False
-            try:
-                yield
-            finally:
-                self.backward.enabled = previous
-
-        return disabled()
+        return self.backward.paused()
 
     def grad_shards(self) -> list[torch.Tensor]:
         return [s.grad for s in self.shards if s.grad is not None]
