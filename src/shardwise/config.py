@@ -89,6 +89,11 @@ class DDPConfig(_Section):
         False, description="allow parameters that receive no gradient (treated as zero)"
     )
     sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
+    compression: str | None = Field(
+        None,
+        description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign",
+        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$",
+    )
 
 
 class ZeROConfig(_Section):

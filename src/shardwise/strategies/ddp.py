@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.algorithms import AllReduceName, make_all_reduce
+from shardwise.compression import CompressedAllReduce, make_codec
 from shardwise.runtime import Runtime
 from shardwise.strategies.base import Strategy, WrappedModel
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
@@ -151,6 +152,8 @@ class DDP(Strategy):
     group_size: ranks per group for 'hierarchical' (default: ranks per node).
     find_unused_parameters: allow parameters that get no gradient (treated as zero).
     sync_batchnorm: replace BatchNorm layers by SyncBatchNorm (global-batch statistics).
+    compression: a gradient codec ('fp16', 'bf16', 'int8', 'topk:RATIO', 'randomk:RATIO',
+        'sign'; see `shardwise.compression`) used instead of `algorithm`.
     """
 
     bucket_mb: float = 25.0
@@ -158,8 +161,11 @@ class DDP(Strategy):
     group_size: int | None = None
     find_unused_parameters: bool = False
     sync_batchnorm: bool = True
+    compression: str | None = None
 
     def __post_init__(self) -> None:
+        if self.compression is not None:
+            make_codec(self.compression)  # validates the spec
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.algorithm not in ("native", "ring", "hierarchical"):
@@ -171,9 +177,12 @@ class DDP(Strategy):
         if self.sync_batchnorm and runtime.world_size > 1:
             model = convert_sync_batchnorm(model)
         broadcast_module_state(model)
-        all_reduce = make_all_reduce(
-            self.algorithm, self.group_size or runtime.local_world_size, runtime.timeout
-        )
+        if self.compression is not None:
+            all_reduce = CompressedAllReduce(make_codec(self.compression), runtime.timeout)
+        else:
+            all_reduce = make_all_reduce(
+                self.algorithm, self.group_size or runtime.local_world_size, runtime.timeout
+            )
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         reducer = GradientReducer(
             named,
