@@ -114,3 +114,88 @@ def test_bad_codec_names_are_value_errors():
         sw.DDP(compression="zip")
     with pytest.raises(ValueError, match="ratio"):
         make_codec("topk:2")
+
+
+class _Bucket:
+    """The part of `dist.GradBucket` that torch's PowerSGD hook reads."""
+
+    def __init__(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]]) -> None:
+        self._buffer, self._shapes = buffer, shapes
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        sizes = [torch.Size(s).numel() for s in self._shapes]
+        return [v.view(s) for v, s in zip(self._buffer.split(sizes), self._shapes, strict=True)]
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+    def parameters(self):
+        return self.gradients()
+
+
+def powersgd_vs_torch_hook():
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    from shardwise.compression import PowerSGD
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shapes = [(32, 16), (16,), (20, 6, 4), (3, 3)]  # two compressed, a bias and a small matrix
+    r = 2
+    theirs = torch_powersgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2
+    )
+    theirs.iter = theirs.start_powerSGD_iter  # compress from the first call
+    ours = PowerSGD(rank=r)
+    ours.describe("k", shapes)
+    # The same starting Q for both: torch warm-starts from its memory when it is filled.
+    q0 = [torch.randn(16, r, generator=torch.Generator().manual_seed(7)), torch.randn(24, r)]
+    dist.broadcast(q0[1], 0)
+    theirs.p_memory_dict[0] = torch.empty(32 * r + 20 * r)
+    theirs.q_memory_dict[0] = torch.cat([q.reshape(-1) for q in q0])
+    ours.qs["k"] = [q.clone() for q in q0]
+    worst = []
+    for step in range(3):  # warm start and error feedback carried across steps
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + rank))
+        their_out = torch_powersgd.powerSGD_hook(theirs, _Bucket(grad.clone(), shapes)).wait()
+        our_out = grad / world  # our DDP hands codecs the pre-divided gradient, wants the sum
+        ours.reduce(our_out, dist.group.WORLD, key="k")
+        worst.append(
+            (
+                (our_out - their_out).abs().max().item(),
+                (world * ours.residuals["k"] - theirs.error_dict[0]).abs().max().item(),
+            )
+        )
+    return worst
+
+
+def test_powersgd_equals_torch_powersgd_hook_from_the_same_q():
+    for per_step in run(powersgd_vs_torch_hook, 2):
+        for output_diff, error_diff in per_step:
+            assert output_diff <= 1e-5
+            assert error_diff <= 1e-5  # torch keeps n times our (pre-divided) residual
+
+
+def powersgd_bytes():
+    world = dist.get_world_size()
+    model, opt = sw.prepare(MLP([64, 128, 128, 10]), sw.DDP(compression="powersgd:4"), lr=1e-3)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    sw.comm.stats.end_step()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return sw.comm.stats.end_step().bytes, world
+
+
+def test_powersgd_sends_the_low_rank_factors_only():
+    for sent, n in run(powersgd_bytes, 2):
+        matrices = [(128, 64), (128, 128), (10, 128)]
+        # (n+m)r values per compressible matrix (10x128 at rank 4: 552 < 1280/2, compressed),
+        # biases (128+128+10) uncompressed; all-reduce sends 2(n-1)/n of each, fp32.
+        values = sum((a + b) * 4 for a, b in matrices) + 128 + 128 + 10
+        assert sent == 4 * values * 2 * (n - 1) // n

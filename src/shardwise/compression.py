@@ -180,8 +180,93 @@ class SignCodec(Codec):
         buffer.copy_(total)
 
 
+def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning `matrix`'s (reduced QR; column signs do not matter here,
+    since P's and Q's signs cancel in P Q^T)."""
+    return torch.linalg.qr(matrix).Q
+
+
+class PowerSGD(Codec):
+    """Rank-r PowerSGD (Vogels et al., NeurIPS 2019): one power-iteration step per matrix.
+
+    For each gradient matrix M (n x m, with error feedback added): P = M Q, all-reduced and
+    orthogonalised; Q = M^T P, all-reduced; the result is P Q^T. Q is kept for the next step
+    (warm start). Tensors that would not shrink at least `min_compression_rate` times (biases,
+    small matrices) are all-reduced uncompressed. Each rank keeps as its error its corrected
+    gradient minus its share (1/n) of the aggregated approximation.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0) -> None:
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        self.rank, self.min_compression_rate = rank, min_compression_rate
+        self.generator = torch.Generator().manual_seed(seed)
+        self.shapes: dict[object, list[torch.Size]] = {}
+        self.qs: dict[object, list[torch.Tensor]] = {}
+
+    def describe(self, key: object, shapes: list[torch.Size]) -> None:
+        """The shapes of the tensors that make up buffer `key`, in order."""
+        self.shapes[key] = [torch.Size(s) for s in shapes]
+
+    def _matrix_rank(self, shape: torch.Size) -> int | None:
+        """The rank to compress a tensor of `shape` with, or None to send it as it is."""
+        if len(shape) < 2:
+            return None
+        n, m = shape[0], shape[1:].numel()
+        r = min(n, m, self.rank)
+        return r if (n + m) * r * self.min_compression_rate < n * m else None
+
+    def reduce(self, buffer, group, key) -> None:
+        shapes = self.shapes.get(key, [buffer.shape])
+        corrected = self.with_feedback(buffer, key)
+        views = list(corrected.split([s.numel() for s in shapes]))
+        ranks = [self._matrix_rank(s) for s in shapes]
+        matrices = [v.view(s[0], -1) for v, s, r in zip(views, shapes, ranks, strict=True) if r]
+        plain = [v for v, r in zip(views, ranks, strict=True) if r is None]
+        if key not in self.qs:  # the same seed on every rank: the same random start
+            self.qs[key] = [
+                torch.randn(m.shape[1], r, generator=self.generator).to(m)
+                for m, r in zip(matrices, filter(None, ranks), strict=True)
+            ]
+        qs = [orthogonalize(q) for q in self.qs[key]]
+        flat_plain = torch.cat(plain) if plain else corrected.new_empty(0)
+        ps = [m @ q for m, q in zip(matrices, qs, strict=True)]
+        # Two rounds of messages: the uncompressed tensors with the Ps, then the Qs.
+        self._all_reduce_together([flat_plain, *ps], group)
+        ps = [orthogonalize(p) for p in ps]
+        qs = [m.t() @ p for m, p in zip(matrices, ps, strict=True)]
+        self._all_reduce_together(qs, group)
+        self.qs[key] = qs
+        approx = [p @ q.t() for p, q in zip(ps, qs, strict=True)]
+        out, offset_plain, matrix_iter = [], 0, iter(approx)
+        for v, r in zip(views, ranks, strict=True):
+            if r is None:
+                out.append(flat_plain[offset_plain : offset_plain + v.numel()])
+                offset_plain += v.numel()
+            else:
+                out.append(next(matrix_iter).reshape(-1))
+        total = torch.cat(out)
+        n = group_size(group)
+        self.residuals[key] = corrected - total / n  # this rank's share of what was lost
+        buffer.copy_(total)
+
+    @staticmethod
+    def _all_reduce_together(tensors: list[torch.Tensor], group) -> None:
+        """One message for many tensors: flatten, all-reduce, copy back."""
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        comm.all_reduce(flat, group=group)
+        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(piece.view_as(t))
+
+
 def make_codec(spec: str) -> Codec:
-    """`fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01` or `sign`."""
+    """`fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01`, `sign` or `powersgd:4`."""
     name, _, arg = spec.partition(":")
     if name == "fp16":
         return CastCodec(torch.float16)
@@ -194,8 +279,11 @@ def make_codec(spec: str) -> Codec:
         return TopK(ratio) if name == "topk" else RandomK(ratio)
     if name == "sign":
         return SignCodec()
+    if name == "powersgd":
+        return PowerSGD(int(arg) if arg else 4)
     raise ValueError(
-        f"compression must be fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign, got {spec!r}"
+        "compression must be fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
+        f"powersgd:RANK, got {spec!r}"
     )
 
 
@@ -207,6 +295,11 @@ class CompressedAllReduce(_ThreadedAllReduce):
         self.codec = codec
         self.op = f"compressed_{codec.name}"
         self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
+
+    def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
+        """Tell shape-aware codecs (PowerSGD) which tensors a bucket holds."""
+        if hasattr(self.codec, "describe"):
+            self.codec.describe(buffer.data_ptr(), shapes)
 
     def _run(self, buffer: torch.Tensor) -> None:
         # A bucket's buffer lives as long as the model: its address names its error feedback.

@@ -91,8 +91,9 @@ class DDPConfig(_Section):
     sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
     compression: str | None = Field(
         None,
-        description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign",
-        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$",
+        description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
+        "powersgd:RANK",
+        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+)?)$",
     )
 
 

@@ -84,6 +84,9 @@ class GradientReducer:
         params = [p for _, p in reversed(named_params)]
         self.buckets = [_make_bucket(ps) for ps in assign_buckets(params, bucket_bytes)]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
+        if hasattr(all_reduce, "describe"):  # shape-aware compression needs the layout
+            for b in self.buckets:
+                all_reduce.describe(b.buffer, [p.shape for p in b.params])
         callbacks = BucketCallbacks(self._move_into_bucket, self._launch, self._zero, self._wait)
         self.backward = BucketedBackward(
             [b.params for b in self.buckets],
@@ -153,7 +156,7 @@ class DDP(Strategy):
     find_unused_parameters: allow parameters that get no gradient (treated as zero).
     sync_batchnorm: replace BatchNorm layers by SyncBatchNorm (global-batch statistics).
     compression: a gradient codec ('fp16', 'bf16', 'int8', 'topk:RATIO', 'randomk:RATIO',
-        'sign'; see `shardwise.compression`) used instead of `algorithm`.
+        'sign', 'powersgd:RANK'; see `shardwise.compression`) used instead of `algorithm`.
     """
 
     bucket_mb: float = 25.0
