@@ -114,7 +114,30 @@ class ZeROConfig(_Section):
     )
 
 
-StrategyConfig = Annotated[DDPConfig | ZeROConfig, Field(discriminator="name")]
+class LocalSGDConfig(_Section):
+    name: Literal["local_sgd"] = Field("local_sgd", description="the parallelism strategy")
+    period: int = Field(4, ge=1, description="local steps between parameter averages")
+    warmup_steps: int = Field(0, ge=0, description="fully synchronous steps first (post-local)")
+    beta: float = Field(1.0, gt=0, le=1, description="new = beta * average + (1-beta) * local")
+
+
+class GossipConfig(_Section):
+    name: Literal["gossip"] = Field("gossip", description="the parallelism strategy")
+    topology: Literal["ring", "torus", "exponential"] = Field("ring", description="peers")
+    global_every: int | None = Field(
+        None, ge=1, description="hybrid: a global average every K steps"
+    )
+
+
+class AdaptiveSyncConfig(_Section):
+    name: Literal["adaptive"] = Field("adaptive", description="the parallelism strategy")
+    threshold: float = Field(0.01, gt=0, description="relative drift that triggers an average")
+
+
+StrategyConfig = Annotated[
+    DDPConfig | ZeROConfig | LocalSGDConfig | GossipConfig | AdaptiveSyncConfig,
+    Field(discriminator="name"),
+]
 
 
 class OptimConfig(_Section):

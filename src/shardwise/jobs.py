@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import datasets
-from shardwise.config import Config, DDPConfig, OptimConfig, ZeROConfig, resolve_data_path
+from shardwise.config import Config, OptimConfig, StrategyConfig, resolve_data_path
 from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
-from shardwise.strategies import DDP, Strategy, ZeRO
+from shardwise.strategies import DDP, AdaptiveSync, Gossip, LocalSGD, Strategy, ZeRO
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -52,10 +52,18 @@ def build_job(cfg: Config) -> Job:
     return Job(model, splits, F.cross_entropy)
 
 
-def build_strategy(cfg: DDPConfig | ZeROConfig) -> Strategy:
+STRATEGIES: dict[str, type[Strategy]] = {
+    "ddp": DDP,
+    "zero": ZeRO,
+    "local_sgd": LocalSGD,
+    "gossip": Gossip,
+    "adaptive": AdaptiveSync,
+}
+
+
+def build_strategy(cfg: StrategyConfig) -> Strategy:
     """The config sections mirror the strategies' fields one to one."""
-    strategy = ZeRO if isinstance(cfg, ZeROConfig) else DDP
-    return strategy(**cfg.model_dump(exclude={"name"}))
+    return STRATEGIES[cfg.name](**cfg.model_dump(exclude={"name"}))
 
 
 def optimizer_kwargs(cfg: OptimConfig) -> dict:

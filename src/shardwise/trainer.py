@@ -161,6 +161,9 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
 
 
 def _describe(cfg: Config) -> str:
-    if cfg.strategy.name == "zero":
-        return f"zero-{cfg.strategy.stage}"
-    return f"ddp ({cfg.strategy.algorithm} all-reduce)"
+    s = cfg.strategy
+    if s.name == "zero":
+        return f"zero-{s.stage}"
+    if s.name == "ddp":
+        return f"ddp ({s.compression or s.algorithm + ' all-reduce'})"
+    return s.name

@@ -1,0 +1,149 @@
+"""Local SGD, gossip and adaptive synchronisation against their definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.models import MLP
+from shardwise.strategies.relaxed import flat_params, neighbours
+from spawn import run
+
+BATCH = 4
+
+
+def _model():
+    torch.manual_seed(0)
+    return MLP([13, 16, 5])
+
+
+def _batch(step: int, world: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(world * BATCH, 13, generator=g)
+    y = torch.randint(0, 5, (world * BATCH,), generator=g)
+    mine = slice(dist.get_rank() * BATCH, (dist.get_rank() + 1) * BATCH)
+    return x, y, mine
+
+
+def local_sgd_period_one():
+    world = dist.get_world_size()
+    kw = {"optimizer": torch.optim.SGD, "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}
+    local, local_opt = sw.prepare(_model(), sw.LocalSGD(period=1), **kw)
+    ddp, ddp_opt = sw.prepare(_model(), sw.DDP(), **kw)
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    for step in range(15):
+        x, y, mine = _batch(step, world)
+        for model, opt in ((local, local_opt), (ddp, ddp_opt)):
+            F.cross_entropy(model(x[mine]), y[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    a = dict(local.module.state_dict())  # this rank's replica, not an average
+    return (
+        max((a[k] - ddp.module.state_dict()[k]).abs().max().item() for k in a),
+        max((a[k] - reference.state_dict()[k]).abs().max().item() for k in a),
+    )
+
+
+def test_local_sgd_period_1_with_momentum_equals_ddp_and_single_process():
+    # SGD with momentum and weight decay is linear in the gradient: averaging parameters after
+    # each step equals averaging gradients before it (up to float rounding).
+    for vs_ddp, vs_reference in run(local_sgd_period_one, 4):
+        assert vs_ddp <= 1e-5 and vs_reference <= 1e-5
+
+
+def local_sgd_period(period: int, warmup: int):
+    world = dist.get_world_size()
+    model, opt = sw.prepare(_model(), sw.LocalSGD(period=period, warmup_steps=warmup), lr=1e-2)
+    identical_after = []
+    for step in range(12):
+        x, y, mine = _batch(step, world)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        mine_flat = flat_params(model.module)
+        gathered = torch.empty(world, mine_flat.numel())
+        dist.all_gather_into_tensor(gathered.view(-1), mine_flat)
+        identical_after.append(bool((gathered == gathered[0]).all()))
+    return model.sync_steps, identical_after
+
+
+def test_local_sgd_replicas_identical_right_after_each_average():
+    for sync_steps, identical in run(local_sgd_period, 2, 3, 2):
+        assert sync_steps == [5, 8, 11]  # warm-up steps 1-2 synchronous, then every 3 steps
+        expected = [s <= 2 or s in (5, 8, 11) for s in range(1, 13)]
+        assert identical == expected
+
+
+def gossip_steps(topology: str, lr: float):
+    world = dist.get_world_size()
+    model, opt = sw.prepare(
+        _model(), sw.Gossip(topology=topology), optimizer=torch.optim.SGD, lr=lr
+    )
+    torch.manual_seed(dist.get_rank())  # replicas start apart, to watch them contract
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    start = _all(flat_params(model.module), world)
+    mean_errors, distances = [], [(start - start.mean(0)).norm().item()]
+    for step in range(10):
+        x, y, mine = _batch(step, world)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        before = flat_params(model.module)  # (parameters before the local step)
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+        after = flat_params(model.module)
+        # Averaging-SGD predicts: mean_r x_r(t+1) = mean_r x_r(t) - lr * mean_r g_r
+        stack = lambda t: _all(t, world)  # noqa: E731
+        predicted = stack(before).mean(0) - lr * stack(grads).mean(0)
+        mean_errors.append((stack(after).mean(0) - predicted).abs().max().item())
+        distances.append((stack(after) - stack(after).mean(0)).norm().item())
+    return mean_errors, distances
+
+
+def _all(t: torch.Tensor, world: int) -> torch.Tensor:
+    out = torch.empty(world, t.numel())
+    dist.all_gather_into_tensor(out.view(-1), t.contiguous())
+    return out
+
+
+@pytest.mark.parametrize("topology", ["ring", "torus", "exponential"])
+def test_gossip_keeps_the_mean_and_drives_consensus_distance_down(topology):
+    for mean_errors, distances in run(gossip_steps, 4, topology, 0.05):
+        assert max(mean_errors) <= 1e-5  # doubly stochastic mixing preserves the average
+        assert distances[-1] < 0.2 * distances[0]  # from randomly perturbed starting replicas
+
+
+def test_topologies_are_symmetric_and_regular():
+    for topology in ("ring", "torus", "exponential"):
+        for world in (2, 4, 6, 8):
+            peers = {r: neighbours(topology, r, world) for r in range(world)}
+            assert all(r in peers[q] for r in peers for q in peers[r])
+            assert len({len(p) for p in peers.values()}) == 1
+
+
+def adaptive(threshold: float):
+    world = dist.get_world_size()
+    strategy = sw.AdaptiveSync(threshold=threshold)
+    model, opt = sw.prepare(_model(), strategy, optimizer=torch.optim.SGD, lr=0.05)
+    for step in range(20):
+        x, y, mine = _batch(step, world)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.sync_steps, strategy.drift_history
+
+
+def test_adaptive_sync_synchronises_exactly_when_drift_passes_the_threshold():
+    results = run(adaptive, 2, 0.02)
+    assert results[0] == results[1]  # all ranks agree on when
+    sync_steps, drift = results[0]
+    assert 0 < len(sync_steps) < 20
+    assert sync_steps == [step + 1 for step, d in enumerate(drift) if d > 0.02]
