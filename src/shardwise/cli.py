@@ -6,6 +6,7 @@
     shardwise run --nproc 2 my_script.py [ARGS]                   # your own script
     shardwise bench ddp --world-size 2                            # ours vs torch DDP
     shardwise bench zero --world-size 2                           # DDP, ZeRO-1/2/3 vs FSDP2
+    shardwise bench comm --models gpt --steps 60 --rate 100mbit   # codecs on an emulated network
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
 
@@ -105,12 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
-    bench.add_argument("suite", choices=["ddp", "zero"], help="what to benchmark")
+    bench.add_argument("suite", choices=["ddp", "zero", "comm"], help="what to benchmark")
     bench.add_argument("--world-size", type=int, default=2, help="ranks")
     bench.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
     bench.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
     bench.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
-    bench.add_argument("--out", help="also write the JSON result to this file")
+    bench.add_argument("--out", help="JSON result file (comm: output directory)")
+    bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
+    bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
     bench.set_defaults(func=cmd_bench)
 
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")

@@ -91,7 +91,7 @@ class Cluster:
         for ns in our_namespaces(self.run_id):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    def agent_command(self, i: int, port: int, args: list[str]) -> list[str]:
+    def agent_command(self, i: int, port: int, args: list[str], module: str) -> list[str]:
         """torchrun on host i, one rank, rendezvous at host 0."""
         conf = ["--rdzv-conf", "is_host=1"] if i == 0 else []
         return [
@@ -103,12 +103,16 @@ class Cluster:
             "--rdzv-id", self.run_id, *conf,
             # Inside a namespace the hostname resolves to loopback: name the real address.
             "--local-addr", self.address(i),
-            "-m", "shardwise", *args,
+            "-m", module, *args,
         ]  # fmt: skip
 
-    def run(self, args: list[str], port: int = 29400, timeout: float = 600) -> list[int]:
-        """Run `python -m shardwise ARGS` on every host; return each agent's exit code."""
-        agents = [subprocess.Popen(self.agent_command(i, port, args)) for i in range(self.hosts)]
+    def run(
+        self, args: list[str], port: int = 29400, timeout: float = 600, module: str = "shardwise"
+    ) -> list[int]:
+        """Run `python -m MODULE ARGS` on every host; return each agent's exit code."""
+        agents = [
+            subprocess.Popen(self.agent_command(i, port, args, module)) for i in range(self.hosts)
+        ]
         try:
             return [agent.wait(timeout=timeout) for agent in agents]
         finally:

@@ -8,9 +8,29 @@ from shardwise.launcher import launch
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
+    if args.suite == "comm":
+        return run_comm_benchmark(args)
     module = f"shardwise.bench.{args.suite}"
     argv = [module, "--models", args.models, "--steps", str(args.steps), "--reps", str(args.reps)]
     if args.out:
         argv += ["--out", args.out]
     launch(argv, args.world_size, threads_per_rank=None)
     return 0
+
+
+def run_comm_benchmark(args: argparse.Namespace) -> int:
+    """On an emulated cluster (one host per rank) when namespaces are available."""
+    from shardwise import emulated_cluster
+
+    argv = ["--model", args.models.split(",")[0], "--steps", str(args.steps)]
+    argv += ["--out-dir", args.out or "bench-comm"]
+    if args.target_loss:
+        argv += ["--target-loss", str(args.target_loss)]
+    if not emulated_cluster.available():
+        print("shardwise: no network namespaces here: measuring on loopback instead")
+        launch(["shardwise.bench.comm", *argv, "--network", "loopback"], args.world_size)
+        return 0
+    argv += ["--network", f"{args.world_size} hosts at {args.rate}"]
+    with emulated_cluster.emulated(args.world_size, args.rate) as cluster:
+        codes = cluster.run(argv, module="shardwise.bench.comm", timeout=3600)
+    return max(codes)

@@ -1,0 +1,193 @@
+"""Benchmark: what communication costs, per variant, on an emulated multi-host network.
+
+One training run per variant on the same data from the same initial weights: torch DDP, our DDP
+without compression, each codec, and each relaxed strategy. Reported per variant: bytes this
+rank sent per step (our accounting; torch DDP's by the all-reduce formula), compression ratio
+against uncompressed DDP, step time, wall-clock to reach a target training loss, and final
+loss; a PNG of loss against wall-clock; one JSON line. For PowerSGD the ideal reduction, sum of
+m*n over sum of (m+n)*r (uncompressed tensors counted whole), is printed beside the measured one.
+
+Run: shardwise bench comm --hosts 2 --rate 100mbit   (needs network namespaces; see
+`shardwise.emulated_cluster`; without them it runs on loopback and says so)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+from shardwise.api import strategy_of
+from shardwise.compression import PowerSGD
+from shardwise.config import resolve_data_path
+from shardwise.datasets import digits, text
+from shardwise.models import MLP, TinyGPT, lm_loss, num_parameters
+
+VARIANTS = {
+    "torch_ddp": None,
+    "ddp": lambda: sw.DDP(),
+    "fp16": lambda: sw.DDP(compression="fp16"),
+    "bf16": lambda: sw.DDP(compression="bf16"),
+    "int8": lambda: sw.DDP(compression="int8"),
+    "topk_1%": lambda: sw.DDP(compression="topk:0.01"),
+    "randomk_1%": lambda: sw.DDP(compression="randomk:0.01"),
+    "sign": lambda: sw.DDP(compression="sign"),
+    "powersgd_r4": lambda: sw.DDP(compression="powersgd:4"),
+    "local_sgd_h4": lambda: sw.LocalSGD(period=4),
+    "gossip_ring": lambda: sw.Gossip(topology="ring"),
+    "adaptive": lambda: sw.AdaptiveSync(threshold=0.02),
+}
+
+
+DEFAULT_TARGET = {"gpt": 2.6, "mlp": 0.3}  # training losses both models reach in 60 steps
+
+
+def workload(name: str):
+    if name == "gpt":
+        splits = text(resolve_data_path("genesis_kjv.txt"), seq_len=128)
+        factory = lambda: TinyGPT(splits.num_classes, 128, 256, 4, 4)  # noqa: E731
+        return factory, splits.train, 8, lm_loss, 1e-3
+    splits = digits()
+    factory = lambda: MLP([64, 2048, 2048, 10])  # noqa: E731
+    return factory, splits.train, 64, torch.nn.functional.cross_entropy, 1e-3
+
+
+def ideal_powersgd_ratio(model: nn.Module, rank: int = 4) -> float:
+    codec = PowerSGD(rank)
+    full = sent = 0
+    for p in model.parameters():
+        r = codec._matrix_rank(p.shape)
+        full += p.numel()
+        sent += (p.shape[0] + p[0].numel()) * r if r else p.numel()
+    return full / sent
+
+
+def train_variant(key: str, model_name: str, steps: int) -> dict:
+    factory, dataset, batch, loss_fn, lr = workload(model_name)
+    torch.manual_seed(0)
+    if key == "torch_ddp":
+        model = nn.parallel.DistributedDataParallel(factory())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    else:
+        model, opt = sw.prepare(factory(), VARIANTS[key](), optimizer=torch.optim.AdamW, lr=lr)
+    loader = sw.data.loader(dataset, batch, shuffle=True, seed=0)
+    params = num_parameters(model)
+    world = dist.get_world_size()
+    batches = (b for _ in range(10**6) for b in loader)
+    curve, sent = [], []
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        x, y = next(batches)
+        sw.comm.stats.end_step()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step_bytes = sw.comm.stats.end_step().bytes
+        if key == "torch_ddp":  # not through our layer: the ring all-reduce volume
+            step_bytes = 2 * (world - 1) * 4 * params // world
+        sent.append(step_bytes)
+        mean = loss.detach().reshape(1).clone()
+        dist.all_reduce(mean)
+        curve.append((time.perf_counter() - start, mean.item() / world))
+    if key != "torch_ddp":
+        strategy_of(model).close(model)
+    return {"curve": curve, "bytes_per_step": sum(sent) / len(sent), "params": params}
+
+
+def summarise(results: dict, target: float, ideal: float) -> dict:
+    base = results["ddp"]["bytes_per_step"]
+    table = {}
+    for key, r in results.items():
+        curve = r["curve"]
+        window = [[v for _, v in curve[max(0, i - 4) : i + 1]] for i in range(len(curve))]
+        smooth = [sum(w) / len(w) for w in window]  # mean of the last 5 steps' losses
+        reached = next((curve[i][0] for i, v in enumerate(smooth) if v <= target), None)
+        table[key] = {
+            "bytes_per_step": r["bytes_per_step"],
+            "compression_ratio": base / r["bytes_per_step"] if r["bytes_per_step"] else None,
+            "step_time_s": curve[-1][0] / len(curve),
+            "time_to_target_s": reached,
+            "final_loss": smooth[-1],
+        }
+    table["powersgd_r4"]["ideal_ratio"] = ideal
+    return table
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for key, r in results.items():
+        t, v = zip(*r["curve"], strict=True)
+        ax.plot(t, v, label=key, linewidth=2 if key in ("torch_ddp", "powersgd_r4") else 1)
+    ax.set_xlabel("wall-clock (s)")
+    ax.set_ylabel("training loss (mean over ranks)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="shardwise bench comm (one rank)")
+    parser.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--target-loss", type=float, default=None)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out-dir", default="bench-comm")
+    parser.add_argument("--network", default="loopback")
+    args = parser.parse_args()
+    rt = sw.init()
+    results = {}
+    for key in args.variants.split(","):
+        results[key] = train_variant(key, args.model, args.steps)
+        if rt.is_main:
+            print(f"{key}: {results[key]['curve'][-1][0]:.1f} s", flush=True)
+    if rt.is_main:
+        factory, *_ = workload(args.model)
+        target = args.target_loss or DEFAULT_TARGET[args.model]
+        table = summarise(results, target, ideal_powersgd_ratio(factory()))
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        title = f"{args.model}, world {rt.world_size}, {args.network}"
+        plot(results, out / f"comm_{args.model}.png", title)
+        print_table(table, title)
+        line = {"bench": "comm", "model": args.model, "network": args.network,
+                "world_size": rt.world_size, "steps": args.steps,
+                "target_loss": target, "results": table}  # fmt: skip
+        (out / f"comm_{args.model}.json").write_text(json.dumps(line) + "\n")
+        print(json.dumps(line))
+    sw.shutdown()
+
+
+def print_table(table: dict, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"comm benchmark: {title}")
+    for col in ("variant", "sent/step", "ratio", "step s", "to target s", "final loss"):
+        t.add_column(col, justify="right")
+    for key, v in table.items():
+        ratio = f"{v['compression_ratio']:.1f}x" if v["compression_ratio"] else "-"
+        if "ideal_ratio" in v:
+            ratio += f" (ideal {v['ideal_ratio']:.1f}x)"
+        reached = f"{v['time_to_target_s']:.1f}" if v["time_to_target_s"] is not None else "never"
+        t.add_row(key, f"{v['bytes_per_step'] / 2**20:.3f} MiB", ratio,
+                  f"{v['step_time_s']:.2f}", reached, f"{v['final_loss']:.4f}")  # fmt: skip
+    Console(width=120).print(t)
+
+
+if __name__ == "__main__":
+    main()
