@@ -199,3 +199,15 @@ def test_powersgd_sends_the_low_rank_factors_only():
         # biases (128+128+10) uncompressed; all-reduce sends 2(n-1)/n of each, fp32.
         values = sum((a + b) * 4 for a, b in matrices) + 128 + 128 + 10
         assert sent == 4 * values * 2 * (n - 1) // n
+
+
+def test_ideal_powersgd_reduction_of_the_benchmark_models():
+    from shardwise.bench.comm import ideal_powersgd_ratio
+    from shardwise.models import TinyGPT
+
+    # About 39x for the tiny GPT (the figure) at rank 4.
+    assert 38 < ideal_powersgd_ratio(TinyGPT(65)) < 40
+    # MLP by hand: (2048+784)4 + (2048+2048)4 + (10+2048)4 values for the weights (the 10x2048
+    # head still shrinks more than 2x, so it is compressed too) plus 4,106 bias values.
+    sent = (2048 + 784) * 4 + (2048 + 2048) * 4 + (10 + 2048) * 4 + 2048 + 2048 + 10
+    assert ideal_powersgd_ratio(MLP([784, 2048, 2048, 10])) == pytest.approx(5_824_522 / sent)
