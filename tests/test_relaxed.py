@@ -147,3 +147,25 @@ def test_adaptive_sync_synchronises_exactly_when_drift_passes_the_threshold():
     sync_steps, drift = results[0]
     assert 0 < len(sync_steps) < 20
     assert sync_steps == [step + 1 for step, d in enumerate(drift) if d > 0.02]
+
+
+def hybrid_gossip():
+    world = dist.get_world_size()
+    model, opt = sw.prepare(_model(), sw.Hybrid(global_every=3), optimizer=torch.optim.SGD, lr=0.1)
+    identical = []
+    for step in range(7):
+        x, y, mine = _batch(step, world)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        flat = _all(flat_params(model.module), world)
+        identical.append(bool((flat == flat[0]).all()))
+    return model.sync_steps, identical
+
+
+def test_hybrid_gossip_averages_globally_every_k_steps():
+    # Ring gossip at world 4 mixes only neighbours: replicas agree exactly only after the
+    # global average (steps 3 and 6).
+    for sync_steps, identical in run(hybrid_gossip, 4):
+        assert sync_steps == [3, 6]
+        assert identical == [s in (3, 6) for s in range(1, 8)]

@@ -11,7 +11,7 @@ from shardwise.api import clip_grad_norm_, full_state_dict, prepare
 from shardwise.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.memory import memory_report
 from shardwise.runtime import Runtime, init, shutdown
-from shardwise.strategies import DDP, AdaptiveSync, Gossip, LocalSGD, Strategy, ZeRO
+from shardwise.strategies import DDP, AdaptiveSync, Gossip, Hybrid, LocalSGD, Strategy, ZeRO
 from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __version__ = "0.1.0"
@@ -20,6 +20,7 @@ __all__ = [
     "DDP",
     "AdaptiveSync",
     "Gossip",
+    "Hybrid",
     "LocalSGD",
     "Runtime",
     "Strategy",

@@ -198,11 +198,17 @@ class PowerSGD(Codec):
 
     name = "powersgd"
 
-    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0) -> None:
+    def __init__(
+        self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0, start_iter: int = 0
+    ) -> None:
         super().__init__()
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
         self.rank, self.min_compression_rate = rank, min_compression_rate
+        # Plain all-reduce for the first `start_iter` reductions of each buffer: the start of
+        # training is the most sensitive to approximate gradients (torch's start_powerSGD_iter).
+        self.start_iter = start_iter
+        self.calls: dict[object, int] = {}
         self.generator = torch.Generator().manual_seed(seed)
         self.shapes: dict[object, list[torch.Size]] = {}
         self.qs: dict[object, list[torch.Tensor]] = {}
@@ -220,6 +226,10 @@ class PowerSGD(Codec):
         return r if (n + m) * r * self.min_compression_rate < n * m else None
 
     def reduce(self, buffer, group, key) -> None:
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if self.calls[key] <= self.start_iter:
+            comm.all_reduce(buffer, group=group)
+            return
         shapes = self.shapes.get(key, [buffer.shape])
         corrected = self.with_feedback(buffer, key)
         views = list(corrected.split([s.numel() for s in shapes]))
@@ -266,7 +276,7 @@ class PowerSGD(Codec):
 
 
 def make_codec(spec: str) -> Codec:
-    """`fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01`, `sign` or `powersgd:4`."""
+    """`fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01`, `sign`, `powersgd:4[:START]`."""
     name, _, arg = spec.partition(":")
     if name == "fp16":
         return CastCodec(torch.float16)
@@ -279,8 +289,9 @@ def make_codec(spec: str) -> Codec:
         return TopK(ratio) if name == "topk" else RandomK(ratio)
     if name == "sign":
         return SignCodec()
-    if name == "powersgd":
-        return PowerSGD(int(arg) if arg else 4)
+    if name == "powersgd":  # powersgd:RANK or powersgd:RANK:START_ITER
+        rank, _, start = arg.partition(":")
+        return PowerSGD(int(rank) if rank else 4, start_iter=int(start) if start else 0)
     raise ValueError(
         "compression must be fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
         f"powersgd:RANK, got {spec!r}"

@@ -93,7 +93,7 @@ class DDPConfig(_Section):
         None,
         description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
         "powersgd:RANK",
-        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+)?)$",
+        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+(:\d+)?)?)$",
     )
 
 

@@ -2,7 +2,7 @@
 
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.ddp import DDP
-from shardwise.strategies.relaxed import AdaptiveSync, Gossip, LocalSGD
+from shardwise.strategies.relaxed import AdaptiveSync, Gossip, Hybrid, LocalSGD
 from shardwise.strategies.zero import ZeRO
 
-__all__ = ["DDP", "AdaptiveSync", "Gossip", "LocalSGD", "Strategy", "ZeRO"]
+__all__ = ["DDP", "AdaptiveSync", "Gossip", "Hybrid", "LocalSGD", "Strategy", "ZeRO"]

@@ -216,3 +216,14 @@ class AdaptiveSync(_Relaxed):
             average_params(model.module)
             model.sync_steps.append(model.steps)
             self._anchor = flat_params(model.module)
+
+
+def Hybrid(local: str = "gossip", global_every: int = 8, topology: str = "ring") -> _Relaxed:
+    """Cheap local synchronisation every step, a global average every `global_every` steps:
+    gossip with neighbours (`local='gossip'`), or none at all (`local='none'`, which is local
+    SGD with period `global_every`)."""
+    if local == "gossip":
+        return Gossip(topology=topology, global_every=global_every)
+    if local == "none":
+        return LocalSGD(period=global_every)
+    raise ValueError(f"Hybrid local must be 'gossip' or 'none', got {local!r}")
