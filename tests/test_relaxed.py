@@ -58,19 +58,22 @@ def test_local_sgd_period_1_with_momentum_equals_ddp_and_single_process():
         assert vs_ddp <= 1e-5 and vs_reference <= 1e-5
 
 
-def local_sgd_period(period: int, warmup: int):
-    world = dist.get_world_size()
-    model, opt = sw.prepare(_model(), sw.LocalSGD(period=period, warmup_steps=warmup), lr=1e-2)
-    identical_after = []
-    for step in range(12):
+def _identical_after_each_step(model, opt, steps: int) -> list[bool]:
+    """Train `steps` steps; after each, whether every rank holds exactly the same parameters."""
+    world, identical = dist.get_world_size(), []
+    for step in range(steps):
         x, y, mine = _batch(step, world)
         F.cross_entropy(model(x[mine]), y[mine]).backward()
         opt.step()
         opt.zero_grad()
-        mine_flat = flat_params(model.module)
-        gathered = torch.empty(world, mine_flat.numel())
-        dist.all_gather_into_tensor(gathered.view(-1), mine_flat)
-        identical_after.append(bool((gathered == gathered[0]).all()))
+        flat = _all(flat_params(model.module), world)
+        identical.append(bool((flat == flat[0]).all()))
+    return identical
+
+
+def local_sgd_period(period: int, warmup: int):
+    model, opt = sw.prepare(_model(), sw.LocalSGD(period=period, warmup_steps=warmup), lr=1e-2)
+    identical_after = _identical_after_each_step(model, opt, 12)
     return model.sync_steps, identical_after
 
 
@@ -150,17 +153,8 @@ def test_adaptive_sync_synchronises_exactly_when_drift_passes_the_threshold():
 
 
 def hybrid_gossip():
-    world = dist.get_world_size()
     model, opt = sw.prepare(_model(), sw.Hybrid(global_every=3), optimizer=torch.optim.SGD, lr=0.1)
-    identical = []
-    for step in range(7):
-        x, y, mine = _batch(step, world)
-        F.cross_entropy(model(x[mine]), y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
-        flat = _all(flat_params(model.module), world)
-        identical.append(bool((flat == flat[0]).all()))
-    return model.sync_steps, identical
+    return model.sync_steps, _identical_after_each_step(model, opt, 7)
 
 
 def test_hybrid_gossip_averages_globally_every_k_steps():
