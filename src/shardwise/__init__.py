@@ -7,11 +7,31 @@ loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
 """
 
 from shardwise import comm, data
-from shardwise.api import clip_grad_norm_, full_state_dict, prepare
+from shardwise.api import (
+    clip_grad_norm_,
+    data_shard,
+    full_state_dict,
+    parallel_loss,
+    predict,
+    prepare,
+    train_step,
+)
 from shardwise.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.memory import memory_report
+from shardwise.mesh import DeviceMesh, build_mesh
 from shardwise.runtime import Runtime, init, shutdown
-from shardwise.strategies import DDP, AdaptiveSync, Gossip, Hybrid, LocalSGD, Strategy, ZeRO
+from shardwise.strategies import (
+    DDP,
+    AdaptiveSync,
+    Gossip,
+    Hybrid,
+    LocalSGD,
+    MeshParallel,
+    Pipeline,
+    Strategy,
+    TensorParallel,
+    ZeRO,
+)
 from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __version__ = "0.1.0"
@@ -19,23 +39,32 @@ __version__ = "0.1.0"
 __all__ = [
     "DDP",
     "AdaptiveSync",
+    "DeviceMesh",
     "Gossip",
     "Hybrid",
     "LocalSGD",
+    "MeshParallel",
+    "Pipeline",
     "Runtime",
     "Strategy",
     "SyncBatchNorm",
+    "TensorParallel",
     "ZeRO",
+    "build_mesh",
     "clip_grad_norm_",
     "comm",
     "convert_sync_batchnorm",
     "data",
+    "data_shard",
     "export_checkpoint",
     "full_state_dict",
     "init",
     "load_checkpoint",
     "memory_report",
+    "parallel_loss",
+    "predict",
     "prepare",
     "save_checkpoint",
     "shutdown",
+    "train_step",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,43 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return strategy.full_state_dict(model)
 
 
+def train_step(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
+    """Forward, loss and backward of one batch, whatever the strategy; returns the loss.
+
+    For most strategies this is `loss_fn(model(inputs), targets).backward()`. A pipeline runs
+    its whole schedule (every micro-batch through every stage); tensor parallel computes the
+    loss from vocabulary-sharded logits. The loss returned is the batch's, on every rank.
+    """
+    strategy = strategy_of(model)
+    if strategy is None:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss.detach()
+    return strategy.train_step(model, inputs, targets, loss_fn)
+
+
+def parallel_loss(model: nn.Module, loss_fn: Callable) -> Callable:
+    """The loss function to apply to this model's outputs: `loss_fn` itself, except where the
+    outputs are split over ranks (tensor parallel's vocabulary-sharded logits)."""
+    strategy = strategy_of(model)
+    return loss_fn if strategy is None else strategy.adapt_loss(model, loss_fn)
+
+
+def predict(model: nn.Module, output: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension of the model's output, also when it is split over ranks."""
+    strategy = strategy_of(model)
+    return output.argmax(-1) if strategy is None else strategy.predict(model, output)
+
+
+def data_shard(model: nn.Module) -> tuple[int, int]:
+    """(replicas, index) for the data loader: ranks that split one model share a batch."""
+    strategy = strategy_of(model)
+    if strategy is None:
+        rt = runtime.current()
+        return rt.world_size, rt.rank
+    return strategy.data_shard(model)
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most `max_norm`; return the norm before.
 
@@ -52,20 +90,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     norms of all shards on all ranks are summed; replicated gradients (DDP) need no message.
     Same formula as `torch.nn.utils.clip_grad_norm_`.
     """
-    from shardwise import comm
-
     strategy = strategy_of(model)
     if strategy is None:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     grads = strategy.local_grads(model)
-    device = grads[0].device if grads else runtime.current().device
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        squares += g.detach().float().pow(2).sum()
-    if strategy.grads_are_sharded():
-        comm.all_reduce(squares)
-    total_norm = squares.sqrt()
+    total_norm = strategy.grad_square_sum(model).sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+        g.detach().mul_(coef.to(g.device, g.dtype))  # offloaded gradients: on the CPU
     return total_norm

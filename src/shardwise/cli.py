@@ -43,9 +43,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"launch.nproc={args.nproc}")
     cfg = load_config(args.config, overrides)
     if _in_worker():
+        import shardwise as sw
         from shardwise.trainer import train
 
-        train(cfg, args.run_dir)
+        try:
+            train(cfg, args.run_dir)
+        finally:
+            sw.shutdown()
         return 0
     from shardwise.launcher import launch
 
@@ -106,11 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
-    bench.add_argument("suite", choices=["ddp", "zero", "comm"], help="what to benchmark")
+    bench.add_argument(
+        "suite", choices=["ddp", "zero", "comm", "pipeline", "tp"], help="what to benchmark"
+    )
     bench.add_argument("--world-size", type=int, default=2, help="ranks")
     bench.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
-    bench.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
-    bench.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
+    bench.add_argument("--steps", type=int, help="timed steps per repetition (per suite)")
+    bench.add_argument("--reps", type=int, help="interleaved repetitions (per suite)")
     bench.add_argument("--out", help="JSON result file (comm: output directory)")
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")

@@ -39,19 +39,23 @@ def loader(
     seed: int = 0,
     drop_last: bool = True,
     num_workers: int = 0,
+    shard: tuple[int, int] | None = None,
 ) -> ShardedLoader:
     """A loader yielding `batch_size` samples per step from this rank's shard.
 
     The global batch per step is `batch_size * world_size`. `drop_last` keeps every rank at the
     same number of steps (a rank with one step more would wait forever in a collective).
+    `shard` = (replicas, index) overrides (world size, rank): ranks that split one model
+    (tensor or pipeline parallel) must read the same batches; `sw.data_shard(model)` says how.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     rt = runtime.current() if runtime._runtime is not None else runtime.init()
+    replicas, index = shard or (rt.world_size, rt.rank)
     sampler = DistributedSampler(
         dataset,
-        num_replicas=rt.world_size,
-        rank=rt.rank,
+        num_replicas=replicas,
+        rank=index,
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,

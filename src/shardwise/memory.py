@@ -70,3 +70,65 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     device = next(model.parameters()).device
     report["peak"] = peak_bytes(device)
     return report
+
+
+class ActivationMeter:
+    """Bytes autograd keeps alive for backward (the activations), now and at the peak.
+
+    Inside `with meter:`, every tensor autograd saves for backward is wrapped; the wrapper counts
+    its storage while alive (once per storage, however often it is saved) and uncounts it when
+    the graph that holds it is freed, after that micro-batch's backward. Parameters are weights,
+    not activations, and are not counted. It measures any schedule the same way, ours or torch's,
+    on any device.
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
+            return tensor
+        return _Saved(self, tensor)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _add(self, key: int, nbytes: int) -> None:
+        entry = self._refs.setdefault(key, [0, nbytes])
+        entry[0] += 1
+        if entry[0] == 1:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def _remove(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._refs[key]
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __enter__(self) -> ActivationMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, meter: ActivationMeter, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.meter, self.tensor, self.key = meter, tensor, storage.data_ptr()
+        meter._add(self.key, storage.nbytes())
+
+    def __del__(self) -> None:
+        self.meter._remove(self.key)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import comm
+from shardwise import comm, runtime
 
 DTYPES = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,8 +38,9 @@ class LossScaler:
 
     def found_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not torch.isfinite(g).all() for g in grads)
-        device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        # The runtime's device, not the gradients': offloaded gradients sit on the CPU, and
+        # NCCL reduces only GPU tensors.
+        flag = torch.tensor([1.0 if local else 0.0], device=runtime.current().device)
         comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -59,11 +60,16 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # Widths come from qkv's output, not from x: under tensor parallel this rank computes
+        # only its n_head heads (the plan divides n_head), and x still has the full width.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        width = q.shape[-1]
+        q, k, v = (
+            z.view(b, t, self.n_head, width // self.n_head).transpose(1, 2) for z in (q, k, v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, width))
 
 
 class Block(nn.Module):
@@ -83,6 +89,19 @@ class Block(nn.Module):
 
 class TinyGPT(nn.Module):
     """A decoder-only transformer over characters; returns logits (batch, seq, vocab)."""
+
+    # How `shardwise.TensorParallel` splits it (Megatron-style; see strategies/tensor_parallel):
+    # q/k/v by heads and fc1 by output features (column), attention's and the MLP's output
+    # projections by input features (row), the embedding and the head by vocabulary.
+    TP_PLAN: ClassVar[dict[str, str]] = {
+        "tok_emb": "vocab_embedding",
+        "blocks.*.attn": "heads",
+        "blocks.*.attn.qkv": "colwise:3",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+        "head": "vocab_head",
+    }
 
     def __init__(
         self,
@@ -119,6 +138,36 @@ class TinyGPT(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
+        return self.head(self.ln_f(x))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as a sequence of layers, each feeding the next (what a pipeline splits)."""
+        return [
+            GPTEmbedding(self.tok_emb, self.pos_emb),
+            *self.blocks,
+            GPTHead(self.ln_f, self.head),
+        ]
+
+
+class GPTEmbedding(nn.Module):
+    """TinyGPT's first pipeline layer: token plus position embeddings."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = tok_emb, pos_emb
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPTHead(nn.Module):
+    """TinyGPT's last pipeline layer: final norm and the vocabulary projection."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))
 
 

@@ -28,6 +28,9 @@ class Runtime:
     device: torch.device
     backend: str
     timeout: timedelta
+    # The process group that `rank` and `world_size` refer to: None is the whole world. A device
+    # mesh hands a strategy a runtime for one of its dimensions (see `shardwise.mesh`).
+    group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -69,11 +72,15 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # NCCL binds its communicators to this rank's GPU up front (barriers included).
+        bound = {"device_id": device} if backend == "nccl" else {}
         if "RANK" in env and "WORLD_SIZE" in env:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            dist.init_process_group(backend, init_method="env://", timeout=timeout, **bound)
         else:  # plain `python script.py`: a world of one, same code path
             store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(
+                backend, store=store, rank=0, world_size=1, timeout=timeout, **bound
+            )
     world_size = dist.get_world_size()
     _runtime = Runtime(
         rank=dist.get_rank(),

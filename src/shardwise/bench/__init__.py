@@ -6,12 +6,19 @@ import argparse
 
 from shardwise.launcher import launch
 
+# (timed steps per repetition, repetitions) when the command line does not say
+DEFAULTS = {"ddp": (10, 5), "zero": (10, 5), "comm": (60, 1), "pipeline": (3, 3), "tp": (5, 3)}
+
 
 def run_benchmark(args: argparse.Namespace) -> int:
+    steps, reps = DEFAULTS[args.suite]
+    args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":
         return run_comm_benchmark(args)
     module = f"shardwise.bench.{args.suite}"
-    argv = [module, "--models", args.models, "--steps", str(args.steps), "--reps", str(args.reps)]
+    argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
+    if args.suite in ("ddp", "zero"):
+        argv += ["--models", args.models]
     if args.out:
         argv += ["--out", args.out]
     launch(argv, args.world_size, threads_per_rank=None)

@@ -3,9 +3,11 @@
 One training run per variant on the same data from the same initial weights: torch DDP, our DDP
 without compression, each codec, and each relaxed strategy. Reported per variant: bytes this
 rank sent per step (our accounting; torch DDP's by the all-reduce formula), compression ratio
-against uncompressed DDP, step time, wall-clock to reach a target training loss, and final
-loss; a PNG of loss against wall-clock; one JSON line. For PowerSGD the ideal reduction, sum of
-m*n over sum of (m+n)*r (uncompressed tensors counted whole), is printed beside the measured one.
+against uncompressed DDP (mean over all steps, and steady state = the median step, which
+excludes PowerSGD's plain warm-up steps), step time, wall-clock to reach a target training
+loss, and final loss; a PNG of loss against wall-clock; one JSON line. For PowerSGD the ideal
+reduction, sum of m*n over sum of (m+n)*r (uncompressed tensors counted whole), is printed
+beside the measured one.
 
 Run: shardwise bench comm --hosts 2 --rate 100mbit   (needs network namespaces; see
 `shardwise.emulated_cluster`; without them it runs on loopback and says so)
@@ -99,11 +101,15 @@ def train_variant(key: str, model_name: str, steps: int) -> dict:
         curve.append((time.perf_counter() - start, mean.item() / world))
     if key != "torch_ddp":
         strategy_of(model).close(model)
-    return {"curve": curve, "bytes_per_step": sum(sent) / len(sent), "params": params}
+    steady = sorted(sent)[len(sent) // 2]  # median: PowerSGD's warm-up steps send plain grads
+    return {"curve": curve, "bytes_per_step": sum(sent) / len(sent),
+            "steady_bytes_per_step": steady, "params": params}  # fmt: skip
 
 
 def summarise(results: dict, target: float, ideal: float) -> dict:
     base = results["ddp"]["bytes_per_step"]
+    steady_base = results["ddp"]["steady_bytes_per_step"]
+    relaxed = ("local_sgd", "gossip", "adaptive")  # no steady per-step volume: it varies by design
     table = {}
     for key, r in results.items():
         curve = r["curve"]
@@ -113,11 +119,20 @@ def summarise(results: dict, target: float, ideal: float) -> dict:
         table[key] = {
             "bytes_per_step": r["bytes_per_step"],
             "compression_ratio": base / r["bytes_per_step"] if r["bytes_per_step"] else None,
+            "steady_bytes_per_step": r["steady_bytes_per_step"],
+            "steady_ratio": (
+                steady_base / r["steady_bytes_per_step"]
+                if r["steady_bytes_per_step"] and not key.startswith(relaxed)
+                else None
+            ),
             "step_time_s": curve[-1][0] / len(curve),
             "time_to_target_s": reached,
             "final_loss": smooth[-1],
         }
-    table["powersgd_r4"]["ideal_ratio"] = ideal
+    if "powersgd_r4" in table:
+        psgd = table["powersgd_r4"]
+        psgd["ideal_ratio"] = ideal
+        psgd["fraction_of_ideal"] = (psgd["steady_ratio"] or 0) / ideal
     return table
 
 
@@ -177,14 +192,18 @@ def print_table(table: dict, title: str) -> None:
     from rich.table import Table
 
     t = Table(title=f"comm benchmark: {title}")
-    for col in ("variant", "sent/step", "ratio", "step s", "to target s", "final loss"):
+    columns = ("variant", "mean sent/step", "ratio", "steady sent/step", "steady ratio",
+               "step s", "to target s", "final loss")  # fmt: skip
+    for col in columns:
         t.add_column(col, justify="right")
     for key, v in table.items():
         ratio = f"{v['compression_ratio']:.1f}x" if v["compression_ratio"] else "-"
+        steady = f"{v['steady_ratio']:.1f}x" if v["steady_ratio"] else "-"
         if "ideal_ratio" in v:
-            ratio += f" (ideal {v['ideal_ratio']:.1f}x)"
+            steady += f" (ideal {v['ideal_ratio']:.1f}x, {v['fraction_of_ideal']:.0%})"
         reached = f"{v['time_to_target_s']:.1f}" if v["time_to_target_s"] is not None else "never"
-        t.add_row(key, f"{v['bytes_per_step'] / 2**20:.3f} MiB", ratio,
+        steady_bytes = f"{v['steady_bytes_per_step'] / 2**20:.3f} MiB" if v["steady_ratio"] else "-"
+        t.add_row(key, f"{v['bytes_per_step'] / 2**20:.3f} MiB", ratio, steady_bytes, steady,
                   f"{v['step_time_s']:.2f}", reached, f"{v['final_loss']:.4f}")  # fmt: skip
     Console(width=120).print(t)
 

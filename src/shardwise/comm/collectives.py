@@ -161,6 +161,24 @@ def exchange(
     stats.record(op, sum(_nbytes(t) for t, _ in sends), timer.elapsed())
 
 
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> Handle:
+    """Start sending `tensor` to group rank `dst`; keep `tensor` alive until the handle's wait."""
+    assert tensor.is_contiguous(), "send a contiguous tensor"
+    return _issue(
+        "send",
+        _nbytes(tensor),
+        lambda: dist.isend(tensor, group=group, group_dst=dst),
+        async_op=True,
+    )
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
+    """Receive into `tensor` from group rank `src`, blocking (the wait is counted)."""
+    timer = Timer()
+    dist.irecv(tensor, group=group, group_src=src).wait()
+    stats.record("recv", 0, timer.elapsed())
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     timer = Timer()
     dist.barrier(group=group)
@@ -174,3 +192,12 @@ def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = Non
     dist.broadcast_object_list(box, group_src=src, group=group)
     stats.record("broadcast_object", 0, timer.elapsed())
     return box[0]
+
+
+def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
+    """Every rank's picklable object, in group-rank order; counted by call only."""
+    out: list = [None] * group_size(group)
+    timer = Timer()
+    dist.all_gather_object(out, obj, group=group)
+    stats.record("all_gather_object", 0, timer.elapsed())
+    return out

@@ -9,6 +9,7 @@ single-process state dict, so checkpoints and exports never depend on how traini
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 
 from shardwise import runtime
 from shardwise.runtime import Runtime
+
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class Strategy(ABC):
@@ -39,9 +42,36 @@ class Strategy(ABC):
         """The gradients this rank holds (all of them, or its shard)."""
         return [p.grad for p in model.parameters() if p.grad is not None]
 
-    def grads_are_sharded(self) -> bool:
-        """True when ranks hold disjoint pieces of the gradient (norms must be summed)."""
-        return False
+    def grad_square_sum(self, model: nn.Module) -> torch.Tensor:
+        """Σ g² over the whole (global) gradient, the same on every rank: what clipping needs.
+
+        This default is for replicated gradients; strategies that shard them sum over ranks.
+        """
+        return square_sum(self.local_grads(model))
+
+    # ---- the training loop's hooks: what changes when the model itself is split -------------
+    def train_step(
+        self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn
+    ) -> torch.Tensor:
+        """Forward, loss and backward for one batch; returns the (detached) loss. A pipeline
+        runs its whole schedule here."""
+        loss = self.adapt_loss(model, loss_fn)(model(inputs), targets)
+        loss.backward()
+        return loss.detach()
+
+    def adapt_loss(self, model: nn.Module, loss_fn: LossFn) -> LossFn:
+        """The loss to use on this model's outputs (tensor parallel: from vocabulary slices)."""
+        return loss_fn
+
+    def predict(self, model: nn.Module, output: torch.Tensor) -> torch.Tensor:
+        """Predicted class per row of `output` (argmax over the last dimension)."""
+        return output.argmax(-1)
+
+    def data_shard(self, model: nn.Module) -> tuple[int, int]:
+        """(replicas, index): how many different batches a step consumes, and which is ours.
+        Ranks that split one model between them must see the same batch."""
+        rt = runtime.current()
+        return rt.world_size, rt.rank
 
     def checkpoint_shard(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -97,6 +127,14 @@ def load_buffers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     for name, b in model.module.named_buffers():
         if name in tensors:
             b.copy_(tensors[name])
+
+
+def square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    device = tensors[0].device if tensors else runtime.current().device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for t in tensors:
+        total += t.detach().float().pow(2).sum()
+    return total
 
 
 class WrappedModel(nn.Module):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.comm.algorithms import AllReduceName, make_all_reduce
+from shardwise.comm.algorithms import AllReduceName, NativeAllReduce, make_all_reduce
 from shardwise.compression import CompressedAllReduce, make_codec
 from shardwise.runtime import Runtime
 from shardwise.strategies.base import Strategy, WrappedModel
@@ -44,16 +44,18 @@ class Bucket:
     handle: comm.Handle | None = None
 
 
-def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
-    """Copy rank `src`'s parameters and buffers to every rank, one flat message per dtype."""
+def broadcast_module_state(
+    module: nn.Module, src: int = 0, group: comm.ProcessGroup | None = None
+) -> None:
+    """Copy group rank `src`'s parameters and buffers to the group, one flat message per dtype."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel()]
     # An ordered set: a plain set's order can differ between processes, and so would the messages.
     for dtype in dict.fromkeys(t.dtype for t in tensors):
-        group = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        comm.broadcast(flat, src=src)
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        comm.broadcast(flat, src=src, group=group)
         with torch.no_grad():
-            for t, chunk in zip(group, flat.split([t.numel() for t in group]), strict=True):
+            for t, chunk in zip(same, flat.split([t.numel() for t in same]), strict=True):
                 t.copy_(chunk.view_as(t))
 
 
@@ -177,10 +179,17 @@ class DDP(Strategy):
             )
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> DataParallelModel:
-        if self.sync_batchnorm and runtime.world_size > 1:
+        if runtime.group is not None and (self.compression or self.algorithm != "native"):
+            raise ValueError(
+                "along a device-mesh dimension DDP uses the native all-reduce: "
+                "algorithm and compression apply to whole-world data parallel only"
+            )
+        if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
             model = convert_sync_batchnorm(model)
-        broadcast_module_state(model)
-        if self.compression is not None:
+        broadcast_module_state(model, group=runtime.group)
+        if runtime.group is not None:
+            all_reduce = NativeAllReduce(runtime.group)
+        elif self.compression is not None:
             all_reduce = CompressedAllReduce(make_codec(self.compression), runtime.timeout)
         else:
             all_reduce = make_all_reduce(

@@ -36,7 +36,13 @@ from torch import nn
 from shardwise import comm, runtime
 from shardwise.mixed_precision import LossScaler, compute_dtype, install_casts
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy, WrappedModel, buffer_tensors, load_buffers
+from shardwise.strategies.base import (
+    Strategy,
+    WrappedModel,
+    buffer_tensors,
+    load_buffers,
+    square_sum,
+)
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
 from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
@@ -46,10 +52,15 @@ class FlatUnit:
     """Some parameters flattened into one padded buffer; this rank owns one equal slice of it."""
 
     def __init__(
-        self, params: list[nn.Parameter], rank: int, world_size: int, dtype: torch.dtype
+        self,
+        params: list[nn.Parameter],
+        rank: int,
+        world_size: int,
+        dtype: torch.dtype,
+        group: comm.ProcessGroup | None = None,
     ) -> None:
         assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
-        self.params, self.rank = params, rank
+        self.params, self.rank, self.group = params, rank, group
         self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
         self.numels = [p.numel() for p in params]
         offsets = [sum(self.numels[:i]) for i in range(len(params))]
@@ -103,7 +114,9 @@ class FlatUnit:
         if self.is_gathered() or self.gather_handle is not None:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self.gather_handle = comm.all_gather_into_tensor(self.full, shard.detach(), async_op=True)
+        self.gather_handle = comm.all_gather_into_tensor(
+            self.full, shard.detach(), group=self.group, async_op=True
+        )
 
     def wait_gather(self) -> None:
         if self.gather_handle is not None:
@@ -138,7 +151,7 @@ class ZeroEngine:
         mixed_precision: str | None = None,
         master_device: torch.device | None = None,
     ) -> None:
-        self.stage, self.world_size = stage, rt.world_size
+        self.stage, self.world_size, self.group = stage, rt.world_size, rt.group
         # fp32 masters apart from the compute copy: with mixed precision, and with offload.
         self.master_device = master_device
         self.separate_master = master_device is not None or mixed_precision is not None
@@ -156,7 +169,9 @@ class ZeroEngine:
             groups = [rest, *groups] if rest else groups
         else:
             groups = assign_buckets(params, bucket_bytes)
-        self.units = [FlatUnit(g, rt.rank, rt.world_size, self.compute_dtype) for g in groups]
+        self.units = [
+            FlatUnit(g, rt.rank, rt.world_size, self.compute_dtype, rt.group) for g in groups
+        ]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.shards = [self._make_shard(u) for u in self.units]
         # Gradients become ready roughly in reverse forward order: reduce units in that order.
@@ -218,7 +233,9 @@ class ZeroEngine:
         unit = self.units[index]
         unit.grad_full.div_(self.world_size)  # average, before summing (fp16-safe)
         unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
-        unit.handle = comm.reduce_scatter_tensor(unit.reduced, unit.grad_full, async_op=True)
+        unit.handle = comm.reduce_scatter_tensor(
+            unit.reduced, unit.grad_full, group=self.group, async_op=True
+        )
         if self.stage == 3:
             unit.free()  # its backward is done: the gathered weights can go
 
@@ -262,7 +279,7 @@ class ZeroEngine:
         if self.stage == 3:
             return
         handles = [
-            comm.all_gather_into_tensor(u.full, self._compute_copy(s), async_op=True)
+            comm.all_gather_into_tensor(u.full, self._compute_copy(s), self.group, async_op=True)
             for u, s in zip(self.units, self.shards, strict=True)
         ]
         for h in handles:
@@ -363,7 +380,7 @@ class ZeRO(Strategy):
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroModel:
-        broadcast_module_state(model)
+        broadcast_module_state(model, group=runtime.group)
         engine = ZeroEngine(
             model,
             self.stage,
@@ -393,8 +410,10 @@ class ZeRO(Strategy):
         mixed precision), buffers as the module holds them."""
         engine, full = model.engine, {}
         for unit, shard in zip(engine.units, engine.shards, strict=True):
-            flat = torch.empty(unit.full.numel(), dtype=shard.dtype, device=shard.device)
-            comm.all_gather_into_tensor(flat, shard.detach().contiguous())
+            # Gather on the compute device: offloaded masters live on the CPU, NCCL does not.
+            device = unit.full.device
+            flat = torch.empty(unit.full.numel(), dtype=shard.dtype, device=device)
+            comm.all_gather_into_tensor(flat, shard.detach().to(device).contiguous(), engine.group)
             for p in unit.params:
                 full[engine.names[p]] = unit.slot(flat, p).clone()
         state = model.module.state_dict(keep_vars=True)
@@ -403,8 +422,11 @@ class ZeRO(Strategy):
     def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
         return model.engine.grad_shards()
 
-    def grads_are_sharded(self) -> bool:
-        return True
+    def grad_square_sum(self, model: nn.Module) -> torch.Tensor:
+        device = model.engine.units[0].full.device  # offloaded shards are on the CPU
+        squares = square_sum(self.local_grads(model)).to(device)
+        comm.all_reduce(squares, group=model.engine.group)  # disjoint shards: sum over ranks
+        return squares
 
     def checkpoint_shard(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -1,0 +1,215 @@
+"""Benchmark: tensor parallel's memory and communication, measured against the Megatron formula.
+
+On the tiny GPT, with the model split over all ranks (T = world size): parameter bytes per rank
+(the split layers hold 1/T each, layer norms, position embeddings and row-parallel biases are
+replicated), all-reduce bytes and calls per training step from our accounting next to what a
+Megatron-style block must send, and step time beside single-process training of the same batch
+and beside torch's own tensor parallel (`torch.distributed.tensor.parallel`, DTensor) on the same
+plan.
+
+The formula, per step with B*S tokens of width d, L blocks and all-reduces of fp32 activations:
+forward: the embedding's g, and g after attention and after the MLP in every block (1 + 2L);
+backward: f before q/k/v and before fc1 in every block, and before the head (2L + 1); the
+vocabulary-parallel loss adds three all-reduces of one float per token (max, sum of
+exponentials, target logit). Each all-reduce of n bytes sends 2(T-1)/T * n per rank.
+
+Run: shardwise bench tp --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+from shardwise.bench.common import GPT_VOCAB
+from shardwise.comm.accounting import native_volume
+from shardwise.models import TinyGPT, lm_loss
+
+
+def expected_tp_bytes(model: TinyGPT, batch: int, seq: int, parts: int) -> dict[str, int]:
+    """All-reduce calls and bytes one rank sends in one training step (forward + backward)."""
+    d, layers = model.tok_emb.embedding_dim, len(model.blocks)
+    activation = batch * seq * d * 4
+    per_token = batch * seq * 4
+    calls = [activation] * ((1 + 2 * layers) + (2 * layers + 1)) + [per_token] * 3
+    return {
+        "all_reduce_calls": len(calls),
+        "all_reduce_bytes": sum(native_volume("all_reduce", n, parts) for n in calls),
+    }
+
+
+def expected_param_bytes(model: nn.Module, parts: int, rank: int) -> int:
+    """Bytes of parameters on `rank`: split layers' share (uneven vocabularies: the first
+    ranks hold one row more) plus everything replicated."""
+    from fnmatch import fnmatchcase
+
+    from shardwise.strategies.tensor_parallel import split_bounds
+
+    total = 0
+    plan = {k: v for k, v in model.TP_PLAN.items() if v != "heads"}
+    for mname, module in model.named_modules():
+        style = next((s for p, s in plan.items() if fnmatchcase(mname, p)), None)
+        for pname, p in module.named_parameters(recurse=False):
+            if style is None or (style == "rowwise" and pname == "bias"):
+                total += p.numel() * 4
+                continue
+            dim = 1 if style == "rowwise" else 0
+            chunks = int(style.partition(":")[2] or 1)
+            start, end = split_bounds(p.shape[dim] // chunks, parts)[rank]
+            total += p.numel() // p.shape[dim] * (end - start) * chunks * 4
+    return total
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(GPT_VOCAB, seq_len=128, d_model=256, n_layer=4, n_head=4)
+
+
+def _batch(batch: int):
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, GPT_VOCAB, (batch, 129), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _time(step, steps: int, reps: int) -> float:
+    """Median seconds per step (slowest rank) over `reps` repetitions of `steps` steps."""
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = torch.tensor([(time.perf_counter() - t0) / steps])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return sorted(times)[len(times) // 2]
+
+
+def torch_tp(model: TinyGPT, parts: int):
+    """The same split with torch's DTensor tensor parallel (its own rival implementation)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (parts,))
+    plan = {}
+    for i, block in enumerate(model.blocks):
+        block.attn.n_head //= parts
+        plan |= {
+            f"blocks.{i}.attn.qkv": ColwiseParallel(),
+            f"blocks.{i}.attn.proj": RowwiseParallel(),
+            f"blocks.{i}.mlp.0": ColwiseParallel(),
+            f"blocks.{i}.mlp.2": RowwiseParallel(),
+        }
+    # torch's colwise qkv splits the fused [q; k; v] rows contiguously, not head by head: the
+    # arithmetic cost is the same, which is what this rival is timed for (not its numbers).
+    return parallelize_module(model, mesh, plan)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="shardwise bench tp (one rank)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rt = sw.init()
+    parts = rt.world_size
+    x, y = _batch(args.batch)
+
+    model, opt = sw.prepare(_model(), sw.TensorParallel(), lr=1e-4)
+    local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    full_bytes = sum(p.numel() * 4 for p in _model().parameters())
+    sw.comm.stats.end_step()
+    sw.train_step(model, x, y, lm_loss)
+    opt.step()
+    opt.zero_grad()
+    measured = sw.comm.stats.end_step().by_op["all_reduce"]
+    expected = expected_tp_bytes(_model(), args.batch, 128, parts)
+
+    def ours_step() -> None:
+        sw.train_step(model, x, y, lm_loss)
+        opt.step()
+        opt.zero_grad()
+
+    single = _model()
+    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-4)
+
+    def single_step() -> None:
+        lm_loss(single(x), y).backward()
+        single_opt.step()
+        single_opt.zero_grad()
+
+    timings = {"ours_tp": _time(ours_step, args.steps, args.reps)}
+    try:
+        rival = torch_tp(_model(), parts)
+        rival_opt = torch.optim.AdamW(rival.parameters(), lr=1e-4)
+
+        def rival_step() -> None:
+            lm_loss(rival(x), y).backward()
+            rival_opt.step()
+            rival_opt.zero_grad()
+
+        timings["torch_tp"] = _time(rival_step, args.steps, args.reps)
+    except Exception as e:  # report, do not hide, a rival that cannot run here
+        timings["torch_tp_error"] = f"{type(e).__name__}: {e}"
+    timings["single_process"] = _time(single_step, args.steps, args.reps)
+
+    result = {
+        "bench": "tp",
+        "model": "gpt",
+        "tp": parts,
+        "batch": args.batch,
+        "param_bytes_full": full_bytes,
+        "param_bytes_per_rank": local_bytes,
+        "param_bytes_per_rank_expected": expected_param_bytes(_model(), parts, rt.rank),
+        "all_reduce_calls": measured.calls,
+        "all_reduce_calls_expected": expected["all_reduce_calls"],
+        "all_reduce_bytes": measured.bytes,
+        "all_reduce_bytes_expected": expected["all_reduce_bytes"],
+        "step_time_s": timings,
+    }
+    if rt.is_main:
+        print_report(result)
+        print(json.dumps(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result) + "\n")
+    sw.shutdown()
+
+
+def print_report(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"tensor parallel, tiny GPT, T={r['tp']}, batch {r['batch']} x 128 (rank 0)")
+    for col in ("quantity", "measured", "formula", "note"):
+        t.add_column(col, justify="right")
+    mib = 2**20
+    t.add_row("params / rank", f"{r['param_bytes_per_rank'] / mib:.3f} MiB",
+              f"{r['param_bytes_per_rank_expected'] / mib:.3f} MiB",
+              f"{r['param_bytes_per_rank'] / r['param_bytes_full']:.3f} of "
+              f"{r['param_bytes_full'] / mib:.2f} MiB")  # fmt: skip
+    t.add_row("all-reduces / step", str(r["all_reduce_calls"]), str(r["all_reduce_calls_expected"]),
+              "2 per block fwd + 2 bwd, +2, +3 loss")  # fmt: skip
+    t.add_row("all-reduce bytes / step", f"{r['all_reduce_bytes'] / mib:.3f} MiB",
+              f"{r['all_reduce_bytes_expected'] / mib:.3f} MiB", "sent by this rank")  # fmt: skip
+    for key, value in r["step_time_s"].items():
+        shown = f"{1000 * value:.1f} ms" if isinstance(value, float) else value
+        t.add_row(f"step time: {key}", shown, "", "")
+    Console(width=120).print(t)
+
+
+if __name__ == "__main__":
+    main()

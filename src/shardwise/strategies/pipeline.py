@@ -1,0 +1,343 @@
+"""Pipeline parallel: the model cut into S consecutive stages, one per rank, with micro-batches
+flowing through them.
+
+Each step splits the batch into M micro-batches. Stage s receives a micro-batch's activations
+from stage s-1, runs its layers and sends the result to stage s+1; backward runs the other way,
+each stage receiving the gradient of its output and sending the gradient of its input. The last
+stage computes the loss. Two schedules decide the order of the forwards (F) and backwards (B):
+
+- GPipe (Huang et al., 2019): all M forwards, then all M backwards. Simple; every stage holds the
+  activations of all M micro-batches at its peak.
+- 1F1B (PipeDream-Flush, Narayanan et al., 2021; Megatron-LM's default): stage s runs S-s-1
+  warm-up forwards, then alternates one forward and one backward, then drains. It holds at most
+  S-s micro-batches' activations, whatever M is.
+
+Both leave every stage idle for (S-1) of the M+S-1 slots of a step: the bubble fraction
+(S-1)/(M+S-1), which more micro-batches shrink. Each micro-batch loss is divided by M, so the
+accumulated gradients are those of the whole batch's mean loss, as in single-process training.
+
+Messages are point-to-point: the sends are asynchronous (kept alive until the step ends), the
+receives block, and each activation is preceded by a small header with its shape and dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import comm
+from shardwise.runtime import Runtime
+from shardwise.strategies.base import LossFn, Strategy, square_sum
+from shardwise.strategies.ddp import broadcast_module_state
+
+SCHEDULES = ("gpipe", "1f1b")
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_HEADER = 8  # ndim, up to 6 sizes, dtype code
+
+
+# ---- splitting the model -----------------------------------------------------------------------
+def pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """The model as layers in order, each one's output the next one's input."""
+    if hasattr(model, "pipeline_layers"):
+        return list(model.pipeline_layers())
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    raise ValueError(
+        f"{type(model).__name__} is not an nn.Sequential and has no pipeline_layers() method: "
+        "a pipeline needs the model as a sequence of layers"
+    )
+
+
+def balanced_split(weights: list[float], stages: int) -> list[int]:
+    """Start index of each stage for contiguous stages minimising the heaviest stage's weight.
+
+    Dynamic programming over (layers used, stages used); L and S are small.
+    """
+    n = len(weights)
+    if stages > n:
+        raise ValueError(f"cannot split {n} layers into {stages} pipeline stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: heaviest stage when the first i layers form k stages; cut[k][i]: last start.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def measure_layer_times(
+    layers: list[nn.Module], sample: torch.Tensor, reps: int = 3
+) -> list[float]:
+    """Seconds of forward plus backward per layer on `sample` (the median of `reps`)."""
+    times = [[] for _ in layers]
+    for _ in range(reps):
+        x = sample
+        for i, layer in enumerate(layers):
+            x = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            y = layer(x)
+            y.float().sum().backward()
+            times[i].append(time.perf_counter() - start)
+            x = y
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+class PipelineStage(nn.Module):
+    """This rank's consecutive layers."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The stage under a data-parallel wrapper (a mesh wraps stages in DDP or ZeRO)."""
+    return getattr(module, "module", module)
+
+
+# ---- the schedules ------------------------------------------------------------------------------
+def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple]:
+    """The ("F", i) / ("B", i) sequence stage `stage` runs in one step."""
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(stages - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(m - warmup, m)]
+    return order
+
+
+class PipelineModel(nn.Module):
+    """This rank's stage, and the schedule that trains the whole pipeline through it.
+
+    `train_step(inputs, targets, loss_fn)` runs one step's schedule (forward and backward of
+    every micro-batch) and returns the batch's mean loss on every rank. Calling the model
+    (`model(x)`, without gradients) runs one forward through all stages and returns the output
+    on every rank: what evaluation needs.
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        index: int,
+        stages: int,
+        group: dist.ProcessGroup | None,
+        schedule: str,
+        microbatches: int,
+        names: dict[str, str],
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self.index, self.stages, self.group = index, stages, group
+        self.schedule, self.microbatches = schedule, microbatches
+        self.names = names  # stage state-dict key -> the unsplit model's key
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        self.device = next(iter(_unwrapped(stage).parameters())).device
+        self._sends: list[tuple[comm.Handle, torch.Tensor]] = []
+
+    # ---- messages
+    def _send(self, tensor: torch.Tensor, dst: int, header: bool) -> None:
+        tensor = tensor.detach().contiguous()
+        if header:
+            head = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
+            head[0] = tensor.dim()
+            head[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+            head[-1] = _DTYPES.index(tensor.dtype)
+            self._sends.append((comm.send(head, dst, self.group), head))
+        self._sends.append((comm.send(tensor, dst, self.group), tensor))
+
+    def _recv_activation(self, src: int) -> torch.Tensor:
+        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        comm.recv(head, src, self.group)
+        ndim = int(head[0])
+        shape = [int(v) for v in head[1 : 1 + ndim]]
+        out = torch.empty(shape, dtype=_DTYPES[int(head[-1])], device=self.device)
+        comm.recv(out, src, self.group)
+        return out
+
+    def _wait_sends(self) -> None:
+        for handle, _ in self._sends:
+            handle.wait()
+        self._sends.clear()
+
+    # ---- training
+    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        m = self.microbatches
+        if self.is_first and inputs.shape[0] % m:
+            raise ValueError(f"batch of {inputs.shape[0]} does not split into {m} micro-batches")
+        xs = inputs.chunk(m) if self.is_first else None
+        ys = targets.chunk(m) if self.is_last else None
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        total = torch.zeros((), device=self.device)
+        for op, i in schedule_order(self.schedule, self.index, self.stages, m):
+            if op == "F":
+                if self.is_first:
+                    x = xs[i]
+                else:
+                    x = self._recv_activation(self.index - 1)
+                    x.requires_grad_(x.is_floating_point())
+                out = self.stage(x)
+                if self.is_last:
+                    out = loss_fn(out, ys[i]) / m
+                    total += out.detach()
+                else:
+                    self._send(out, self.index + 1, header=True)
+                saved[i] = (None if self.is_first else x, out)
+            else:
+                x, out = saved.pop(i)
+                # Data parallel along a mesh: reduce gradients once, after the last micro-batch.
+                sync = i == m - 1 or not hasattr(self.stage, "no_sync")
+                with contextlib.nullcontext() if sync else self.stage.no_sync():
+                    if self.is_last:
+                        out.backward()
+                    else:
+                        grad = torch.empty_like(out)
+                        comm.recv(grad, self.index + 1, self.group)
+                        out.backward(grad)
+                if x is not None:
+                    self._send(x.grad, self.index - 1, header=False)
+        self._wait_sends()
+        comm.broadcast(total, src=self.stages - 1, group=self.group)
+        return total
+
+    @torch.no_grad()
+    def forward(self, inputs: Any) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise RuntimeError("a pipeline model trains through model.train_step(x, y, loss_fn)")
+        x = inputs if self.is_first else self._recv_activation(self.index - 1)
+        out = self.stage(x)
+        if not self.is_last:
+            self._send(out, self.index + 1, header=True)
+            self._wait_sends()
+        # Every rank gets the output: the last stage sends its shape, then the values.
+        head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        if self.is_last:
+            head[0] = out.dim()
+            head[1 : 1 + out.dim()] = torch.tensor(out.shape)
+            head[-1] = _DTYPES.index(out.dtype)
+        comm.broadcast(head, src=self.stages - 1, group=self.group)
+        if not self.is_last:
+            shape = [int(v) for v in head[1 : 1 + int(head[0])]]
+            out = torch.empty(shape, dtype=_DTYPES[int(head[-1])], device=self.device)
+        comm.broadcast(out, src=self.stages - 1, group=self.group)
+        return out
+
+
+@dataclass
+class Pipeline(Strategy):
+    """Options for pipeline parallel.
+
+    stages: number of stages (= ranks along the pipeline).
+    schedule: 'gpipe' or '1f1b'.
+    microbatches: micro-batches per step (the batch must divide into them).
+    split: start layer of stages 1..S-1 (e.g. [3] for 2 stages); None balances automatically.
+    balance: 'params' (equal parameter counts) or 'time' (measured forward+backward time per
+        layer on `sample_input`).
+    """
+
+    stages: int = 2
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    split: list[int] | None = None
+    balance: str = "params"
+    sample_input: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.stages < 1:
+            raise ValueError(f"pipeline stages must be >= 1, got {self.stages}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.balance not in ("params", "time"):
+            raise ValueError(f"balance must be 'params' or 'time', got {self.balance!r}")
+        if self.balance == "time" and self.sample_input is None and self.split is None:
+            raise ValueError("balance='time' measures layers on sample_input: pass one")
+
+    def stage_starts(self, layers: list[nn.Module]) -> list[int]:
+        if self.split is not None:
+            starts = [0, *self.split]
+            if (
+                len(starts) != self.stages
+                or starts != sorted(set(starts))
+                or starts[-1] >= len(layers)
+            ):
+                raise ValueError(
+                    f"split {self.split} must give {self.stages - 1} increasing start layers "
+                    f"in 1..{len(layers) - 1}"
+                )
+            return starts
+        if self.balance == "time":
+            weights = measure_layer_times(layers, self.sample_input)
+        else:
+            weights = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+        return balanced_split(weights, self.stages)
+
+    def wrap(self, model: nn.Module, runtime: Runtime) -> PipelineModel:
+        if self.stages != runtime.world_size:
+            raise ValueError(
+                f"Pipeline(stages={self.stages}) needs {self.stages} ranks, got "
+                f"{runtime.world_size} (use a device mesh to combine it with data parallel)"
+            )
+        broadcast_module_state(model, group=runtime.group)
+        full_names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+        layers = pipeline_layers(model)
+        starts = [*self.stage_starts(layers), len(layers)]
+        mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
+        names = {k: full_names[id(t)] for k, t in mine.state_dict(keep_vars=True).items()}
+        return PipelineModel(
+            mine, runtime.rank, self.stages, runtime.group, self.schedule, self.microbatches, names
+        )
+
+    def make_optimizer(
+        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        return optimizer_cls(model.stage.parameters(), **kwargs)
+
+    @torch.no_grad()
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every stage's tensors, under the unsplit model's keys, on every rank."""
+        local = {
+            model.names[k]: v.detach().cpu()
+            for k, v in _unwrapped(model.stage).state_dict().items()
+        }
+        parts = comm.all_gather_object(local, group=model.group)
+        return {k: v.to(model.device) for part in parts for k, v in part.items()}
+
+    def train_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn):
+        return model.train_step(inputs, targets, loss_fn)
+
+    def grad_square_sum(self, model: nn.Module) -> torch.Tensor:
+        squares = square_sum([p.grad for p in model.stage.parameters() if p.grad is not None])
+        comm.all_reduce(squares, group=model.group)  # stages hold disjoint parameters
+        return squares
+
+    def data_shard(self, model: nn.Module) -> tuple[int, int]:
+        return 1, 0  # every stage works on the same batch

@@ -1,0 +1,266 @@
+"""Tensor parallel, pipeline parallel and their composition with data parallel on a mesh, each
+against single-process training on the same global batches; our pipeline against torch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.mesh import check_sizes, coordinates, rank_of
+from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.strategies.pipeline import balanced_split, schedule_order
+from spawn import run
+
+STEPS = 10
+BATCH = 8  # global batch: divisible by every micro-batch count tested
+VOCAB = 11  # splits unevenly over 2 and 4 ranks (6+5, 3+3+3+2)
+TOL = 1e-5
+
+
+def _gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=VOCAB, seq_len=8, d_model=16, n_layer=4, n_head=4)
+
+
+def _batch(step: int, size: int = BATCH):
+    g = torch.Generator().manual_seed(700 + step)
+    tokens = torch.randint(0, VOCAB, (size, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference(steps: int = STEPS) -> tuple[dict, list[float]]:
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def _train(strategy: sw.Strategy, steps: int = STEPS) -> tuple[dict, list[float]]:
+    """Train with `strategy`; each rank reads its data-parallel share of the global batch."""
+    model, opt = sw.prepare(_gpt(), strategy, lr=1e-3)
+    replicas, index = sw.data_shard(model)
+    share = BATCH // replicas
+    losses = []
+    for step in range(steps):
+        x, y = (t[index * share : (index + 1) * share] for t in _batch(step))
+        loss = sw.train_step(model, x, y, lm_loss)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    state = sw.full_state_dict(model)
+    sw.api.strategy_of(model).close(model)
+    return state, losses
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ---- pure functions ----------------------------------------------------------------------------
+def test_mesh_sizes_and_coordinates():
+    assert check_sizes(8, None, 2, 2) == {"pp": 2, "dp": 2, "tp": 2}
+    with pytest.raises(ValueError, match=r"dp=2 x tp=2 x pp=1 = 4 ranks, but the world has 2"):
+        check_sizes(2, 2, 2, 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        check_sizes(6, None, 4, 1)
+    sizes = {"pp": 2, "dp": 3, "tp": 2}
+    seen = {rank_of(coordinates(r, sizes), sizes) for r in range(12)}
+    assert seen == set(range(12))
+    assert coordinates(1, sizes) == {"pp": 0, "dp": 0, "tp": 1}  # tp varies fastest
+
+
+def test_balanced_split_minimises_the_heaviest_stage():
+    assert balanced_split([1, 1, 1, 1], 2) == [0, 2]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [0, 1]
+    assert balanced_split([1, 2, 3, 4, 5, 6], 3) == [0, 3, 5]  # 6 | 9 | 6
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        balanced_split([1, 1], 3)
+
+
+@pytest.mark.parametrize("stages,m", [(2, 1), (2, 4), (4, 4), (4, 8)])
+def test_schedules_run_every_microbatch_once_and_1f1b_bounds_in_flight(stages, m):
+    for s in range(stages):
+        for name in ("gpipe", "1f1b"):
+            order = schedule_order(name, s, stages, m)
+            assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            in_flight, peak = 0, 0
+            for op, _ in order:
+                in_flight += 1 if op == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak == (m if name == "gpipe" else min(stages - s, m))
+
+
+# ---- tensor parallel ---------------------------------------------------------------------------
+def _tp_run():
+    expected, ref_losses = _reference()
+    got, losses = _train(sw.TensorParallel())
+    # Loss and prediction from vocabulary slices equal those on gathered logits.
+    model, _ = sw.prepare(_gpt(), sw.TensorParallel())
+    x, y = _batch(99)
+    with torch.no_grad():
+        local = model(x)
+        full = _gpt()(x)
+    checks = {
+        "sharded_logits": local.shape[-1] < VOCAB,
+        "loss": abs(sw.parallel_loss(model, lm_loss)(local, y).item() - lm_loss(full, y).item()),
+        "argmax": bool((sw.predict(model, local) == full.argmax(-1)).all()),
+    }
+    gathered, _ = sw.prepare(_gpt(), sw.TensorParallel(loss_parallel=False))
+    with torch.no_grad():
+        checks["gathered"] = (gathered(x) - full).abs().max().item()
+    return _diff(got, expected), max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), checks
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_equals_single_process(world):
+    for diff, loss_diff, checks in run(_tp_run, world):
+        assert diff <= TOL and loss_diff <= TOL
+        assert checks["sharded_logits"] and checks["argmax"]
+        assert checks["loss"] <= 1e-6 and checks["gathered"] <= 1e-6
+
+
+def _tp_bytes():
+    """One step's all-reduce bytes equal the Megatron count: per block 2 forward + 2 backward."""
+    model, _ = sw.prepare(_gpt(), sw.TensorParallel())
+    x, y = _batch(0)
+    sw.comm.stats.end_step()
+    sw.train_step(model, x, y, lm_loss)
+    step = sw.comm.stats.end_step()
+    return step.by_op["all_reduce"].bytes, sum(p.numel() for p in model.parameters())
+
+
+def test_tensor_parallel_communication_matches_the_formula():
+    from shardwise.bench.tp import expected_tp_bytes
+
+    results = run(_tp_bytes, 2)
+    expected = expected_tp_bytes(_gpt(), BATCH, 8, 2)
+    for measured, local_params in results:
+        assert measured == expected["all_reduce_bytes"]
+    assert sum(p for _, p in results) > sum(p.numel() for p in _gpt().parameters())  # replicas
+
+
+# ---- pipeline parallel -------------------------------------------------------------------------
+def _pp_run(schedules, microbatches):
+    expected, ref_losses = _reference()
+    out = {}
+    for schedule in schedules:
+        for m in microbatches:
+            strategy = sw.Pipeline(stages=dist.get_world_size(), schedule=schedule, microbatches=m)
+            got, losses = _train(strategy)
+            loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+            out[(schedule, m)] = (_diff(got, expected), loss_diff)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_equals_single_process(world):
+    for result in run(_pp_run, world, ["gpipe", "1f1b"], [1, 4, 8], timeout_s=300):
+        for key, (diff, loss_diff) in result.items():
+            assert diff <= TOL and loss_diff <= TOL, (key, diff, loss_diff)
+
+
+def _pp_sequential_and_eval():
+    """An nn.Sequential splits by its children; model(x) without grad gives every rank the output."""
+    torch.manual_seed(0)
+    reference = MLP([6, 32, 32, 32, 4])
+    torch.manual_seed(0)
+    model, opt = sw.prepare(MLP([6, 32, 32, 32, 4]), sw.Pipeline(stages=2, microbatches=2), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+        sw.train_step(model, x, y, F.cross_entropy)
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with torch.no_grad():
+        out = model(x)
+        ref_out = reference(x)
+    return (out - ref_out).abs().max().item(), _diff(sw.full_state_dict(model), reference.state_dict())
+
+
+def test_pipeline_of_a_sequential_model_and_its_evaluation_forward():
+    for out_diff, diff in run(_pp_sequential_and_eval, 2):
+        assert out_diff <= TOL and diff <= TOL
+
+
+def _torch_oracle(schedule_name: str, m: int):
+    """Loss and gradients of one step: ours vs torch.distributed.pipelining, same split."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from shardwise.strategies.pipeline import PipelineStage as OurStage
+    from shardwise.strategies.pipeline import pipeline_layers
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = _batch(0)
+    ours, _ = sw.prepare(_gpt(), sw.Pipeline(stages=world, schedule=schedule_name, microbatches=m, split=[3]))
+    loss = sw.train_step(ours, x, y, lm_loss)
+    our_grads = {n: p.grad for n, p in ours.stage.named_parameters()}
+
+    layers = pipeline_layers(_gpt())
+    stage_module = OurStage(layers[:3] if rank == 0 else layers[3:])
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
+    schedule = cls(stage, n_microbatches=m, loss_fn=lm_loss)
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    torch_loss = torch.stack(losses).mean() if losses else None
+    grad_diff = max((our_grads[n] - p.grad).abs().max().item() for n, p in stage_module.named_parameters())
+    loss_diff = abs(loss.item() - torch_loss.item()) if torch_loss is not None else 0.0
+    return grad_diff, loss_diff
+
+
+@pytest.mark.parametrize("schedule,m", [("gpipe", 4), ("1f1b", 4), ("1f1b", 2)])
+def test_pipeline_matches_torch_pipelining(schedule, m):
+    for grad_diff, loss_diff in run(_torch_oracle, 2, schedule, m):
+        assert grad_diff <= 1e-6 and loss_diff <= 1e-6
+
+
+# ---- composition on a mesh ---------------------------------------------------------------------
+def _mesh_run():
+    expected, ref_losses = _reference()
+    out = {}
+    variants = {
+        "dp2_tp2_ddp": sw.MeshParallel(dp=2, tp=2, data=sw.DDP()),
+        "dp2_tp2_zero1": sw.MeshParallel(dp=2, tp=2, data=sw.ZeRO(stage=1)),
+        "dp2_pp2_ddp_1f1b": sw.MeshParallel(
+            dp=2, pp=2, data=sw.DDP(), pipeline=sw.Pipeline(schedule="1f1b", microbatches=2)
+        ),
+        "dp2_pp2_zero1_gpipe": sw.MeshParallel(
+            dp=2, pp=2, data=sw.ZeRO(stage=1), pipeline=sw.Pipeline(schedule="gpipe", microbatches=4)
+        ),
+    }
+    for name, strategy in variants.items():
+        got, losses = _train(strategy)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+        out[name] = (_diff(got, expected), loss_diff)
+    try:
+        sw.prepare(_gpt(), sw.MeshParallel(dp=2, tp=4))
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def test_mesh_compositions_equal_single_process():
+    for result in run(_mesh_run, 4, timeout_s=300):
+        assert result.pop("mismatch") == "mesh dp=2 x tp=4 x pp=1 = 8 ranks, but the world has 4"
+        for name, (diff, loss_diff) in result.items():
+            assert diff <= TOL and loss_diff <= TOL, (name, diff, loss_diff)
