@@ -52,8 +52,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         sw.shutdown()
 
 
-def run(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> list[Any]:
-    """Run `fn(*args)` on `world_size` ranks and return each rank's return value."""
+def run(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 120, dies: tuple[int, ...] = ()
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks and return each rank's return value (None for the
+    ranks in `dies`, which are expected to kill themselves and report nothing)."""
     queue = _CTX.Queue()
     port = free_port()
     procs = [
@@ -65,7 +68,7 @@ def run(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> li
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        for _ in range(world_size):
+        for _ in range(world_size - len(dies)):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
                 results[rank] = pickle.loads(payload)
@@ -79,4 +82,4 @@ def run(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120) -> li
                 p.kill()
     if errors:
         raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [results.get(r) for r in range(world_size)]

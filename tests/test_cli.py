@@ -127,3 +127,33 @@ def test_checkpoint_matches_full_state_dict(tmp_path):
     assert "features.1.running_mean" in weights  # SyncBatchNorm keeps BatchNorm's keys
     assert int(weights["features.1.num_batches_tracked"]) == 5
     assert all(torch.isfinite(t.float()).all() for t in weights.values())
+
+
+SMALL_GPT = ["--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "data.seq_len=32",
+             "--set", "train.steps=8", "--set", "train.eval_batch_size=64"]  # fmt: skip
+
+
+def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
+    for strategy in (["strategy.name=tp"], ["strategy.name=pp", "strategy.microbatches=2"]):
+        run_dir = tmp_path / strategy[0].split("=")[1]
+        sets = [arg for kv in strategy for arg in ("--set", kv)]
+        result = shardwise("train", "tiny_gpt", *SMALL_GPT, *sets, "--run-dir", str(run_dir),
+                           cwd=tmp_path)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert lines[-1]["loss"] < lines[0]["loss"]
+        assert summary["comm_bytes_per_step"] > 0 and 0 < summary["eval_accuracy"] < 1
+        # The checkpoint is the unsplit model's state dict.
+        weights = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
+        assert "blocks.1.attn.qkv.weight" in weights
+        assert weights["blocks.1.attn.qkv.weight"].shape == (96, 32)
+
+
+def test_mesh_sizes_that_do_not_fit_the_world_are_one_line_before_launch(tmp_path):
+    result = shardwise("train", "tiny_gpt", "--set", "strategy.name=mesh", "--set",
+                       "strategy.dp=2", "--set", "strategy.tp=2", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "shardwise: config error: strategy 'mesh' needs 4 ranks, but launch.nproc is 2"
+    ]

@@ -95,7 +95,9 @@ def test_schedules_run_every_microbatch_once_and_1f1b_bounds_in_flight(stages, m
     for s in range(stages):
         for name in ("gpipe", "1f1b"):
             order = schedule_order(name, s, stages, m)
-            assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            assert sorted(order) == sorted(
+                [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+            )
             in_flight, peak = 0, 0
             for op, _ in order:
                 in_flight += 1 if op == "F" else -1
@@ -121,7 +123,11 @@ def _tp_run():
     gathered, _ = sw.prepare(_gpt(), sw.TensorParallel(loss_parallel=False))
     with torch.no_grad():
         checks["gathered"] = (gathered(x) - full).abs().max().item()
-    return _diff(got, expected), max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), checks
+    return (
+        _diff(got, expected),
+        max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        checks,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -147,7 +153,7 @@ def test_tensor_parallel_communication_matches_the_formula():
 
     results = run(_tp_bytes, 2)
     expected = expected_tp_bytes(_gpt(), BATCH, 8, 2)
-    for measured, local_params in results:
+    for measured, _ in results:
         assert measured == expected["all_reduce_bytes"]
     assert sum(p for _, p in results) > sum(p.numel() for p in _gpt().parameters())  # replicas
 
@@ -173,7 +179,7 @@ def test_pipeline_equals_single_process(world):
 
 
 def _pp_sequential_and_eval():
-    """An nn.Sequential splits by its children; model(x) without grad gives every rank the output."""
+    """An nn.Sequential splits by its children; model(x) without grad: the output everywhere."""
     torch.manual_seed(0)
     reference = MLP([6, 32, 32, 32, 4])
     torch.manual_seed(0)
@@ -191,12 +197,36 @@ def _pp_sequential_and_eval():
     with torch.no_grad():
         out = model(x)
         ref_out = reference(x)
-    return (out - ref_out).abs().max().item(), _diff(sw.full_state_dict(model), reference.state_dict())
+    return (out - ref_out).abs().max().item(), _diff(
+        sw.full_state_dict(model), reference.state_dict()
+    )
 
 
 def test_pipeline_of_a_sequential_model_and_its_evaluation_forward():
     for out_diff, diff in run(_pp_sequential_and_eval, 2):
         assert out_diff <= TOL and diff <= TOL
+
+
+def _pp_balanced_by_time():
+    """Stages cut by measured layer times still train exactly; saving a split model's sharded
+    checkpoint is refused in one line instead of writing a wrong one."""
+    expected, _ = _reference()
+    sample = _batch(0)[0]
+    strategy = sw.Pipeline(stages=2, microbatches=2, balance="time", sample_input=sample)
+    got, _ = _train(strategy)
+    model, opt = sw.prepare(_gpt(), sw.TensorParallel())
+    try:
+        sw.save_checkpoint(model, opt, "unused")
+        refused = ""
+    except NotImplementedError as e:
+        refused = str(e)
+    return _diff(got, expected), refused
+
+
+def test_pipeline_balanced_by_time_and_split_checkpoints_refused():
+    for diff, refused in run(_pp_balanced_by_time, 2):
+        assert diff <= TOL
+        assert refused.startswith("sharded checkpoints of TensorParallel models are not supported")
 
 
 def _torch_oracle(schedule_name: str, m: int):
@@ -208,7 +238,9 @@ def _torch_oracle(schedule_name: str, m: int):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = _batch(0)
-    ours, _ = sw.prepare(_gpt(), sw.Pipeline(stages=world, schedule=schedule_name, microbatches=m, split=[3]))
+    ours, _ = sw.prepare(
+        _gpt(), sw.Pipeline(stages=world, schedule=schedule_name, microbatches=m, split=[3])
+    )
     loss = sw.train_step(ours, x, y, lm_loss)
     our_grads = {n: p.grad for n, p in ours.stage.named_parameters()}
 
@@ -223,7 +255,9 @@ def _torch_oracle(schedule_name: str, m: int):
     else:
         schedule.step(target=y, losses=losses)
     torch_loss = torch.stack(losses).mean() if losses else None
-    grad_diff = max((our_grads[n] - p.grad).abs().max().item() for n, p in stage_module.named_parameters())
+    grad_diff = max(
+        (our_grads[n] - p.grad).abs().max().item() for n, p in stage_module.named_parameters()
+    )
     loss_diff = abs(loss.item() - torch_loss.item()) if torch_loss is not None else 0.0
     return grad_diff, loss_diff
 
@@ -245,7 +279,10 @@ def _mesh_run():
             dp=2, pp=2, data=sw.DDP(), pipeline=sw.Pipeline(schedule="1f1b", microbatches=2)
         ),
         "dp2_pp2_zero1_gpipe": sw.MeshParallel(
-            dp=2, pp=2, data=sw.ZeRO(stage=1), pipeline=sw.Pipeline(schedule="gpipe", microbatches=4)
+            dp=2,
+            pp=2,
+            data=sw.ZeRO(stage=1),
+            pipeline=sw.Pipeline(schedule="gpipe", microbatches=4),
         ),
     }
     for name, strategy in variants.items():

@@ -6,7 +6,7 @@ model, opt = sw.prepare(MyModel(), sw.DDP(), optimizer=torch.optim.AdamW, lr=1e-
 loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
 """
 
-from shardwise import comm, data
+from shardwise import comm, data, ps
 from shardwise.api import (
     clip_grad_norm_,
     data_shard,
@@ -19,6 +19,7 @@ from shardwise.api import (
 from shardwise.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.memory import memory_report
 from shardwise.mesh import DeviceMesh, build_mesh
+from shardwise.ps import ParameterServer
 from shardwise.runtime import Runtime, init, shutdown
 from shardwise.strategies import (
     DDP,
@@ -44,6 +45,7 @@ __all__ = [
     "Hybrid",
     "LocalSGD",
     "MeshParallel",
+    "ParameterServer",
     "Pipeline",
     "Runtime",
     "Strategy",
@@ -64,6 +66,7 @@ __all__ = [
     "parallel_loss",
     "predict",
     "prepare",
+    "ps",
     "save_checkpoint",
     "shutdown",
     "train_step",

@@ -23,7 +23,13 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from shardwise.config import BUILTIN_CONFIGS, ConfigError, dump_config, load_config
+from shardwise.config import (
+    BUILTIN_CONFIGS,
+    ConfigError,
+    dump_config,
+    load_config,
+    ranks_needed,
+)
 
 
 def _in_worker() -> bool:
@@ -42,6 +48,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         overrides.append(f"launch.nproc={args.nproc}")
     cfg = load_config(args.config, overrides)
+    needed = ranks_needed(cfg.strategy)
+    if needed is not None and not _in_worker() and needed != cfg.launch.nproc:
+        raise ConfigError(
+            f"config error: strategy {cfg.strategy.name!r} needs {needed} ranks, "
+            f"but launch.nproc is {cfg.launch.nproc}"
+        )
     if _in_worker():
         import shardwise as sw
         from shardwise.trainer import train

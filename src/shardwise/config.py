@@ -134,10 +134,65 @@ class AdaptiveSyncConfig(_Section):
     threshold: float = Field(0.01, gt=0, description="relative drift that triggers an average")
 
 
+class TPConfig(_Section):
+    name: Literal["tp"] = Field("tp", description="the parallelism strategy")
+    size: int | None = Field(None, ge=1, description="ranks per model (default: the world)")
+    loss_parallel: bool = Field(
+        True, description="loss from vocabulary-sharded logits (never gathered)"
+    )
+
+
+class PPConfig(_Section):
+    name: Literal["pp"] = Field("pp", description="the parallelism strategy")
+    stages: int | None = Field(None, ge=1, description="pipeline stages (default: the world)")
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline schedule")
+    microbatches: int = Field(4, ge=1, description="micro-batches per step")
+    split: list[int] | None = Field(
+        None, description="first layer of stages 1..S-1; default: balanced by parameters"
+    )
+
+
+class MeshConfig(_Section):
+    name: Literal["mesh"] = Field("mesh", description="the parallelism strategy")
+    dp: int | None = Field(None, ge=1, description="data-parallel size (default: the rest)")
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    data: Literal["ddp", "zero1", "zero2"] = Field(
+        "ddp", description="strategy along the data dimension"
+    )
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pp > 1: schedule")
+    microbatches: int = Field(4, ge=1, description="pp > 1: micro-batches per step")
+    loss_parallel: bool = Field(True, description="tp > 1: loss from vocabulary slices")
+
+    @model_validator(mode="after")
+    def _one_model_dimension(self) -> MeshConfig:
+        if self.tp > 1 and self.pp > 1:
+            raise ValueError("tensor x pipeline parallel on one mesh is not supported yet")
+        return self
+
+
 StrategyConfig = Annotated[
-    DDPConfig | ZeROConfig | LocalSGDConfig | GossipConfig | AdaptiveSyncConfig,
+    DDPConfig
+    | ZeROConfig
+    | LocalSGDConfig
+    | GossipConfig
+    | AdaptiveSyncConfig
+    | TPConfig
+    | PPConfig
+    | MeshConfig,
     Field(discriminator="name"),
 ]
+
+
+def ranks_needed(strategy: Any) -> int | None:
+    """The world size a model-parallel strategy fixes, where its sizes fix one."""
+    if strategy.name == "tp":
+        return strategy.size
+    if strategy.name == "pp":
+        return strategy.stages
+    if strategy.name == "mesh" and strategy.dp is not None:
+        return strategy.dp * strategy.tp * strategy.pp
+    return None
 
 
 class OptimConfig(_Section):

@@ -10,10 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise import datasets
+from shardwise import datasets, runtime
 from shardwise.config import Config, OptimConfig, StrategyConfig, resolve_data_path
 from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
-from shardwise.strategies import DDP, AdaptiveSync, Gossip, LocalSGD, Strategy, ZeRO
+from shardwise.strategies import (
+    DDP,
+    AdaptiveSync,
+    Gossip,
+    LocalSGD,
+    MeshParallel,
+    Pipeline,
+    Strategy,
+    TensorParallel,
+    ZeRO,
+)
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -58,11 +68,27 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "local_sgd": LocalSGD,
     "gossip": Gossip,
     "adaptive": AdaptiveSync,
+    "tp": TensorParallel,
 }
 
 
 def build_strategy(cfg: StrategyConfig) -> Strategy:
-    """The config sections mirror the strategies' fields one to one."""
+    """Most config sections mirror their strategy's fields one to one; `pp` leaves the stage
+    count to the world when unset, and `mesh` names its parts."""
+    if cfg.name == "pp":
+        stages = cfg.stages or runtime.current().world_size
+        options = cfg.model_dump(exclude={"name", "stages"})
+        return Pipeline(stages=stages, **options)
+    if cfg.name == "mesh":
+        data = DDP() if cfg.data == "ddp" else ZeRO(stage=int(cfg.data[-1]))
+        return MeshParallel(
+            dp=cfg.dp,
+            tp=cfg.tp,
+            pp=cfg.pp,
+            data=data,
+            tensor=TensorParallel(loss_parallel=cfg.loss_parallel),
+            pipeline=Pipeline(schedule=cfg.schedule, microbatches=cfg.microbatches),
+        )
     return STRATEGIES[cfg.name](**cfg.model_dump(exclude={"name"}))
 
 

@@ -54,16 +54,23 @@ def evaluate(model: torch.nn.Module, job: Job, cfg: Config, rt: sw.Runtime) -> t
     """Loss and accuracy over the whole test split, each rank scoring its shard."""
     model.eval()
     loader = sw.data.loader(
-        job.splits.test, cfg.train.eval_batch_size, shuffle=False, drop_last=False
+        job.splits.test,
+        cfg.train.eval_batch_size,
+        shuffle=False,
+        drop_last=False,
+        shard=sw.data_shard(model),
     )
+    loss_fn = sw.parallel_loss(model, job.loss_fn)
     sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, correct, count
     for x, y in loader:
         x, y = x.to(rt.device), y.to(rt.device)
         logits = model(x)
         n = y.numel()
-        sums[0] += job.loss_fn(logits, y).item() * n
-        sums[1] += (logits.argmax(-1) == y).sum().item()
+        sums[0] += loss_fn(logits, y).item() * n
+        sums[1] += (sw.predict(model, logits) == y).sum().item()
         sums[2] += n
+    # Ranks that split one model scored the same samples: every sample counts equally often,
+    # so the world-wide sums still give the mean.
     comm.all_reduce(sums)
     model.train()
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
@@ -87,18 +94,22 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
     out = _run_dir(cfg, run_dir, rt)
     metrics = MetricsFile(out / "metrics.jsonl") if rt.is_main else None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
+    replicas, index = sw.data_shard(model)
     loader = sw.data.loader(
-        job.splits.train, cfg.data.batch_size, shuffle=True, seed=cfg.train.seed
+        job.splits.train,
+        cfg.data.batch_size,
+        shuffle=True,
+        seed=cfg.train.seed,
+        shard=(replicas, index),
     )
-    global_batch = cfg.data.batch_size * rt.world_size
+    global_batch = cfg.data.batch_size * replicas
     comm.stats.reset()
     batches = _batches(loader)
     step_times, loss = [], float("nan")
     for step in range(1, cfg.train.steps + 1):
         x, y = (t.to(rt.device) for t in next(batches))
         t0 = time.perf_counter()
-        local_loss = job.loss_fn(model(x), y)
-        local_loss.backward()
+        local_loss = sw.train_step(model, x, y, job.loss_fn)  # forward + backward
         if step == cfg.train.steps:  # gradients present: the model state at its fullest
             memory = sw.memory_report(model, opt)
         if cfg.train.clip_grad_norm:
@@ -166,4 +177,9 @@ def _describe(cfg: Config) -> str:
         return f"zero-{s.stage}"
     if s.name == "ddp":
         return f"ddp ({s.compression or s.algorithm + ' all-reduce'})"
-    return s.name
+    if s.name == "pp":
+        return f"pipeline ({s.schedule}, {s.microbatches} micro-batches)"
+    if s.name == "mesh":
+        sizes = f"dp={s.dp or 'rest'} x tp={s.tp} x pp={s.pp}"
+        return f"mesh ({sizes}, {s.data}" + (f", {s.schedule})" if s.pp > 1 else ")")
+    return "tensor parallel" if s.name == "tp" else s.name

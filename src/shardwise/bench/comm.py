@@ -143,9 +143,11 @@ def plot(results: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for key, r in results.items():
+    colors = plt.cm.tab20.colors  # twelve variants: one distinct colour each
+    for i, (key, r) in enumerate(results.items()):
         t, v = zip(*r["curve"], strict=True)
-        ax.plot(t, v, label=key, linewidth=2 if key in ("torch_ddp", "powersgd_r4") else 1)
+        ax.plot(t, v, label=key, color=colors[(2 * i) % 20 + (2 * i) // 20],
+                linewidth=2 if key in ("torch_ddp", "powersgd_r4") else 1)  # fmt: skip
     ax.set_xlabel("wall-clock (s)")
     ax.set_ylabel("training loss (mean over ranks)")
     ax.set_title(title)

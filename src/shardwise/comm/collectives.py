@@ -172,6 +172,14 @@ def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> H
     )
 
 
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> Handle:
+    """Post a receive into `tensor` from group rank `src`; `wait()` on the handle (timed).
+
+    Posting early lets the transfer happen while this rank computes: gloo moves a message
+    only once its receive is posted."""
+    return _issue("recv", 0, lambda: dist.irecv(tensor, group=group, group_src=src), async_op=True)
+
+
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
     """Receive into `tensor` from group rank `src`, blocking (the wait is counted)."""
     timer = Timer()

@@ -129,6 +129,17 @@ def load_buffers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             b.copy_(tensors[name])
 
 
+class UnsplitCheckpointsOnly:
+    """For strategies that split the model itself: resumable sharded checkpoints are not
+    written yet (saying so beats writing a wrong one); `full_state_dict` works."""
+
+    def checkpoint_shard(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        raise NotImplementedError(
+            f"sharded checkpoints of {type(self).__name__} models are not supported yet: "
+            "save sw.full_state_dict(model) instead"
+        )
+
+
 def square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device if tensors else runtime.current().device
     total = torch.zeros((), dtype=torch.float32, device=device)

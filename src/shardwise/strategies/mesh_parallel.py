@@ -22,7 +22,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.mesh import DeviceMesh, build_mesh
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import LossFn, Strategy
+from shardwise.strategies.base import LossFn, Strategy, UnsplitCheckpointsOnly
 from shardwise.strategies.ddp import DDP
 from shardwise.strategies.pipeline import Pipeline
 from shardwise.strategies.tensor_parallel import TensorParallel
@@ -30,7 +30,7 @@ from shardwise.strategies.zero import ZeRO
 
 
 @dataclass
-class MeshParallel(Strategy):
+class MeshParallel(UnsplitCheckpointsOnly, Strategy):
     """Options for a composed run.
 
     dp, tp, pp: mesh sizes; dp=None takes what is left of the world. Their product must be the

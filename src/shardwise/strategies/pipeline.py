@@ -33,7 +33,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import LossFn, Strategy, square_sum
+from shardwise.strategies.base import LossFn, Strategy, UnsplitCheckpointsOnly, square_sum
 from shardwise.strategies.ddp import broadcast_module_state
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -121,6 +121,66 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 
 # ---- the schedules ------------------------------------------------------------------------------
+class _Inbox:
+    """A stage's receives in one step, each posted as soon as the next op that needs it is
+    known, so the transfer overlaps the compute before it. One header per step gives the
+    activations' shape (micro-batches are equal chunks)."""
+
+    def __init__(self, model: PipelineModel) -> None:
+        self.model = model
+        self.shape: tuple[list[int], torch.dtype] | None = None
+        self.posted: dict[tuple[str, int], tuple[comm.Handle, torch.Tensor]] = {}
+
+    def _post(self, key: tuple[str, int], buffer: torch.Tensor, src: int) -> None:
+        self.posted[key] = (comm.irecv(buffer, src, self.model.group), buffer)
+
+    def _take(self, key: tuple[str, int]) -> torch.Tensor:
+        handle, buffer = self.posted.pop(key)
+        handle.wait()
+        return buffer
+
+    def activation(self, i: int) -> torch.Tensor:
+        model = self.model
+        if self.shape is None:  # the step's first activation brings the header
+            head = torch.empty(_HEADER, dtype=torch.int64, device=model.device)
+            comm.recv(head, model.index - 1, model.group)
+            ndim = int(head[0])
+            self.shape = ([int(v) for v in head[1 : 1 + ndim]], _DTYPES[int(head[-1])])
+        if ("F", i) not in self.posted:
+            self._post_activation(i)
+        x = self._take(("F", i))
+        return x.requires_grad_(x.is_floating_point())
+
+    def _post_activation(self, i: int) -> None:
+        shape, dtype = self.shape
+        buffer = torch.empty(shape, dtype=dtype, device=self.model.device)
+        self._post(("F", i), buffer, self.model.index - 1)
+
+    def gradient(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        if ("B", i) not in self.posted:
+            self._post(("B", i), torch.empty_like(out), self.model.index + 1)
+        return self._take(("B", i))
+
+    def loss(self) -> torch.Tensor:
+        """The step's loss, sent by the next stage right after the last micro-batch's gradient."""
+        total = torch.empty(1, device=self.model.device)
+        comm.recv(total, self.model.index + 1, self.model.group)
+        return total.reshape(())
+
+    def prefetch(self, order: list[tuple], start: int, saved: dict) -> None:
+        """Post the receive of the next op that needs one, if it is not posted yet."""
+        model = self.model
+        for op, i in order[start:]:
+            if op == "F" and not model.is_first and self.shape is not None:
+                if ("F", i) not in self.posted:
+                    self._post_activation(i)
+                return
+            if op == "B" and not model.is_last and i in saved:
+                if ("B", i) not in self.posted:
+                    self._post(("B", i), torch.empty_like(saved[i][1]), model.index + 1)
+                return
+
+
 def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple]:
     """The ("F", i) / ("B", i) sequence stage `stage` runs in one step."""
     m = microbatches
@@ -194,37 +254,41 @@ class PipelineModel(nn.Module):
             raise ValueError(f"batch of {inputs.shape[0]} does not split into {m} micro-batches")
         xs = inputs.chunk(m) if self.is_first else None
         ys = targets.chunk(m) if self.is_last else None
+        order = schedule_order(self.schedule, self.index, self.stages, m)
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        inbox = _Inbox(self)  # receives posted one message ahead
         total = torch.zeros((), device=self.device)
-        for op, i in schedule_order(self.schedule, self.index, self.stages, m):
+        for k, (op, i) in enumerate(order):
             if op == "F":
-                if self.is_first:
-                    x = xs[i]
-                else:
-                    x = self._recv_activation(self.index - 1)
-                    x.requires_grad_(x.is_floating_point())
+                x = xs[i] if self.is_first else inbox.activation(i)
                 out = self.stage(x)
                 if self.is_last:
                     out = loss_fn(out, ys[i]) / m
                     total += out.detach()
-                else:
-                    self._send(out, self.index + 1, header=True)
+                else:  # micro-batches have one shape: a header with the first one only
+                    self._send(out, self.index + 1, header=i == 0)
                 saved[i] = (None if self.is_first else x, out)
             else:
                 x, out = saved.pop(i)
+                if not self.is_last:
+                    grad = inbox.gradient(i, out)
                 # Data parallel along a mesh: reduce gradients once, after the last micro-batch.
                 sync = i == m - 1 or not hasattr(self.stage, "no_sync")
                 with contextlib.nullcontext() if sync else self.stage.no_sync():
                     if self.is_last:
                         out.backward()
                     else:
-                        grad = torch.empty_like(out)
-                        comm.recv(grad, self.index + 1, self.group)
                         out.backward(grad)
+                if i == m - 1 and not self.is_last:  # the step's loss follows the last gradient
+                    total = inbox.loss()
                 if x is not None:
                     self._send(x.grad, self.index - 1, header=False)
+                    if i == m - 1:
+                        self._send(total.reshape(1), self.index - 1, header=False)
+            inbox.prefetch(order, k + 1, saved)
         self._wait_sends()
-        comm.broadcast(total, src=self.stages - 1, group=self.group)
+        # Every rank now holds the loss: it travelled back with the gradients, stage by stage,
+        # which costs no synchronising collective at the end of the step.
         return total
 
     @torch.no_grad()
@@ -251,7 +315,7 @@ class PipelineModel(nn.Module):
 
 
 @dataclass
-class Pipeline(Strategy):
+class Pipeline(UnsplitCheckpointsOnly, Strategy):
     """Options for pipeline parallel.
 
     stages: number of stages (= ranks along the pipeline).

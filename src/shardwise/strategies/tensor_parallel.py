@@ -35,7 +35,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy, WrappedModel, square_sum
+from shardwise.strategies.base import Strategy, UnsplitCheckpointsOnly, WrappedModel, square_sum
 from shardwise.strategies.ddp import broadcast_module_state
 
 ProcessGroup = dist.ProcessGroup
@@ -289,7 +289,7 @@ class TensorParallelModel(WrappedModel):
 
 
 @dataclass
-class TensorParallel(Strategy):
+class TensorParallel(UnsplitCheckpointsOnly, Strategy):
     """Options for tensor parallel.
 
     size: ranks the layers are split over (the world, or the mesh's tp dimension).

@@ -1,0 +1,86 @@
+"""Messages between workers and servers: a fixed-size header, then (maybe) one tensor.
+
+Everything travels as tensors over c10d point-to-point messages. The header is 8 int64 values:
+kind, then up to 6 integers whose meaning depends on the kind, then the payload's element
+count (0: no payload). Objects that are not tensors (a model's signature, an error message) are
+pickled into a uint8 payload. Between one pair of ranks, messages arrive in the order they were
+sent, so a header is always followed by its own payload.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm
+
+HEADER = 8
+
+
+class Kind(IntEnum):
+    HELLO = 1  # worker -> server: the model's signature; reply OK or ERROR
+    PULL = 2  # worker -> server: [clock]; reply OK [version] + parameters
+    PUSH = 3  # worker -> server: [clock, version used] + gradient (or parameters)
+    DONE = 4  # worker -> server: no more steps from this worker
+    NEXT = 5  # worker -> server 0: the next batch's indices; reply OK [epoch] + indices, or END
+    OK = 10
+    ERROR = 11
+    END = 12
+
+
+def header(kind: Kind, *ints: int, numel: int = 0) -> torch.Tensor:
+    h = torch.zeros(HEADER, dtype=torch.int64)
+    h[0] = int(kind)
+    h[1 : 1 + len(ints)] = torch.tensor(ints, dtype=torch.int64)
+    h[-1] = numel
+    return h
+
+
+def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, group=None) -> None:
+    """Send a header (and its payload) to rank `dst` of `group`, waiting until both are out."""
+    numel = 0 if payload is None else payload.numel()
+    handles = [comm.send(header(kind, *ints, numel=numel), dst, group)]
+    if payload is not None:
+        handles.append(comm.send(payload.contiguous(), dst, group))
+    for h in handles:
+        h.wait()
+
+
+PAYLOAD_DTYPE = {Kind.HELLO: torch.uint8, Kind.PUSH: torch.float32, Kind.ERROR: torch.uint8}
+
+
+def recv(
+    src: int, dtype: torch.dtype | None = None, group=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A header and its payload from rank `src` of `group` (blocking); the payload's dtype is
+    `dtype`, or the one its kind implies."""
+    h = torch.empty(HEADER, dtype=torch.int64)
+    comm.recv(h, src, group)
+    numel = int(h[-1])
+    if numel == 0:
+        return h, None
+    kind = Kind(int(h[0]))
+    out = torch.empty(numel, dtype=PAYLOAD_DTYPE.get(kind, dtype or torch.float32))
+    comm.recv(out, src, group)
+    return h, out
+
+
+def pack(obj: object) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def unpack(payload: torch.Tensor) -> object:
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def make_group() -> dist.ProcessGroup:
+    """The parameter server's own gloo group (collective: every rank creates it, once).
+
+    A server waits for each worker's next message in a thread of its own, for as long as that
+    worker computes: no collective timeout should end the wait, so the group's is a day.
+    Liveness is the heartbeats' job."""
+    return dist.new_group(backend="gloo", timeout=timedelta(days=1))

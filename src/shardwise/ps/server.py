@@ -1,0 +1,305 @@
+"""A parameter server: owns a shard of the parameters and its optimizer state, applies updates.
+
+One loop, one thread: wait for a message from any worker, handle it, repeat until every worker
+has said DONE or died. What a PULL waits for is the consistency mode:
+
+- sync: the parameters after every live worker's push of the previous clock (lock-step, the
+  same arithmetic as single-process training on the global batch);
+- async: nothing, the current parameters are sent at once;
+- ssp (stale synchronous parallel, Ho et al. 2013): the worker may be at most `staleness`
+  clocks ahead of the slowest live worker, and waits otherwise.
+
+A push is applied on arrival (async, ssp) or once all live workers' pushes for the clock are in
+(sync: their average). The update is either a gradient for the server-side optimizer or, under
+the averaging rule, the worker's parameters blended in (`new = beta * server + (1 - beta) *
+worker`). Every applied update's staleness (server version minus the version the worker
+computed on) is recorded. Workers prove they are alive by bumping a counter in the c10d store;
+one silent for `timeout_s` is declared dead and nobody waits for it any more. Server 0 also deals
+out batches (`WorkQueue`), taking back those a dead worker never finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.ps import protocol
+from shardwise.ps.protocol import Kind
+from shardwise.ps.sharding import (
+    describe_mismatch,
+    flat_values,
+    plan_shards,
+    signature,
+    trainable,
+)
+
+
+class WorkQueue:
+    """Batches of sample indices, `epochs` shuffled passes, dealt to whoever asks next."""
+
+    def __init__(self, size: int, batch: int, epochs: int, seed: int) -> None:
+        self.queue: collections.deque[tuple[int, list[int]]] = collections.deque()
+        for epoch in range(epochs):
+            order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
+            for start in range(0, size - batch + 1, batch):  # drop_last, as the loaders do
+                self.queue.append((epoch, order[start : start + batch].tolist()))
+        self.outstanding: dict[int, tuple[int, list[int]]] = {}
+        self.consumed: list[int] = []
+
+    def next(self, worker: int) -> tuple[int, list[int]] | None:
+        """The worker finished its previous batch (if any) and wants another."""
+        if worker in self.outstanding:
+            self.consumed.extend(self.outstanding.pop(worker)[1])
+        if not self.queue:
+            return None
+        self.outstanding[worker] = self.queue.popleft()
+        return self.outstanding[worker]
+
+    def finish(self, worker: int) -> None:
+        if worker in self.outstanding:
+            self.consumed.extend(self.outstanding.pop(worker)[1])
+
+    def give_back(self, worker: int) -> None:
+        """A dead worker's unfinished batch goes to the front of the queue."""
+        if worker in self.outstanding:
+            self.queue.appendleft(self.outstanding.pop(worker))
+
+
+@dataclass
+class ServerReport:
+    """What a server returns when the job is over (and writes to the run directory)."""
+
+    rank: int
+    updates: int
+    staleness: list[int] = field(default_factory=list)
+    dead_workers: dict[int, float] = field(default_factory=dict)  # rank -> seconds to detect
+    clocks: dict[int, int] = field(default_factory=dict)
+    consumed: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    resumed_from: int | None = None
+    # (worker, its clock, slowest live worker's clock) for every pull answered: SSP's bound
+    pull_gaps: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class Server:
+    def __init__(
+        self,
+        model: nn.Module,
+        options: Any,  # the ParameterServer strategy's options
+        optimizer_cls: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        rank: int,
+        workers: list[int],
+        work: WorkQueue | None = None,
+    ) -> None:
+        self.o, self.rank, self.work = options, rank, work
+        plan = plan_shards(model, options.servers)
+        self.bounds = plan.bounds[rank]
+        mine = plan.split(flat_values(trainable(model)))[rank]
+        self.params = [nn.Parameter(mine.clone())] if mine.numel() else []
+        self.numels = [p.numel() for p in self.params]
+        self.signature = signature(model)
+        self.optimizer = optimizer_cls(self.params, **optimizer_kwargs) if self.params else None
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+        self.version = 0
+        self.live = set(workers)
+        self.accepted: set[int] = set()
+        self.done: set[int] = set()
+        self.clock = dict.fromkeys(workers, 0)
+        self.heartbeat = {w: (-1, time.monotonic()) for w in workers}
+        self._next_check = 0.0
+        self.pending_sync: dict[int, torch.Tensor] = {}  # worker -> pushed gradient (this clock)
+        self.waiting_pulls: list[tuple[int, int]] = []  # (worker, clock)
+        self.report = ServerReport(rank=rank, updates=0)
+        self.store = dist.distributed_c10d._get_default_store()
+        self.group = protocol.make_group()
+        self.inbox: queue.Queue = queue.Queue()
+        self.snapshot_path = Path(options.snapshot_dir) / f"server{rank}.pt"
+        if options.snapshot_every and self.snapshot_path.exists():
+            self._restore()
+
+    # ---- the loop
+    def serve(self) -> ServerReport:
+        for worker in self.live:
+            threading.Thread(target=self._receive, args=(worker,), daemon=True,
+                             name=f"ps-recv-{worker}").start()  # fmt: skip
+        while self.live - self.done:
+            self._check_heartbeats()
+            try:
+                worker, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
+            except queue.Empty:
+                continue
+            if h is not None and worker in self.live:
+                self._handle(worker, h, payload)
+                self._answer_pulls()
+        self.report.clocks = dict(self.clock)
+        if self.work is not None:
+            self.report.consumed = list(self.work.consumed)
+        return self.report
+
+    def _receive(self, worker: int) -> None:
+        """One thread per worker: its messages, in order, into the inbox, until DONE."""
+        while True:
+            try:
+                h, payload = protocol.recv(worker, group=self.group)
+            except Exception:  # its connection closed: the heartbeat timeout will tell
+                self.inbox.put((worker, None, None))
+                return
+            self.inbox.put((worker, h, payload))
+            if Kind(int(h[0])) == Kind.DONE:
+                return
+
+    def _handle(self, src: int, h: torch.Tensor, payload: torch.Tensor | None) -> None:
+        kind = Kind(int(h[0]))
+        if kind == Kind.HELLO:
+            problem = describe_mismatch(self.signature, protocol.unpack(payload))
+            if problem is None:
+                self.accepted.add(src)
+                self.clock[src] = self.version  # a resumed server: workers continue from here
+                self._send(src, Kind.OK, self.version)
+            else:  # refuse this worker, keep serving the others
+                self.report.rejected[src] = problem
+                self.live.discard(src)
+                self._send(src, Kind.ERROR, payload=protocol.pack(problem))
+        elif kind == Kind.PULL:
+            self.waiting_pulls.append((src, int(h[1])))
+        elif kind == Kind.PUSH:
+            self._push(src, int(h[1]), int(h[2]), payload)
+        elif kind == Kind.NEXT:
+            batch = self.work.next(src) if self.work is not None else None
+            if batch is None:
+                self._send(src, Kind.END)
+            else:
+                self._send(src, Kind.OK, batch[0], payload=torch.tensor(batch[1]))
+        elif kind == Kind.DONE:
+            self.done.add(src)
+            if self.work is not None:
+                self.work.finish(src)
+            self._maybe_apply_sync()
+
+    def _send(self, dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None):
+        protocol.send(dst, kind, *ints, payload=payload, group=self.group)
+
+    # ---- updates
+    def _push(self, worker: int, clock: int, version_used: int, payload: torch.Tensor) -> None:
+        self.clock[worker] = clock + 1
+        if self.o.mode == "sync":
+            self.pending_sync[worker] = payload
+            self._maybe_apply_sync()
+        else:
+            self._apply(payload, staleness=self.version - version_used)
+
+    def _maybe_apply_sync(self) -> None:
+        expected = self.live - self.done
+        if self.pending_sync and set(self.pending_sync) >= expected:
+            stacked = torch.stack(list(self.pending_sync.values()))
+            self.pending_sync.clear()
+            self._apply(stacked.mean(dim=0), staleness=0)
+
+    @torch.no_grad()
+    def _apply(self, flat: torch.Tensor, staleness: int) -> None:
+        self.report.staleness.append(staleness)
+        pieces = flat.split(self.numels)
+        if self.o.rule == "average":
+            for p, worker_value in zip(self.params, pieces, strict=True):
+                p.mul_(self.o.beta).add_(worker_value.view_as(p), alpha=1 - self.o.beta)
+        elif self.optimizer is not None:
+            scale = 1.0 / (1 + staleness) if self.o.staleness_lr else 1.0
+            for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+                group["lr"] = lr * scale
+            for p, g in zip(self.params, pieces, strict=True):
+                p.grad = g.view_as(p).clone()
+            with torch.enable_grad():
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+        self.version += 1
+        self.report.updates += 1
+        if self.o.snapshot_every and self.version % self.o.snapshot_every == 0:
+            self._snapshot()
+
+    # ---- pulls: answered when the consistency mode allows
+    def _may_answer(self, clock: int) -> bool:
+        if self.o.mode == "async":
+            return True
+        if self.o.mode == "sync":
+            return self.version >= clock or not self.live - self.done
+        slowest = min((self.clock[w] for w in self.live - self.done), default=clock)
+        return clock - slowest <= self.o.staleness
+
+    def _answer_pulls(self) -> None:
+        still = []
+        for worker, clock in self.waiting_pulls:
+            if worker not in self.live:
+                continue
+            if self._may_answer(clock):
+                live = self.live - self.done
+                slowest = min((self.clock[w] for w in live), default=clock)
+                self.report.pull_gaps.append((worker, clock, slowest))
+                flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+                self._send(worker, Kind.OK, self.version, payload=flat)
+            else:
+                still.append((worker, clock))
+        self.waiting_pulls = still
+
+    # ---- liveness
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.o.heartbeat_s / 2
+        for worker in list(self.live - self.done):
+            beats = self.store.add(f"shardwise/ps/heartbeat/{worker}", 0)
+            last_beats, since = self.heartbeat[worker]
+            if beats != last_beats:
+                self.heartbeat[worker] = (beats, now)
+            elif now - since > self.o.timeout_s:
+                self._declare_dead(worker, now - since)
+
+    def _declare_dead(self, worker: int, silent_s: float) -> None:
+        self.live.discard(worker)
+        self.report.dead_workers[worker] = silent_s
+        self.pending_sync.pop(worker, None)
+        if self.work is not None:
+            self.work.give_back(worker)
+        print(f"shardwise: ps server {self.rank}: worker rank {worker} silent for "
+              f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
+        self._maybe_apply_sync()
+        self._answer_pulls()
+
+    # ---- snapshots
+    def _snapshot(self) -> None:
+        state = {
+            "version": self.version,
+            "bounds": self.bounds,
+            "params": [p.detach().clone() for p in self.params],
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "clocks": dict(self.clock),
+        }
+        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.snapshot_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.snapshot_path)  # atomic: a crash leaves the previous snapshot
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        state = torch.load(self.snapshot_path, weights_only=False)
+        if tuple(state["bounds"]) != tuple(self.bounds):
+            raise ValueError(
+                f"{self.snapshot_path}: snapshot holds other parameters than this shard"
+            )
+        for p, value in zip(self.params, state["params"], strict=True):
+            p.copy_(value)
+        if self.optimizer and state["optimizer"]:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+        self.report.resumed_from = self.version

@@ -1,0 +1,205 @@
+"""The worker side of a parameter server, as a strategy: `sw.prepare(model, sw.ParameterServer())`.
+
+The usual loop works unchanged: `loss.backward()` leaves gradients on the worker's copy, and the
+optimizer `prepare` returns is a stand-in whose `step()` pushes them, each slice to the server
+that owns it, then pulls the parameters back (waiting as long as the consistency mode says).
+The real optimizer, and its state, lives on the servers. Under the averaging rule the worker
+keeps a real optimizer and pushes its parameters instead of its gradients.
+
+Ranks 0..S-1 are servers, the rest workers. Server ranks call `sw.ps.serve(...)` with the same
+model and optimizer, and return once every worker is done.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import runtime
+from shardwise.ps import protocol
+from shardwise.ps.protocol import Kind
+from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
+from shardwise.runtime import Runtime
+from shardwise.strategies.base import Strategy, WrappedModel
+
+MODES = ("sync", "async", "ssp")
+
+
+class PSError(RuntimeError):
+    """A server refused this worker (e.g. a different model)."""
+
+
+@dataclass
+class ParameterServer(Strategy):
+    """Options of a parameter-server job (the same object on servers and workers).
+
+    servers: the first `servers` ranks serve; the others are workers.
+    mode: 'sync' (lock-step, exact), 'async' (apply on arrival) or 'ssp' (bounded staleness).
+    staleness: ssp: how many clocks a worker may run ahead of the slowest live one.
+    rule: 'gradient' (server-side optimizer steps on pushed gradients) or 'average' (workers
+        step locally and push parameters; the server keeps beta * server + (1 - beta) * worker).
+    staleness_lr: scale each update's learning rate by 1 / (1 + its staleness).
+    heartbeat_s / timeout_s: how often workers prove they live; silence that declares one dead.
+    snapshot_every: servers save their shard every K updates (0: never) to `snapshot_dir`, and
+        resume from it when they start again.
+    """
+
+    servers: int = 1
+    mode: str = "sync"
+    staleness: int = 2
+    rule: str = "gradient"
+    beta: float = 0.5
+    staleness_lr: bool = False
+    heartbeat_s: float = 0.5
+    timeout_s: float = 10.0
+    snapshot_every: int = 0
+    snapshot_dir: str = "ps-snapshots"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"ps mode must be one of {MODES}, got {self.mode!r}")
+        if self.rule not in ("gradient", "average"):
+            raise ValueError(f"ps rule must be 'gradient' or 'average', got {self.rule!r}")
+        if self.servers < 1 or self.staleness < 0 or not 0 <= self.beta <= 1:
+            raise ValueError("ps needs servers >= 1, staleness >= 0 and 0 <= beta <= 1")
+        if self.timeout_s <= self.heartbeat_s:
+            raise ValueError("ps timeout_s must exceed heartbeat_s")
+
+    def is_server(self, rank: int | None = None) -> bool:
+        return (runtime.current().rank if rank is None else rank) < self.servers
+
+    def workers(self, world_size: int) -> list[int]:
+        return list(range(self.servers, world_size))
+
+    # ---- worker side
+    def wrap(self, model: nn.Module, rt: Runtime) -> PSWorkerModel:
+        if self.is_server(rt.rank):
+            raise ValueError(f"rank {rt.rank} is a server: call sw.ps.serve(...) there")
+        if rt.world_size <= self.servers:
+            raise ValueError(
+                f"{self.servers} server(s) leave no worker in a world of {rt.world_size}"
+            )
+        return PSWorkerModel(model, PSClient(model, self, rt))
+
+    def make_optimizer(
+        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        local = (
+            optimizer_cls(model.module.parameters(), **kwargs) if self.rule == "average" else None
+        )
+        return PushPullOptimizer(model, local)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        model.client.pull()  # the servers' current parameters
+        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+    def data_shard(self, model: nn.Module) -> tuple[int, int]:
+        rt = runtime.current()
+        return rt.world_size - self.servers, rt.rank - self.servers
+
+    def close(self, model: nn.Module) -> None:
+        model.client.close()
+
+
+class PSClient:
+    """A worker's connection to every server: hello, pull, push, next batch, done, heartbeat."""
+
+    def __init__(self, model: nn.Module, options: ParameterServer, rt: Runtime) -> None:
+        self.o, self.model = options, model
+        self.plan = plan_shards(model, options.servers)
+        self.params = trainable(model)
+        self.rank = rt.rank
+        self.version = 0
+        self._store = dist.distributed_c10d._get_default_store()
+        self.group = protocol.make_group()
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._heartbeat, daemon=True, name="ps-heartbeat")
+        self._beats.start()
+        sig = protocol.pack(signature(model))
+        clocks = []
+        for server in range(options.servers):
+            protocol.send(server, Kind.HELLO, payload=sig, group=self.group)
+            h, payload = protocol.recv(server, group=self.group)
+            if Kind(int(h[0])) == Kind.ERROR:
+                self.close(say_done=False)
+                raise PSError(f"parameter server {server} refused this worker: "
+                              f"{protocol.unpack(payload)}")  # fmt: skip
+            clocks.append(int(h[1]))
+        self.clock = clocks[0]  # a resumed server: go on from its version
+        self.pull()
+
+    def _heartbeat(self) -> None:
+        key = f"shardwise/ps/heartbeat/{self.rank}"
+        while not self._stop.wait(self.o.heartbeat_s):
+            try:
+                self._store.add(key, 1)
+            except Exception:  # the store went away with the job: nothing left to prove
+                return
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """The parameters, each range from its server (waiting as the mode says)."""
+        for server in range(self.plan.servers):
+            protocol.send(server, Kind.PULL, self.clock, group=self.group)
+        pieces = []
+        for server in range(self.plan.servers):
+            h, piece = protocol.recv(server, torch.float32, group=self.group)
+            self.version = int(h[1])
+            pieces.append(piece if piece is not None else torch.zeros(0))
+        flat = torch.cat(pieces)
+        for p, value in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
+            p.copy_(value.view_as(p))
+
+    def push(self, tensors: list[torch.Tensor]) -> None:
+        """One value per parameter (gradients, or parameters under the averaging rule)."""
+        flat = flat_values(tensors)
+        for server, piece in enumerate(self.plan.split(flat)):
+            protocol.send(server, Kind.PUSH, self.clock, self.version,
+                          payload=piece if piece.numel() else None, group=self.group)  # fmt: skip
+        self.clock += 1
+
+    def next_batch(self) -> list[int] | None:
+        """Indices of the next batch from the work queue on server 0 (None: no more)."""
+        protocol.send(0, Kind.NEXT, group=self.group)
+        h, indices = protocol.recv(0, torch.int64, group=self.group)
+        return None if Kind(int(h[0])) == Kind.END else indices.tolist()
+
+    def close(self, say_done: bool = True) -> None:
+        if say_done:
+            for server in range(self.o.servers):
+                protocol.send(server, Kind.DONE, group=self.group)
+        self._stop.set()
+
+
+class PSWorkerModel(WrappedModel):
+    def __init__(self, module: nn.Module, client: PSClient) -> None:
+        super().__init__(module)
+        self.client = client
+
+
+class PushPullOptimizer(torch.optim.Optimizer):
+    """`step()`: push gradients (or, with a local optimizer, the stepped parameters) to the
+    servers, then pull the parameters the consistency mode allows."""
+
+    def __init__(self, model: PSWorkerModel, local: torch.optim.Optimizer | None) -> None:
+        super().__init__(list(model.module.parameters()), {})
+        self.model, self.local = model, local
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        client = self.model.client
+        if self.local is not None:  # averaging rule: step here, push the parameters
+            self.local.step()
+            values = list(client.params)
+        else:
+            values = [p.grad if p.grad is not None else torch.zeros_like(p) for p in client.params]
+        start = time.perf_counter()
+        client.push(values)
+        client.pull()
+        self.last_wait_s = time.perf_counter() - start

@@ -1,0 +1,212 @@
+"""Parameter server: sync is exact, SSP's bound holds, async converges, failures are survived."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.models import MLP
+from shardwise.ps.sharding import describe_mismatch, plan_shards, signature
+from spawn import run
+
+BATCH = 4  # per worker
+STEPS = 20
+EPOCHS = 4  # passes over the digits training set in the work-queue tests
+
+
+def _mlp(sizes=(13, 16, 9, 5)) -> MLP:
+    torch.manual_seed(0)
+    return MLP(list(sizes))
+
+
+def _global_batch(step: int, workers: int):
+    g = torch.Generator().manual_seed(900 + step)
+    x = torch.randn(workers * BATCH, 13, generator=g)
+    return x, torch.randint(0, 5, (workers * BATCH,), generator=g)
+
+
+def _reference(workers: int, steps: int = STEPS) -> dict:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = _global_batch(step, workers)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _sync_run(servers: int, steps: int = STEPS, kill_server_at: int | None = None, snap=None):
+    """Sync PS; worker w trains on slice w of global batch `clock` (so a resumed job picks up
+    exactly where the snapshot left it)."""
+    strategy = sw.ParameterServer(servers=servers, mode="sync", snapshot_every=5 if snap else 0,
+                                  snapshot_dir=snap or "ps-snapshots")  # fmt: skip
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workers = world - servers
+    if strategy.is_server():
+        if kill_server_at is not None and rank == 0:
+            original = sw.ps.server.Server._apply
+
+            def dying_apply(self, flat, staleness):
+                original(self, flat, staleness)
+                if self.version == kill_server_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            sw.ps.server.Server._apply = dying_apply
+        report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=1e-2)
+        return {"resumed_from": report.resumed_from, "updates": report.updates}
+    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
+    client, index = model.client, rank - servers
+    try:
+        while client.clock < steps:
+            x, y = _global_batch(client.clock, workers)
+            part = slice(index * BATCH, (index + 1) * BATCH)
+            F.cross_entropy(model(x[part]), y[part]).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # the server died: this run ends here
+        return {"error": type(e).__name__}
+    state = sw.full_state_dict(model)
+    strategy.close(model)
+    return state
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_equals_single_process(servers):
+    expected = _reference(workers=2)
+    results = run(_sync_run, servers + 2, servers)
+    for state in results[servers:]:
+        assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+    assert all(r["updates"] == STEPS for r in results[:servers])
+
+
+def test_shards_are_balanced_by_bytes_and_signatures_compared():
+    model = MLP([64, 512, 512, 10])  # one 512x512 matrix holds 80% of the bytes
+    plan = plan_shards(model, 3)
+    sizes = [b - a for a, b in plan.bounds]
+    assert sum(sizes) == sum(p.numel() for p in model.parameters())
+    assert max(sizes) - min(sizes) <= 1  # equal bytes, whatever the tensors' sizes
+    other = MLP([64, 256, 512, 10])
+    assert describe_mismatch(signature(model), signature(other)) == (
+        "parameter '0.weight' has shape [256, 64], the servers hold [512, 64]"
+    )
+    assert describe_mismatch(signature(model), signature(model)) is None
+
+
+def _ssp_run(staleness: int):
+    strategy = sw.ParameterServer(servers=1, mode="ssp", staleness=staleness)
+    rank = dist.get_rank()
+    if strategy.is_server():
+        report = sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2)
+        return report.pull_gaps
+    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.SGD, lr=1e-2)
+    for step in range(15):
+        if rank == 1:
+            time.sleep(0.03)  # the straggler
+        x, y = _global_batch(step, 1)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    strategy.close(model)
+    return None
+
+
+def test_ssp_never_lets_a_worker_run_more_than_s_clocks_ahead():
+    gaps = run(_ssp_run, 4, 2)[0]
+    ahead = [clock - slowest for _, clock, slowest in gaps]
+    assert max(ahead) <= 2
+    assert max(ahead) == 2  # the fast workers did run ahead as far as allowed
+
+
+def _mismatch_run():
+    strategy = sw.ParameterServer(servers=1, mode="async")
+    rank = dist.get_rank()
+    if strategy.is_server():
+        report = sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2)
+        return report.rejected
+    sizes = (13, 16, 9, 5) if rank == 1 else (13, 17, 9, 5)
+    try:
+        model, opt = sw.prepare(_mlp(sizes), strategy, optimizer=torch.optim.SGD, lr=1e-2)
+    except sw.ps.PSError as e:
+        return str(e)
+    for step in range(5):
+        x, y = _global_batch(step, 1)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    strategy.close(model)
+    return "trained"
+
+
+def test_a_worker_with_another_model_is_refused_and_the_others_go_on():
+    rejected, good, bad = run(_mismatch_run, 3)
+    assert good == "trained"
+    assert bad == ("parameter server 0 refused this worker: parameter '0.weight' has shape "
+                   "[17, 13], the servers hold [16, 13]")  # fmt: skip
+    assert list(rejected) == [2]
+
+
+def _digits_run(mode: str, die_at: int | None):
+    """Workers take batches from server 0's work queue (EPOCHS passes over the digits training set);
+    one may SIGKILL itself mid-run."""
+    from shardwise.datasets import digits
+
+    splits = digits()
+    strategy = sw.ParameterServer(servers=1, mode=mode, staleness=2, timeout_s=2.0)
+    rank = dist.get_rank()
+    size = len(splits.train)
+    if strategy.is_server():
+        work = sw.ps.WorkQueue(size, 32, epochs=EPOCHS, seed=0)
+        report = sw.ps.serve(_mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
+        return {"consumed": sorted(report.consumed), "dead": report.dead_workers, "size": size}
+    model, opt = sw.prepare(_mlp((64, 128, 10)), strategy, optimizer=torch.optim.AdamW, lr=3e-3)
+    steps = 0
+    while (indices := model.client.next_batch()) is not None:
+        if rank == die_at and steps == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = splits.train[indices]
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+    state = sw.full_state_dict(model)
+    strategy.close(model)
+    with torch.no_grad():
+        reference = _mlp((64, 128, 10))
+        reference.load_state_dict(state)
+        x, y = splits.test[:]
+        accuracy = (reference(x).argmax(-1) == y).float().mean().item()
+    return {"accuracy": accuracy, "steps": steps}
+
+
+def test_async_reaches_90_percent_on_digits():
+    server, *workers = run(_digits_run, 3, "async", None, timeout_s=180)
+    assert all(w["accuracy"] >= 0.90 for w in workers), workers
+    assert len(server["consumed"]) == EPOCHS * (server["size"] // 32) * 32  # every batch
+
+
+def test_a_killed_worker_is_declared_dead_and_its_data_is_consumed_by_the_others():
+    server, _, alive = run(_digits_run, 3, "ssp", 1, timeout_s=180, dies=(1,))
+    assert list(server["dead"]) == [1] and server["dead"][1] <= 2.0 + 1.0  # timeout + a check
+    batches = server["size"] // 32
+    assert len(server["consumed"]) == EPOCHS * batches * 32  # nothing lost with the dead worker
+    assert alive["accuracy"] >= 0.85
+
+
+def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
+    expected = _reference(workers=2)
+    snap = str(tmp_path / "snapshots")
+    first = run(_sync_run, 3, 1, STEPS, 12, snap, timeout_s=120, dies=(0,))
+    assert all("error" in r for r in first[1:])  # the workers saw their server go
+    second = run(_sync_run, 3, 1, STEPS, None, snap)
+    assert second[0]["resumed_from"] == 10  # snapshots every 5 updates; killed after 12
+    assert second[0]["updates"] == STEPS - 10
+    for state in second[1:]:
+        assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
