@@ -157,3 +157,20 @@ def test_mesh_sizes_that_do_not_fit_the_world_are_one_line_before_launch(tmp_pat
     assert result.stderr.strip().splitlines() == [
         "shardwise: config error: strategy 'mesh' needs 4 ranks, but launch.nproc is 2"
     ]
+
+
+def test_parameter_server_job_from_the_command_line(tmp_path):
+    run_dir = tmp_path / "ps"
+    sets = ["strategy.name=ps", "strategy.servers=2", "strategy.workers=2", "strategy.mode=ssp",
+            "train.steps=80"]  # fmt: skip
+    args = [arg for kv in sets for arg in ("--set", kv)]
+    result = shardwise("train", "digits", *args, "--run-dir", str(run_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parameter server (ssp, 2 server(s), 2 workers)" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["updates"] == 160 and summary["samples"] == 160 * 32  # every batch, once
+    assert summary["eval_accuracy"] > 0.85
+    assert max(int(k) for k in summary["staleness_histogram"]) >= 1  # updates were stale
+    assert (run_dir / "staleness.png").stat().st_size > 0
+    weights = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
+    MLP([64, 128, 128, 10]).load_state_dict(weights)  # the servers' shards, put together

@@ -49,6 +49,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"launch.nproc={args.nproc}")
     cfg = load_config(args.config, overrides)
     needed = ranks_needed(cfg.strategy)
+    if cfg.strategy.name == "ps" and args.nproc is None:  # the processes are the roles
+        cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"nproc": needed})})
     if needed is not None and not _in_worker() and needed != cfg.launch.nproc:
         raise ConfigError(
             f"config error: strategy {cfg.strategy.name!r} needs {needed} ranks, "
@@ -71,6 +73,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     resolved = run_dir / "config.yaml"
     resolved.write_text(dump_config(cfg))
     print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
+    if cfg.strategy.name == "ps":  # a supervisor of our own: one dead worker must not end it
+        from shardwise.ps.launch import run_ps_job
+
+        return run_ps_job(cfg, resolved, run_dir)
     _quiet_torch_elastic()
     launch(
         ["shardwise", "train", str(resolved), "--run-dir", str(run_dir)],
@@ -123,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
     bench.add_argument(
-        "suite", choices=["ddp", "zero", "comm", "pipeline", "tp"], help="what to benchmark"
+        "suite",
+        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps"],
+        help="what to benchmark",
     )
     bench.add_argument("--world-size", type=int, default=2, help="ranks")
     bench.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")

@@ -171,6 +171,22 @@ class MeshConfig(_Section):
         return self
 
 
+class PSConfig(_Section):
+    name: Literal["ps"] = Field("ps", description="the parallelism strategy")
+    servers: int = Field(1, ge=1, description="server processes (ranks 0..servers-1)")
+    workers: int = Field(2, ge=1, description="worker processes")
+    mode: Literal["sync", "async", "ssp"] = Field("sync", description="consistency mode")
+    staleness: int = Field(2, ge=0, description="ssp: clocks a worker may run ahead")
+    rule: Literal["gradient", "average"] = Field(
+        "gradient", description="push gradients, or push parameters to be averaged"
+    )
+    beta: float = Field(0.5, ge=0, le=1, description="average: new = beta*server+(1-beta)*worker")
+    staleness_lr: bool = Field(False, description="scale each update's lr by 1/(1+staleness)")
+    heartbeat_s: float = Field(0.5, gt=0, description="seconds between worker heartbeats")
+    timeout_s: float = Field(10.0, gt=0, description="silence that declares a worker dead")
+    snapshot_every: int = Field(0, ge=0, description="servers save their shard every K updates")
+
+
 StrategyConfig = Annotated[
     DDPConfig
     | ZeROConfig
@@ -179,7 +195,8 @@ StrategyConfig = Annotated[
     | AdaptiveSyncConfig
     | TPConfig
     | PPConfig
-    | MeshConfig,
+    | MeshConfig
+    | PSConfig,
     Field(discriminator="name"),
 ]
 
@@ -190,6 +207,8 @@ def ranks_needed(strategy: Any) -> int | None:
         return strategy.size
     if strategy.name == "pp":
         return strategy.stages
+    if strategy.name == "ps":
+        return strategy.servers + strategy.workers
     if strategy.name == "mesh" and strategy.dp is not None:
         return strategy.dp * strategy.tp * strategy.pp
     return None
@@ -213,6 +232,12 @@ class TrainConfig(_Section):
     eval_batch_size: int = Field(256, ge=1, description="per-rank batch size for evaluation")
     clip_grad_norm: float | None = Field(
         None, gt=0, description="clip gradients to this global L2 norm (any strategy)"
+    )
+    eval_every: int = Field(0, ge=0, description="evaluate every K steps too (0: at the end only)")
+    delay_s: list[float] = Field(
+        [],
+        description="artificial seconds added to every step of data-parallel rank i "
+        "(parameter server: worker i), to emulate stragglers",
     )
 
 
@@ -294,6 +319,8 @@ def load_config(name_or_path: str | None = None, overrides: list[str] = ()) -> C
     if not isinstance(raw, dict):
         raise ConfigError(f"config error: {path} must hold a mapping at the top level")
     for key, value in parse_overrides(list(overrides)):
+        if key == "strategy.name" and value != (raw.get("strategy") or {}).get("name"):
+            raw["strategy"] = {}  # another strategy: the file's options were for the old one
         _set_dotted(raw, key, value)
     return validate(raw)
 

@@ -79,6 +79,12 @@ def evaluate(model: torch.nn.Module, job: Job, cfg: Config, rt: sw.Runtime) -> t
 def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
     """Run the job described by `cfg` in this process (one rank of it); return the summary."""
     started = time.perf_counter()
+    if cfg.strategy.name == "ps":  # roles instead of replicas; the supervisor summarises
+        from shardwise.ps.job import run_role
+
+        run_dir_path = Path(run_dir or cfg.launch.runs_dir)
+        run_role(cfg, run_dir_path, run_dir_path / "ps-snapshots")
+        return {}
     rt = sw.init(backend=cfg.launch.backend, timeout_s=cfg.launch.comm_timeout_s)
     if cfg.launch.threads_per_rank:
         torch.set_num_threads(cfg.launch.threads_per_rank)
@@ -103,13 +109,17 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
         shard=(replicas, index),
     )
     global_batch = cfg.data.batch_size * replicas
+    delay = cfg.train.delay_s[index] if index < len(cfg.train.delay_s) else 0.0
     comm.stats.reset()
     batches = _batches(loader)
     step_times, loss = [], float("nan")
+    loop_start = time.perf_counter()
     for step in range(1, cfg.train.steps + 1):
         x, y = (t.to(rt.device) for t in next(batches))
         t0 = time.perf_counter()
         local_loss = sw.train_step(model, x, y, job.loss_fn)  # forward + backward
+        if delay:  # an emulated straggler
+            time.sleep(delay)
         if step == cfg.train.steps:  # gradients present: the model state at its fullest
             memory = sw.memory_report(model, opt)
         if cfg.train.clip_grad_norm:
@@ -122,6 +132,10 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
         # The loss average is a (tiny) collective too: it is counted in this step's figures.
         loss = _global_mean(local_loss.item(), y.shape[0], rt.device)
         step_comm = comm.stats.end_step()
+        record = {}
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            record["eval_loss"], record["eval_accuracy"] = evaluate(model, job, cfg, rt)
+            comm.stats.end_step()  # evaluation's messages are not the training step's
         step_times.append(step_time)
         progress.update(step, loss, global_batch / step_time)
         if metrics:
@@ -135,6 +149,8 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
                     "comm_bytes": step_comm.bytes,
                     "comm_calls": step_comm.calls,
                     "comm_wait_s": step_comm.wait_s,
+                    "t": time.perf_counter() - loop_start,
+                    **record,
                 }
             )
     progress.close()

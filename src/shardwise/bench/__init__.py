@@ -7,7 +7,14 @@ import argparse
 from shardwise.launcher import launch
 
 # (timed steps per repetition, repetitions) when the command line does not say
-DEFAULTS = {"ddp": (10, 5), "zero": (10, 5), "comm": (60, 1), "pipeline": (3, 3), "tp": (5, 3)}
+DEFAULTS = {
+    "ddp": (10, 5),
+    "zero": (10, 5),
+    "comm": (60, 1),
+    "pipeline": (3, 3),
+    "tp": (5, 3),
+    "ps": (150, 1),
+}
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
@@ -15,6 +22,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
     args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":
         return run_comm_benchmark(args)
+    if args.suite == "ps":  # it starts its own jobs (one per variant)
+        from shardwise.bench.ps import main
+
+        return main(["--steps", str(args.steps), "--out", args.out or "bench-ps"])
     module = f"shardwise.bench.{args.suite}"
     argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
     if args.suite in ("ddp", "zero"):

@@ -47,12 +47,16 @@ from shardwise.ps.sharding import (
 class WorkQueue:
     """Batches of sample indices, `epochs` shuffled passes, dealt to whoever asks next."""
 
-    def __init__(self, size: int, batch: int, epochs: int, seed: int) -> None:
+    def __init__(
+        self, size: int, batch: int, epochs: int, seed: int, limit: int | None = None
+    ) -> None:
         self.queue: collections.deque[tuple[int, list[int]]] = collections.deque()
         for epoch in range(epochs):
             order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
             for start in range(0, size - batch + 1, batch):  # drop_last, as the loaders do
                 self.queue.append((epoch, order[start : start + batch].tolist()))
+        while limit is not None and len(self.queue) > limit:  # `limit` batches in all
+            self.queue.pop()
         self.outstanding: dict[int, tuple[int, list[int]]] = {}
         self.consumed: list[int] = []
 
@@ -87,6 +91,7 @@ class ServerReport:
     consumed: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
     resumed_from: int | None = None
+    final: torch.Tensor | None = field(default=None, repr=False)  # this shard, at the end
     # (worker, its clock, slowest live worker's clock) for every pull answered: SSP's bound
     pull_gaps: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -143,6 +148,8 @@ class Server:
                 self._handle(worker, h, payload)
                 self._answer_pulls()
         self.report.clocks = dict(self.clock)
+        self.report.final = torch.cat([p.detach().reshape(-1) for p in self.params] or
+                                      [torch.zeros(0)])  # fmt: skip
         if self.work is not None:
             self.report.consumed = list(self.work.consumed)
         return self.report

@@ -175,6 +175,7 @@ class PSClient:
             for server in range(self.o.servers):
                 protocol.send(server, Kind.DONE, group=self.group)
         self._stop.set()
+        self._beats.join()
 
 
 class PSWorkerModel(WrappedModel):

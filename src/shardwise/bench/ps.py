@@ -1,0 +1,174 @@
+"""Benchmark: parameter-server consistency modes against our DDP, with a straggler.
+
+The default job (an MLP on the digits) on 3 data-parallel workers, one of them made slower by
+an artificial delay per step (`--delay`; default: twice a normal step period, measured in a
+short calibration run, so that worker runs 3x slower): sync, async and SSP(s=2) parameter
+servers with 2 servers, and our DDP on 3 ranks, each for the same number of steps per worker.
+Reported per variant: samples/s, wall-clock to a target test accuracy (evaluated every few
+steps), final test accuracy, staleness distribution of the applied updates; a PNG (accuracy
+against wall-clock, staleness histograms) and one JSON line.
+
+Run: shardwise bench ps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from shardwise.cli import main as shardwise_main
+
+VARIANTS = {
+    "ps_sync": ["strategy.name=ps", "strategy.mode=sync"],
+    "ps_async": ["strategy.name=ps", "strategy.mode=async"],
+    "ps_ssp2": ["strategy.name=ps", "strategy.mode=ssp", "strategy.staleness=2"],
+    "ddp": ["strategy.name=ddp", "launch.nproc=3"],
+}
+
+
+def normal_step_s(out: Path) -> float:
+    """A worker's step period in this very setting (5 processes, messages included), from a
+    short synchronous run without a straggler: what "3x slower" is measured against."""
+    run_variant("ps_sync", out / "calibration", 40, 0.0, 0)
+    periods = []
+    for path in (out / "calibration" / "ps_sync" / "ps").glob("worker*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        periods.append(rows[-1]["t"] / len(rows))
+    return sorted(periods)[len(periods) // 2]
+
+
+def run_variant(key: str, out: Path, steps: int, delay: float, eval_every: int) -> dict:
+    run_dir = out / key
+    sets = list(VARIANTS[key])
+    if key != "ddp":
+        sets += ["strategy.servers=2", "strategy.workers=3"]
+    sets += [
+        f"train.steps={steps}",
+        f"train.delay_s=[{delay}]",
+        f"train.eval_every={eval_every}",
+        "optim.warmup_steps=0",
+        "optim.schedule=constant",
+        "launch.threads_per_rank=1",
+    ]
+    argv = ["train", "digits", "--run-dir", str(run_dir)]
+    for kv in sets:
+        argv += ["--set", kv]
+    started = time.perf_counter()
+    code = shardwise_main(argv)
+    wall = time.perf_counter() - started
+    if code:
+        return {"error": f"exit code {code}"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    curve = accuracy_curve(run_dir, key)
+    return {
+        "samples_per_s": summary["samples_per_s"],
+        "final_accuracy": summary["eval_accuracy"],
+        "staleness_histogram": summary.get("staleness_histogram", {"0": 0}),
+        "curve": curve,
+        "wall_s": wall,
+    }
+
+
+def accuracy_curve(run_dir: Path, key: str) -> list[tuple[float, float]]:
+    """(seconds since training started, test accuracy), from whichever rank evaluated first."""
+    files = (
+        sorted((run_dir / "ps").glob("worker*.jsonl"))
+        if key != "ddp"
+        else [run_dir / "metrics.jsonl"]
+    )
+    points = []
+    for path in files:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "eval_accuracy" in row:
+                points.append((row["t"], row["eval_accuracy"]))
+    return sorted(points)
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, r in results.items():
+        if r.get("curve"):
+            t, acc = zip(*r["curve"], strict=True)
+            left.plot(t, acc, marker=".", label=key)
+    left.set_xlabel("wall-clock (s)")
+    left.set_ylabel("test accuracy")
+    left.set_title("accuracy with one 3x-slower worker")
+    left.grid(alpha=0.3)
+    left.legend()
+    width = 0.25
+    for i, key in enumerate(k for k in results if k.startswith("ps_")):
+        hist = results[key].get("staleness_histogram", {})
+        xs = [int(k) + (i - 1) * width for k in hist]
+        right.bar(xs, list(hist.values()), width=width, label=key)
+    right.set_xlabel("staleness of an applied update")
+    right.set_ylabel("updates")
+    right.set_title("staleness distribution")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="shardwise bench ps")
+    parser.add_argument("--steps", type=int, default=150, help="steps per worker")
+    parser.add_argument("--delay", type=float, help="seconds added to the slow worker's steps")
+    parser.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--out", default="bench-ps")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    delay = args.delay if args.delay is not None else round(2 * normal_step_s(out), 4)
+    results = {}
+    for key in VARIANTS:
+        results[key] = run_variant(key, out, args.steps, delay, args.eval_every)
+        results[key]["time_to_target_s"] = time_to(results[key].get("curve", []), args.target)
+    sync = results["ps_sync"].get("samples_per_s") or float("nan")
+    for r in results.values():
+        if "samples_per_s" in r:
+            r["speed_over_sync"] = r["samples_per_s"] / sync
+    plot(results, out / "ps.png")
+    print_table(results, delay, args.target)
+    line = {"bench": "ps", "servers": 2, "workers": 3, "slow_worker_delay_s": delay,
+            "steps_per_worker": args.steps, "target_accuracy": args.target,
+            "results": {k: {kk: vv for kk, vv in v.items() if kk != "curve"}
+                        for k, v in results.items()}}  # fmt: skip
+    (out / "ps.json").write_text(json.dumps(line) + "\n")
+    print(json.dumps(line))
+    return 0
+
+
+def print_table(results: dict, delay: float, target: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"parameter server vs DDP, 3 workers, one slowed by {delay * 1000:.1f} ms/step")
+    for col in ("variant", "samples/s", "x sync", f"to {target:.0%} s", "final acc.", "staleness"):
+        t.add_column(col, justify="right")
+    for key, r in results.items():
+        if "error" in r:
+            t.add_row(key, r["error"], "", "", "", "")
+            continue
+        reached = r["time_to_target_s"]
+        t.add_row(key, f"{r['samples_per_s']:,.0f}", f"{r['speed_over_sync']:.2f}",
+                  f"{reached:.1f}" if reached is not None else "never",
+                  f"{100 * r['final_accuracy']:.1f} %",
+                  str(r["staleness_histogram"]) if key != "ddp" else "-")  # fmt: skip
+    Console(width=130).print(t)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""A parameter-server training job: what each role does, and the summary the supervisor writes.
+
+Every process runs `run_role`: servers serve (server 0 also deals out batches: `train.steps`
+per worker in all, over as many epochs as that takes) and leave their final shard and report in
+`RUN/ps/`; workers take batches until none are left, log every step to `RUN/ps/workerR.jsonl`
+and, every `eval_every` steps, the test accuracy of the parameters they hold. When every process
+has ended, `summarise` (in the supervisor, no process group needed) puts the shards together into
+the model's checkpoint, evaluates it, and writes `summary.json`, `staleness.json` and
+`staleness.png`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import default_collate
+
+import shardwise as sw
+from shardwise.checkpoint import save_model
+from shardwise.config import Config
+from shardwise.jobs import OPTIMIZERS, Job, build_job
+from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
+from shardwise.ps.server import WorkQueue
+from shardwise.ps.sharding import trainable
+from shardwise.ps.worker import ParameterServer
+from shardwise.reporting import MetricsFile
+
+
+def strategy_from(cfg: Config) -> ParameterServer:
+    options = cfg.strategy.model_dump(exclude={"name", "workers", "worker_delay_s", "eval_every"})
+    return ParameterServer(**options)
+
+
+def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
+    rt = sw.init(backend="gloo", timeout_s=cfg.launch.comm_timeout_s)
+    torch.set_num_threads(cfg.launch.threads_per_rank or 1)
+    job = build_job(cfg)
+    strategy = dataclasses.replace(strategy_from(cfg), snapshot_dir=str(snapshot_dir))
+    out = run_dir / "ps"
+    out.mkdir(parents=True, exist_ok=True)
+    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optim.name], make_optimizer_kwargs(cfg.optim)
+    if strategy.is_server():
+        work = None
+        if rt.rank == 0:
+            total = cfg.train.steps * cfg.strategy.workers
+            size, batch = len(job.splits.train), cfg.data.batch_size
+            epochs = math.ceil(total * batch / size)
+            work = WorkQueue(size, batch, epochs, cfg.train.seed, limit=total)
+        report = sw.ps.serve(job.model, strategy, opt_cls, work=work, **opt_kwargs)
+        fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+        fields.pop("final")  # the shard itself goes to safetensors
+        (out / f"server{rt.rank}.json").write_text(json.dumps(fields))
+        save_file({"flat": report.final.contiguous()}, str(out / f"server{rt.rank}.safetensors"))
+    else:
+        _work(cfg, job, strategy, rt, out, opt_cls, opt_kwargs)
+    # Roles finish at different times. Tearing down gloo groups whose peers have already gone
+    # (in destroy_process_group, or in the destructors at interpreter exit) sometimes aborts
+    # the process (seen here: exit code -6 after all work was done). Everything this role owes
+    # is on disk, so it leaves at once; the OS closes the sockets.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
+    index = rt.rank - strategy.servers
+    delays = cfg.train.delay_s
+    delay = delays[index] if index < len(delays) else 0.0
+    model, opt = sw.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
+    metrics = MetricsFile(out / f"worker{rt.rank}.jsonl")
+    start, step = time.perf_counter(), 0
+    while (indices := model.client.next_batch()) is not None:
+        x, y = default_collate([job.splits.train[i] for i in indices])
+        t0 = time.perf_counter()
+        loss = sw.train_step(model, x, y, job.loss_fn)
+        if delay:  # a straggler: this worker's steps take longer
+            time.sleep(delay)
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        record = {"step": step, "t": time.perf_counter() - start, "loss": loss.item(),
+                  "samples": len(indices), "step_time_s": time.perf_counter() - t0,
+                  "wait_s": opt.last_wait_s, "version": model.client.version}  # fmt: skip
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            record["eval_accuracy"] = evaluate(model.module, job)[1]
+        metrics.write(record)
+    metrics.close()
+    strategy.close(model)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, job: Job) -> tuple[float, float]:
+    """Loss and accuracy on the whole test split (in this process, no communication)."""
+    x, y = default_collate([job.splits.test[i] for i in range(len(job.splits.test))])
+    logits = model(x)
+    return job.loss_fn(logits, y).item(), (logits.argmax(-1) == y).float().mean().item()
+
+
+def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int]) -> dict:
+    """Put the servers' shards together into the model, evaluate it, write the summary."""
+    out = run_dir / "ps"
+    servers = [json.loads((out / f"server{r}.json").read_text())
+               for r in range(cfg.strategy.servers)]  # fmt: skip
+    flat = torch.cat([load_file(str(out / f"server{r}.safetensors"))["flat"]
+                      for r in range(cfg.strategy.servers)])  # fmt: skip
+    job = build_job(cfg)
+    with torch.no_grad():
+        params = trainable(job.model)
+        for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.copy_(value.view_as(p))
+    eval_loss, accuracy = evaluate(job.model, job)
+    save_model(run_dir / "checkpoint", job.model.state_dict(), {"name": cfg.name, "ps": True})
+    workers = {}
+    for path in sorted(out.glob("worker*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        workers[path.stem] = rows
+    samples = sum(r["samples"] for rows in workers.values() for r in rows)
+    train_time = max((rows[-1]["t"] for rows in workers.values() if rows), default=wall_s)
+    staleness = [s for report in servers for s in report["staleness"]]
+    counts = collections.Counter(staleness)
+    histogram = {str(k): counts[k] for k in sorted(counts)}
+    (run_dir / "staleness.json").write_text(json.dumps(histogram))
+    _plot_staleness(histogram, run_dir / "staleness.png", cfg.strategy.mode)
+    dead = {int(w): s for report in servers for w, s in report["dead_workers"].items()}
+    summary = {
+        "name": cfg.name,
+        "strategy": f"parameter server ({cfg.strategy.mode}, {cfg.strategy.servers} server(s), "
+        f"{cfg.strategy.workers} workers)",
+        "updates": servers[0]["updates"],
+        "samples": samples,
+        "samples_per_s": samples / train_time if train_time else 0.0,
+        "eval_loss": eval_loss,
+        "eval_accuracy": accuracy,
+        "staleness_histogram": histogram,
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "dead_workers": dead,
+        "failed_processes": failures,
+        "resumed_from": servers[0]["resumed_from"],
+        "worker_steps": {k: len(v) for k, v in workers.items()},
+        "wall_time_s": wall_s,
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _plot_staleness(histogram: dict[str, int], path: Path, mode: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([int(k) for k in histogram], list(histogram.values()))
+    ax.set_xlabel("staleness of an applied update (server versions)")
+    ax.set_ylabel("updates")
+    ax.set_title(f"parameter server, {mode}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_ps_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"shardwise run: {summary['name']}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("strategy", summary["strategy"]),
+        ("updates", str(summary["updates"])),
+        ("samples/s", f"{summary['samples_per_s']:,.1f}"),
+        ("eval loss", f"{summary['eval_loss']:.4f}"),
+        ("eval accuracy", f"{100 * summary['eval_accuracy']:.2f} %"),
+        ("staleness (mean; histogram)",
+         f"{summary['staleness_mean']:.2f}; {summary['staleness_histogram']}"),
+        ("dead workers (rank: silent s)",
+         ", ".join(f"{w}: {s:.1f}" for w, s in summary["dead_workers"].items()) or "none"),
+        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("run directory", summary["run_dir"]),
+    ]  # fmt: skip
+    for key, value in rows:
+        table.add_row(key, value)
+    Console(width=120).print(table)
