@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -159,18 +161,55 @@ def test_mesh_sizes_that_do_not_fit_the_world_are_one_line_before_launch(tmp_pat
     ]
 
 
-def test_parameter_server_job_from_the_command_line(tmp_path):
-    run_dir = tmp_path / "ps"
-    sets = ["strategy.name=ps", "strategy.servers=2", "strategy.workers=2", "strategy.mode=ssp",
-            "train.steps=80"]  # fmt: skip
+def _start_ps_job(tmp_path, run_dir, *sets):
     args = [arg for kv in sets for arg in ("--set", kv)]
-    result = shardwise("train", "digits", *args, "--run-dir", str(run_dir), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "parameter server (ssp, 2 server(s), 2 workers)" in result.stdout
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardwise", "train", "digits", *args, "--run-dir", str(run_dir)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _wait_for(predicate, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_ps_job_survives_a_killed_worker_and_restarts_after_a_killed_server(tmp_path):
+    """`strategy: ps` from the command line, under our supervisor (2 servers + 2 workers)."""
+    base = ["strategy.name=ps", "strategy.servers=2", "strategy.workers=2", "strategy.timeout_s=2"]
+    # A worker SIGKILLed mid-run: reported, declared dead by heartbeat, its data consumed.
+    run_dir = tmp_path / "worker"
+    job = _start_ps_job(tmp_path, run_dir, *base, "strategy.mode=async", "train.steps=100")
+    log = run_dir / "ps" / "worker3.jsonl"
+    _wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 10)
+    os.kill(int((run_dir / "ps" / "pid3").read_text()), signal.SIGKILL)
+    out, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, out[-3000:]
+    assert "shardwise: ps worker rank 3 exited with code -9; the others go on" in out
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["updates"] == 160 and summary["samples"] == 160 * 32  # every batch, once
-    assert summary["eval_accuracy"] > 0.85
+    assert list(summary["dead_workers"]) == ["3"] and summary["dead_workers"]["3"] < 3.0
+    assert summary["consumed_samples"] == 100 * 2 * 32  # every batch, the dead one's too
+    assert "parameter server (async, 2 server(s), 2 workers)" in out  # the summary table
+    assert summary["eval_accuracy"] > 0.8
     assert max(int(k) for k in summary["staleness_histogram"]) >= 1  # updates were stale
     assert (run_dir / "staleness.png").stat().st_size > 0
     weights = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
     MLP([64, 128, 128, 10]).load_state_dict(weights)  # the servers' shards, put together
+
+    # A server SIGKILLed after its first snapshot: the job restarts and resumes from it.
+    run_dir = tmp_path / "server"
+    sync = ["strategy.mode=sync", "train.steps=60", "strategy.snapshot_every=10"]
+    job = _start_ps_job(tmp_path, run_dir, *base, *sync)
+    snapshots = run_dir / "ps-snapshots"
+    _wait_for(lambda: len(list(snapshots.glob("server*-v*.pt"))) >= 2)
+    os.kill(int((run_dir / "ps" / "pid1").read_text()), signal.SIGKILL)
+    out, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, out[-3000:]
+    assert "restarting the job; servers resume from their snapshots" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] >= 10 and summary["resumed_from"] % 10 == 0
+    assert summary["updates"] == 60 - summary["resumed_from"]  # the rest of the job, no more
+    assert summary["eval_accuracy"] > 0.8

@@ -48,6 +48,7 @@ def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
     strategy = dataclasses.replace(strategy_from(cfg), snapshot_dir=str(snapshot_dir))
     out = run_dir / "ps"
     out.mkdir(parents=True, exist_ok=True)
+    (out / f"pid{rt.rank}").write_text(str(os.getpid()))  # for operators (and failure tests)
     opt_cls, opt_kwargs = OPTIMIZERS[cfg.optim.name], make_optimizer_kwargs(cfg.optim)
     if strategy.is_server():
         work = None
@@ -144,6 +145,7 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
         "staleness_histogram": histogram,
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "dead_workers": dead,
+        "consumed_samples": len(servers[0]["consumed"]),
         "failed_processes": failures,
         "resumed_from": servers[0]["resumed_from"],
         "worker_steps": {k: len(v) for k, v in workers.items()},

@@ -27,6 +27,7 @@ class Kind(IntEnum):
     PUSH = 3  # worker -> server: [clock, version used] + gradient (or parameters)
     DONE = 4  # worker -> server: no more steps from this worker
     NEXT = 5  # worker -> server 0: the next batch's indices; reply OK [epoch] + indices, or END
+    IDLE = 6  # worker -> other servers: waiting for a batch (do not wait for its pushes)
     OK = 10
     ERROR = 11
     END = 12

@@ -21,6 +21,7 @@ out batches (`WorkQueue`), taking back those a dead worker never finished.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import queue
 import threading
@@ -72,6 +73,11 @@ class WorkQueue:
     def finish(self, worker: int) -> None:
         if worker in self.outstanding:
             self.consumed.extend(self.outstanding.pop(worker)[1])
+
+    def skip(self, batches: int) -> None:
+        """A resumed job: the snapshot already holds the first `batches` batches' updates."""
+        for _ in range(min(batches, len(self.queue))):
+            self.consumed.extend(self.queue.popleft()[1])
 
     def give_back(self, worker: int) -> None:
         """A dead worker's unfinished batch goes to the front of the queue."""
@@ -129,9 +135,15 @@ class Server:
         self.store = dist.distributed_c10d._get_default_store()
         self.group = protocol.make_group()
         self.inbox: queue.Queue = queue.Queue()
-        self.snapshot_path = Path(options.snapshot_dir) / f"server{rank}.pt"
-        if options.snapshot_every and self.snapshot_path.exists():
+        self.lost: set[int] = set()  # workers whose connection broke while we answered them
+        self.idle: set[int] = (
+            set()
+        )  # workers waiting for a batch  # workers whose connection broke while we answered them
+        self.snapshot_dir = Path(options.snapshot_dir)
+        if options.snapshot_every:
             self._restore()
+            if self.work is not None:  # sync applies one update per W batches, else one each
+                self.work.skip(self.version * (len(workers) if options.mode == "sync" else 1))
 
     # ---- the loop
     def serve(self) -> ServerReport:
@@ -147,6 +159,8 @@ class Server:
             if h is not None and worker in self.live:
                 self._handle(worker, h, payload)
                 self._answer_pulls()
+            for lost in sorted(self.lost - set(self.report.dead_workers)):
+                self._declare_dead(lost, time.monotonic() - self.heartbeat[lost][1])
         self.report.clocks = dict(self.clock)
         self.report.final = torch.cat([p.detach().reshape(-1) for p in self.params] or
                                       [torch.zeros(0)])  # fmt: skip
@@ -179,23 +193,49 @@ class Server:
                 self.live.discard(src)
                 self._send(src, Kind.ERROR, payload=protocol.pack(problem))
         elif kind == Kind.PULL:
+            self.idle.discard(src)
             self.waiting_pulls.append((src, int(h[1])))
         elif kind == Kind.PUSH:
+            self.idle.discard(src)
             self._push(src, int(h[1]), int(h[2]), payload)
+        elif kind == Kind.IDLE:  # it waits for a batch from server 0: do not wait for it here
+            self.idle.add(src)
+            self._maybe_apply_sync()
         elif kind == Kind.NEXT:
-            batch = self.work.next(src) if self.work is not None else None
-            if batch is None:
-                self._send(src, Kind.END)
-            else:
-                self._send(src, Kind.OK, batch[0], payload=torch.tensor(batch[1]))
+            if self.work is not None:
+                self.work.finish(src)  # the batch it had is done
+            self.idle.add(src)
+            self._deal()
         elif kind == Kind.DONE:
             self.done.add(src)
+            self.idle.discard(src)
             if self.work is not None:
                 self.work.finish(src)
+                self._deal()
             self._maybe_apply_sync()
 
+    def _active(self) -> set[int]:
+        """Workers that others may wait for: alive, not finished, not waiting for work."""
+        return self.live - self.done - self.idle
+
+    def _deal(self) -> None:
+        """Hand batches to idle workers. With the queue empty, a worker waits while another
+        still holds a batch (it may die and give it back), and gets END once none does."""
+        for worker in sorted(self.idle & self.live):
+            batch = self.work.next(worker) if self.work is not None else None
+            if batch is not None:
+                self.idle.discard(worker)
+                self._send(worker, Kind.OK, batch[0], payload=torch.tensor(batch[1]))
+            elif self.work is None or not self.work.outstanding:
+                self.idle.discard(worker)
+                self._send(worker, Kind.END)
+
     def _send(self, dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None):
-        protocol.send(dst, kind, *ints, payload=payload, group=self.group)
+        try:
+            protocol.send(dst, kind, *ints, payload=payload, group=self.group)
+        except RuntimeError:  # the worker's connection is gone: it died between ask and answer
+            self.lost.add(dst)
+            self.live.discard(dst)
 
     # ---- updates
     def _push(self, worker: int, clock: int, version_used: int, payload: torch.Tensor) -> None:
@@ -207,7 +247,7 @@ class Server:
             self._apply(payload, staleness=self.version - version_used)
 
     def _maybe_apply_sync(self) -> None:
-        expected = self.live - self.done
+        expected = self._active()
         if self.pending_sync and set(self.pending_sync) >= expected:
             stacked = torch.stack(list(self.pending_sync.values()))
             self.pending_sync.clear()
@@ -239,8 +279,8 @@ class Server:
         if self.o.mode == "async":
             return True
         if self.o.mode == "sync":
-            return self.version >= clock or not self.live - self.done
-        slowest = min((self.clock[w] for w in self.live - self.done), default=clock)
+            return self.version >= clock or not self._active()
+        slowest = min((self.clock[w] for w in self._active()), default=clock)
         return clock - slowest <= self.o.staleness
 
     def _answer_pulls(self) -> None:
@@ -249,8 +289,7 @@ class Server:
             if worker not in self.live:
                 continue
             if self._may_answer(clock):
-                live = self.live - self.done
-                slowest = min((self.clock[w] for w in live), default=clock)
+                slowest = min((self.clock[w] for w in self._active()), default=clock)
                 self.report.pull_gaps.append((worker, clock, slowest))
                 flat = torch.cat([p.detach().reshape(-1) for p in self.params])
                 self._send(worker, Kind.OK, self.version, payload=flat)
@@ -264,7 +303,7 @@ class Server:
         if now < self._next_check:
             return
         self._next_check = now + self.o.heartbeat_s / 2
-        for worker in list(self.live - self.done):
+        for worker in list(self.live - self.done - self.lost):
             beats = self.store.add(f"shardwise/ps/heartbeat/{worker}", 0)
             last_beats, since = self.heartbeat[worker]
             if beats != last_beats:
@@ -273,37 +312,61 @@ class Server:
                 self._declare_dead(worker, now - since)
 
     def _declare_dead(self, worker: int, silent_s: float) -> None:
+        """Nobody waits for it any more; its unfinished batch goes back to the queue."""
         self.live.discard(worker)
         self.report.dead_workers[worker] = silent_s
         self.pending_sync.pop(worker, None)
+        self.idle.discard(worker)
         if self.work is not None:
             self.work.give_back(worker)
+            self._deal()
         print(f"shardwise: ps server {self.rank}: worker rank {worker} silent for "
               f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
         self._maybe_apply_sync()
         self._answer_pulls()
 
     # ---- snapshots
+    def _snapshot_path(self, version: int) -> Path:
+        return self.snapshot_dir / f"server{self.rank}-v{version:09d}.pt"
+
+    def _snapshot_versions(self) -> list[int]:
+        paths = self.snapshot_dir.glob(f"server{self.rank}-v*.pt")
+        return sorted(int(p.stem.rsplit("-v", 1)[1]) for p in paths)
+
     def _snapshot(self) -> None:
+        """Save this shard atomically; keep the last two (a restart needs a version that every
+        server has, and they do not all write at the same instant)."""
         state = {
             "version": self.version,
             "bounds": self.bounds,
             "params": [p.detach().clone() for p in self.params],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "clocks": dict(self.clock),
         }
-        self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.snapshot_path.with_suffix(".tmp")
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        path = self._snapshot_path(self.version)
+        tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
-        os.replace(tmp, self.snapshot_path)  # atomic: a crash leaves the previous snapshot
+        os.replace(tmp, path)  # atomic: a crash leaves the previous snapshots intact
+        for old in self._snapshot_versions()[:-2]:
+            self._snapshot_path(old).unlink(missing_ok=True)
 
     @torch.no_grad()
     def _restore(self) -> None:
-        state = torch.load(self.snapshot_path, weights_only=False)
+        """Resume from the newest version that every server has a snapshot of (servers agree
+        through the c10d store), or start afresh if there is none."""
+        mine = self._snapshot_versions()
+        self.store.set(f"shardwise/ps/snapshots/server{self.rank}", json.dumps(mine))
+        keys = [f"shardwise/ps/snapshots/server{r}" for r in range(self.o.servers)]
+        self.store.wait(keys)
+        common = set(mine)
+        for key in keys:
+            common &= set(json.loads(self.store.get(key)))
+        if not common:
+            return
+        path = self._snapshot_path(max(common))
+        state = torch.load(path, weights_only=False)
         if tuple(state["bounds"]) != tuple(self.bounds):
-            raise ValueError(
-                f"{self.snapshot_path}: snapshot holds other parameters than this shard"
-            )
+            raise ValueError(f"{path}: a snapshot of another shard of the parameters")
         for p, value in zip(self.params, state["params"], strict=True):
             p.copy_(value)
         if self.optimizer and state["optimizer"]:
