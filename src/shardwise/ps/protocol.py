@@ -27,10 +27,11 @@ class Kind(IntEnum):
     PUSH = 3  # worker -> server: [clock, version used] + gradient (or parameters)
     DONE = 4  # worker -> server: no more steps from this worker
     NEXT = 5  # worker -> server 0: the next batch's indices; reply OK [epoch] + indices, or END
-    IDLE = 6  # worker -> other servers: waiting for a batch (do not wait for its pushes)
+    IDLE = 6  # worker -> other servers: server 0 has no batch for it yet (do not wait for it)
     OK = 10
     ERROR = 11
     END = 12
+    WAIT = 13  # server 0 -> worker: no batch now, one may come back from a dead worker
 
 
 def header(kind: Kind, *ints: int, numel: int = 0) -> torch.Tensor:

@@ -202,10 +202,16 @@ class Server:
             self.idle.add(src)
             self._maybe_apply_sync()
         elif kind == Kind.NEXT:
-            if self.work is not None:
-                self.work.finish(src)  # the batch it had is done
-            self.idle.add(src)
-            self._deal()
+            batch = self.work.next(src) if self.work is not None else None
+            if batch is not None:
+                self._send(src, Kind.OK, batch[0], payload=torch.tensor(batch[1]))
+            elif self.work is not None and self.work.outstanding:
+                self.idle.add(src)  # held: another worker's batch may come back
+                self._send(src, Kind.WAIT)
+                self._maybe_apply_sync()
+            else:
+                self._send(src, Kind.END)
+            self._deal()  # its finished batch may have been the last one others waited on
         elif kind == Kind.DONE:
             self.done.add(src)
             self.idle.discard(src)

@@ -166,10 +166,12 @@ class PSClient:
 
     def next_batch(self) -> list[int] | None:
         """Indices of the next batch from the work queue on server 0 (None: no more)."""
-        for server in range(1, self.o.servers):
-            protocol.send(server, Kind.IDLE, group=self.group)
         protocol.send(0, Kind.NEXT, group=self.group)
         h, indices = protocol.recv(0, torch.int64, group=self.group)
+        if Kind(int(h[0])) == Kind.WAIT:  # none now: the other servers must not wait for us
+            for server in range(1, self.o.servers):
+                protocol.send(server, Kind.IDLE, group=self.group)
+            h, indices = protocol.recv(0, torch.int64, group=self.group)
         return None if Kind(int(h[0])) == Kind.END else indices.tolist()
 
     def close(self, say_done: bool = True) -> None:
