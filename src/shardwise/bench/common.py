@@ -32,6 +32,19 @@ def make_workload(name: str, rank: int):
     raise ValueError(f"unknown benchmark model {name!r}; choose mlp or gpt")
 
 
+def gpt_model() -> TinyGPT:
+    """The benchmarks' tiny GPT (4 blocks, d_model 256, seq 128), the same weights every call."""
+    torch.manual_seed(0)
+    return TinyGPT(GPT_VOCAB, seq_len=128, d_model=256, n_layer=4, n_head=4)
+
+
+def gpt_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`size` sequences of 128 tokens and their next-token targets, the same every call."""
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, GPT_VOCAB, (size, 129), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def backward(opt, loss: torch.Tensor) -> None:
     """`loss.backward()`, or the engine's own backward where a rival needs it (DeepSpeed)."""
     if hasattr(opt, "backward"):

@@ -32,23 +32,15 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.bench.common import GPT_VOCAB
+from shardwise.bench.common import gpt_batch, gpt_model
 from shardwise.memory import ActivationMeter
-from shardwise.models import TinyGPT, lm_loss
+from shardwise.models import lm_loss
 from shardwise.strategies.pipeline import PipelineStage, pipeline_layers
 
 SPLIT = 3  # stage 1 starts at layer 3 (block 2)
 
 
-def _model() -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(GPT_VOCAB, seq_len=128, d_model=256, n_layer=4, n_head=4)
-
-
-def _batch(size: int):
-    g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, GPT_VOCAB, (size, 129), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+_model, _batch = gpt_model, gpt_batch
 
 
 class BusyTimer:

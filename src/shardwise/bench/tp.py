@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from shardwise.bench.common import GPT_VOCAB
+from shardwise.bench.common import gpt_batch, gpt_model
 from shardwise.comm.accounting import native_volume
 from shardwise.models import TinyGPT, lm_loss
 
@@ -67,15 +67,7 @@ def expected_param_bytes(model: nn.Module, parts: int, rank: int) -> int:
     return total
 
 
-def _model() -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(GPT_VOCAB, seq_len=128, d_model=256, n_layer=4, n_head=4)
-
-
-def _batch(batch: int):
-    g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, GPT_VOCAB, (batch, 129), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+_model, _batch = gpt_model, gpt_batch
 
 
 def _time(step, steps: int, reps: int) -> float:

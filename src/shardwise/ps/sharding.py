@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise.strategies.tensor_parallel import split_bounds
+
 
 @dataclass(frozen=True)
 class ShardPlan:
@@ -38,13 +40,7 @@ def plan_shards(model: nn.Module, servers: int) -> ShardPlan:
     if servers < 1:
         raise ValueError(f"servers must be >= 1, got {servers}")
     total = sum(p.numel() for p in trainable(model))
-    base, extra = divmod(total, servers)
-    bounds, start = [], 0
-    for s in range(servers):
-        end = start + base + (1 if s < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return ShardPlan(total=total, bounds=bounds)
+    return ShardPlan(total=total, bounds=split_bounds(total, servers))
 
 
 def flat_values(tensors: list[torch.Tensor]) -> torch.Tensor:
