@@ -11,7 +11,7 @@ DEFAULTS = {
     "ddp": (10, 5),
     "zero": (10, 5),
     "comm": (60, 1),
-    "pipeline": (3, 3),
+    "pipeline": (5, 4),
     "tp": (5, 3),
     "ps": (150, 1),
 }

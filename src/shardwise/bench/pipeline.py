@@ -2,17 +2,23 @@
 
 Tiny GPT (4 blocks, d_model 256, seq 128) in 2 stages ([embedding, block 0, block 1] and
 [block 2, block 3, head]), global batch 16, AdamW. For each schedule (GPipe, 1F1B) and number of
-micro-batches M in {1, 2, 4, 8}, ours and torch's are timed in interleaved repetitions. Reported
-per (schedule, M, implementation) and per stage:
+micro-batches M in {1, 2, 4, 8}, ours and torch's are timed step by step in alternation (ours
+then torch's, then torch's then ours, ...), so that the machine's drift hits both alike and each
+pair of neighbouring steps gives one speed ratio. Reported per (schedule, M, implementation) and
+per stage:
 
-- step time and samples/s (single-process training of the same batch as the baseline);
+- step time (median) and samples/s (single-process training of the same batch as the baseline);
+- ours over torch's speed: the geometric mean of the paired ratios with its 95% confidence
+  interval; "not slower" holds when the interval reaches 1 (on a 2-core machine two
+  implementations of the same schedule differ by less than the step-to-step noise);
 - bubble fraction, measured: 1 - (time the stage computes) / (step time), where compute time
   is the sum of its forward and backward passes (module hooks: forward pre/post, backward from
   the output gradient's arrival to the last parameter gradient), the same yardstick for both
   implementations; beside it the formula (S-1)/(M+S-1), which assumes equal stages and free
   messages;
 - peak activation memory: the most bytes autograd held for backward at once
-  (`shardwise.memory.ActivationMeter`), which 1F1B bounds by S - stage micro-batches.
+  (`shardwise.memory.ActivationMeter`), which 1F1B bounds by S - stage micro-batches, measured
+  in a separate step (its hooks cost time, so timed steps run without them).
 
 torch's 1F1B refuses M < S (reported as such); its schedules divide gradients by M, so the loss
 function returns micro-batch means there, as ours does internally.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -119,21 +126,28 @@ def build_torch(schedule: str, m: int):
     return step, timer
 
 
-def measure(step, timer: BusyTimer, batch, steps: int) -> dict:
-    """Per step on this rank: time, busy time, activation peak."""
-    x, y = batch
+def activation_peak(step, batch) -> int:
+    """The most activation bytes this rank holds at once during one step."""
     meter = ActivationMeter()
     with meter:
-        step(x, y)  # warm-up (and torch's shape inference)
-        timer.take()
-        meter.reset_peak()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step(x, y)
-        elapsed = (time.perf_counter() - t0) / steps
-    busy = timer.take() / steps
-    return {"step_s": elapsed, "busy_s": busy, "activation_peak_bytes": meter.peak}
+        step(*batch)
+    return meter.peak
+
+
+def timed_step(step, timer: BusyTimer, batch) -> tuple[float, float]:
+    """(seconds, busy seconds) of one step on this rank, starting together with the others."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(*batch)
+    return time.perf_counter() - t0, timer.take()
+
+
+def speed_ratio(ours: list[float], rival: list[float]) -> tuple[float, float, float]:
+    """Ours over the rival's speed from paired step times: geometric mean and 95% interval."""
+    logs = [math.log(r / o) for o, r in zip(ours, rival, strict=True)]
+    mean = statistics.fmean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def gather(stats: dict) -> list[dict]:
@@ -158,8 +172,8 @@ def single_process_rate(batch, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="shardwise bench pipeline (one rank)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--microbatches", default="1,2,4,8")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -174,25 +188,34 @@ def main() -> None:
                 refused = f"torch's 1F1B refuses M={m} < {stages} stages"
             else:
                 impls["torch"], refused = build_torch(schedule, m), None
-            samples = {k: [] for k in impls}
-            for rep in range(args.reps):  # interleaved: ours, torch, then torch, ours, ...
-                for key in list(impls)[:: 1 if rep % 2 == 0 else -1]:
-                    samples[key].append(measure(*impls[key], batch, args.steps))
-            for key, runs in samples.items():
-                mine = {
-                    "step_s": statistics.median(r["step_s"] for r in runs),
-                    "busy_s": statistics.median(r["busy_s"] for r in runs),
-                    "activation_peak_bytes": max(r["activation_peak_bytes"] for r in runs),
-                }
-                per_stage = gather(mine)
-                step_s = max(s["step_s"] for s in per_stage)
-                rows.append({
+            peaks = {}
+            for key, (step, timer) in impls.items():
+                step(*batch)  # warm-up (and torch's shape inference)
+                peaks[key] = activation_peak(step, batch)
+                timer.take()
+            times = {k: ([], []) for k in impls}  # per step: (seconds, busy seconds)
+            for i in range(args.steps * args.reps):  # alternating: ours, torch, torch, ours...
+                for key in list(impls)[:: 1 if i % 2 == 0 else -1]:
+                    seconds, busy = timed_step(*impls[key], batch)
+                    times[key][0].append(seconds)
+                    times[key][1].append(busy)
+            per_stage = gather({k: (*v, peaks[k]) for k, v in times.items()})
+            # A step lasts as long as its slowest stage.
+            step_times = {k: [max(s[k][0][i] for s in per_stage) for i in range(len(v[0]))]
+                          for k, v in times.items()}  # fmt: skip
+            for key in impls:
+                step_s = statistics.median(step_times[key])
+                row = {
                     "schedule": schedule, "microbatches": m, "impl": key,
                     "step_time_s": step_s, "samples_per_s": args.batch / step_s,
-                    "bubble_measured": [1 - s["busy_s"] / step_s for s in per_stage],
+                    "bubble_measured": [1 - statistics.fmean(s[key][1]) / statistics.fmean(
+                        step_times[key]) for s in per_stage],
                     "bubble_formula": (stages - 1) / (m + stages - 1),
-                    "activation_peak_bytes": [s["activation_peak_bytes"] for s in per_stage],
-                })  # fmt: skip
+                    "activation_peak_bytes": [s[key][2] for s in per_stage],
+                }  # fmt: skip
+                if key == "ours" and "torch" in impls:
+                    row["speed_over_torch"] = speed_ratio(step_times["ours"], step_times["torch"])
+                rows.append(row)
             if refused:
                 rows.append({"schedule": schedule, "microbatches": m, "impl": "torch",
                              "refused": refused})  # fmt: skip
@@ -218,9 +241,10 @@ def checks(rows: list[dict]) -> dict:
             continue
         rival = by.get((schedule, m, "torch"))
         if rival:
-            out[f"{schedule}_m{m}_speed_ours_over_torch"] = (
-                r["samples_per_s"] / rival["samples_per_s"]
-            )
+            ratio, low, high = r["speed_over_torch"]
+            out[f"{schedule}_m{m}_speed_ours_over_torch"] = ratio
+            out[f"{schedule}_m{m}_speed_ci95"] = f"{low:.3f}-{high:.3f}"
+            out[f"{schedule}_m{m}_ours_not_slower"] = high >= 1.0
             out[f"{schedule}_m{m}_activations_ours_le_torch"] = all(
                 a <= b * 1.02
                 for a, b in zip(
@@ -235,6 +259,13 @@ def checks(rows: list[dict]) -> dict:
     return out
 
 
+def speed_cell(row: dict) -> str:
+    if "speed_over_torch" not in row:
+        return ""
+    ratio, low, high = row["speed_over_torch"]
+    return f"{ratio:.3f} ({low:.3f}-{high:.3f})"
+
+
 def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -243,18 +274,19 @@ def print_table(result: dict) -> None:
                     f"{result['batch']}; single process "
                     f"{result['single_process_samples_per_s']:.1f} samples/s")  # fmt: skip
     for col in ("schedule", "M", "impl", "step ms", "samples/s", "bubble (per stage)",
-                "formula", "act. peak MiB (per stage)"):  # fmt: skip
+                "formula", "act. peak MiB (per stage)", "ours/torch speed (95% CI)"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in result["rows"]:
         if "refused" in r:
             t.add_row(r["schedule"], str(r["microbatches"]), r["impl"], "-", "-", r["refused"],
-                      "", "")  # fmt: skip
+                      "", "", "")  # fmt: skip
             continue
         t.add_row(r["schedule"], str(r["microbatches"]), r["impl"],
                   f"{1000 * r['step_time_s']:.0f}", f"{r['samples_per_s']:.1f}",
                   " / ".join(f"{b:.2f}" for b in r["bubble_measured"]),
                   f"{r['bubble_formula']:.2f}",
-                  " / ".join(f"{a / 2**20:.1f}" for a in r["activation_peak_bytes"]))  # fmt: skip
+                  " / ".join(f"{a / 2**20:.1f}" for a in r["activation_peak_bytes"]),
+                  speed_cell(r))  # fmt: skip
     Console(width=140).print(t)
     for k, v in result["checks"].items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")

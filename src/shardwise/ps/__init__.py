@@ -8,6 +8,8 @@ parameters, compute gradients on their data and push them back.
         model, opt = sw.prepare(MyModel(), strategy, optimizer=torch.optim.AdamW, lr=1e-3)
         ...  # the usual loop: loss.backward(); opt.step(); opt.zero_grad()
         sw.api.strategy_of(model).close(model)   # tells the servers this worker is done
+
+With `relays=R` (a two-level job), ranks S..S+R-1 run `sw.ps.relay(MyModel(), strategy)`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from shardwise import runtime
+from shardwise.ps.relay import Relay, RelayReport
 from shardwise.ps.server import Server, ServerReport, WorkQueue
 from shardwise.ps.sharding import ShardPlan, plan_shards
 from shardwise.ps.worker import ParameterServer, PSError
@@ -37,25 +40,39 @@ def serve(
     """
     rt = runtime.current() if runtime._runtime is not None else runtime.init()
     if not strategy.is_server(rt.rank):
-        raise ValueError(f"rank {rt.rank} is a worker: call sw.prepare(...) there")
+        raise ValueError(f"rank {rt.rank} is not a server: call sw.prepare(...) on workers, "
+                         "sw.ps.relay(...) on relays")  # fmt: skip
+    workers = strategy.workers(rt.world_size)
+    clients = list(strategy.relay_groups(rt.world_size)) if strategy.relays else workers
     server = Server(
         model,
         strategy,
         optimizer,
         optimizer_kwargs,
         rt.rank,
-        strategy.workers(rt.world_size),
+        clients,
         work if rt.rank == 0 else None,
+        workers=len(workers),
     )
     return server.serve()
+
+
+def relay(model: nn.Module, strategy: ParameterServer) -> RelayReport:
+    """Run this rank's relay (a two-level job) until its workers are done or dead."""
+    rt = runtime.current() if runtime._runtime is not None else runtime.init()
+    if not strategy.is_relay(rt.rank):
+        raise ValueError(f"rank {rt.rank} is not a relay of this job")
+    return Relay(model, strategy).serve()
 
 
 __all__ = [
     "PSError",
     "ParameterServer",
+    "RelayReport",
     "ServerReport",
     "ShardPlan",
     "WorkQueue",
     "plan_shards",
+    "relay",
     "serve",
 ]

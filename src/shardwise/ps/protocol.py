@@ -22,16 +22,21 @@ HEADER = 8
 
 
 class Kind(IntEnum):
-    HELLO = 1  # worker -> server: the model's signature; reply OK or ERROR
+    """What a message is. "Worker" is the asking side: a worker, or a relay for its group."""
+
+    HELLO = 1  # worker -> server: the model's signature; reply OK [version] or ERROR
     PULL = 2  # worker -> server: [clock]; reply OK [version] + parameters
-    PUSH = 3  # worker -> server: [clock, version used] + gradient (or parameters)
+    PUSH = 3  # worker -> server: [clock, version used, workers summed (0: one)] + gradient
     DONE = 4  # worker -> server: no more steps from this worker
-    NEXT = 5  # worker -> server 0: the next batch's indices; reply OK [epoch] + indices, or END
+    NEXT = 5  # worker -> server 0: [for which worker (0: me)]; reply BATCH [epoch, worker] +
+    #           indices, WAIT [worker] (none now, one may come back from a dead worker) or END
     IDLE = 6  # worker -> other servers: server 0 has no batch for it yet (do not wait for it)
+    LOST = 7  # relay -> server 0: [worker] died; its unfinished batch goes back to the queue
     OK = 10
     ERROR = 11
     END = 12
-    WAIT = 13  # server 0 -> worker: no batch now, one may come back from a dead worker
+    WAIT = 13
+    BATCH = 14
 
 
 def header(kind: Kind, *ints: int, numel: int = 0) -> torch.Tensor:
@@ -52,7 +57,12 @@ def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, 
         h.wait()
 
 
-PAYLOAD_DTYPE = {Kind.HELLO: torch.uint8, Kind.PUSH: torch.float32, Kind.ERROR: torch.uint8}
+PAYLOAD_DTYPE = {
+    Kind.HELLO: torch.uint8,
+    Kind.PUSH: torch.float32,
+    Kind.ERROR: torch.uint8,
+    Kind.BATCH: torch.int64,
+}
 
 
 def recv(

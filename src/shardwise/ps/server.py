@@ -16,6 +16,10 @@ worker`). Every applied update's staleness (server version minus the version the
 computed on) is recorded. Workers prove they are alive by bumping a counter in the c10d store;
 one silent for `timeout_s` is declared dead and nobody waits for it any more. Server 0 also deals
 out batches (`WorkQueue`), taking back those a dead worker never finished.
+
+The server's clients are the workers, or, in a two-level job, the relays (`relay.py`): each
+speaks for a group of workers, pushes their sum with its count, and asks for batches on their
+behalf (the worker's rank travels in the message, and the answer goes back through the relay).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import json
 import os
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.ps import protocol
+from shardwise.ps.liveness import HeartbeatWatch
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import (
     describe_mismatch,
@@ -96,6 +100,7 @@ class ServerReport:
     clocks: dict[int, int] = field(default_factory=dict)
     consumed: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
+    pushes_received: int = 0  # push messages (one per worker, or one per relay and clock)
     resumed_from: int | None = None
     final: torch.Tensor | None = field(default=None, repr=False)  # this shard, at the end
     # (worker, its clock, slowest live worker's clock) for every pull answered: SSP's bound
@@ -110,9 +115,12 @@ class Server:
         optimizer_cls: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
         rank: int,
-        workers: list[int],
+        clients: list[int],
         work: WorkQueue | None = None,
+        workers: int | None = None,
     ) -> None:
+        """`clients`: the ranks that push and pull (workers, or relays); `workers`: how many
+        workers there are in all (the batches one sync update consumes)."""
         self.o, self.rank, self.work = options, rank, work
         plan = plan_shards(model, options.servers)
         self.bounds = plan.bounds[rank]
@@ -123,27 +131,27 @@ class Server:
         self.optimizer = optimizer_cls(self.params, **optimizer_kwargs) if self.params else None
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
         self.version = 0
-        self.live = set(workers)
+        self.live = set(clients)
         self.accepted: set[int] = set()
         self.done: set[int] = set()
-        self.clock = dict.fromkeys(workers, 0)
-        self.heartbeat = {w: (-1, time.monotonic()) for w in workers}
-        self._next_check = 0.0
-        self.pending_sync: dict[int, torch.Tensor] = {}  # worker -> pushed gradient (this clock)
-        self.waiting_pulls: list[tuple[int, int]] = []  # (worker, clock)
+        self.clock = dict.fromkeys(clients, 0)
+        self.heartbeats = HeartbeatWatch(clients, options.timeout_s, options.heartbeat_s / 2)
+        # client -> (sum of pushed gradients, how many workers' pushes it holds), this clock
+        self.pending_sync: dict[int, tuple[torch.Tensor, int]] = {}
+        self.waiting_pulls: list[tuple[int, int]] = []  # (client, clock)
+        self.waiting_batch: dict[int, int] = {}  # worker held for a batch -> client asking
         self.report = ServerReport(rank=rank, updates=0)
         self.store = dist.distributed_c10d._get_default_store()
         self.group = protocol.make_group()
         self.inbox: queue.Queue = queue.Queue()
-        self.lost: set[int] = set()  # workers whose connection broke while we answered them
-        self.idle: set[int] = (
-            set()
-        )  # workers waiting for a batch  # workers whose connection broke while we answered them
+        self.lost: set[int] = set()  # clients whose connection broke while we answered them
+        self.idle: set[int] = set()  # clients waiting for a batch: nobody waits for them
         self.snapshot_dir = Path(options.snapshot_dir)
         if options.snapshot_every:
             self._restore()
             if self.work is not None:  # sync applies one update per W batches, else one each
-                self.work.skip(self.version * (len(workers) if options.mode == "sync" else 1))
+                per_update = (workers or len(clients)) if options.mode == "sync" else 1
+                self.work.skip(self.version * per_update)
 
     # ---- the loop
     def serve(self) -> ServerReport:
@@ -160,7 +168,7 @@ class Server:
                 self._handle(worker, h, payload)
                 self._answer_pulls()
             for lost in sorted(self.lost - set(self.report.dead_workers)):
-                self._declare_dead(lost, time.monotonic() - self.heartbeat[lost][1])
+                self._declare_dead(lost, self.heartbeats.silent_for(lost))
         self.report.clocks = dict(self.clock)
         self.report.final = torch.cat([p.detach().reshape(-1) for p in self.params] or
                                       [torch.zeros(0)])  # fmt: skip
@@ -197,21 +205,28 @@ class Server:
             self.waiting_pulls.append((src, int(h[1])))
         elif kind == Kind.PUSH:
             self.idle.discard(src)
-            self._push(src, int(h[1]), int(h[2]), payload)
+            self.report.pushes_received += 1
+            self._push(src, int(h[1]), int(h[2]), payload, count=max(1, int(h[3])))
         elif kind == Kind.IDLE:  # it waits for a batch from server 0: do not wait for it here
             self.idle.add(src)
             self._maybe_apply_sync()
-        elif kind == Kind.NEXT:
-            batch = self.work.next(src) if self.work is not None else None
+        elif kind == Kind.NEXT:  # from a worker, or from a relay for one of its workers
+            worker = int(h[1]) or src
+            batch = self.work.next(worker) if self.work is not None else None
             if batch is not None:
-                self._send(src, Kind.OK, batch[0], payload=torch.tensor(batch[1]))
+                self._send(src, Kind.BATCH, batch[0], worker, payload=torch.tensor(batch[1]))
             elif self.work is not None and self.work.outstanding:
-                self.idle.add(src)  # held: another worker's batch may come back
-                self._send(src, Kind.WAIT)
+                self.waiting_batch[worker] = src  # held: another worker's batch may come back
+                if worker == src:  # a relay says IDLE itself once its whole group waits
+                    self.idle.add(src)
+                self._send(src, Kind.WAIT, worker)
                 self._maybe_apply_sync()
             else:
-                self._send(src, Kind.END)
+                self._send(src, Kind.END, worker)
             self._deal()  # its finished batch may have been the last one others waited on
+        elif kind == Kind.LOST:  # a relay's worker died: its batch goes back to the queue
+            self.work.give_back(int(h[1]))
+            self._deal()
         elif kind == Kind.DONE:
             self.done.add(src)
             self.idle.discard(src)
@@ -225,16 +240,21 @@ class Server:
         return self.live - self.done - self.idle
 
     def _deal(self) -> None:
-        """Hand batches to idle workers. With the queue empty, a worker waits while another
+        """Hand batches to held workers. With the queue empty, a worker waits while another
         still holds a batch (it may die and give it back), and gets END once none does."""
-        for worker in sorted(self.idle & self.live):
+        for worker, client in sorted(self.waiting_batch.items()):
+            if client not in self.live:
+                del self.waiting_batch[worker]
+                continue
             batch = self.work.next(worker) if self.work is not None else None
             if batch is not None:
-                self.idle.discard(worker)
-                self._send(worker, Kind.OK, batch[0], payload=torch.tensor(batch[1]))
+                self._send(client, Kind.BATCH, batch[0], worker, payload=torch.tensor(batch[1]))
             elif self.work is None or not self.work.outstanding:
-                self.idle.discard(worker)
-                self._send(worker, Kind.END)
+                self._send(client, Kind.END, worker)
+            else:
+                continue
+            del self.waiting_batch[worker]
+            self.idle.discard(client)
 
     def _send(self, dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None):
         try:
@@ -244,20 +264,24 @@ class Server:
             self.live.discard(dst)
 
     # ---- updates
-    def _push(self, worker: int, clock: int, version_used: int, payload: torch.Tensor) -> None:
-        self.clock[worker] = clock + 1
+    def _push(
+        self, client: int, clock: int, version_used: int, payload: torch.Tensor, count: int
+    ) -> None:
+        self.clock[client] = clock + 1
         if self.o.mode == "sync":
-            self.pending_sync[worker] = payload
+            self.pending_sync[client] = (payload, count)
             self._maybe_apply_sync()
-        else:
-            self._apply(payload, staleness=self.version - version_used)
+        else:  # a relay forwards each of its workers' pushes on its own, in these modes
+            self._apply(payload / count, staleness=self.version - version_used)
 
     def _maybe_apply_sync(self) -> None:
+        """Every active client pushed this clock: apply the mean over all workers' pushes."""
         expected = self._active()
         if self.pending_sync and set(self.pending_sync) >= expected:
-            stacked = torch.stack(list(self.pending_sync.values()))
+            total = torch.stack([value for value, _ in self.pending_sync.values()]).sum(dim=0)
+            count = sum(n for _, n in self.pending_sync.values())
             self.pending_sync.clear()
-            self._apply(stacked.mean(dim=0), staleness=0)
+            self._apply(total / count, staleness=0)
 
     @torch.no_grad()
     def _apply(self, flat: torch.Tensor, staleness: int) -> None:
@@ -305,17 +329,8 @@ class Server:
 
     # ---- liveness
     def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + self.o.heartbeat_s / 2
-        for worker in list(self.live - self.done - self.lost):
-            beats = self.store.add(f"shardwise/ps/heartbeat/{worker}", 0)
-            last_beats, since = self.heartbeat[worker]
-            if beats != last_beats:
-                self.heartbeat[worker] = (beats, now)
-            elif now - since > self.o.timeout_s:
-                self._declare_dead(worker, now - since)
+        for client, silent_s in self.heartbeats.dead(self.live - self.done - self.lost):
+            self._declare_dead(client, silent_s)
 
     def _declare_dead(self, worker: int, silent_s: float) -> None:
         """Nobody waits for it any more; its unfinished batch goes back to the queue."""
@@ -323,6 +338,7 @@ class Server:
         self.report.dead_workers[worker] = silent_s
         self.pending_sync.pop(worker, None)
         self.idle.discard(worker)
+        self.waiting_batch.pop(worker, None)
         if self.work is not None:
             self.work.give_back(worker)
             self._deal()

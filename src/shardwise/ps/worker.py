@@ -6,13 +6,14 @@ that owns it, then pulls the parameters back (waiting as long as the consistency
 The real optimizer, and its state, lives on the servers. Under the averaging rule the worker
 keeps a real optimizer and pushes its parameters instead of its gradients.
 
-Ranks 0..S-1 are servers, the rest workers. Server ranks call `sw.ps.serve(...)` with the same
-model and optimizer, and return once every worker is done.
+Ranks 0..S-1 are servers, the next R relays (a two-level job, `relays: R`), the rest workers.
+Server ranks call `sw.ps.serve(...)` with the same model and optimizer, relays `sw.ps.relay(...)`;
+both return once every worker is done. A worker in a two-level job talks to its relay only, as
+if it were the one server.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +24,12 @@ from torch import nn
 
 from shardwise import runtime
 from shardwise.ps import protocol
+from shardwise.ps.liveness import HeartbeatSender
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
 from shardwise.runtime import Runtime
 from shardwise.strategies.base import Strategy, WrappedModel
+from shardwise.strategies.tensor_parallel import split_bounds
 
 MODES = ("sync", "async", "ssp")
 
@@ -48,6 +51,9 @@ class ParameterServer(Strategy):
     heartbeat_s / timeout_s: how often workers prove they live; silence that declares one dead.
     snapshot_every: servers save their shard every K updates (0: never) to `snapshot_dir`, and
         resume from it when they start again.
+    relays: a second level (0: none): R relay processes, each serving an equal group of the
+        workers as if it were the server, summing their pushes into one per clock (sync) and
+        asking for their batches; the servers then hear from R relays instead of W workers.
     """
 
     servers: int = 1
@@ -60,6 +66,7 @@ class ParameterServer(Strategy):
     timeout_s: float = 10.0
     snapshot_every: int = 0
     snapshot_dir: str = "ps-snapshots"
+    relays: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,21 +77,50 @@ class ParameterServer(Strategy):
             raise ValueError("ps needs servers >= 1, staleness >= 0 and 0 <= beta <= 1")
         if self.timeout_s <= self.heartbeat_s:
             raise ValueError("ps timeout_s must exceed heartbeat_s")
+        if self.relays < 0:
+            raise ValueError(f"ps relays must be >= 0, got {self.relays}")
+        if self.relays and self.mode == "ssp":
+            raise ValueError(
+                "ps relays work with mode sync or async: SSP bounds each worker by the slowest "
+                "of all, which a relay does not see (use relays: 0 for ssp)"
+            )
 
     def is_server(self, rank: int | None = None) -> bool:
         return (runtime.current().rank if rank is None else rank) < self.servers
 
+    def is_relay(self, rank: int | None = None) -> bool:
+        rank = runtime.current().rank if rank is None else rank
+        return self.servers <= rank < self.servers + self.relays
+
     def workers(self, world_size: int) -> list[int]:
-        return list(range(self.servers, world_size))
+        return list(range(self.servers + self.relays, world_size))
+
+    def relay_groups(self, world_size: int) -> dict[int, list[int]]:
+        """Relay rank -> its workers: equal contiguous groups (sizes differ by at most one)."""
+        workers = self.workers(world_size)
+        if len(workers) < self.relays:
+            raise ValueError(f"{self.relays} relays need at least as many workers, "
+                             f"got {len(workers)}")  # fmt: skip
+        bounds = split_bounds(len(workers), self.relays)
+        return {self.servers + i: workers[a:b] for i, (a, b) in enumerate(bounds)}
+
+    def upstream(self, rank: int, world_size: int) -> list[int]:
+        """The ranks a worker pushes to and pulls from: every server, or its relay."""
+        if not self.relays:
+            return list(range(self.servers))
+        for relay, group in self.relay_groups(world_size).items():
+            if rank in group:
+                return [relay]
+        raise ValueError(f"rank {rank} is not a worker")
 
     # ---- worker side
     def wrap(self, model: nn.Module, rt: Runtime) -> PSWorkerModel:
-        if self.is_server(rt.rank):
-            raise ValueError(f"rank {rt.rank} is a server: call sw.ps.serve(...) there")
-        if rt.world_size <= self.servers:
-            raise ValueError(
-                f"{self.servers} server(s) leave no worker in a world of {rt.world_size}"
-            )
+        if self.is_server(rt.rank) or self.is_relay(rt.rank):
+            raise ValueError(f"rank {rt.rank} is a server or relay: call sw.ps.serve(...) or "
+                             "sw.ps.relay(...) there")  # fmt: skip
+        if rt.world_size <= self.servers + self.relays:
+            raise ValueError(f"{self.servers} server(s) and {self.relays} relay(s) leave no "
+                             f"worker in a world of {rt.world_size}")  # fmt: skip
         return PSWorkerModel(model, PSClient(model, self, rt))
 
     def make_optimizer(
@@ -101,29 +137,36 @@ class ParameterServer(Strategy):
 
     def data_shard(self, model: nn.Module) -> tuple[int, int]:
         rt = runtime.current()
-        return rt.world_size - self.servers, rt.rank - self.servers
+        first = self.servers + self.relays
+        return rt.world_size - first, rt.rank - first
 
     def close(self, model: nn.Module) -> None:
         model.client.close()
 
 
 class PSClient:
-    """A worker's connection to every server: hello, pull, push, next batch, done, heartbeat."""
+    """A worker's connection to the servers (or its relay): hello, pull, push, next batch,
+    done, heartbeat. A relay uses one too, for its own connection to the servers."""
 
-    def __init__(self, model: nn.Module, options: ParameterServer, rt: Runtime) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        options: ParameterServer,
+        rt: Runtime,
+        servers: list[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.o, self.model = options, model
-        self.plan = plan_shards(model, options.servers)
+        self.servers = servers if servers is not None else options.upstream(rt.rank, rt.world_size)
+        self.plan = plan_shards(model, len(self.servers))
         self.params = trainable(model)
         self.rank = rt.rank
         self.version = 0
-        self._store = dist.distributed_c10d._get_default_store()
-        self.group = protocol.make_group()
-        self._stop = threading.Event()
-        self._beats = threading.Thread(target=self._heartbeat, daemon=True, name="ps-heartbeat")
-        self._beats.start()
+        self.group = group or protocol.make_group()
+        self._beats = HeartbeatSender(rt.rank, options.heartbeat_s)
         sig = protocol.pack(signature(model))
         clocks = []
-        for server in range(options.servers):
+        for server in self.servers:
             protocol.send(server, Kind.HELLO, payload=sig, group=self.group)
             h, payload = protocol.recv(server, group=self.group)
             if Kind(int(h[0])) == Kind.ERROR:
@@ -134,21 +177,13 @@ class PSClient:
         self.clock = clocks[0]  # a resumed server: go on from its version
         self.pull()
 
-    def _heartbeat(self) -> None:
-        key = f"shardwise/ps/heartbeat/{self.rank}"
-        while not self._stop.wait(self.o.heartbeat_s):
-            try:
-                self._store.add(key, 1)
-            except Exception:  # the store went away with the job: nothing left to prove
-                return
-
     @torch.no_grad()
     def pull(self) -> None:
         """The parameters, each range from its server (waiting as the mode says)."""
-        for server in range(self.plan.servers):
+        for server in self.servers:
             protocol.send(server, Kind.PULL, self.clock, group=self.group)
         pieces = []
-        for server in range(self.plan.servers):
+        for server in self.servers:
             h, piece = protocol.recv(server, torch.float32, group=self.group)
             self.version = int(h[1])
             pieces.append(piece if piece is not None else torch.zeros(0))
@@ -159,27 +194,28 @@ class PSClient:
     def push(self, tensors: list[torch.Tensor]) -> None:
         """One value per parameter (gradients, or parameters under the averaging rule)."""
         flat = flat_values(tensors)
-        for server, piece in enumerate(self.plan.split(flat)):
+        for server, piece in zip(self.servers, self.plan.split(flat), strict=True):
             protocol.send(server, Kind.PUSH, self.clock, self.version,
                           payload=piece if piece.numel() else None, group=self.group)  # fmt: skip
         self.clock += 1
 
     def next_batch(self) -> list[int] | None:
-        """Indices of the next batch from the work queue on server 0 (None: no more)."""
-        protocol.send(0, Kind.NEXT, group=self.group)
-        h, indices = protocol.recv(0, torch.int64, group=self.group)
+        """Indices of the next batch from the work queue on server 0 (None: no more); through
+        the relay in a two-level job."""
+        dealer = self.servers[0]
+        protocol.send(dealer, Kind.NEXT, group=self.group)
+        h, indices = protocol.recv(dealer, torch.int64, group=self.group)
         if Kind(int(h[0])) == Kind.WAIT:  # none now: the other servers must not wait for us
-            for server in range(1, self.o.servers):
+            for server in self.servers[1:]:
                 protocol.send(server, Kind.IDLE, group=self.group)
-            h, indices = protocol.recv(0, torch.int64, group=self.group)
+            h, indices = protocol.recv(dealer, torch.int64, group=self.group)
         return None if Kind(int(h[0])) == Kind.END else indices.tolist()
 
     def close(self, say_done: bool = True) -> None:
         if say_done:
-            for server in range(self.o.servers):
+            for server in self.servers:
                 protocol.send(server, Kind.DONE, group=self.group)
-        self._stop.set()
-        self._beats.join()
+        self._beats.stop()
 
 
 class PSWorkerModel(WrappedModel):

@@ -1,0 +1,222 @@
+"""The second level of a two-level parameter server: a relay between a group of workers and the
+servers.
+
+With W workers and S servers, every server hears from every worker: W pushes per clock, W
+connections, W heartbeats to watch. A relay serves its group of workers as if it were the one
+server (the whole parameter vector, the same messages) and speaks to the servers as one client:
+
+- sync: it sums its workers' pushes of a clock and forwards one push carrying the sum and how
+  many workers it holds, so the servers still apply the mean over all W workers (the same
+  arithmetic as a flat job, and as single-process training) from R pushes instead of W;
+- async: it forwards each push as it comes and answers that worker's pull with the parameters
+  the servers send back after applying it (the relay adds no staleness of its own).
+
+It also asks server 0 for its workers' batches (server 0 keeps the one work queue), watches their
+heartbeats, and tells server 0 when one dies so that its batch is dealt again. Everything comes
+in through one inbox (a thread per peer), so the relay never blocks on one side while the other
+needs an answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardwise import runtime
+from shardwise.ps import protocol
+from shardwise.ps.liveness import HeartbeatWatch
+from shardwise.ps.protocol import Kind
+from shardwise.ps.sharding import describe_mismatch, flat_values, plan_shards, signature
+from shardwise.ps.worker import ParameterServer, PSClient
+
+
+@dataclass
+class RelayReport:
+    rank: int
+    workers: list[int]
+    pushes_received: int = 0  # from its workers
+    pushes_forwarded: int = 0  # to each server
+    dead_workers: dict[int, float] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+
+
+class Relay:
+    def __init__(self, model: nn.Module, options: ParameterServer) -> None:
+        rt = runtime.current()
+        self.o, self.rank = options, rt.rank
+        self.workers = options.relay_groups(rt.world_size)[rt.rank]
+        self.servers = list(range(options.servers))
+        self.signature = signature(model)
+        # Upward, the relay is a client like a worker: hello, first pull, heartbeats.
+        self.up = PSClient(model, options, rt, servers=self.servers)
+        self.group = self.up.group
+        self.plan = plan_shards(model, options.servers)
+        self.flat = flat_values(self.up.params)
+        self.version, self.clock = self.up.version, self.up.clock
+        self.live, self.done, self.idle = set(self.workers), set(), set()
+        self.pending: dict[int, torch.Tensor] = {}  # sync: worker -> its push of this clock
+        self.waiting_pulls: list[tuple[int, int]] = []  # (worker, clock)
+        self.reply_needed: dict[int, int] = {}  # async: worker -> the pull reply to wait for
+        self.pulls_sent = self.replies = 0
+        self.pieces: dict[int, collections.deque] = {s: collections.deque() for s in self.servers}
+        self.told_idle = False
+        self.heartbeats = HeartbeatWatch(self.workers, options.timeout_s, options.heartbeat_s / 2)
+        self.inbox: queue.Queue = queue.Queue()
+        self.report = RelayReport(rank=rt.rank, workers=list(self.workers))
+
+    def serve(self) -> RelayReport:
+        for peer in [*self.workers, *self.servers]:
+            threading.Thread(target=self._receive, args=(peer,), daemon=True,
+                             name=f"ps-relay-recv-{peer}").start()  # fmt: skip
+        while self.live - self.done:
+            for worker, silent_s in self.heartbeats.dead(self.live - self.done):
+                self._declare_dead(worker, silent_s)
+            try:
+                src, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
+            except queue.Empty:
+                continue
+            if h is None:  # a connection closed: a worker's death shows in its heartbeats
+                continue
+            if src in self.servers:
+                self._from_server(src, Kind(int(h[0])), h, payload)
+            elif src in self.live:
+                self._from_worker(src, Kind(int(h[0])), h, payload)
+            self._answer_pulls()
+        while self.replies < self.pulls_sent:  # the servers' last answers, before leaving
+            try:
+                src, h, payload = self.inbox.get(timeout=self.o.timeout_s)
+            except queue.Empty:
+                break
+            if h is not None and src in self.servers:
+                self._from_server(src, Kind(int(h[0])), h, payload)
+        for server in self.servers:
+            protocol.send(server, Kind.DONE, group=self.group)
+        self.up.close(say_done=False)
+        return self.report
+
+    def _receive(self, peer: int) -> None:
+        while True:
+            try:
+                h, payload = protocol.recv(peer, group=self.group)
+            except Exception:
+                self.inbox.put((peer, None, None))
+                return
+            self.inbox.put((peer, h, payload))
+            if peer not in self.servers and Kind(int(h[0])) == Kind.DONE:
+                return
+
+    # ---- the workers' side: the relay is their server
+    def _from_worker(self, w: int, kind: Kind, h: torch.Tensor, payload) -> None:
+        if kind == Kind.HELLO:
+            problem = describe_mismatch(self.signature, protocol.unpack(payload))
+            if problem is None:
+                self._send(w, Kind.OK, self.version)
+            else:
+                self.report.rejected[w] = problem
+                self.live.discard(w)
+                self._send(w, Kind.ERROR, payload=protocol.pack(problem))
+                self._forward_sync()
+        elif kind == Kind.PULL:
+            self.waiting_pulls.append((w, int(h[1])))
+        elif kind == Kind.PUSH:
+            self.idle.discard(w)
+            self.report.pushes_received += 1
+            if self.o.mode == "sync":
+                self.pending[w] = payload
+                self._forward_sync()
+            else:  # forward at once; answer its pull with what comes back
+                self._push_up(payload, version_used=int(h[2]), count=1)
+                self.reply_needed[w] = self.pulls_sent
+        elif kind == Kind.NEXT:
+            protocol.send(0, Kind.NEXT, w, group=self.group)
+        elif kind == Kind.DONE:
+            self.done.add(w)
+            self.idle.discard(w)
+            self._forward_sync()
+
+    def _send(self, w: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None) -> None:
+        # It may have died between asking and our answer: its heartbeats will tell.
+        with contextlib.suppress(RuntimeError):
+            protocol.send(w, kind, *ints, payload=payload, group=self.group)
+
+    def _forward_sync(self) -> None:
+        """Sync: once every active worker of the group pushed this clock, push their sum."""
+        if self.o.mode != "sync":
+            return
+        active = self.live - self.done - self.idle
+        if self.pending and set(self.pending) >= active:
+            total = torch.stack(list(self.pending.values())).sum(dim=0)
+            count = len(self.pending)
+            self.pending.clear()
+            self._push_up(total, version_used=self.version, count=count)
+        elif not active and self.live - self.done and not self.told_idle:
+            for server in self.servers:  # all of the group waits for batches: skip us
+                protocol.send(server, Kind.IDLE, group=self.group)
+            self.told_idle = True
+
+    def _push_up(self, flat: torch.Tensor, version_used: int, count: int) -> None:
+        """Push to every server its slice, then ask for the parameters after it."""
+        for server, piece in zip(self.servers, self.plan.split(flat), strict=True):
+            protocol.send(server, Kind.PUSH, self.clock, version_used, count,
+                          payload=piece if piece.numel() else None, group=self.group)  # fmt: skip
+        self.clock += 1
+        for server in self.servers:
+            protocol.send(server, Kind.PULL, self.clock, group=self.group)
+        self.pulls_sent += 1
+        self.report.pushes_forwarded += 1
+        self.told_idle = False
+
+    def _answer_pulls(self) -> None:
+        still = []
+        for w, clock in self.waiting_pulls:
+            if w not in self.live:
+                continue
+            if self.o.mode == "sync":
+                ready = self.version >= clock or not (self.live - self.done - self.idle)
+            else:
+                ready = self.replies >= self.reply_needed.get(w, 0)
+            if ready:
+                self._send(w, Kind.OK, self.version, payload=self.flat)
+            else:
+                still.append((w, clock))
+        self.waiting_pulls = still
+
+    # ---- the servers' side: the relay is their client
+    def _from_server(self, s: int, kind: Kind, h: torch.Tensor, payload) -> None:
+        if kind == Kind.OK:  # a pull's reply: this server's slice
+            self.pieces[s].append((int(h[1]), payload if payload is not None else torch.zeros(0)))
+            if all(self.pieces.values()):  # every server's slice of the next reply is in
+                parts = [self.pieces[server].popleft() for server in self.servers]
+                self.version = min(version for version, _ in parts)
+                self.flat = torch.cat([piece for _, piece in parts])
+                self.replies += 1
+        elif kind in (Kind.BATCH, Kind.WAIT, Kind.END):  # server 0 answers for a worker
+            worker = int(h[2]) if kind == Kind.BATCH else int(h[1])
+            if worker not in self.live:
+                return
+            if kind == Kind.BATCH:
+                self.idle.discard(worker)
+                self._send(worker, Kind.BATCH, int(h[1]), worker, payload=payload)
+            else:
+                self._send(worker, kind, worker)
+                if kind == Kind.WAIT:  # do not wait for it: it has nothing to push
+                    self.idle.add(worker)
+                    self._forward_sync()
+        elif kind == Kind.ERROR:
+            raise RuntimeError(f"parameter server {s}: {protocol.unpack(payload)}")
+
+    def _declare_dead(self, worker: int, silent_s: float) -> None:
+        self.live.discard(worker)
+        self.idle.discard(worker)
+        self.pending.pop(worker, None)
+        self.report.dead_workers[worker] = silent_s
+        protocol.send(0, Kind.LOST, worker, group=self.group)
+        print(f"shardwise: ps relay {self.rank}: worker rank {worker} silent for "
+              f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
+        self._forward_sync()
