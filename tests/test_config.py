@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config import ConfigError, load_config, ranks_needed
 
 
 @pytest.mark.parametrize("name", ["digits", "tiny_gpt", "cnn_bn"])
@@ -50,3 +50,14 @@ def test_yaml_file_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(str(bad))
     assert "not valid YAML" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ps_relays_are_checked_before_launch():
+    cfg = load_config("digits", ["strategy.name=ps", "strategy.relays=2", "strategy.workers=4"])
+    assert ranks_needed(cfg.strategy) == 1 + 2 + 4
+    for sets, expected in [
+        (["strategy.mode=ssp"], "ps relays work with mode sync or async, not ssp"),
+        (["strategy.workers=1"], "2 relays need at least as many workers"),
+    ]:
+        with pytest.raises(ConfigError, match=expected):
+            load_config("digits", ["strategy.name=ps", "strategy.relays=2", *sets])

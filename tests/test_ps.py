@@ -43,13 +43,22 @@ def _reference(workers: int, steps: int = STEPS) -> dict:
     return model.state_dict()
 
 
-def _sync_run(servers: int, steps: int = STEPS, kill_server_at: int | None = None, snap=None):
+def _sync_run(
+    servers: int,
+    steps: int = STEPS,
+    kill_server_at: int | None = None,
+    snap=None,
+    relays: int = 0,
+):
     """Sync PS; worker w trains on slice w of global batch `clock` (so a resumed job picks up
     exactly where the snapshot left it)."""
     strategy = sw.ParameterServer(servers=servers, mode="sync", snapshot_every=5 if snap else 0,
-                                  snapshot_dir=snap or "ps-snapshots")  # fmt: skip
+                                  snapshot_dir=snap or "ps-snapshots", relays=relays)  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
-    workers = world - servers
+    workers = world - servers - relays
+    if strategy.is_relay():
+        report = sw.ps.relay(_mlp(), strategy)
+        return {"received": report.pushes_received, "forwarded": report.pushes_forwarded}
     if strategy.is_server():
         if kill_server_at is not None and rank == 0:
             original = sw.ps.server.Server._apply
@@ -61,9 +70,10 @@ def _sync_run(servers: int, steps: int = STEPS, kill_server_at: int | None = Non
 
             sw.ps.server.Server._apply = dying_apply
         report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=1e-2)
-        return {"resumed_from": report.resumed_from, "updates": report.updates}
+        return {"resumed_from": report.resumed_from, "updates": report.updates,
+                "pushes": report.pushes_received}  # fmt: skip
     model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
-    client, index = model.client, rank - servers
+    client, index = model.client, rank - servers - relays
     try:
         while client.clock < steps:
             x, y = _global_batch(client.clock, workers)
@@ -85,6 +95,22 @@ def test_sync_equals_single_process(servers):
     for state in results[servers:]:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
     assert all(r["updates"] == STEPS for r in results[:servers])
+
+
+def test_two_level_sync_equals_single_process():
+    """2 servers, 2 relays over 3 workers (groups of 2 and 1: the servers must weight each
+    relay's sum by its count to get the mean over all workers)."""
+    expected = _reference(workers=3)
+    results = run(_sync_run, 7, 2, STEPS, None, None, 2)
+    for state in results[4:]:
+        assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+    assert [r["updates"] for r in results[:2]] == [STEPS, STEPS]
+    # The servers heard one push per relay and clock, not one per worker.
+    assert [r["pushes"] for r in results[:2]] == [2 * STEPS, 2 * STEPS]
+    assert [(r["received"], r["forwarded"]) for r in results[2:4]] == [
+        (2 * STEPS, STEPS),
+        (STEPS, STEPS),
+    ]
 
 
 def test_shards_are_balanced_by_bytes_and_signatures_compared():
@@ -153,15 +179,17 @@ def test_a_worker_with_another_model_is_refused_and_the_others_go_on():
     assert list(rejected) == [2]
 
 
-def _digits_run(mode: str, die_at: int | None):
+def _digits_run(mode: str, die_at: int | None, relays: int = 0):
     """Workers take batches from server 0's work queue (EPOCHS passes over the digits training set);
     one may SIGKILL itself mid-run."""
     from shardwise.datasets import digits
 
     splits = digits()
-    strategy = sw.ParameterServer(servers=1, mode=mode, staleness=2, timeout_s=2.0)
+    strategy = sw.ParameterServer(servers=1, mode=mode, staleness=2, timeout_s=2.0, relays=relays)
     rank = dist.get_rank()
     size = len(splits.train)
+    if strategy.is_relay():
+        return {"dead": sw.ps.relay(_mlp((64, 128, 10)), strategy).dead_workers}
     if strategy.is_server():
         work = sw.ps.WorkQueue(size, 32, epochs=EPOCHS, seed=0)
         report = sw.ps.serve(_mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
@@ -210,3 +238,15 @@ def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
     assert second[0]["updates"] == STEPS - 10
     for state in second[1:]:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+
+
+def test_two_level_async_survives_a_killed_worker_behind_a_relay():
+    """1 server, relays 1 and 2 over workers 3, 4 and 5; worker 3 dies: its relay reports it,
+    server 0 deals its batch again, and the others finish every batch of every epoch."""
+    server, relay_a, relay_b, _, *alive = run(
+        _digits_run, 6, "async", 3, 2, timeout_s=180, dies=(3,)
+    )
+    assert list(relay_a["dead"]) == [3] and relay_a["dead"][3] <= 2.0 + 1.0
+    assert not relay_b["dead"] and not server["dead"]
+    assert len(server["consumed"]) == EPOCHS * (server["size"] // 32) * 32
+    assert all(w["accuracy"] >= 0.85 for w in alive), alive

@@ -185,6 +185,17 @@ class PSConfig(_Section):
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between worker heartbeats")
     timeout_s: float = Field(10.0, gt=0, description="silence that declares a worker dead")
     snapshot_every: int = Field(0, ge=0, description="servers save their shard every K updates")
+    relays: int = Field(
+        0, ge=0, description="two-level: relays between workers and servers (sync/async)"
+    )
+
+    @model_validator(mode="after")
+    def _relays_fit(self) -> PSConfig:
+        if self.relays and self.mode == "ssp":
+            raise ValueError("ps relays work with mode sync or async, not ssp")
+        if self.relays > self.workers:
+            raise ValueError(f"{self.relays} relays need at least as many workers")
+        return self
 
 
 StrategyConfig = Annotated[
@@ -208,7 +219,7 @@ def ranks_needed(strategy: Any) -> int | None:
     if strategy.name == "pp":
         return strategy.stages
     if strategy.name == "ps":
-        return strategy.servers + strategy.workers
+        return strategy.servers + strategy.relays + strategy.workers
     if strategy.name == "mesh" and strategy.dp is not None:
         return strategy.dp * strategy.tp * strategy.pp
     return None

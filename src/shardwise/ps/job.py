@@ -50,7 +50,10 @@ def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid{rt.rank}").write_text(str(os.getpid()))  # for operators (and failure tests)
     opt_cls, opt_kwargs = OPTIMIZERS[cfg.optim.name], make_optimizer_kwargs(cfg.optim)
-    if strategy.is_server():
+    if strategy.is_relay():
+        report = sw.ps.relay(job.model, strategy)
+        (out / f"relay{rt.rank}.json").write_text(json.dumps(dataclasses.asdict(report)))
+    elif strategy.is_server():
         work = None
         if rt.rank == 0:
             total = cfg.train.steps * cfg.strategy.workers
@@ -74,7 +77,7 @@ def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
 
 
 def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
-    index = rt.rank - strategy.servers
+    index = rt.rank - strategy.servers - strategy.relays
     delays = cfg.train.delay_s
     delay = delays[index] if index < len(delays) else 0.0
     model, opt = sw.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
@@ -132,12 +135,16 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     histogram = {str(k): counts[k] for k in sorted(counts)}
     (run_dir / "staleness.json").write_text(json.dumps(histogram))
     _plot_staleness(histogram, run_dir / "staleness.png", cfg.strategy.mode)
-    dead = {int(w): s for report in servers for w, s in report["dead_workers"].items()}
+    relays = [json.loads(p.read_text()) for p in sorted(out.glob("relay*.json"))]
+    dead = {int(w): s for report in servers + relays for w, s in report["dead_workers"].items()}
+    dead = {w: s for w, s in dead.items() if w >= cfg.strategy.servers + cfg.strategy.relays}
     summary = {
         "name": cfg.name,
         "strategy": f"parameter server ({cfg.strategy.mode}, {cfg.strategy.servers} server(s), "
-        f"{cfg.strategy.workers} workers)",
+        + (f"{cfg.strategy.relays} relays, " if cfg.strategy.relays else "")
+        + f"{cfg.strategy.workers} workers)",
         "updates": servers[0]["updates"],
+        "pushes_into_servers": sum(report["pushes_received"] for report in servers),
         "samples": samples,
         "samples_per_s": samples / train_time if train_time else 0.0,
         "eval_loss": eval_loss,
@@ -181,7 +188,8 @@ def print_ps_summary(summary: dict[str, Any]) -> None:
     table.add_column("value", justify="right")
     rows = [
         ("strategy", summary["strategy"]),
-        ("updates", str(summary["updates"])),
+        ("updates (pushes into the servers)",
+         f"{summary['updates']} ({summary['pushes_into_servers']})"),
         ("samples/s", f"{summary['samples_per_s']:,.1f}"),
         ("eval loss", f"{summary['eval_loss']:.4f}"),
         ("eval accuracy", f"{100 * summary['eval_accuracy']:.2f} %"),

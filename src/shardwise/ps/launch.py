@@ -5,7 +5,8 @@ where surviving a dead worker is the point. So this supervisor starts the proces
 environment torchrun would set, a c10d store on 127.0.0.1), reports a worker that dies and lets
 the others go on (the servers notice through the heartbeats), and when a server dies it stops
 the rest and starts the job again once: the servers resume from their snapshots and the workers
-from the servers' version.
+from the servers' version. A relay (two-level job) counts as a server here: its workers cannot
+go on without it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _start(argv: list[str], nproc: int, threads: int | None, attempt: int) -> li
 
 
 def supervise(argv: list[str], servers: int, nproc: int, threads: int | None, restarts: int):
-    """Run the processes; returns (succeeded, {rank: exit code} of processes that failed)."""
+    """Run the processes (ranks below `servers` serve); returns (succeeded, {rank: exit code}
+    of processes that failed)."""
     failures: dict[int, int] = {}
     for attempt in range(restarts + 1):
         procs = _start(argv, nproc, threads, attempt)
@@ -77,7 +79,8 @@ def run_ps_job(cfg: Config, resolved: Path, run_dir: Path) -> int:
     argv = ["-m", "shardwise", "train", str(resolved), "--run-dir", str(run_dir)]
     restarts = 1 if cfg.strategy.snapshot_every else 0
     started = time.perf_counter()
-    ok, failures = supervise(argv, cfg.strategy.servers, cfg.launch.nproc,
+    serving = cfg.strategy.servers + cfg.strategy.relays
+    ok, failures = supervise(argv, serving, cfg.launch.nproc,
                              cfg.launch.threads_per_rank, restarts)  # fmt: skip
     if not ok:
         print(f"shardwise: the parameter-server job failed ({failures})", file=sys.stderr)
