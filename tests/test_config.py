@@ -3,6 +3,7 @@
 import pytest
 
 from shardwise.config import ConfigError, load_config, ranks_needed
+from shardwise.jobs import straggler_delay
 
 
 @pytest.mark.parametrize("name", ["digits", "tiny_gpt", "cnn_bn"])
@@ -61,3 +62,11 @@ def test_ps_relays_are_checked_before_launch():
     ]:
         with pytest.raises(ConfigError, match=expected):
             load_config("digits", ["strategy.name=ps", "strategy.relays=2", *sets])
+
+
+def test_straggler_delays_stay_or_rotate():
+    fixed = load_config("digits", ["train.delay_s=[0.1]"]).train
+    assert [straggler_delay(fixed, i, 3, step=5) for i in range(3)] == [0.1, 0.0, 0.0]
+    rotating = load_config("digits", ["train.delay_s=[0.1]", "train.delay_rotate=true"]).train
+    table = [[straggler_delay(rotating, i, 3, step) for i in range(3)] for step in range(3)]
+    assert table == [[0.1, 0.0, 0.0], [0.0, 0.1, 0.0], [0.0, 0.0, 0.1]]  # one slow rank a step

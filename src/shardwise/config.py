@@ -250,6 +250,11 @@ class TrainConfig(_Section):
         description="artificial seconds added to every step of data-parallel rank i "
         "(parameter server: worker i), to emulate stragglers",
     )
+    delay_rotate: bool = Field(
+        False,
+        description="move the delays one rank on every step (transient stragglers: each rank "
+        "is slow one step in N) instead of keeping them on the same ranks",
+    )
 
 
 class LaunchConfig(_Section):

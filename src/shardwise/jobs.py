@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import datasets, runtime
-from shardwise.config import Config, OptimConfig, StrategyConfig, resolve_data_path
+from shardwise.config import (
+    Config,
+    OptimConfig,
+    StrategyConfig,
+    TrainConfig,
+    resolve_data_path,
+)
 from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
 from shardwise.strategies import (
     DDP,
@@ -111,3 +117,11 @@ def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return multiplier
+
+
+def straggler_delay(train: TrainConfig, index: int, ranks: int, step: int) -> float:
+    """Seconds to add to step `step` of data-parallel rank (or worker) `index` of `ranks`:
+    `train.delay_s[index]`, or, with `delay_rotate`, the delay of rank (index - step) mod N,
+    so that every rank takes its turn as the slow one."""
+    delays = list(train.delay_s) + [0.0] * max(0, ranks - len(train.delay_s))
+    return delays[(index - step) % ranks] if train.delay_rotate else delays[index]

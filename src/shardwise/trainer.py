@@ -18,7 +18,14 @@ import shardwise as sw
 from shardwise import comm
 from shardwise.checkpoint import save_model
 from shardwise.config import Config, dump_config
-from shardwise.jobs import OPTIMIZERS, Job, build_job, build_strategy, lr_multiplier
+from shardwise.jobs import (
+    OPTIMIZERS,
+    Job,
+    build_job,
+    build_strategy,
+    lr_multiplier,
+    straggler_delay,
+)
 from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
 from shardwise.reporting import MetricsFile, ProgressReporter, print_summary
 
@@ -109,7 +116,6 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
         shard=(replicas, index),
     )
     global_batch = cfg.data.batch_size * replicas
-    delay = cfg.train.delay_s[index] if index < len(cfg.train.delay_s) else 0.0
     comm.stats.reset()
     batches = _batches(loader)
     step_times, loss = [], float("nan")
@@ -117,9 +123,11 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
     for step in range(1, cfg.train.steps + 1):
         x, y = (t.to(rt.device) for t in next(batches))
         t0 = time.perf_counter()
-        local_loss = sw.train_step(model, x, y, job.loss_fn)  # forward + backward
-        if delay:  # an emulated straggler
+        # An emulated straggler computes slowly: the delay comes before its gradients exist
+        # (after them, DDP's all-reduce, started during backward, would hide it).
+        if delay := straggler_delay(cfg.train, index, replicas, step):
             time.sleep(delay)
+        local_loss = sw.train_step(model, x, y, job.loss_fn)  # forward + backward
         if step == cfg.train.steps:  # gradients present: the model state at its fullest
             memory = sw.memory_report(model, opt)
         if cfg.train.clip_grad_norm:

@@ -4,9 +4,21 @@ The default job (an MLP on the digits) on 3 data-parallel workers, one of them m
 an artificial delay per step (`--delay`; default: twice a normal step period, measured in a
 short calibration run, so that worker runs 3x slower): sync, async and SSP(s=2) parameter
 servers with 2 servers, and our DDP on 3 ranks, each for the same number of steps per worker.
-Reported per variant: samples/s, wall-clock to a target test accuracy (evaluated every few
-steps), final test accuracy, staleness distribution of the applied updates; a PNG (accuracy
-against wall-clock, staleness histograms) and one JSON line.
+Two straggler scenarios, each with all four variants:
+
+- persistent: worker 0 is the slow one on every step (a slower machine);
+- transient: the delay moves one worker on every step, so each worker is slow one step in three
+  and at any time one of them is (pauses, noisy neighbours: what stale-synchronous training was
+  designed to absorb).
+
+With a persistent straggler, SSP cannot beat sync for long: the slow worker's clock advances at
+a third of the others', and no worker may be more than s clocks ahead of it, so after a few
+steps everyone moves at its pace (only async lets the fast workers go on). With transient ones,
+sync waits for a slow worker on every step while SSP lets the lead change hands.
+
+Reported per scenario and variant: samples/s and its ratio to sync, wall-clock to a target test
+accuracy (evaluated every few steps), final test accuracy, staleness distribution of the applied
+updates; a PNG (accuracy against wall-clock, staleness histograms) and one JSON line.
 
 Run: shardwise bench ps
 """
@@ -39,9 +51,14 @@ def normal_step_s(out: Path) -> float:
     return sorted(periods)[len(periods) // 2]
 
 
-def run_variant(key: str, out: Path, steps: int, delay: float, eval_every: int) -> dict:
+SCENARIOS = {"persistent": "train.delay_rotate=false", "transient": "train.delay_rotate=true"}
+
+
+def run_variant(
+    key: str, out: Path, steps: int, delay: float, eval_every: int, scenario: str = "persistent"
+) -> dict:
     run_dir = out / key
-    sets = list(VARIANTS[key])
+    sets = [*VARIANTS[key], SCENARIOS[scenario]]
     if key != "ddp":
         sets += ["strategy.servers=2", "strategy.workers=3"]
     sets += [
@@ -91,20 +108,28 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return next((t for t, acc in curve if acc >= target), None)
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(scenarios: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(len(scenarios), 2, figsize=(11, 4.2 * len(scenarios)), squeeze=False)
+    for (scenario, results), (left, right) in zip(scenarios.items(), axes, strict=True):
+        _plot_scenario(scenario, results, left, right)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_scenario(scenario: str, results: dict, left, right) -> None:
     for key, r in results.items():
         if r.get("curve"):
             t, acc = zip(*r["curve"], strict=True)
             left.plot(t, acc, marker=".", label=key)
     left.set_xlabel("wall-clock (s)")
     left.set_ylabel("test accuracy")
-    left.set_title("accuracy with one 3x-slower worker")
+    left.set_title(f"accuracy, {scenario} 3x straggler")
     left.grid(alpha=0.3)
     left.legend()
     width = 0.25
@@ -114,11 +139,8 @@ def plot(results: dict, path: Path) -> None:
         right.bar(xs, list(hist.values()), width=width, label=key)
     right.set_xlabel("staleness of an applied update")
     right.set_ylabel("updates")
-    right.set_title("staleness distribution")
+    right.set_title(f"staleness distribution, {scenario} straggler")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,34 +150,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out", default="bench-ps")
+    parser.add_argument("--scenarios", default="persistent,transient")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     delay = args.delay if args.delay is not None else round(2 * normal_step_s(out), 4)
-    results = {}
-    for key in VARIANTS:
-        results[key] = run_variant(key, out, args.steps, delay, args.eval_every)
-        results[key]["time_to_target_s"] = time_to(results[key].get("curve", []), args.target)
-    sync = results["ps_sync"].get("samples_per_s") or float("nan")
-    for r in results.values():
-        if "samples_per_s" in r:
-            r["speed_over_sync"] = r["samples_per_s"] / sync
-    plot(results, out / "ps.png")
-    print_table(results, delay, args.target)
+    scenarios = {}
+    for scenario in args.scenarios.split(","):
+        results = scenarios[scenario] = {}
+        for key in VARIANTS:
+            r = run_variant(key, out / scenario, args.steps, delay, args.eval_every, scenario)
+            r["time_to_target_s"] = time_to(r.get("curve", []), args.target)
+            results[key] = r
+        sync = results["ps_sync"].get("samples_per_s") or float("nan")
+        for r in results.values():
+            if "samples_per_s" in r:
+                r["speed_over_sync"] = r["samples_per_s"] / sync
+        print_table(results, delay, args.target, scenario)
+    plot(scenarios, out / "ps.png")
     line = {"bench": "ps", "servers": 2, "workers": 3, "slow_worker_delay_s": delay,
             "steps_per_worker": args.steps, "target_accuracy": args.target,
-            "results": {k: {kk: vv for kk, vv in v.items() if kk != "curve"}
-                        for k, v in results.items()}}  # fmt: skip
+            "results": {scenario: {k: {kk: vv for kk, vv in v.items() if kk != "curve"}
+                                   for k, v in results.items()}
+                        for scenario, results in scenarios.items()}}  # fmt: skip
     (out / "ps.json").write_text(json.dumps(line) + "\n")
     print(json.dumps(line))
     return 0
 
 
-def print_table(results: dict, delay: float, target: float) -> None:
+def print_table(results: dict, delay: float, target: float, scenario: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"parameter server vs DDP, 3 workers, one slowed by {delay * 1000:.1f} ms/step")
+    t = Table(title=f"parameter server vs DDP, 3 workers, {scenario} straggler: "
+                    f"{delay * 1000:.1f} ms added to its steps")  # fmt: skip
     for col in ("variant", "samples/s", "x sync", f"to {target:.0%} s", "final acc.", "staleness"):
         t.add_column(col, justify="right")
     for key, r in results.items():

@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 import shardwise as sw
 from shardwise.checkpoint import save_model
 from shardwise.config import Config
-from shardwise.jobs import OPTIMIZERS, Job, build_job
+from shardwise.jobs import OPTIMIZERS, Job, build_job, straggler_delay
 from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
 from shardwise.ps.server import WorkQueue
 from shardwise.ps.sharding import trainable
@@ -78,17 +78,15 @@ def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
 
 def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
     index = rt.rank - strategy.servers - strategy.relays
-    delays = cfg.train.delay_s
-    delay = delays[index] if index < len(delays) else 0.0
     model, opt = sw.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
     metrics = MetricsFile(out / f"worker{rt.rank}.jsonl")
     start, step = time.perf_counter(), 0
     while (indices := model.client.next_batch()) is not None:
         x, y = default_collate([job.splits.train[i] for i in indices])
         t0 = time.perf_counter()
+        if delay := straggler_delay(cfg.train, index, cfg.strategy.workers, step):
+            time.sleep(delay)  # a straggler: it computes slowly
         loss = sw.train_step(model, x, y, job.loss_fn)
-        if delay:  # a straggler: this worker's steps take longer
-            time.sleep(delay)
         opt.step()
         opt.zero_grad()
         step += 1
