@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def run_variant(
     key: str, out: Path, steps: int, delay: float, eval_every: int, scenario: str = "persistent"
 ) -> dict:
     run_dir = out / key
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun must not append to the last one's logs
     sets = [*VARIANTS[key], SCENARIOS[scenario]]
     if key != "ddp":
         sets += ["strategy.servers=2", "strategy.workers=3"]
