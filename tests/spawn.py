@@ -17,7 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "shardwise"])
+# torch.optim imports torch._dynamo on a process's first optimizer (~3 s of CPU): done once here.
+_CTX.set_forkserver_preload(["torch", "torch._dynamo", "shardwise"])
 
 
 def free_port() -> int:
