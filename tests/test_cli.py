@@ -107,6 +107,28 @@ def test_same_config_runs_under_torchrun_with_two_nodes(tmp_path):
     assert summary["world_size"] == 2
 
 
+def test_two_level_ps_under_torchrun_on_two_nodes_writes_the_summary(tmp_path):
+    """Without our supervisor (torchrun's agents, 2 nodes x 2 ranks): server, relay and two
+    workers find their roles by rank, and server 0 writes the summary once all have written."""
+    port, run_dir = free_port(), tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ps",
+        "-m", "shardwise", "train", "digits", "--run-dir", str(run_dir),
+        "--set", "strategy.name=ps", "--set", "strategy.relays=1", "--set", "train.steps=15",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["updates"] == 15 and summary["pushes_into_servers"] == 15  # one relay
+    assert summary["consumed_samples"] == 15 * 2 * 32
+    assert (run_dir / "checkpoint" / "model.safetensors").exists()
+
+
 def test_a_crashing_worker_fails_the_job_with_one_line(tmp_path):
     crash = tmp_path / "crash.py"
     crash.write_text(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
@@ -35,6 +36,8 @@ from shardwise.ps.sharding import trainable
 from shardwise.ps.worker import ParameterServer
 from shardwise.reporting import MetricsFile
 
+SUPERVISED = "SHARDWISE_PS_ATTEMPT"  # set by our supervisor (`launch.py`) in every process
+
 
 def strategy_from(cfg: Config) -> ParameterServer:
     options = cfg.strategy.model_dump(exclude={"name", "workers", "worker_delay_s", "eval_every"})
@@ -42,6 +45,7 @@ def strategy_from(cfg: Config) -> ParameterServer:
 
 
 def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
+    started = time.perf_counter()
     rt = sw.init(backend="gloo", timeout_s=cfg.launch.comm_timeout_s)
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)
     job = build_job(cfg)
@@ -67,6 +71,8 @@ def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
         save_file({"flat": report.final.contiguous()}, str(out / f"server{rt.rank}.safetensors"))
     else:
         _work(cfg, job, strategy, rt, out, opt_cls, opt_kwargs)
+    if strategy.is_server() or strategy.is_relay():
+        _report_written(cfg, strategy, rt.rank, run_dir, started)
     # Roles finish at different times. Tearing down gloo groups whose peers have already gone
     # (in destroy_process_group, or in the destructors at interpreter exit) sometimes aborts
     # the process (seen here: exit code -6 after all work was done). Everything this role owes
@@ -74,6 +80,27 @@ def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: float) -> None:
+    """Servers and relays count themselves done in the store. Under our supervisor, it writes
+    the summary; under torchrun (several machines, say), server 0 does, once all have written
+    (their files must be visible here: one machine, or a shared run directory)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("shardwise/ps/written", 1)
+    if rank != 0 or SUPERVISED in os.environ:
+        return
+    serving = strategy.servers + strategy.relays
+    while store.add("shardwise/ps/written", 0) < serving:
+        time.sleep(0.05)
+    missing = [r for r in range(strategy.servers)
+               if not (run_dir / "ps" / f"server{r}.safetensors").exists()]  # fmt: skip
+    if missing:
+        where = run_dir / "ps"
+        print(f"shardwise: no summary: the shards of servers {missing} are not in {where} "
+              "on this machine (use a shared run directory)", flush=True)  # fmt: skip
+        return
+    print_ps_summary(summarise(cfg, run_dir, time.perf_counter() - started, {}))
 
 
 def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
