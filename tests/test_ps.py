@@ -240,12 +240,12 @@ def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
 
 
-def test_two_level_async_survives_a_killed_worker_behind_a_relay():
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_two_level_survives_a_killed_worker_behind_a_relay(mode):
     """1 server, relays 1 and 2 over workers 3, 4 and 5; worker 3 dies: its relay reports it,
-    server 0 deals its batch again, and the others finish every batch of every epoch."""
-    server, relay_a, relay_b, _, *alive = run(
-        _digits_run, 6, "async", 3, 2, timeout_s=180, dies=(3,)
-    )
+    server 0 deals its batch again, and the others finish every batch of every epoch (in sync
+    mode through the end of the queue, where workers wait for the dead one's batch)."""
+    server, relay_a, relay_b, _, *alive = run(_digits_run, 6, mode, 3, 2, timeout_s=180, dies=(3,))
     assert list(relay_a["dead"]) == [3] and relay_a["dead"][3] <= 2.0 + 1.0
     assert not relay_b["dead"] and not server["dead"]
     assert len(server["consumed"]) == EPOCHS * (server["size"] // 32) * 32

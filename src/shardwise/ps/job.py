@@ -86,12 +86,18 @@ def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: fl
     """Servers and relays count themselves done in the store. Under our supervisor, it writes
     the summary; under torchrun (several machines, say), server 0 does, once all have written
     (their files must be visible here: one machine, or a shared run directory)."""
+    if SUPERVISED in os.environ:  # (and the store may already be gone with rank 0)
+        return
     store = dist.distributed_c10d._get_default_store()
     store.add("shardwise/ps/written", 1)
-    if rank != 0 or SUPERVISED in os.environ:
+    if rank != 0:
         return
-    serving = strategy.servers + strategy.relays
-    while store.add("shardwise/ps/written", 0) < serving:
+    serving, deadline = strategy.servers + strategy.relays, time.monotonic() + 600
+    while (written := store.add("shardwise/ps/written", 0)) < serving:
+        if time.monotonic() > deadline:
+            print(f"shardwise: no summary: {serving - written} server(s) or relay(s) did not "
+                  "finish within 10 minutes of server 0", flush=True)  # fmt: skip
+            return
         time.sleep(0.05)
     missing = [r for r in range(strategy.servers)
                if not (run_dir / "ps" / f"server{r}.safetensors").exists()]  # fmt: skip

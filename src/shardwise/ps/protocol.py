@@ -32,6 +32,7 @@ class Kind(IntEnum):
     #           indices, WAIT [worker] (none now, one may come back from a dead worker) or END
     IDLE = 6  # worker -> other servers: server 0 has no batch for it yet (do not wait for it)
     LOST = 7  # relay -> server 0: [worker] died; its unfinished batch goes back to the queue
+    FINISHED = 8  # relay -> server 0: [worker] is done; its last batch counts as consumed
     OK = 10
     ERROR = 11
     END = 12

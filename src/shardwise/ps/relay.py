@@ -35,6 +35,8 @@ from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import describe_mismatch, flat_values, plan_shards, signature
 from shardwise.ps.worker import ParameterServer, PSClient
 
+DEALER = 0  # server 0 keeps the work queue
+
 
 @dataclass
 class RelayReport:
@@ -89,11 +91,10 @@ class Relay:
                 self._from_worker(src, Kind(int(h[0])), h, payload)
             self._answer_pulls()
         while self.replies < self.pulls_sent:  # the servers' last answers, before leaving
-            try:
-                src, h, payload = self.inbox.get(timeout=self.o.timeout_s)
-            except queue.Empty:
-                break
-            if h is not None and src in self.servers:
+            src, h, payload = self.inbox.get()  # (a sync round may wait long for a straggler)
+            if src in self.servers:
+                if h is None:  # the servers are gone: nothing more will come
+                    break
                 self._from_server(src, Kind(int(h[0])), h, payload)
         for server in self.servers:
             protocol.send(server, Kind.DONE, group=self.group)
@@ -134,10 +135,11 @@ class Relay:
                 self._push_up(payload, version_used=int(h[2]), count=1)
                 self.reply_needed[w] = self.pulls_sent
         elif kind == Kind.NEXT:
-            protocol.send(0, Kind.NEXT, w, group=self.group)
+            protocol.send(DEALER, Kind.NEXT, w, group=self.group)
         elif kind == Kind.DONE:
             self.done.add(w)
             self.idle.discard(w)
+            protocol.send(DEALER, Kind.FINISHED, w, group=self.group)
             self._forward_sync()
 
     def _send(self, w: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None) -> None:
@@ -177,8 +179,9 @@ class Relay:
         for w, clock in self.waiting_pulls:
             if w not in self.live:
                 continue
-            if self.o.mode == "sync":
-                ready = self.version >= clock or not (self.live - self.done - self.idle)
+            if self.o.mode == "sync":  # not before the round that holds its own push
+                active = self.live - self.done - self.idle
+                ready = w not in self.pending and (self.version >= clock or not active)
             else:
                 ready = self.replies >= self.reply_needed.get(w, 0)
             if ready:
@@ -202,6 +205,7 @@ class Relay:
                 return
             if kind == Kind.BATCH:
                 self.idle.discard(worker)
+                self.told_idle = False  # server 0 counts on us again: say so if all idle again
                 self._send(worker, Kind.BATCH, int(h[1]), worker, payload=payload)
             else:
                 self._send(worker, kind, worker)
@@ -216,7 +220,7 @@ class Relay:
         self.idle.discard(worker)
         self.pending.pop(worker, None)
         self.report.dead_workers[worker] = silent_s
-        protocol.send(0, Kind.LOST, worker, group=self.group)
+        protocol.send(DEALER, Kind.LOST, worker, group=self.group)
         print(f"shardwise: ps relay {self.rank}: worker rank {worker} silent for "
               f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
         self._forward_sync()

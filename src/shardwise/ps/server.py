@@ -224,8 +224,13 @@ class Server:
             else:
                 self._send(src, Kind.END, worker)
             self._deal()  # its finished batch may have been the last one others waited on
-        elif kind == Kind.LOST:  # a relay's worker died: its batch goes back to the queue
-            self.work.give_back(int(h[1]))
+        elif kind in (Kind.LOST, Kind.FINISHED) and self.work is not None:
+            worker = int(h[1])  # a relay's worker died (its batch is dealt again) or closed
+            self.waiting_batch.pop(worker, None)
+            if kind == Kind.LOST:
+                self.work.give_back(worker)
+            else:
+                self.work.finish(worker)
             self._deal()
         elif kind == Kind.DONE:
             self.done.add(src)
@@ -243,7 +248,7 @@ class Server:
         """Hand batches to held workers. With the queue empty, a worker waits while another
         still holds a batch (it may die and give it back), and gets END once none does."""
         for worker, client in sorted(self.waiting_batch.items()):
-            if client not in self.live:
+            if client not in self.live or client in self.done:
                 del self.waiting_batch[worker]
                 continue
             batch = self.work.next(worker) if self.work is not None else None
@@ -305,11 +310,12 @@ class Server:
             self._snapshot()
 
     # ---- pulls: answered when the consistency mode allows
-    def _may_answer(self, clock: int) -> bool:
+    def _may_answer(self, client: int, clock: int) -> bool:
         if self.o.mode == "async":
             return True
-        if self.o.mode == "sync":
-            return self.version >= clock or not self._active()
+        if self.o.mode == "sync":  # never before the round that holds the client's own push
+            pending = client in self.pending_sync
+            return not pending and (self.version >= clock or not self._active())
         slowest = min((self.clock[w] for w in self._active()), default=clock)
         return clock - slowest <= self.o.staleness
 
@@ -318,7 +324,7 @@ class Server:
         for worker, clock in self.waiting_pulls:
             if worker not in self.live:
                 continue
-            if self._may_answer(clock):
+            if self._may_answer(worker, clock):
                 slowest = min((self.clock[w] for w in self._active()), default=clock)
                 self.report.pull_gaps.append((worker, clock, slowest))
                 flat = torch.cat([p.detach().reshape(-1) for p in self.params])
