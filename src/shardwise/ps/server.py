@@ -96,14 +96,15 @@ class ServerReport:
     rank: int
     updates: int
     staleness: list[int] = field(default_factory=list)
-    dead_workers: dict[int, float] = field(default_factory=dict)  # rank -> seconds to detect
+    # client rank (worker, or relay) -> seconds of silence before it was declared dead
+    dead_workers: dict[int, float] = field(default_factory=dict)
     clocks: dict[int, int] = field(default_factory=dict)
     consumed: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
     pushes_received: int = 0  # push messages (one per worker, or one per relay and clock)
     resumed_from: int | None = None
     final: torch.Tensor | None = field(default=None, repr=False)  # this shard, at the end
-    # (worker, its clock, slowest live worker's clock) for every pull answered: SSP's bound
+    # (client, its clock, slowest live client's clock) for every pull answered: SSP's bound
     pull_gaps: list[tuple[int, int, int]] = field(default_factory=list)
 
 
@@ -155,17 +156,17 @@ class Server:
 
     # ---- the loop
     def serve(self) -> ServerReport:
-        for worker in self.live:
-            threading.Thread(target=self._receive, args=(worker,), daemon=True,
-                             name=f"ps-recv-{worker}").start()  # fmt: skip
+        for client in self.live:
+            threading.Thread(target=self._receive, args=(client,), daemon=True,
+                             name=f"ps-recv-{client}").start()  # fmt: skip
         while self.live - self.done:
             self._check_heartbeats()
             try:
-                worker, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
+                client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
                 continue
-            if h is not None and worker in self.live:
-                self._handle(worker, h, payload)
+            if h is not None and client in self.live:
+                self._handle(client, h, payload)
                 self._answer_pulls()
             for lost in sorted(self.lost - set(self.report.dead_workers)):
                 self._declare_dead(lost, self.heartbeats.silent_for(lost))
@@ -176,15 +177,15 @@ class Server:
             self.report.consumed = list(self.work.consumed)
         return self.report
 
-    def _receive(self, worker: int) -> None:
-        """One thread per worker: its messages, in order, into the inbox, until DONE."""
+    def _receive(self, client: int) -> None:
+        """One thread per client: its messages, in order, into the inbox, until DONE."""
         while True:
             try:
-                h, payload = protocol.recv(worker, group=self.group)
+                h, payload = protocol.recv(client, group=self.group)
             except Exception:  # its connection closed: the heartbeat timeout will tell
-                self.inbox.put((worker, None, None))
+                self.inbox.put((client, None, None))
                 return
-            self.inbox.put((worker, h, payload))
+            self.inbox.put((client, h, payload))
             if Kind(int(h[0])) == Kind.DONE:
                 return
 
@@ -321,16 +322,16 @@ class Server:
 
     def _answer_pulls(self) -> None:
         still = []
-        for worker, clock in self.waiting_pulls:
-            if worker not in self.live:
+        for client, clock in self.waiting_pulls:
+            if client not in self.live:
                 continue
-            if self._may_answer(worker, clock):
+            if self._may_answer(client, clock):
                 slowest = min((self.clock[w] for w in self._active()), default=clock)
-                self.report.pull_gaps.append((worker, clock, slowest))
+                self.report.pull_gaps.append((client, clock, slowest))
                 flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-                self._send(worker, Kind.OK, self.version, payload=flat)
+                self._send(client, Kind.OK, self.version, payload=flat)
             else:
-                still.append((worker, clock))
+                still.append((client, clock))
         self.waiting_pulls = still
 
     # ---- liveness
@@ -338,17 +339,19 @@ class Server:
         for client, silent_s in self.heartbeats.dead(self.live - self.done - self.lost):
             self._declare_dead(client, silent_s)
 
-    def _declare_dead(self, worker: int, silent_s: float) -> None:
-        """Nobody waits for it any more; its unfinished batch goes back to the queue."""
-        self.live.discard(worker)
-        self.report.dead_workers[worker] = silent_s
-        self.pending_sync.pop(worker, None)
-        self.idle.discard(worker)
-        self.waiting_batch.pop(worker, None)
+    def _declare_dead(self, client: int, silent_s: float) -> None:
+        """Nobody waits for it any more; a dead worker's unfinished batch goes back to the
+        queue (a dead relay's workers stop with it: the supervisor restarts the job)."""
+        self.live.discard(client)
+        self.report.dead_workers[client] = silent_s
+        self.pending_sync.pop(client, None)
+        self.idle.discard(client)
+        self.waiting_batch.pop(client, None)
         if self.work is not None:
-            self.work.give_back(worker)
+            self.work.give_back(client)
             self._deal()
-        print(f"shardwise: ps server {self.rank}: worker rank {worker} silent for "
+        role = "relay" if self.o.relays else "worker"
+        print(f"shardwise: ps server {self.rank}: {role} rank {client} silent for "
               f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
         self._maybe_apply_sync()
         self._answer_pulls()
