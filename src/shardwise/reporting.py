@@ -74,9 +74,6 @@ def _memory_cell(memory: dict[str, int]) -> str:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    table = Table(title=f"shardwise run: {summary['name']}", show_header=False)
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
     rows = [
         ("strategy", summary["strategy"]),
         ("world size", str(summary["world_size"])),
@@ -93,6 +90,14 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("run directory", summary["run_dir"]),
     ]
+    print_key_values(f"shardwise run: {summary['name']}", rows)
+
+
+def print_key_values(title: str, rows: list[tuple[str, str]]) -> None:
+    """A two-column table (metric, value): how every run ends."""
+    table = Table(title=title, show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
     for key, value in rows:
         table.add_row(key, value)
     console = Console()

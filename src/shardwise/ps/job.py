@@ -34,7 +34,7 @@ from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
 from shardwise.ps.server import WorkQueue
 from shardwise.ps.sharding import trainable
 from shardwise.ps.worker import ParameterServer
-from shardwise.reporting import MetricsFile
+from shardwise.reporting import MetricsFile, print_key_values
 
 SUPERVISED = "SHARDWISE_PS_ATTEMPT"  # set by our supervisor (`launch.py`) in every process
 
@@ -211,12 +211,6 @@ def _plot_staleness(histogram: dict[str, int], path: Path, mode: str) -> None:
 
 
 def print_ps_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"shardwise run: {summary['name']}", show_header=False)
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
     rows = [
         ("strategy", summary["strategy"]),
         ("updates (pushes into the servers)",
@@ -231,6 +225,4 @@ def print_ps_summary(summary: dict[str, Any]) -> None:
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("run directory", summary["run_dir"]),
     ]  # fmt: skip
-    for key, value in rows:
-        table.add_row(key, value)
-    Console(width=120).print(table)
+    print_key_values(f"shardwise run: {summary['name']}", rows)
