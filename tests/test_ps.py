@@ -179,13 +179,15 @@ def test_a_worker_with_another_model_is_refused_and_the_others_go_on():
     assert list(rejected) == [2]
 
 
-def _digits_run(mode: str, die_at: int | None, relays: int = 0):
+def _digits_run(mode: str, die_at: int | None, relays: int = 0, servers: int = 1):
     """Workers take batches from server 0's work queue (EPOCHS passes over the digits training set);
     one may SIGKILL itself mid-run."""
     from shardwise.datasets import digits
 
     splits = digits()
-    strategy = sw.ParameterServer(servers=1, mode=mode, staleness=2, timeout_s=2.0, relays=relays)
+    strategy = sw.ParameterServer(
+        servers=servers, mode=mode, staleness=2, timeout_s=2.0, relays=relays
+    )
     rank = dist.get_rank()
     size = len(splits.train)
     if strategy.is_relay():
@@ -193,7 +195,8 @@ def _digits_run(mode: str, die_at: int | None, relays: int = 0):
     if strategy.is_server():
         work = sw.ps.WorkQueue(size, 32, epochs=EPOCHS, seed=0)
         report = sw.ps.serve(_mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
-        return {"consumed": sorted(report.consumed), "dead": report.dead_workers, "size": size}
+        return {"consumed": sorted(report.consumed), "dead": report.dead_workers, "size": size,
+                "updates": report.updates}  # fmt: skip
     model, opt = sw.prepare(_mlp((64, 128, 10)), strategy, optimizer=torch.optim.AdamW, lr=3e-3)
     steps = 0
     while (indices := model.client.next_batch()) is not None:
@@ -249,4 +252,15 @@ def test_two_level_survives_a_killed_worker_behind_a_relay(mode):
     assert list(relay_a["dead"]) == [3] and relay_a["dead"][3] <= 2.0 + 1.0
     assert not relay_b["dead"] and not server["dead"]
     assert len(server["consumed"]) == EPOCHS * (server["size"] // 32) * 32
+    assert all(w["accuracy"] >= 0.85 for w in alive), alive
+
+
+def test_sync_servers_apply_the_same_rounds_when_a_worker_dies():
+    """2 servers, 3 workers, sync; worker 2 dies, and at the end of the queue the others wait
+    for its batch. Server 0 decides each round's members and server 1 follows: both apply the
+    same number of updates, and every batch is consumed."""
+    server0, server1, _, *alive = run(_digits_run, 5, "sync", 2, 0, 2, timeout_s=180, dies=(2,))
+    assert list(server0["dead"]) == [2] and list(server1["dead"]) == [2]
+    assert server0["updates"] == server1["updates"]
+    assert len(server0["consumed"]) == EPOCHS * (server0["size"] // 32) * 32
     assert all(w["accuracy"] >= 0.85 for w in alive), alive

@@ -33,6 +33,7 @@ class Kind(IntEnum):
     IDLE = 6  # worker -> other servers: server 0 has no batch for it yet (do not wait for it)
     LOST = 7  # relay -> server 0: [worker] died; its unfinished batch goes back to the queue
     FINISHED = 8  # relay -> server 0: [worker] is done; its last batch counts as consumed
+    ROUND = 9  # server 0 -> other servers (sync): [version after] + the round's member ranks
     OK = 10
     ERROR = 11
     END = 12
@@ -63,6 +64,7 @@ PAYLOAD_DTYPE = {
     Kind.PUSH: torch.float32,
     Kind.ERROR: torch.uint8,
     Kind.BATCH: torch.int64,
+    Kind.ROUND: torch.int64,
 }
 
 

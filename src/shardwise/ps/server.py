@@ -48,6 +48,8 @@ from shardwise.ps.sharding import (
     trainable,
 )
 
+COORDINATOR = 0  # the server that deals batches and, in sync mode, decides each round
+
 
 class WorkQueue:
     """Batches of sample indices, `epochs` shuffled passes, dealt to whoever asks next."""
@@ -141,6 +143,11 @@ class Server:
         self.pending_sync: dict[int, tuple[torch.Tensor, int]] = {}
         self.waiting_pulls: list[tuple[int, int]] = []  # (client, clock)
         self.waiting_batch: dict[int, int] = {}  # worker held for a batch -> client asking
+        # Sync with several servers: server 0 decides each round's members (who is idle, dead
+        # or late is known there first) and the others follow, so that every shard averages
+        # the same pushes. Rounds announced but not applied yet, in order:
+        self.follows = options.mode == "sync" and options.servers > 1 and rank > 0
+        self.rounds: collections.deque[list[int]] = collections.deque()
         self.report = ServerReport(rank=rank, updates=0)
         self.store = dist.distributed_c10d._get_default_store()
         self.group = protocol.make_group()
@@ -156,7 +163,7 @@ class Server:
 
     # ---- the loop
     def serve(self) -> ServerReport:
-        for client in self.live:
+        for client in [*self.live, *([COORDINATOR] if self.follows else [])]:
             threading.Thread(target=self._receive, args=(client,), daemon=True,
                              name=f"ps-recv-{client}").start()  # fmt: skip
         while self.live - self.done:
@@ -165,7 +172,7 @@ class Server:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
                 continue
-            if h is not None and client in self.live:
+            if h is not None and (client in self.live or client == COORDINATOR):
                 self._handle(client, h, payload)
                 self._answer_pulls()
             for lost in sorted(self.lost - set(self.report.dead_workers)):
@@ -191,7 +198,10 @@ class Server:
 
     def _handle(self, src: int, h: torch.Tensor, payload: torch.Tensor | None) -> None:
         kind = Kind(int(h[0]))
-        if kind == Kind.HELLO:
+        if kind == Kind.ROUND:  # from server 0: the members of the next sync round
+            self.rounds.append(payload.tolist())
+            self._maybe_apply_sync()
+        elif kind == Kind.HELLO:
             problem = describe_mismatch(self.signature, protocol.unpack(payload))
             if problem is None:
                 self.accepted.add(src)
@@ -281,13 +291,33 @@ class Server:
             self._apply(payload / count, staleness=self.version - version_used)
 
     def _maybe_apply_sync(self) -> None:
-        """Every active client pushed this clock: apply the mean over all workers' pushes."""
-        expected = self._active()
-        if self.pending_sync and set(self.pending_sync) >= expected:
-            total = torch.stack([value for value, _ in self.pending_sync.values()]).sum(dim=0)
-            count = sum(n for _, n in self.pending_sync.values())
-            self.pending_sync.clear()
-            self._apply(total / count, staleness=0)
+        """Server 0: once every active client pushed this clock, apply the mean over all the
+        workers' pushes and announce the round's members. The others: apply each announced
+        round once its members' pushes are in (a member that died here is left out)."""
+        if self.follows:
+            while self.rounds:
+                members = self.rounds[0]
+                if any(m not in self.pending_sync and m in self.live for m in members):
+                    return  # a push is still on its way
+                self.rounds.popleft()
+                self._apply_mean([self.pending_sync.pop(m) for m in members
+                                  if m in self.pending_sync])  # fmt: skip
+            return
+        if self.pending_sync and set(self.pending_sync) >= self._active():
+            members = sorted(self.pending_sync)
+            if self.o.mode == "sync" and self.o.servers > 1:
+                for server in range(1, self.o.servers):
+                    protocol.send(server, Kind.ROUND, self.version + 1,
+                                  payload=torch.tensor(members), group=self.group)  # fmt: skip
+            self._apply_mean([self.pending_sync.pop(m) for m in members])
+
+    def _apply_mean(self, pushes: list[tuple[torch.Tensor, int]]) -> None:
+        """Apply the mean over the workers behind `pushes` ((sum, count) per client)."""
+        if not pushes:  # every member died before its push reached this server
+            self.version += 1
+            return
+        total = torch.stack([value for value, _ in pushes]).sum(dim=0)
+        self._apply(total / sum(n for _, n in pushes), staleness=0)
 
     @torch.no_grad()
     def _apply(self, flat: torch.Tensor, staleness: int) -> None:
@@ -344,7 +374,8 @@ class Server:
         queue (a dead relay's workers stop with it: the supervisor restarts the job)."""
         self.live.discard(client)
         self.report.dead_workers[client] = silent_s
-        self.pending_sync.pop(client, None)
+        if not self.follows:  # (a follower keeps its push: server 0 may have counted it)
+            self.pending_sync.pop(client, None)
         self.idle.discard(client)
         self.waiting_batch.pop(client, None)
         if self.work is not None:
