@@ -196,7 +196,7 @@ def _digits_run(mode: str, die_at: int | None, relays: int = 0, servers: int = 1
         work = sw.ps.WorkQueue(size, 32, epochs=EPOCHS, seed=0)
         report = sw.ps.serve(_mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
         return {"consumed": sorted(report.consumed), "dead": report.dead_workers, "size": size,
-                "updates": report.updates}  # fmt: skip
+                "updates": report.updates, "rounds": report.rounds}  # fmt: skip
     model, opt = sw.prepare(_mlp((64, 128, 10)), strategy, optimizer=torch.optim.AdamW, lr=3e-3)
     steps = 0
     while (indices := model.client.next_batch()) is not None:
@@ -262,5 +262,8 @@ def test_sync_servers_apply_the_same_rounds_when_a_worker_dies():
     server0, server1, _, *alive = run(_digits_run, 5, "sync", 2, 0, 2, timeout_s=180, dies=(2,))
     assert list(server0["dead"]) == [2] and list(server1["dead"]) == [2]
     assert server0["updates"] == server1["updates"]
+    assert server0["rounds"] == server1["rounds"]  # the same members, round by round
+    assert {2, 3, 4} in [set(r) for r in server0["rounds"]]  # lock-step before the death
+    assert [3, 4] in server0["rounds"]  # and without the dead worker after it
     assert len(server0["consumed"]) == EPOCHS * (server0["size"] // 32) * 32
     assert all(w["accuracy"] >= 0.85 for w in alive), alive

@@ -104,6 +104,7 @@ class ServerReport:
     consumed: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
     pushes_received: int = 0  # push messages (one per worker, or one per relay and clock)
+    rounds: list[list[int]] = field(default_factory=list)  # sync: the clients of each update
     resumed_from: int | None = None
     final: torch.Tensor | None = field(default=None, repr=False)  # this shard, at the end
     # (client, its clock, slowest live client's clock) for every pull answered: SSP's bound
@@ -300,6 +301,7 @@ class Server:
                 if any(m not in self.pending_sync and m in self.live for m in members):
                     return  # a push is still on its way
                 self.rounds.popleft()
+                self.report.rounds.append(members)
                 self._apply_mean([self.pending_sync.pop(m) for m in members
                                   if m in self.pending_sync])  # fmt: skip
             return
@@ -309,6 +311,7 @@ class Server:
                 for server in range(1, self.o.servers):
                     protocol.send(server, Kind.ROUND, self.version + 1,
                                   payload=torch.tensor(members), group=self.group)  # fmt: skip
+            self.report.rounds.append(members)
             self._apply_mean([self.pending_sync.pop(m) for m in members])
 
     def _apply_mean(self, pushes: list[tuple[torch.Tensor, int]]) -> None:
