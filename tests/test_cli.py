@@ -87,14 +87,14 @@ def test_readme_example_runs_as_plain_python_and_under_both_launchers(tmp_path):
     assert "world 2: final loss" in torchrun.stdout
 
 
-def test_same_config_runs_under_torchrun_with_two_nodes(tmp_path):
-    """Two torchrun agents (two 'nodes', one rank each) meet in a c10d rendezvous."""
-    port = free_port()
+def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
+    """`shardwise train ...` under two torchrun agents (two 'nodes') meeting in a c10d
+    rendezvous on 127.0.0.1; both must succeed."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t",
-        "-m", "shardwise", "train", "digits", "--set", "train.steps=20",
-        "--set", f"launch.runs_dir={tmp_path}",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t",
+        "-m", "shardwise", "train", *train_args,
     ]  # fmt: skip
     nodes = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -102,6 +102,12 @@ def test_same_config_runs_under_torchrun_with_two_nodes(tmp_path):
     ]
     outputs = [node.communicate(timeout=180)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
+
+
+def test_same_config_runs_under_torchrun_with_two_nodes(tmp_path):
+    """Two torchrun agents (two 'nodes', one rank each) meet in a c10d rendezvous."""
+    _two_torchrun_nodes(1, "digits", "--set", "train.steps=20", "--set",
+                        f"launch.runs_dir={tmp_path}")  # fmt: skip
     (run_dir,) = tmp_path.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -110,19 +116,9 @@ def test_same_config_runs_under_torchrun_with_two_nodes(tmp_path):
 def test_two_level_ps_under_torchrun_on_two_nodes_writes_the_summary(tmp_path):
     """Without our supervisor (torchrun's agents, 2 nodes x 2 ranks): server, relay and two
     workers find their roles by rank, and server 0 writes the summary once all have written."""
-    port, run_dir = free_port(), tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ps",
-        "-m", "shardwise", "train", "digits", "--run-dir", str(run_dir),
-        "--set", "strategy.name=ps", "--set", "strategy.relays=1", "--set", "train.steps=15",
-    ]  # fmt: skip
-    nodes = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    outputs = [node.communicate(timeout=180)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    run_dir = tmp_path / "run"
+    _two_torchrun_nodes(2, "digits", "--run-dir", str(run_dir), "--set", "strategy.name=ps",
+                        "--set", "strategy.relays=1", "--set", "train.steps=15")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["updates"] == 15 and summary["pushes_into_servers"] == 15  # one relay
     assert summary["consumed_samples"] == 15 * 2 * 32

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise import runtime
@@ -154,7 +153,6 @@ class PSClient:
         options: ParameterServer,
         rt: Runtime,
         servers: list[int] | None = None,
-        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.o, self.model = options, model
         self.servers = servers if servers is not None else options.upstream(rt.rank, rt.world_size)
@@ -162,7 +160,7 @@ class PSClient:
         self.params = trainable(model)
         self.rank = rt.rank
         self.version = 0
-        self.group = group or protocol.make_group()
+        self.group = protocol.make_group()
         self._beats = HeartbeatSender(rt.rank, options.heartbeat_s)
         sig = protocol.pack(signature(model))
         clocks = []
