@@ -19,6 +19,7 @@ import torch.distributed as dist
 from shardwise import comm
 
 HEADER = 8
+COORDINATOR = 0  # server 0: deals out batches and, in sync mode, decides each round's members
 
 
 class Kind(IntEnum):

@@ -31,11 +31,9 @@ from torch import nn
 from shardwise import runtime
 from shardwise.ps import protocol
 from shardwise.ps.liveness import HeartbeatWatch
-from shardwise.ps.protocol import Kind
-from shardwise.ps.sharding import describe_mismatch, flat_values, plan_shards, signature
+from shardwise.ps.protocol import COORDINATOR, Kind
+from shardwise.ps.sharding import describe_mismatch, flat_values, signature
 from shardwise.ps.worker import ParameterServer, PSClient
-
-DEALER = 0  # server 0 keeps the work queue
 
 
 @dataclass
@@ -58,7 +56,6 @@ class Relay:
         # Upward, the relay is a client like a worker: hello, first pull, heartbeats.
         self.up = PSClient(model, options, rt, servers=self.servers)
         self.group = self.up.group
-        self.plan = plan_shards(model, options.servers)
         self.flat = flat_values(self.up.params)
         self.version, self.clock = self.up.version, self.up.clock
         self.live, self.done, self.idle = set(self.workers), set(), set()
@@ -135,11 +132,11 @@ class Relay:
                 self._push_up(payload, version_used=int(h[2]), count=1)
                 self.reply_needed[w] = self.pulls_sent
         elif kind == Kind.NEXT:
-            protocol.send(DEALER, Kind.NEXT, w, group=self.group)
+            protocol.send(COORDINATOR, Kind.NEXT, w, group=self.group)
         elif kind == Kind.DONE:
             self.done.add(w)
             self.idle.discard(w)
-            protocol.send(DEALER, Kind.FINISHED, w, group=self.group)
+            protocol.send(COORDINATOR, Kind.FINISHED, w, group=self.group)
             self._forward_sync()
 
     def _send(self, w: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None) -> None:
@@ -164,7 +161,7 @@ class Relay:
 
     def _push_up(self, flat: torch.Tensor, version_used: int, count: int) -> None:
         """Push to every server its slice, then ask for the parameters after it."""
-        for server, piece in zip(self.servers, self.plan.split(flat), strict=True):
+        for server, piece in zip(self.servers, self.up.plan.split(flat), strict=True):
             protocol.send(server, Kind.PUSH, self.clock, version_used, count,
                           payload=piece if piece.numel() else None, group=self.group)  # fmt: skip
         self.clock += 1
@@ -220,7 +217,7 @@ class Relay:
         self.idle.discard(worker)
         self.pending.pop(worker, None)
         self.report.dead_workers[worker] = silent_s
-        protocol.send(DEALER, Kind.LOST, worker, group=self.group)
+        protocol.send(COORDINATOR, Kind.LOST, worker, group=self.group)
         print(f"shardwise: ps relay {self.rank}: worker rank {worker} silent for "
               f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
         self._forward_sync()

@@ -39,7 +39,7 @@ from torch import nn
 
 from shardwise.ps import protocol
 from shardwise.ps.liveness import HeartbeatWatch
-from shardwise.ps.protocol import Kind
+from shardwise.ps.protocol import COORDINATOR, Kind
 from shardwise.ps.sharding import (
     describe_mismatch,
     flat_values,
@@ -47,8 +47,6 @@ from shardwise.ps.sharding import (
     signature,
     trainable,
 )
-
-COORDINATOR = 0  # the server that deals batches and, in sync mode, decides each round
 
 
 class WorkQueue:
