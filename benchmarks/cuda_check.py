@@ -18,7 +18,6 @@ import time
 import torch
 
 import shardwise as sw
-from shardwise.api import strategy_of
 from shardwise.models import MLP, TinyGPT, lm_loss
 
 STEPS = 10
@@ -41,14 +40,23 @@ VARIANTS = {
 }
 # With one rank a lossy codec has nothing to average, but its error feedback and encode/decode
 # still run: compare those by loss, not by weights.
-APPROXIMATE = {"ddp_fp16", "ddp_powersgd", "ddp_topk", "ddp_sign", "ddp_int8",
-               "zero3_bf16", "zero1_fp16"}  # fmt: skip
+APPROXIMATE = {
+    "ddp_fp16",
+    "ddp_powersgd",
+    "ddp_topk",
+    "ddp_sign",
+    "ddp_int8",
+    "zero3_bf16",
+    "zero1_fp16",
+}
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
-            for _ in range(STEPS)]  # fmt: skip
+    return [
+        (torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> float:
@@ -129,9 +137,14 @@ def main() -> int:
                 ok = abs(loss - ref_loss) / ref_loss < 0.05 and on_gpu
             else:
                 ok = diff < 1e-5 and on_gpu
-            results[name] = {"ok": ok, "max_abs_diff": diff, "loss": loss, "on_gpu": on_gpu,
-                             "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else 0,
-                             "seconds": time.perf_counter() - start}  # fmt: skip
+            results[name] = {
+                "ok": ok,
+                "max_abs_diff": diff,
+                "loss": loss,
+                "on_gpu": on_gpu,
+                "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else 0,
+                "seconds": time.perf_counter() - start,
+            }
             if name == "zero3":
                 with tempfile.TemporaryDirectory() as d:
                     sw.save_checkpoint(wrapped, opt, d, step=STEPS)
@@ -141,8 +154,7 @@ def main() -> int:
                     back = max((params[k] - v.cpu()).abs().max().item() for k, v in got.items())
                     results[name]["checkpoint_roundtrip_diff"] = back
                     results[name]["ok"] &= back == 0 and step == STEPS
-            if (strategy := strategy_of(wrapped)) is not None and hasattr(strategy, "close"):
-                strategy.close(wrapped)
+            wrapped.close()
         except Exception as e:  # report every variant, not only the first failure
             results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         if not results[name]["ok"]:
@@ -156,8 +168,17 @@ def main() -> int:
     print(f"reference loss {ref_loss:.5f}; failed: {failed or 'none'}")
     device = torch.cuda.get_device_name() if cuda else "cpu"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
-    print(json.dumps({"bench": "cuda_check", "device": device, "torch": torch.__version__,
-                      "nccl": nccl, "results": results}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "cuda_check",
+                "device": device,
+                "torch": torch.__version__,
+                "nccl": nccl,
+                "results": results,
+            }
+        )
+    )
     sw.shutdown()
     return 1 if failed else 0
 

@@ -91,11 +91,24 @@ def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
     """`shardwise train ...` under two torchrun agents (two 'nodes') meeting in a c10d
     rendezvous on 127.0.0.1; both must succeed."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-        "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t",
-        "-m", "shardwise", "train", *train_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        str(ranks_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "t",
+        "-m",
+        "shardwise",
+        "train",
+        *train_args,
+    ]
     nodes = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for _ in range(2)
@@ -106,8 +119,9 @@ def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
 
 def test_same_config_runs_under_torchrun_with_two_nodes(tmp_path):
     """Two torchrun agents (two 'nodes', one rank each) meet in a c10d rendezvous."""
-    _two_torchrun_nodes(1, "digits", "--set", "train.steps=20", "--set",
-                        f"launch.runs_dir={tmp_path}")  # fmt: skip
+    _two_torchrun_nodes(
+        1, "digits", "--set", "train.steps=20", "--set", f"launch.runs_dir={tmp_path}"
+    )
     (run_dir,) = tmp_path.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -117,8 +131,18 @@ def test_two_level_ps_under_torchrun_on_two_nodes_writes_the_summary(tmp_path):
     """Without our supervisor (torchrun's agents, 2 nodes x 2 ranks): server, relay and two
     workers find their roles by rank, and server 0 writes the summary once all have written."""
     run_dir = tmp_path / "run"
-    _two_torchrun_nodes(2, "digits", "--run-dir", str(run_dir), "--set", "strategy.name=ps",
-                        "--set", "strategy.relays=1", "--set", "train.steps=15")  # fmt: skip
+    _two_torchrun_nodes(
+        2,
+        "digits",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "strategy.name=ps",
+        "--set",
+        "strategy.relays=1",
+        "--set",
+        "train.steps=15",
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["updates"] == 15 and summary["pushes_into_servers"] == 15  # one relay
     assert summary["consumed_samples"] == 15 * 2 * 32
@@ -149,16 +173,27 @@ def test_checkpoint_matches_full_state_dict(tmp_path):
     assert all(torch.isfinite(t.float()).all() for t in weights.values())
 
 
-SMALL_GPT = ["--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "data.seq_len=32",
-             "--set", "train.steps=8", "--set", "train.eval_batch_size=64"]  # fmt: skip
+SMALL_GPT = [
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "train.steps=8",
+    "--set",
+    "train.eval_batch_size=64",
+]
 
 
 def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
     for strategy in (["strategy.name=tp"], ["strategy.name=pp", "strategy.microbatches=2"]):
         run_dir = tmp_path / strategy[0].split("=")[1]
         sets = [arg for kv in strategy for arg in ("--set", kv)]
-        result = shardwise("train", "tiny_gpt", *SMALL_GPT, *sets, "--run-dir", str(run_dir),
-                           cwd=tmp_path)  # fmt: skip
+        result = shardwise(
+            "train", "tiny_gpt", *SMALL_GPT, *sets, "--run-dir", str(run_dir), cwd=tmp_path
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -171,8 +206,17 @@ def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
 
 
 def test_mesh_sizes_that_do_not_fit_the_world_are_one_line_before_launch(tmp_path):
-    result = shardwise("train", "tiny_gpt", "--set", "strategy.name=mesh", "--set",
-                       "strategy.dp=2", "--set", "strategy.tp=2", cwd=tmp_path)  # fmt: skip
+    result = shardwise(
+        "train",
+        "tiny_gpt",
+        "--set",
+        "strategy.name=mesh",
+        "--set",
+        "strategy.dp=2",
+        "--set",
+        "strategy.tp=2",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "shardwise: config error: strategy 'mesh' needs 4 ranks, but launch.nproc is 2"
@@ -184,8 +228,12 @@ def _start_ps_job(tmp_path, run_dir, *sets):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "shardwise", "train", "digits", *args, "--run-dir", str(run_dir)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for(predicate, timeout_s=60.0):

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.compression import Int8Codec, make_codec, pack_signs, unpack_signs
+from shardwise.comm.compression import Int8Codec, make_codec, pack_signs, unpack_signs
 from shardwise.models import MLP
 from spawn import run
 
@@ -142,7 +142,7 @@ class _Bucket:
 def powersgd_vs_torch_hook():
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    from shardwise.compression import PowerSGD
+    from shardwise.comm.compression import PowerSGD
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = [(32, 16), (16,), (20, 6, 4), (3, 3)]  # two compressed, a bias and a small matrix

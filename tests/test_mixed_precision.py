@@ -36,13 +36,13 @@ def fp16_with_injected_overflow(stage: int, poisoned: set[int]):
         x, y = _batch(step, dist.get_world_size())
         if step in poisoned and dist.get_rank() == 1:  # one rank overflows: all must skip
             x = x * 1e6  # beyond fp16's 65504
-        before = torch.cat([s.detach().clone() for s in model.engine.shards])
+        before = torch.cat([s.detach().clone() for s in model.shards])
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        after = torch.cat([s.detach() for s in model.engine.shards])
+        after = torch.cat([s.detach() for s in model.shards])
         changed.append(not torch.equal(before, after))
-    scaler = model.engine.scaler
+    scaler = model.masters.scaler
     return scaler.skipped_steps, scaler.scale, changed
 
 
@@ -57,7 +57,7 @@ def test_fp16_skips_exactly_the_overflowing_steps(stage):
 def bf16_training(stage: int):
     model, opt = sw.prepare(_model(), sw.ZeRO(stage=stage, mixed_precision="bf16"), lr=1e-2)
     assert next(model.parameters()).dtype == torch.bfloat16  # compute copy
-    assert all(s.dtype == torch.float32 for s in model.engine.shards)  # masters
+    assert all(s.dtype == torch.float32 for s in model.shards)  # masters
     losses = []
     for step in range(30):
         x, y = _batch(step % 4, dist.get_world_size())
@@ -98,7 +98,7 @@ def test_bf16_stages_agree_learn_and_stay_near_fp32():
 
 
 def offloaded_vs_in_memory(stage: int, offload: str, directory: str):
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     strategy = sw.ZeRO(stage=stage, offload=offload, offload_dir=directory)
     offloaded, off_opt = sw.prepare(_model(), strategy, lr=1e-2)
     plain, plain_opt = sw.prepare(_model(), sw.ZeRO(stage=stage), lr=1e-2)
@@ -119,14 +119,15 @@ def offloaded_vs_in_memory(stage: int, offload: str, directory: str):
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     if offload != "disk":
         return diff, None, None, None
-    shard = offloaded.engine.shards[0]
-    folder = Path(directory) / f"rank{rank}"
+    shard = offloaded.shards[0]
+    folder = offloaded.disk_step.store.directory
+    assert folder.parent == Path(directory)  # a fresh directory of this rank's, where asked
     on_disk = [  # the files hold the current master weights and Adam moments
         torch.equal(torch.from_file(str(folder / f"unit0.{name}.bin"), size=t.numel()), t.detach())
         for name, t in (("master", shard), ("exp_avg", off_opt.state[shard]["exp_avg"]))
     ]
     files = sorted(p.name for p in folder.iterdir())
-    return diff, files, all(on_disk), len(offloaded.engine.units)
+    return diff, files, all(on_disk), len(offloaded.units)
 
 
 @pytest.mark.parametrize(("stage", "offload"), [(1, "disk"), (3, "disk"), (2, "cpu")])

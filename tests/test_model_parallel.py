@@ -60,7 +60,7 @@ def _train(strategy: sw.Strategy, steps: int = STEPS) -> tuple[dict, list[float]
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
     state = sw.full_state_dict(model)
-    sw.api.strategy_of(model).close(model)
+    model.close()
     return state, losses
 
 

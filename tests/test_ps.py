@@ -52,8 +52,13 @@ def _sync_run(
 ):
     """Sync PS; worker w trains on slice w of global batch `clock` (so a resumed job picks up
     exactly where the snapshot left it)."""
-    strategy = sw.ParameterServer(servers=servers, mode="sync", snapshot_every=5 if snap else 0,
-                                  snapshot_dir=snap or "ps-snapshots", relays=relays)  # fmt: skip
+    strategy = sw.ParameterServer(
+        servers=servers,
+        mode="sync",
+        snapshot_every=5 if snap else 0,
+        snapshot_dir=snap or "ps-snapshots",
+        relays=relays,
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     workers = world - servers - relays
     if strategy.is_relay():
@@ -70,8 +75,11 @@ def _sync_run(
 
             sw.ps.server.Server._apply = dying_apply
         report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=1e-2)
-        return {"resumed_from": report.resumed_from, "updates": report.updates,
-                "pushes": report.pushes_received}  # fmt: skip
+        return {
+            "resumed_from": report.resumed_from,
+            "updates": report.updates,
+            "pushes": report.pushes_received,
+        }
     model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
     client, index = model.client, rank - servers - relays
     try:
@@ -127,28 +135,44 @@ def test_shards_are_balanced_by_bytes_and_signatures_compared():
 
 
 def _ssp_run(staleness: int):
+    """Workers log, on the machine's monotonic clock, when each push left and when the pull
+    after it returned: the evidence the SSP bound is checked on."""
     strategy = sw.ParameterServer(servers=1, mode="ssp", staleness=staleness)
     rank = dist.get_rank()
     if strategy.is_server():
-        report = sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2)
-        return report.pull_gaps
+        sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2)
+        return None
     model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.SGD, lr=1e-2)
+    pushed, returned = [], []  # seconds at which push k (1-based) left; pull k came back
     for step in range(15):
         if rank == 1:
             time.sleep(0.03)  # the straggler
         x, y = _global_batch(step, 1)
         F.cross_entropy(model(x), y).backward()
-        opt.step()
+        pushed.append(time.monotonic())
+        opt.step()  # push this step's gradient, then pull (SSP may hold the pull)
+        returned.append(time.monotonic())
         opt.zero_grad()
     strategy.close(model)
-    return None
+    return pushed, returned
 
 
 def test_ssp_never_lets_a_worker_run_more_than_s_clocks_ahead():
-    gaps = run(_ssp_run, 4, 2)[0]
-    ahead = [clock - slowest for _, clock, slowest in gaps]
-    assert max(ahead) <= 2
-    assert max(ahead) == 2  # the fast workers did run ahead as far as allowed
+    staleness = 2
+    logs = [log for log in run(_ssp_run, 4, staleness) if log is not None]
+    lead = 0  # the largest lead the logs prove a worker had when its pull returned
+    for w, (_, returned) in enumerate(logs):
+        for clock, t in enumerate(returned, start=1):
+            for v, (pushed, _) in enumerate(logs):
+                if v == w:
+                    continue
+                # Worker w may start clock `clock` only once every other worker pushed
+                # `clock - s` times: that push must have left before w's pull returned.
+                if clock - staleness >= 1:
+                    assert pushed[clock - staleness - 1] < t, (w, clock, v)
+                # v cannot have pushed more than it had sent by then: a lower bound on w's lead.
+                lead = max(lead, clock - sum(p < t for p in pushed))
+    assert lead == staleness  # the fast workers did run ahead as far as allowed
 
 
 def _mismatch_run():
@@ -174,8 +198,10 @@ def _mismatch_run():
 def test_a_worker_with_another_model_is_refused_and_the_others_go_on():
     rejected, good, bad = run(_mismatch_run, 3)
     assert good == "trained"
-    assert bad == ("parameter server 0 refused this worker: parameter '0.weight' has shape "
-                   "[17, 13], the servers hold [16, 13]")  # fmt: skip
+    assert bad == (
+        "parameter server 0 refused this worker: parameter '0.weight' has shape "
+        "[17, 13], the servers hold [16, 13]"
+    )
     assert list(rejected) == [2]
 
 
@@ -195,8 +221,13 @@ def _digits_run(mode: str, die_at: int | None, relays: int = 0, servers: int = 1
     if strategy.is_server():
         work = sw.ps.WorkQueue(size, 32, epochs=EPOCHS, seed=0)
         report = sw.ps.serve(_mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
-        return {"consumed": sorted(report.consumed), "dead": report.dead_workers, "size": size,
-                "updates": report.updates, "rounds": report.rounds}  # fmt: skip
+        return {
+            "consumed": sorted(report.consumed),
+            "dead": report.dead_workers,
+            "size": size,
+            "updates": report.updates,
+            "rounds": report.rounds,
+        }
     model, opt = sw.prepare(_mlp((64, 128, 10)), strategy, optimizer=torch.optim.AdamW, lr=3e-3)
     steps = 0
     while (indices := model.client.next_batch()) is not None:

@@ -132,24 +132,43 @@ def test_topologies_are_symmetric_and_regular():
             assert len({len(p) for p in peers.values()}) == 1
 
 
-def adaptive(threshold: float):
+def adaptive(threshold: float, lr: float):
+    """Every rank's parameters before each step, its gradients, and its parameters after."""
     world = dist.get_world_size()
     strategy = sw.AdaptiveSync(threshold=threshold)
-    model, opt = sw.prepare(_model(), strategy, optimizer=torch.optim.SGD, lr=0.05)
+    model, opt = sw.prepare(_model(), strategy, optimizer=torch.optim.SGD, lr=lr)
+    seen = []
     for step in range(20):
         x, y, mine = _batch(step, world)
         F.cross_entropy(model(x[mine]), y[mine]).backward()
+        before = _all(flat_params(model.module), world)
+        grads = _all(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), world)
         opt.step()
         opt.zero_grad()
-    return model.sync_steps, strategy.drift_history
+        seen.append((before, grads, _all(flat_params(model.module), world)))
+    return seen
 
 
 def test_adaptive_sync_synchronises_exactly_when_drift_passes_the_threshold():
-    results = run(adaptive, 2, 0.02)
-    assert results[0] == results[1]  # all ranks agree on when
-    sync_steps, drift = results[0]
-    assert 0 < len(sync_steps) < 20
-    assert sync_steps == [step + 1 for step, d in enumerate(drift) if d > 0.02]
+    """Drift recomputed from the gathered replicas: a step ends in an average exactly when
+    some replica's local step took it further than `threshold` (relative) from the last
+    average, and then every replica holds the mean of the locally stepped ones."""
+    threshold, lr = 0.02, 0.05
+    seen = run(adaptive, 2, threshold, lr)[0]
+    anchor, syncs = seen[0][0][0], []
+    assert torch.equal(seen[0][0][0], seen[0][0][1])  # the replicas start equal
+    for step, (before, grads, after) in enumerate(seen, start=1):
+        local = torch.add(before, grads, alpha=-lr)  # plain SGD's local step, as torch does it
+        drift = ((local - anchor).norm(dim=1) / anchor.norm()).max().item()
+        assert abs(drift - threshold) > 1e-6 * threshold  # no case too close to call
+        if drift > threshold:
+            syncs.append(step)
+            assert torch.allclose(after, local.mean(0).expand_as(after), atol=1e-7)
+            assert torch.equal(after[0], after[1])
+            anchor = after[0]
+        else:
+            assert torch.equal(after, local)  # no message changed a parameter
+    assert 0 < len(syncs) < 20
 
 
 def hybrid_gossip():

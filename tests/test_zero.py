@@ -112,7 +112,7 @@ def bytes_per_step():
     world, out = dist.get_world_size(), {}
     for stage in (1, 2, 3):
         model, opt = sw.prepare(_model("gpt"), sw.ZeRO(stage=stage, bucket_mb=0.001), lr=1e-2)
-        padded = [u.full.numel() for u in model.engine.units]
+        padded = [u.full.numel() for u in model.units]
         x, y = _batch("gpt", 0, world)
         sw.comm.stats.end_step()
         lm_loss(model(_local(x)), _local(y)).backward()

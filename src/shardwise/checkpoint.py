@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
-from shardwise import comm, runtime
+from shardwise import comm
+from shardwise.strategies.base import DistributedModel
 
 FORMAT = "shardwise-sharded-v1"
 
@@ -64,14 +64,12 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path, step: int = 0
+    model: DistributedModel, optimizer: torch.optim.Optimizer, directory: str | Path, step: int = 0
 ) -> None:
     """Collective: every rank writes its shard; rank 0 then writes the manifest."""
-    from shardwise.api import strategy_of
-
     directory = Path(directory)
-    rt = runtime.current()
-    layout, tensors = strategy_of(model).checkpoint_shard(model, optimizer)
+    rt = model.runtime
+    layout, tensors = model.checkpoint_shard(optimizer)
     directory.mkdir(parents=True, exist_ok=True)
     if tensors is not None:  # strategies with replicated state write from rank 0 only
         cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
@@ -137,13 +135,11 @@ def read_full_state(directory: str | Path) -> tuple[dict, dict, int]:
 
 
 def load_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path
+    model: DistributedModel, optimizer: torch.optim.Optimizer, directory: str | Path
 ) -> int:
     """Load a sharded checkpoint saved at any world size; returns its step."""
-    from shardwise.api import strategy_of
-
     params, states, step = read_full_state(directory)
-    strategy_of(model).load_full_state(model, optimizer, params, states)
+    model.load_full_state(optimizer, params, states)
     return step
 
 

@@ -9,6 +9,7 @@
     shardwise bench comm --models gpt --steps 60 --rate 100mbit   # codecs on an emulated network
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
+    shardwise config zero                                         # every field, its default
 
 Inside a worker process (torchrun's environment is set), `train` runs the job in-process;
 otherwise it validates the config, creates the run directory and launches the workers.
@@ -20,16 +21,8 @@ import argparse
 import logging
 import os
 import sys
-from datetime import datetime
-from pathlib import Path
 
-from shardwise.config import (
-    BUILTIN_CONFIGS,
-    ConfigError,
-    dump_config,
-    load_config,
-    ranks_needed,
-)
+from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
 
 
 def _in_worker() -> bool:
@@ -48,15 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         overrides.append(f"launch.nproc={args.nproc}")
     cfg = load_config(args.config, overrides)
-    needed = ranks_needed(cfg.strategy)
-    if cfg.strategy.name == "ps" and args.nproc is None:  # the processes are the roles
-        cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"nproc": needed})})
-    if needed is not None and not _in_worker() and needed != cfg.launch.nproc:
-        raise ConfigError(
-            f"config error: strategy {cfg.strategy.name!r} needs {needed} ranks, "
-            f"but launch.nproc is {cfg.launch.nproc}"
-        )
-    if _in_worker():
+    if _in_worker():  # a rank of the job (under our launcher, or torchrun on any machine)
         import shardwise as sw
         from shardwise.trainer import train
 
@@ -65,25 +50,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         finally:
             sw.shutdown()
         return 0
-    from shardwise.launcher import launch
+    from shardwise.runner import fit_ranks, run_job
 
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(args.run_dir or Path(cfg.launch.runs_dir) / f"{cfg.name}-{stamp}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = run_dir / "config.yaml"
-    resolved.write_text(dump_config(cfg))
-    print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
-    if cfg.strategy.name == "ps":  # a supervisor of our own: one dead worker must not end it
-        from shardwise.ps.launch import run_ps_job
-
-        return run_ps_job(cfg, resolved, run_dir)
     _quiet_torch_elastic()
-    launch(
-        ["shardwise", "train", str(resolved), "--run-dir", str(run_dir)],
-        cfg.launch.nproc,
-        cfg.launch.threads_per_rank,
-    )
-    return 0
+    return run_job(fit_ranks(cfg, nproc_given=args.nproc is not None), args.run_dir)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -106,6 +76,29 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = export_checkpoint(args.checkpoint, args.out)
     print(f"shardwise: wrote full fp32 weights to {out}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Every field of a config section (or of a strategy's section), with default and meaning."""
+    from shardwise.config import describe_section, section_names
+
+    if args.section is None:
+        print("sections: " + ", ".join(section_names()))
+        print("strategies (strategy.name): " + ", ".join(section_names(strategies=True)))
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    title, rows = describe_section(args.section)
+    table = Table(title=title)
+    for column in ("field", "type", "default", "description"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    console = Console()
+    (console if console.is_terminal else Console(width=140)).print(table)
     return 0
 
 
@@ -153,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint directory (sharded or final)")
     export.add_argument("out", help="output .safetensors path")
     export.set_defaults(func=cmd_export)
+
+    config = sub.add_parser("config", help="every field of a config section, with its default")
+    config.add_argument(
+        "section", nargs="?", help="data, model, optim, train, launch or a strategy name (zero)"
+    )
+    config.set_defaults(func=cmd_config)
 
     configs = sub.add_parser("configs", help="list the built-in configs")
     configs.set_defaults(func=cmd_configs)

@@ -7,17 +7,19 @@ invalid file fails with one line naming the field path, the bad value and what i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from shardwise.ps.worker import PSConfig
+from shardwise.section import Section, StrategySection
+from shardwise.strategies.ddp import DDPConfig
+from shardwise.strategies.mesh_parallel import MeshConfig
+from shardwise.strategies.pipeline import PPConfig
+from shardwise.strategies.relaxed import AdaptiveSyncConfig, GossipConfig, LocalSGDConfig
+from shardwise.strategies.tensor_parallel import TPConfig
+from shardwise.strategies.zero import ZeROConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILTIN_CONFIGS = PACKAGE_DIR / "configs"
@@ -28,11 +30,7 @@ class ConfigError(ValueError):
     """A configuration problem, reported to the user as one line."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DataConfig(_Section):
+class DataConfig(Section):
     dataset: Literal["digits", "text"] = Field(
         "digits", description="'digits': scikit-learn's 8x8 handwritten digits; 'text': a file"
     )
@@ -59,7 +57,7 @@ class DataConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name: Literal["mlp", "cnn", "gpt"] = Field("mlp", description="which model to train")
     hidden: list[int] = Field([128, 128], description="mlp: hidden layer widths")
     channels: tuple[int, int] = Field((16, 32), description="cnn: channels of the two conv blocks")
@@ -76,156 +74,27 @@ class ModelConfig(_Section):
         return self
 
 
-class DDPConfig(_Section):
-    name: Literal["ddp"] = Field("ddp", description="the parallelism strategy")
-    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB")
-    algorithm: Literal["native", "ring", "hierarchical"] = Field(
-        "native", description="all-reduce: the backend's own, or our ring / hierarchical"
-    )
-    group_size: int | None = Field(
-        None, ge=1, description="hierarchical: ranks per group (default: ranks per node)"
-    )
-    find_unused_parameters: bool = Field(
-        False, description="allow parameters that receive no gradient (treated as zero)"
-    )
-    sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
-    compression: str | None = Field(
-        None,
-        description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
-        "powersgd:RANK",
-        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+(:\d+)?)?)$",
-    )
+# Every strategy's section, declared beside the strategy: the one place a name is dispatched.
+SECTIONS = (
+    DDPConfig,
+    ZeROConfig,
+    LocalSGDConfig,
+    GossipConfig,
+    AdaptiveSyncConfig,
+    TPConfig,
+    PPConfig,
+    MeshConfig,
+    PSConfig,
+)
+StrategyConfig = Annotated[Union[SECTIONS], Field(discriminator="name")]  # noqa: UP007
 
 
-class ZeROConfig(_Section):
-    name: Literal["zero"] = Field("zero", description="the parallelism strategy")
-    stage: Literal[1, 2, 3] = Field(
-        1, description="1: optimizer state, 2: + gradients, 3: + parameters sharded"
-    )
-    bucket_mb: float = Field(25.0, gt=0, description="stages 1/2: flat unit size in MiB")
-    mixed_precision: Literal["bf16", "fp16"] | None = Field(
-        None, description="compute dtype over fp32 master weights; fp16 adds loss scaling"
-    )
-    offload: Literal["cpu", "disk"] | None = Field(
-        None, description="master weights and optimizer state in host memory, or on disk"
-    )
-    offload_dir: str = Field(
-        "shardwise-offload", description="offload=disk: directory of the memory-mapped files"
-    )
-
-
-class LocalSGDConfig(_Section):
-    name: Literal["local_sgd"] = Field("local_sgd", description="the parallelism strategy")
-    period: int = Field(4, ge=1, description="local steps between parameter averages")
-    warmup_steps: int = Field(0, ge=0, description="fully synchronous steps first (post-local)")
-    beta: float = Field(1.0, gt=0, le=1, description="new = beta * average + (1-beta) * local")
-
-
-class GossipConfig(_Section):
-    name: Literal["gossip"] = Field("gossip", description="the parallelism strategy")
-    topology: Literal["ring", "torus", "exponential"] = Field("ring", description="peers")
-    global_every: int | None = Field(
-        None, ge=1, description="hybrid: a global average every K steps"
-    )
-
-
-class AdaptiveSyncConfig(_Section):
-    name: Literal["adaptive"] = Field("adaptive", description="the parallelism strategy")
-    threshold: float = Field(0.01, gt=0, description="relative drift that triggers an average")
-
-
-class TPConfig(_Section):
-    name: Literal["tp"] = Field("tp", description="the parallelism strategy")
-    size: int | None = Field(None, ge=1, description="ranks per model (default: the world)")
-    loss_parallel: bool = Field(
-        True, description="loss from vocabulary-sharded logits (never gathered)"
-    )
-
-
-class PPConfig(_Section):
-    name: Literal["pp"] = Field("pp", description="the parallelism strategy")
-    stages: int | None = Field(None, ge=1, description="pipeline stages (default: the world)")
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline schedule")
-    microbatches: int = Field(4, ge=1, description="micro-batches per step")
-    split: list[int] | None = Field(
-        None, description="first layer of stages 1..S-1; default: balanced by parameters"
-    )
-
-
-class MeshConfig(_Section):
-    name: Literal["mesh"] = Field("mesh", description="the parallelism strategy")
-    dp: int | None = Field(None, ge=1, description="data-parallel size (default: the rest)")
-    tp: int = Field(1, ge=1, description="tensor-parallel size")
-    pp: int = Field(1, ge=1, description="pipeline stages")
-    data: Literal["ddp", "zero1", "zero2"] = Field(
-        "ddp", description="strategy along the data dimension"
-    )
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pp > 1: schedule")
-    microbatches: int = Field(4, ge=1, description="pp > 1: micro-batches per step")
-    loss_parallel: bool = Field(True, description="tp > 1: loss from vocabulary slices")
-
-    @model_validator(mode="after")
-    def _one_model_dimension(self) -> MeshConfig:
-        if self.tp > 1 and self.pp > 1:
-            raise ValueError("tensor x pipeline parallel on one mesh is not supported yet")
-        return self
-
-
-class PSConfig(_Section):
-    name: Literal["ps"] = Field("ps", description="the parallelism strategy")
-    servers: int = Field(1, ge=1, description="server processes (ranks 0..servers-1)")
-    workers: int = Field(2, ge=1, description="worker processes")
-    mode: Literal["sync", "async", "ssp"] = Field("sync", description="consistency mode")
-    staleness: int = Field(2, ge=0, description="ssp: clocks a worker may run ahead")
-    rule: Literal["gradient", "average"] = Field(
-        "gradient", description="push gradients, or push parameters to be averaged"
-    )
-    beta: float = Field(0.5, ge=0, le=1, description="average: new = beta*server+(1-beta)*worker")
-    staleness_lr: bool = Field(False, description="scale each update's lr by 1/(1+staleness)")
-    heartbeat_s: float = Field(0.5, gt=0, description="seconds between worker heartbeats")
-    timeout_s: float = Field(10.0, gt=0, description="silence that declares a worker dead")
-    snapshot_every: int = Field(0, ge=0, description="servers save their shard every K updates")
-    relays: int = Field(
-        0, ge=0, description="two-level: relays between workers and servers (sync/async)"
-    )
-
-    @model_validator(mode="after")
-    def _relays_fit(self) -> PSConfig:
-        if self.relays and self.mode == "ssp":
-            raise ValueError("ps relays work with mode sync or async, not ssp")
-        if self.relays > self.workers:
-            raise ValueError(f"{self.relays} relays need at least as many workers")
-        return self
-
-
-StrategyConfig = Annotated[
-    DDPConfig
-    | ZeROConfig
-    | LocalSGDConfig
-    | GossipConfig
-    | AdaptiveSyncConfig
-    | TPConfig
-    | PPConfig
-    | MeshConfig
-    | PSConfig,
-    Field(discriminator="name"),
-]
-
-
-def ranks_needed(strategy: Any) -> int | None:
+def ranks_needed(strategy: StrategySection) -> int | None:
     """The world size a model-parallel strategy fixes, where its sizes fix one."""
-    if strategy.name == "tp":
-        return strategy.size
-    if strategy.name == "pp":
-        return strategy.stages
-    if strategy.name == "ps":
-        return strategy.servers + strategy.relays + strategy.workers
-    if strategy.name == "mesh" and strategy.dp is not None:
-        return strategy.dp * strategy.tp * strategy.pp
-    return None
+    return strategy.ranks_needed()
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="torch.optim optimizer")
     lr: float = Field(1e-3, gt=0, description="learning rate")
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
@@ -236,7 +105,7 @@ class OptimConfig(_Section):
     )
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(200, ge=1, description="optimizer steps to run")
     seed: int = Field(0, description="seed for model initialisation and data order")
     log_every: int = Field(10, ge=1, description="steps between logged (globally averaged) losses")
@@ -257,7 +126,7 @@ class TrainConfig(_Section):
     )
 
 
-class LaunchConfig(_Section):
+class LaunchConfig(Section):
     nproc: int = Field(2, ge=1, description="worker processes on this machine")
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per rank (default: cores / local ranks)"
@@ -271,7 +140,7 @@ class LaunchConfig(_Section):
     runs_dir: str = Field("runs", description="where run directories are created")
 
 
-class Config(_Section):
+class Config(Section):
     name: str = Field("job", description="run name; the run directory starts with it")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -354,6 +223,30 @@ def validate(raw: dict[str, Any]) -> Config:
         if err["type"] in ("value_error", "assertion_error") or "input" not in err:
             raise ConfigError(f"config error: {where}: {message}") from None
         raise ConfigError(f"config error: {where} = {err['input']!r}: {message}") from None
+
+
+def section_names(strategies: bool = False) -> list[str]:
+    if strategies:
+        return [section.model_fields["name"].default for section in SECTIONS]
+    return [name for name in Config.model_fields if name not in ("name", "strategy")]
+
+
+def describe_section(name: str) -> tuple[str, list[tuple[str, str, str, str]]]:
+    """(title, rows of field, type, default, description) for a section or a strategy."""
+    by_strategy = {section.model_fields["name"].default: section for section in SECTIONS}
+    if name in by_strategy:
+        section, title = by_strategy[name], f"strategy: {name}"
+    elif name in section_names():
+        section, title = Config.model_fields[name].default_factory, name
+    else:
+        known = ", ".join([*section_names(), *by_strategy])
+        raise ConfigError(f"config error: no section or strategy named {name!r} ({known})")
+    rows = []
+    for field_name, info in section.model_fields.items():
+        kind = info.annotation
+        kind = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
+        rows.append((field_name, kind, repr(info.default), info.description or ""))
+    return title, rows
 
 
 def dump_config(cfg: Config) -> str:

@@ -50,8 +50,10 @@ def loader(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    rt = runtime.current() if runtime._runtime is not None else runtime.init()
-    replicas, index = shard or (rt.world_size, rt.rank)
+    if shard is None:
+        rt = runtime.init()  # the existing runtime, or a world of one
+        shard = (rt.world_size, rt.rank)
+    replicas, index = shard
     sampler = DistributedSampler(
         dataset,
         num_replicas=replicas,

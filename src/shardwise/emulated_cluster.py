@@ -82,10 +82,28 @@ class Cluster:
             _ip("link", "set", port, "master", "br0", netns=self.switch)
             _ip("link", "set", port, "up", netns=self.switch)
             subprocess.run(
-                ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                 "rate", self.rate, "burst", "256kbit", "latency", "400ms"],
-                check=True, capture_output=True,
-            )  # fmt: skip
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "eth0",
+                    "root",
+                    "tbf",
+                    "rate",
+                    self.rate,
+                    "burst",
+                    "256kbit",
+                    "latency",
+                    "400ms",
+                ],
+                check=True,
+                capture_output=True,
+            )
 
     def down(self) -> None:
         for ns in our_namespaces(self.run_id):
@@ -95,16 +113,33 @@ class Cluster:
         """torchrun on host i, one rank, rendezvous at host 0."""
         conf = ["--rdzv-conf", "is_host=1"] if i == 0 else []
         return [
-            "ip", "netns", "exec", self.host(i),
-            "env", "GLOO_SOCKET_IFNAME=eth0",
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(self.hosts), "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{port}",
-            "--rdzv-id", self.run_id, *conf,
+            "ip",
+            "netns",
+            "exec",
+            self.host(i),
+            "env",
+            "GLOO_SOCKET_IFNAME=eth0",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(self.hosts),
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.address(0)}:{port}",
+            "--rdzv-id",
+            self.run_id,
+            *conf,
             # Inside a namespace the hostname resolves to loopback: name the real address.
-            "--local-addr", self.address(i),
-            "-m", module, *args,
-        ]  # fmt: skip
+            "--local-addr",
+            self.address(i),
+            "-m",
+            module,
+            *args,
+        ]
 
     def run(
         self, args: list[str], port: int = 29400, timeout: float = 600, module: str = "shardwise"

@@ -1,4 +1,4 @@
-"""Turn a `Config` into the pieces of a job: model, data splits, loss and strategy."""
+"""Turn a `Config` into the pieces of a job: model, data splits, loss, optimizer, schedule."""
 
 from __future__ import annotations
 
@@ -10,26 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise import datasets, runtime
-from shardwise.config import (
-    Config,
-    OptimConfig,
-    StrategyConfig,
-    TrainConfig,
-    resolve_data_path,
-)
+from shardwise import datasets
+from shardwise.config import Config, OptimConfig, TrainConfig, resolve_data_path
 from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
-from shardwise.strategies import (
-    DDP,
-    AdaptiveSync,
-    Gossip,
-    LocalSGD,
-    MeshParallel,
-    Pipeline,
-    Strategy,
-    TensorParallel,
-    ZeRO,
-)
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -66,36 +49,6 @@ def build_job(cfg: Config) -> Job:
     else:
         model = MLP([splits.input_dim, *m.hidden, splits.num_classes])
     return Job(model, splits, F.cross_entropy)
-
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    "ddp": DDP,
-    "zero": ZeRO,
-    "local_sgd": LocalSGD,
-    "gossip": Gossip,
-    "adaptive": AdaptiveSync,
-    "tp": TensorParallel,
-}
-
-
-def build_strategy(cfg: StrategyConfig) -> Strategy:
-    """Most config sections mirror their strategy's fields one to one; `pp` leaves the stage
-    count to the world when unset, and `mesh` names its parts."""
-    if cfg.name == "pp":
-        stages = cfg.stages or runtime.current().world_size
-        options = cfg.model_dump(exclude={"name", "stages"})
-        return Pipeline(stages=stages, **options)
-    if cfg.name == "mesh":
-        data = DDP() if cfg.data == "ddp" else ZeRO(stage=int(cfg.data[-1]))
-        return MeshParallel(
-            dp=cfg.dp,
-            tp=cfg.tp,
-            pp=cfg.pp,
-            data=data,
-            tensor=TensorParallel(loss_parallel=cfg.loss_parallel),
-            pipeline=Pipeline(schedule=cfg.schedule, microbatches=cfg.microbatches),
-        )
-    return STRATEGIES[cfg.name](**cfg.model_dump(exclude={"name"}))
 
 
 def optimizer_kwargs(cfg: OptimConfig) -> dict:

@@ -1,6 +1,6 @@
 """The device mesh: ranks laid out on a (pipeline, data, tensor) grid, one process group per line.
 
-    rank = (pp_index * dp + dp_index) * tp + tp_index
+    rank = (pp_index * dp_size + dp_index) * tp_size + tp_index
 
 Tensor parallel varies fastest, so a tensor-parallel group is consecutive ranks: on a real
 cluster those share a node and its fast links, which tensor parallel (two all-reduces per
@@ -9,7 +9,7 @@ parallel, whose point-to-point messages tolerate the slowest links, is outermost
 torchtitan order their meshes the same way.
 
 Every rank creates every group, in the same order (`new_group` is collective over the world),
-once; strategies then receive the group of their dimension as a `Runtime` whose `rank` and
+once; strategies then receive the group of their axis as a `Runtime` whose `rank` and
 `world_size` are the coordinates along it.
 """
 
@@ -23,57 +23,58 @@ import torch.distributed as dist
 from shardwise import runtime
 from shardwise.runtime import Runtime
 
-DIMS = ("pp", "dp", "tp")  # outermost first
+AXES = ("pp", "dp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
 class DeviceMesh:
-    """Sizes and this rank's coordinates along each dimension, with its process groups."""
+    """Sizes and this rank's coordinates along each axis, with its process groups."""
 
     sizes: dict[str, int]
     coords: dict[str, int]
     groups: dict[str, dist.ProcessGroup]
-    ranks: dict[str, list[int]]  # global ranks of this rank's group along each dimension
+    ranks: dict[str, list[int]]  # global ranks of this rank's group along each axis
 
     @property
-    def dp(self) -> int:
+    def dp_size(self) -> int:
         return self.sizes["dp"]
 
     @property
-    def tp(self) -> int:
+    def tp_size(self) -> int:
         return self.sizes["tp"]
 
     @property
-    def pp(self) -> int:
+    def pp_size(self) -> int:
         return self.sizes["pp"]
 
-    def runtime(self, dim: str, base: Runtime | None = None) -> Runtime:
-        """A runtime whose rank, world size and group are this rank's along `dim`."""
-        base = base or runtime.current()
+    def runtime(self, axis: str, base: Runtime) -> Runtime:
+        """A runtime whose rank, world size and group are this rank's along `axis`."""
         return dataclasses.replace(
-            base, rank=self.coords[dim], world_size=self.sizes[dim], group=self.groups[dim]
+            base, rank=self.coords[axis], world_size=self.sizes[axis], group=self.groups[axis]
         )
 
     def __repr__(self) -> str:
-        sizes = " x ".join(f"{d}={self.sizes[d]}" for d in DIMS)
+        sizes = " x ".join(f"{a}={self.sizes[a]}" for a in AXES)
         return f"DeviceMesh({sizes}; this rank at {self.coords})"
 
 
-def check_sizes(world_size: int, dp: int | None, tp: int, pp: int) -> dict[str, int]:
-    """The three sizes, `dp` inferred when None; a one-line error when they do not fit."""
-    for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
+def check_sizes(world_size: int, dp_size: int | None, tp_size: int, pp_size: int) -> dict[str, int]:
+    """The three sizes, `dp_size` inferred when None; a one-line error when they do not fit."""
+    for name, size in (("tp", tp_size), ("pp", pp_size), ("dp", dp_size)):
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"mesh size {name} must be a positive integer, got {size!r}")
-    if dp is None:
-        if world_size % (tp * pp):
-            raise ValueError(f"mesh tp={tp} x pp={pp} does not divide the world size {world_size}")
-        dp = world_size // (tp * pp)
-    if dp * tp * pp != world_size:
+    if dp_size is None:
+        if world_size % (tp_size * pp_size):
+            raise ValueError(
+                f"mesh tp={tp_size} x pp={pp_size} does not divide the world size {world_size}"
+            )
+        dp_size = world_size // (tp_size * pp_size)
+    if dp_size * tp_size * pp_size != world_size:
         raise ValueError(
-            f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, "
-            f"but the world has {world_size}"
+            f"mesh dp={dp_size} x tp={tp_size} x pp={pp_size} = {dp_size * tp_size * pp_size} "
+            f"ranks, but the world has {world_size}"
         )
-    return {"pp": pp, "dp": dp, "tp": tp}
+    return {"pp": pp_size, "dp": dp_size, "tp": tp_size}
 
 
 def coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
@@ -87,22 +88,25 @@ def rank_of(coords: dict[str, int], sizes: dict[str, int]) -> int:
     return (coords["pp"] * sizes["dp"] + coords["dp"]) * sizes["tp"] + coords["tp"]
 
 
-def build_mesh(dp: int | None = None, tp: int = 1, pp: int = 1) -> DeviceMesh:
+def build_mesh(
+    dp_size: int | None = None, tp_size: int = 1, pp_size: int = 1, rt: Runtime | None = None
+) -> DeviceMesh:
     """Create the mesh's process groups (collective: every rank calls it with the same sizes)."""
-    rt = runtime.current() if runtime._runtime is not None else runtime.init()
-    sizes = check_sizes(rt.world_size, dp, tp, pp)
+    rt = rt or runtime.init()
+    sizes = check_sizes(rt.world_size, dp_size, tp_size, pp_size)
     mine = coordinates(rt.rank, sizes)
     groups: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
-    for dim in DIMS:
-        others = [d for d in DIMS if d != dim]
-        # One group per point of the other two dimensions, created in the same order everywhere.
-        for a in range(sizes[others[0]]):
-            for b in range(sizes[others[1]]):
+    for axis in AXES:
+        others = [a for a in AXES if a != axis]
+        # One group per point of the other two axes, created in the same order everywhere.
+        for i in range(sizes[others[0]]):
+            for j in range(sizes[others[1]]):
                 line = [
-                    rank_of({others[0]: a, others[1]: b, dim: i}, sizes) for i in range(sizes[dim])
+                    rank_of({others[0]: i, others[1]: j, axis: k}, sizes)
+                    for k in range(sizes[axis])
                 ]
                 group = dist.new_group(line, timeout=rt.timeout)
                 if rt.rank in line:
-                    groups[dim], ranks[dim] = group, line
+                    groups[axis], ranks[axis] = group, line
     return DeviceMesh(sizes=sizes, coords=mine, groups=groups, ranks=ranks)

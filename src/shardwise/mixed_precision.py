@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import comm, runtime
+from shardwise import comm
 
 DTYPES = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,9 +27,16 @@ def compute_dtype(name: str | None) -> torch.dtype:
 
 
 class LossScaler:
-    """Dynamic loss scale shared by all ranks (they agree on overflow through one all-reduce)."""
+    """Dynamic loss scale shared by all ranks (they agree on overflow through one all-reduce).
 
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+    The flag is reduced over the whole job, on `device` (NCCL reduces only GPU tensors, and
+    offloaded gradients sit on the CPU): on a device mesh, the model's other slices must skip
+    the same step."""
+
+    def __init__(
+        self, device: torch.device, init_scale: float = 2.0**16, growth_interval: int = 2000
+    ) -> None:
+        self.device = device
         self.scale = init_scale
         self.growth_interval = growth_interval
         self.good_steps = 0
@@ -38,10 +45,8 @@ class LossScaler:
 
     def found_overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(not torch.isfinite(g).all() for g in grads)
-        # The runtime's device, not the gradients': offloaded gradients sit on the CPU, and
-        # NCCL reduces only GPU tensors.
-        flag = torch.tensor([1.0 if local else 0.0], device=runtime.current().device)
-        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        comm.all_reduce(flag, group=None, op=torch.distributed.ReduceOp.MAX)  # the whole job
         return bool(flag.item())
 
     def after_step(self, overflow: bool) -> None:
@@ -55,6 +60,18 @@ class LossScaler:
             if self.good_steps % self.growth_interval == 0:
                 self.scale *= 2
         self.steps += 1
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        # (skipped_steps is a record of the past: no later step depends on it)
+        return {
+            "scale": torch.tensor(self.scale, dtype=torch.float64),
+            "good_steps": torch.tensor(self.good_steps),
+            "steps": torch.tensor(self.steps),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps, self.steps = int(state["good_steps"]), int(state["steps"])
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,24 +74,49 @@ def _memory_cell(memory: dict[str, int]) -> str:
     return " / ".join(parts)
 
 
+# What a summary table shows, in order: (label, how to format it); a row whose keys a summary
+# lacks is left out, so data-parallel and parameter-server runs share one table.
+SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
+    ("strategy", lambda s: s["strategy"]),
+    ("world size", lambda s: str(s["world_size"])),
+    ("steps", lambda s: str(s["steps"])),
+    ("updates (pushes into the servers)", lambda s: f"{s['updates']} ({s['pushes_into_servers']})"),
+    ("final train loss", lambda s: f"{s['final_train_loss']:.4f}"),
+    ("eval loss", lambda s: f"{s['eval_loss']:.4f}"),
+    ("eval accuracy", lambda s: f"{100 * s['eval_accuracy']:.2f} %"),
+    ("samples/s", lambda s: f"{s['samples_per_s']:,.1f}"),
+    ("comm sent / rank / step", lambda s: human_bytes(s["comm_bytes_per_step"])),
+    ("comm sent / rank (total)", lambda s: human_bytes(s["comm_bytes_total"])),
+    ("comm wait (rank 0)", lambda s: f"{s['comm_wait_s']:.3f} s"),
+    ("params / masters / grads / optim (rank 0)", lambda s: _memory_cell(s["memory"])),
+    ("peak memory (rank 0)", lambda s: human_bytes(s["memory"]["peak"])),
+    (
+        "staleness (mean; histogram)",
+        lambda s: f"{s['staleness_mean']:.2f}; {s['staleness_histogram']}",
+    ),
+    (
+        "dead workers (rank: silent s)",
+        lambda s: ", ".join(f"{w}: {t:.1f}" for w, t in s["dead_workers"].items()) or "none",
+    ),
+    ("wall time", lambda s: f"{s['wall_time_s']:.1f} s"),
+    ("run directory", lambda s: s["run_dir"]),
+]
+
+
 def print_summary(summary: dict[str, Any]) -> None:
-    rows = [
-        ("strategy", summary["strategy"]),
-        ("world size", str(summary["world_size"])),
-        ("steps", str(summary["steps"])),
-        ("final train loss", f"{summary['final_train_loss']:.4f}"),
-        ("eval loss", f"{summary['eval_loss']:.4f}"),
-        ("eval accuracy", f"{100 * summary['eval_accuracy']:.2f} %"),
-        ("samples/s", f"{summary['samples_per_s']:,.1f}"),
-        ("comm sent / rank / step", human_bytes(summary["comm_bytes_per_step"])),
-        ("comm sent / rank (total)", human_bytes(summary["comm_bytes_total"])),
-        ("comm wait (rank 0)", f"{summary['comm_wait_s']:.3f} s"),
-        ("params / masters / grads / optim (rank 0)", _memory_cell(summary["memory"])),
-        ("peak memory (rank 0)", human_bytes(summary["memory"]["peak"])),
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("run directory", summary["run_dir"]),
-    ]
+    rows = []
+    for label, cell in SUMMARY_ROWS:
+        try:
+            rows.append((label, cell(summary)))
+        except KeyError:  # not a figure of this kind of run
+            continue
     print_key_values(f"shardwise run: {summary['name']}", rows)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """`summary.json` in the run directory, and the table on the terminal."""
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_summary(summary)
 
 
 def print_key_values(title: str, rows: list[tuple[str, str]]) -> None:

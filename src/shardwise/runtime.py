@@ -7,6 +7,7 @@ strategy runs the same code path in a single process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,9 +102,31 @@ def current() -> Runtime:
     return _runtime
 
 
+def current_or_alone() -> Runtime:
+    """The runtime `init()` created, or, without one, this process alone (no process group):
+    what a plain, unprepared model is trained in."""
+    if _runtime is not None:
+        return _runtime
+    device = torch.device("cpu")
+    return Runtime(0, 1, 0, 1, device, backend="none", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+
+
 def shutdown() -> None:
     """Leave the process group. Safe to call twice."""
     global _runtime
     if dist.is_initialized():
+        _quiesce()
         dist.destroy_process_group()
     _runtime = None
+
+
+def _quiesce(timeout_s: float = 5.0) -> None:
+    """One last barrier, so that the backend's worker threads are idle before teardown.
+
+    gloo's worker thread releases a finished operation only after its waiter has been told,
+    and that release may need the Python interpreter; a process that exits in between aborts
+    ("terminate called without an active exception", exit code -6). After a barrier, the last
+    operation is the barrier itself, issued here, outside autograd. A peer that is gone costs
+    `timeout_s`, not a hang."""
+    with contextlib.suppress(Exception):  # a peer already left: nothing to wait for
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))

@@ -6,8 +6,9 @@ config, metrics.jsonl (one line per step), summary.json and the final checkpoint
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,13 @@ from shardwise.jobs import (
     OPTIMIZERS,
     Job,
     build_job,
-    build_strategy,
     lr_multiplier,
+    optimizer_kwargs,
     straggler_delay,
 )
-from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
-from shardwise.reporting import MetricsFile, ProgressReporter, print_summary
+from shardwise.ps.worker import PSConfig
+from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
+from shardwise.strategies.base import DistributedModel
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
 
@@ -57,153 +59,176 @@ def _global_mean(value: float, count: int, device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, job: Job, cfg: Config, rt: sw.Runtime) -> tuple[float, float]:
-    """Loss and accuracy over the whole test split, each rank scoring its shard."""
-    model.eval()
+def evaluate(
+    model: torch.nn.Module, job: Job, batch_size: int, everyone: bool = True
+) -> tuple[float, float]:
+    """Loss and accuracy over the whole test split. With `everyone`, each rank of the job
+    scores its data shard and the sums are added over the world; otherwise this process scores
+    all of it (a parameter-server worker, or the supervisor), with no message."""
+    shard = sw.data_shard(model) if everyone else (1, 0)
     loader = sw.data.loader(
-        job.splits.test,
-        cfg.train.eval_batch_size,
-        shuffle=False,
-        drop_last=False,
-        shard=sw.data_shard(model),
+        job.splits.test, batch_size, shuffle=False, drop_last=False, shard=shard
     )
     loss_fn = sw.parallel_loss(model, job.loss_fn)
-    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, correct, count
+    device = next(model.parameters()).device
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    was_training = model.training
+    model.eval()
     for x, y in loader:
-        x, y = x.to(rt.device), y.to(rt.device)
+        x, y = x.to(device), y.to(device)
         logits = model(x)
-        n = y.numel()
-        sums[0] += loss_fn(logits, y).item() * n
+        sums[0] += loss_fn(logits, y).item() * y.numel()
         sums[1] += (sw.predict(model, logits) == y).sum().item()
-        sums[2] += n
-    # Ranks that split one model scored the same samples: every sample counts equally often,
-    # so the world-wide sums still give the mean.
-    comm.all_reduce(sums)
-    model.train()
+        sums[2] += y.numel()
+    if everyone:
+        # Ranks that split one model scored the same samples: every sample counts equally
+        # often, so the world-wide sums still give the mean.
+        comm.all_reduce(sums)
+    model.train(was_training)
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
 
 
-def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
-    """Run the job described by `cfg` in this process (one rank of it); return the summary."""
-    started = time.perf_counter()
-    if cfg.strategy.name == "ps":  # roles instead of replicas; the supervisor summarises
-        from shardwise.ps.job import run_role
+@dataclass
+class Run:
+    """One rank's training run: what `setup` makes and each `run_step` uses."""
 
-        run_dir_path = Path(run_dir or cfg.launch.runs_dir)
-        run_role(cfg, run_dir_path, run_dir_path / "ps-snapshots")
-        return {}
+    cfg: Config
+    rt: sw.Runtime
+    job: Job
+    model: DistributedModel
+    opt: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    out: Path
+    batches: Iterator
+    shard: tuple[int, int]  # (replicas, index) of this rank's data
+    metrics: MetricsFile | None
+    progress: ProgressReporter
+    step_times: list[float] = field(default_factory=list)
+    loss: float = float("nan")
+    memory: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.data.batch_size * self.shard[0]
+
+
+def setup(cfg: Config, run_dir: str | None) -> Run:
+    """Process group, run directory, model, strategy, optimizer, schedule and data."""
     rt = sw.init(backend=cfg.launch.backend, timeout_s=cfg.launch.comm_timeout_s)
     if cfg.launch.threads_per_rank:
         torch.set_num_threads(cfg.launch.threads_per_rank)
     job = build_job(cfg)
-    strategy = build_strategy(cfg.strategy)
+    out = _run_dir(cfg, run_dir, rt)
     model, opt = sw.prepare(
         job.model,
-        strategy,
+        cfg.strategy.build(rt.world_size, out),
         optimizer=OPTIMIZERS[cfg.optim.name],
-        **make_optimizer_kwargs(cfg.optim),
+        **optimizer_kwargs(cfg.optim),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, cfg.train.steps))
-    out = _run_dir(cfg, run_dir, rt)
+    shard = model.data_shard()
+    loader = sw.data.loader(
+        job.splits.train, cfg.data.batch_size, shuffle=True, seed=cfg.train.seed, shard=shard
+    )
     metrics = MetricsFile(out / "metrics.jsonl") if rt.is_main else None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
-    replicas, index = sw.data_shard(model)
-    loader = sw.data.loader(
-        job.splits.train,
-        cfg.data.batch_size,
-        shuffle=True,
-        seed=cfg.train.seed,
-        shard=(replicas, index),
-    )
-    global_batch = cfg.data.batch_size * replicas
-    comm.stats.reset()
-    batches = _batches(loader)
-    step_times, loss = [], float("nan")
-    loop_start = time.perf_counter()
-    for step in range(1, cfg.train.steps + 1):
-        x, y = (t.to(rt.device) for t in next(batches))
-        t0 = time.perf_counter()
-        # An emulated straggler computes slowly: the delay comes before its gradients exist
-        # (after them, DDP's all-reduce, started during backward, would hide it).
-        if delay := straggler_delay(cfg.train, index, replicas, step):
-            time.sleep(delay)
-        local_loss = sw.train_step(model, x, y, job.loss_fn)  # forward + backward
-        if step == cfg.train.steps:  # gradients present: the model state at its fullest
-            memory = sw.memory_report(model, opt)
-        if cfg.train.clip_grad_norm:
-            sw.clip_grad_norm_(model, cfg.train.clip_grad_norm)
-        opt.step()
-        opt.zero_grad()
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        step_time = time.perf_counter() - t0
-        # The loss average is a (tiny) collective too: it is counted in this step's figures.
-        loss = _global_mean(local_loss.item(), y.shape[0], rt.device)
-        step_comm = comm.stats.end_step()
-        record = {}
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            record["eval_loss"], record["eval_accuracy"] = evaluate(model, job, cfg, rt)
-            comm.stats.end_step()  # evaluation's messages are not the training step's
-        step_times.append(step_time)
-        progress.update(step, loss, global_batch / step_time)
-        if metrics:
-            metrics.write(
-                {
-                    "step": step,
-                    "loss": loss,
-                    "lr": lr,
-                    "step_time_s": step_time,
-                    "samples_per_s": global_batch / step_time,
-                    "comm_bytes": step_comm.bytes,
-                    "comm_calls": step_comm.calls,
-                    "comm_wait_s": step_comm.wait_s,
-                    "t": time.perf_counter() - loop_start,
-                    **record,
-                }
-            )
-    progress.close()
+    return Run(cfg, rt, job, model, opt, scheduler, out, _batches(loader), shard, metrics, progress)
+
+
+def run_step(run: Run, step: int, loop_start: float) -> None:
+    """One optimizer step, its globally averaged loss, and its line in metrics.jsonl."""
+    cfg, model, opt = run.cfg, run.model, run.opt
+    x, y = (t.to(run.rt.device) for t in next(run.batches))
+    t0 = time.perf_counter()
+    # An emulated straggler computes slowly: the delay comes before its gradients exist
+    # (after them, DDP's all-reduce, started during backward, would hide it).
+    if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
+        time.sleep(delay)
+    local_loss = sw.train_step(model, x, y, run.job.loss_fn)  # forward + backward
+    if step == cfg.train.steps:  # gradients present: the model state at its fullest
+        run.memory = sw.memory_report(model, opt)
+    if cfg.train.clip_grad_norm:
+        model.clip_grad_norm_(cfg.train.clip_grad_norm)
+    opt.step()
+    opt.zero_grad()
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    step_time = time.perf_counter() - t0
+    # The loss average is a (tiny) collective too: it is counted in this step's figures.
+    run.loss = _global_mean(local_loss.item(), y.shape[0], run.rt.device)
+    step_comm = comm.stats.end_step()
+    record = {}
+    if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+        record["eval_loss"], record["eval_accuracy"] = evaluate(
+            model, run.job, cfg.train.eval_batch_size
+        )
+        comm.stats.end_step()  # evaluation's messages are not the training step's
+    run.step_times.append(step_time)
+    run.progress.update(step, run.loss, run.global_batch / step_time)
+    if run.metrics:
+        run.metrics.write(
+            {
+                "step": step,
+                "loss": run.loss,
+                "lr": lr,
+                "step_time_s": step_time,
+                "samples_per_s": run.global_batch / step_time,
+                "comm_bytes": step_comm.bytes,
+                "comm_calls": step_comm.calls,
+                "comm_wait_s": step_comm.wait_s,
+                "t": time.perf_counter() - loop_start,
+                **record,
+            }
+        )
+
+
+def finish(run: Run, started: float) -> dict[str, Any]:
+    """Final evaluation, summary and consolidated checkpoint (rank 0), then release."""
+    cfg, rt = run.cfg, run.rt
+    run.progress.close()
     train_comm = comm.stats.total()
-    eval_loss, accuracy = evaluate(model, job, cfg, rt)
-    state = sw.full_state_dict(model)
-    timed = step_times[WARMUP_STEPS_EXCLUDED:] or step_times
+    eval_loss, accuracy = evaluate(run.model, run.job, cfg.train.eval_batch_size)
+    state = sw.full_state_dict(run.model)
+    timed = run.step_times[WARMUP_STEPS_EXCLUDED:] or run.step_times
     summary = {
         "name": cfg.name,
-        "strategy": _describe(cfg),
+        "strategy": cfg.strategy.describe(),
         "world_size": rt.world_size,
         "steps": cfg.train.steps,
-        "final_train_loss": loss,
+        "final_train_loss": run.loss,
         "eval_loss": eval_loss,
         "eval_accuracy": accuracy,
-        "samples_per_s": global_batch * len(timed) / sum(timed),
+        "samples_per_s": run.global_batch * len(timed) / sum(timed),
         "comm_bytes_per_step": train_comm.bytes / cfg.train.steps,
         "comm_bytes_total": train_comm.bytes,
         "comm_wait_s": train_comm.wait_s,
-        "memory": memory,
-        "run_dir": str(out),
+        "memory": run.memory,
+        "run_dir": str(run.out),
     }
     if rt.is_main:
         meta = {"step": cfg.train.steps, "world_size": rt.world_size, "name": cfg.name}
-        save_model(out / "checkpoint", state, meta)
-        metrics.close()
+        save_model(run.out / "checkpoint", state, meta)
+        run.metrics.close()
     summary["wall_time_s"] = time.perf_counter() - started
     if rt.is_main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        print_summary(summary)
-    strategy.close(model)
+        write_summary(run.out, summary)
+    run.model.close()
     # Nobody leaves while rank 0 still writes: an early exit would look like a crash to it.
     comm.barrier()
     return summary
 
 
-def _describe(cfg: Config) -> str:
-    s = cfg.strategy
-    if s.name == "zero":
-        return f"zero-{s.stage}"
-    if s.name == "ddp":
-        return f"ddp ({s.compression or s.algorithm + ' all-reduce'})"
-    if s.name == "pp":
-        return f"pipeline ({s.schedule}, {s.microbatches} micro-batches)"
-    if s.name == "mesh":
-        sizes = f"dp={s.dp or 'rest'} x tp={s.tp} x pp={s.pp}"
-        return f"mesh ({sizes}, {s.data}" + (f", {s.schedule})" if s.pp > 1 else ")")
-    return "tensor parallel" if s.name == "tp" else s.name
+def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
+    """Run the job described by `cfg` in this process (one rank of it); return the summary."""
+    started = time.perf_counter()
+    if isinstance(cfg.strategy, PSConfig):  # roles instead of replicas; the supervisor sums up
+        from shardwise.ps_job import run_role
+
+        run_role(cfg, Path(run_dir or cfg.launch.runs_dir))
+        return {}
+    run = setup(cfg, run_dir)
+    comm.stats.reset()
+    loop_start = time.perf_counter()
+    for step in range(1, cfg.train.steps + 1):
+        run_step(run, step, loop_start)
+    return finish(run, started)

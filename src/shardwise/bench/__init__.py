@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from datetime import datetime
+from pathlib import Path
 
 from shardwise.launcher import launch
 
@@ -17,6 +19,12 @@ DEFAULTS = {
 }
 
 
+def default_out(suite: str) -> str:
+    """Where a suite that writes several files puts them unless told: under runs/."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return str(Path("runs") / f"bench-{suite}-{stamp}")
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     steps, reps = DEFAULTS[args.suite]
     args.steps, args.reps = args.steps or steps, args.reps or reps
@@ -25,7 +33,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if args.suite == "ps":  # it starts its own jobs (one per variant)
         from shardwise.bench.ps import main
 
-        return main(["--steps", str(args.steps), "--out", args.out or "bench-ps"])
+        return main(["--steps", str(args.steps), "--out", args.out or default_out("ps")])
     module = f"shardwise.bench.{args.suite}"
     argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
     if args.suite in ("ddp", "zero"):
@@ -41,7 +49,7 @@ def run_comm_benchmark(args: argparse.Namespace) -> int:
     from shardwise import emulated_cluster
 
     argv = ["--model", args.models.split(",")[0], "--steps", str(args.steps)]
-    argv += ["--out-dir", args.out or "bench-comm"]
+    argv += ["--out-dir", args.out or default_out("comm")]
     if args.target_loss:
         argv += ["--target-loss", str(args.target_loss)]
     if not emulated_cluster.available():

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from shardwise.api import strategy_of
-from shardwise.compression import PowerSGD
+from shardwise.comm.compression import PowerSGD
 from shardwise.config import resolve_data_path
 from shardwise.datasets import digits, text
 from shardwise.models import MLP, TinyGPT, lm_loss, num_parameters
@@ -100,10 +99,14 @@ def train_variant(key: str, model_name: str, steps: int) -> dict:
         dist.all_reduce(mean)
         curve.append((time.perf_counter() - start, mean.item() / world))
     if key != "torch_ddp":
-        strategy_of(model).close(model)
+        model.close()
     steady = sorted(sent)[len(sent) // 2]  # median: PowerSGD's warm-up steps send plain grads
-    return {"curve": curve, "bytes_per_step": sum(sent) / len(sent),
-            "steady_bytes_per_step": steady, "params": params}  # fmt: skip
+    return {
+        "curve": curve,
+        "bytes_per_step": sum(sent) / len(sent),
+        "steady_bytes_per_step": steady,
+        "params": params,
+    }
 
 
 def summarise(results: dict, target: float, ideal: float) -> dict:
@@ -146,8 +149,13 @@ def plot(results: dict, path: Path, title: str) -> None:
     colors = plt.cm.tab20.colors  # twelve variants: one distinct colour each
     for i, (key, r) in enumerate(results.items()):
         t, v = zip(*r["curve"], strict=True)
-        ax.plot(t, v, label=key, color=colors[(2 * i) % 20 + (2 * i) // 20],
-                linewidth=2 if key in ("torch_ddp", "powersgd_r4") else 1)  # fmt: skip
+        ax.plot(
+            t,
+            v,
+            label=key,
+            color=colors[(2 * i) % 20 + (2 * i) // 20],
+            linewidth=2 if key in ("torch_ddp", "powersgd_r4") else 1,
+        )
     ax.set_xlabel("wall-clock (s)")
     ax.set_ylabel("training loss (mean over ranks)")
     ax.set_title(title)
@@ -163,7 +171,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--target-loss", type=float, default=None)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--out-dir", default="bench-comm")
+    parser.add_argument("--out-dir", required=True)
     parser.add_argument("--network", default="loopback")
     args = parser.parse_args()
     rt = sw.init()
@@ -181,9 +189,15 @@ def main() -> None:
         title = f"{args.model}, world {rt.world_size}, {args.network}"
         plot(results, out / f"comm_{args.model}.png", title)
         print_table(table, title)
-        line = {"bench": "comm", "model": args.model, "network": args.network,
-                "world_size": rt.world_size, "steps": args.steps,
-                "target_loss": target, "results": table}  # fmt: skip
+        line = {
+            "bench": "comm",
+            "model": args.model,
+            "network": args.network,
+            "world_size": rt.world_size,
+            "steps": args.steps,
+            "target_loss": target,
+            "results": table,
+        }
         (out / f"comm_{args.model}.json").write_text(json.dumps(line) + "\n")
         print(json.dumps(line))
     sw.shutdown()
@@ -194,8 +208,16 @@ def print_table(table: dict, title: str) -> None:
     from rich.table import Table
 
     t = Table(title=f"comm benchmark: {title}")
-    columns = ("variant", "mean sent/step", "ratio", "steady sent/step", "steady ratio",
-               "step s", "to target s", "final loss")  # fmt: skip
+    columns = (
+        "variant",
+        "mean sent/step",
+        "ratio",
+        "steady sent/step",
+        "steady ratio",
+        "step s",
+        "to target s",
+        "final loss",
+    )
     for col in columns:
         t.add_column(col, justify="right")
     for key, v in table.items():
@@ -205,8 +227,16 @@ def print_table(table: dict, title: str) -> None:
             steady += f" (ideal {v['ideal_ratio']:.1f}x, {v['fraction_of_ideal']:.0%})"
         reached = f"{v['time_to_target_s']:.1f}" if v["time_to_target_s"] is not None else "never"
         steady_bytes = f"{v['steady_bytes_per_step'] / 2**20:.3f} MiB" if v["steady_ratio"] else "-"
-        t.add_row(key, f"{v['bytes_per_step'] / 2**20:.3f} MiB", ratio, steady_bytes, steady,
-                  f"{v['step_time_s']:.2f}", reached, f"{v['final_loss']:.4f}")  # fmt: skip
+        t.add_row(
+            key,
+            f"{v['bytes_per_step'] / 2**20:.3f} MiB",
+            ratio,
+            steady_bytes,
+            steady,
+            f"{v['step_time_s']:.2f}",
+            reached,
+            f"{v['final_loss']:.4f}",
+        )
     Console(width=120).print(t)
 
 

@@ -206,30 +206,44 @@ def main() -> None:
                     times[key][1].append(busy)
             per_stage = gather({k: (*v, peaks[k]) for k, v in times.items()})
             # A step lasts as long as its slowest stage.
-            step_times = {k: [max(s[k][0][i] for s in per_stage) for i in range(len(v[0]))]
-                          for k, v in times.items()}  # fmt: skip
+            step_times = {
+                k: [max(s[k][0][i] for s in per_stage) for i in range(len(v[0]))]
+                for k, v in times.items()
+            }
             for key in impls:
                 step_s = statistics.median(step_times[key])
                 row = {
-                    "schedule": schedule, "microbatches": m, "impl": key,
-                    "step_time_s": step_s, "samples_per_s": args.batch / step_s,
-                    "bubble_measured": [1 - statistics.fmean(s[key][1]) / statistics.fmean(
-                        step_times[key]) for s in per_stage],
+                    "schedule": schedule,
+                    "microbatches": m,
+                    "impl": key,
+                    "step_time_s": step_s,
+                    "samples_per_s": args.batch / step_s,
+                    "bubble_measured": [
+                        1 - statistics.fmean(s[key][1]) / statistics.fmean(step_times[key])
+                        for s in per_stage
+                    ],
                     "bubble_formula": (stages - 1) / (m + stages - 1),
                     "activation_peak_bytes": [s[key][2] for s in per_stage],
-                }  # fmt: skip
+                }
                 if key != "torch" and "torch" in impls:
                     row["speed_over_torch"] = speed_ratio(step_times[key], step_times["torch"])
                 rows.append(row)
             if refused:
-                rows.append({"schedule": schedule, "microbatches": m, "impl": "torch",
-                             "refused": refused})  # fmt: skip
+                rows.append(
+                    {"schedule": schedule, "microbatches": m, "impl": "torch", "refused": refused}
+                )
     single = single_process_rate(batch, args.steps)
     if rt.is_main:
-        result = {"bench": "pipeline", "model": "gpt", "stages": stages, "batch": args.batch,
-                  "threads_per_rank": torch.get_num_threads(),
-                  "single_process_samples_per_s": single, "rows": rows,
-                  "checks": checks(rows)}  # fmt: skip
+        result = {
+            "bench": "pipeline",
+            "model": "gpt",
+            "stages": stages,
+            "batch": args.batch,
+            "threads_per_rank": torch.get_num_threads(),
+            "single_process_samples_per_s": single,
+            "rows": rows,
+            "checks": checks(rows),
+        }
         print_table(result)
         print(json.dumps(result))
         if args.out:
@@ -280,23 +294,40 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"pipeline, tiny GPT, {result['stages']} stages, global batch "
-                    f"{result['batch']}; single process "
-                    f"{result['single_process_samples_per_s']:.1f} samples/s")  # fmt: skip
-    for col in ("schedule", "M", "impl", "step ms", "samples/s", "bubble (per stage)",
-                "formula", "act. peak MiB (per stage)", "ours/torch speed (95% CI)"):  # fmt: skip
+    t = Table(
+        title=f"pipeline, tiny GPT, {result['stages']} stages, global batch "
+        f"{result['batch']}; single process "
+        f"{result['single_process_samples_per_s']:.1f} samples/s"
+    )
+    for col in (
+        "schedule",
+        "M",
+        "impl",
+        "step ms",
+        "samples/s",
+        "bubble (per stage)",
+        "formula",
+        "act. peak MiB (per stage)",
+        "ours/torch speed (95% CI)",
+    ):
         t.add_column(col, justify="right")
     for r in result["rows"]:
         if "refused" in r:
-            t.add_row(r["schedule"], str(r["microbatches"]), r["impl"], "-", "-", r["refused"],
-                      "", "", "")  # fmt: skip
+            t.add_row(
+                r["schedule"], str(r["microbatches"]), r["impl"], "-", "-", r["refused"], "", "", ""
+            )
             continue
-        t.add_row(r["schedule"], str(r["microbatches"]), r["impl"],
-                  f"{1000 * r['step_time_s']:.0f}", f"{r['samples_per_s']:.1f}",
-                  " / ".join(f"{b:.2f}" for b in r["bubble_measured"]),
-                  f"{r['bubble_formula']:.2f}",
-                  " / ".join(f"{a / 2**20:.1f}" for a in r["activation_peak_bytes"]),
-                  speed_cell(r))  # fmt: skip
+        t.add_row(
+            r["schedule"],
+            str(r["microbatches"]),
+            r["impl"],
+            f"{1000 * r['step_time_s']:.0f}",
+            f"{r['samples_per_s']:.1f}",
+            " / ".join(f"{b:.2f}" for b in r["bubble_measured"]),
+            f"{r['bubble_formula']:.2f}",
+            " / ".join(f"{a / 2**20:.1f}" for a in r["activation_peak_bytes"]),
+            speed_cell(r),
+        )
     Console(width=140).print(t)
     for k, v in result["checks"].items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")

@@ -31,7 +31,8 @@ import shutil
 import time
 from pathlib import Path
 
-from shardwise.cli import main as shardwise_main
+from shardwise.config import load_config
+from shardwise.runner import fit_ranks, run_job
 
 VARIANTS = {
     "ps_sync": ["strategy.name=ps", "strategy.mode=sync"],
@@ -71,11 +72,9 @@ def run_variant(
         "optim.schedule=constant",
         "launch.threads_per_rank=1",
     ]
-    argv = ["train", "digits", "--run-dir", str(run_dir)]
-    for kv in sets:
-        argv += ["--set", kv]
+    cfg = fit_ranks(load_config("digits", sets))
     started = time.perf_counter()
-    code = shardwise_main(argv)
+    code = run_job(cfg, run_dir)
     wall = time.perf_counter() - started
     if code:
         return {"error": f"exit code {code}"}
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay", type=float, help="seconds added to the slow worker's steps")
     parser.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--out", default="bench-ps")
+    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--scenarios", default="persistent,transient")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
@@ -170,11 +169,20 @@ def main(argv: list[str] | None = None) -> int:
                 r["speed_over_sync"] = r["samples_per_s"] / sync
         print_table(results, delay, args.target, scenario)
     plot(scenarios, out / "ps.png")
-    line = {"bench": "ps", "servers": 2, "workers": 3, "slow_worker_delay_s": delay,
-            "steps_per_worker": args.steps, "target_accuracy": args.target,
-            "results": {scenario: {k: {kk: vv for kk, vv in v.items() if kk != "curve"}
-                                   for k, v in results.items()}
-                        for scenario, results in scenarios.items()}}  # fmt: skip
+    line = {
+        "bench": "ps",
+        "servers": 2,
+        "workers": 3,
+        "slow_worker_delay_s": delay,
+        "steps_per_worker": args.steps,
+        "target_accuracy": args.target,
+        "results": {
+            scenario: {
+                k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in results.items()
+            }
+            for scenario, results in scenarios.items()
+        },
+    }
     (out / "ps.json").write_text(json.dumps(line) + "\n")
     print(json.dumps(line))
     return 0
@@ -184,8 +192,10 @@ def print_table(results: dict, delay: float, target: float, scenario: str) -> No
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"parameter server vs DDP, 3 workers, {scenario} straggler: "
-                    f"{delay * 1000:.1f} ms added to its steps")  # fmt: skip
+    t = Table(
+        title=f"parameter server vs DDP, 3 workers, {scenario} straggler: "
+        f"{delay * 1000:.1f} ms added to its steps"
+    )
     for col in ("variant", "samples/s", "x sync", f"to {target:.0%} s", "final acc.", "staleness"):
         t.add_column(col, justify="right")
     for key, r in results.items():
@@ -193,10 +203,14 @@ def print_table(results: dict, delay: float, target: float, scenario: str) -> No
             t.add_row(key, r["error"], "", "", "", "")
             continue
         reached = r["time_to_target_s"]
-        t.add_row(key, f"{r['samples_per_s']:,.0f}", f"{r['speed_over_sync']:.2f}",
-                  f"{reached:.1f}" if reached is not None else "never",
-                  f"{100 * r['final_accuracy']:.1f} %",
-                  str(r["staleness_histogram"]) if key != "ddp" else "-")  # fmt: skip
+        t.add_row(
+            key,
+            f"{r['samples_per_s']:,.0f}",
+            f"{r['speed_over_sync']:.2f}",
+            f"{reached:.1f}" if reached is not None else "never",
+            f"{100 * r['final_accuracy']:.1f} %",
+            str(r["staleness_histogram"]) if key != "ddp" else "-",
+        )
     Console(width=130).print(t)
 
 

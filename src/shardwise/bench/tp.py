@@ -50,7 +50,7 @@ def expected_param_bytes(model: nn.Module, parts: int, rank: int) -> int:
     ranks hold one row more) plus everything replicated."""
     from fnmatch import fnmatchcase
 
-    from shardwise.strategies.tensor_parallel import split_bounds
+    from shardwise.comm.flat import split_bounds
 
     total = 0
     plan = {k: v for k, v in model.TP_PLAN.items() if v != "heads"}
@@ -189,14 +189,25 @@ def print_report(r: dict) -> None:
     for col in ("quantity", "measured", "formula", "note"):
         t.add_column(col, justify="right")
     mib = 2**20
-    t.add_row("params / rank", f"{r['param_bytes_per_rank'] / mib:.3f} MiB",
-              f"{r['param_bytes_per_rank_expected'] / mib:.3f} MiB",
-              f"{r['param_bytes_per_rank'] / r['param_bytes_full']:.3f} of "
-              f"{r['param_bytes_full'] / mib:.2f} MiB")  # fmt: skip
-    t.add_row("all-reduces / step", str(r["all_reduce_calls"]), str(r["all_reduce_calls_expected"]),
-              "2 per block fwd + 2 bwd, +2, +3 loss")  # fmt: skip
-    t.add_row("all-reduce bytes / step", f"{r['all_reduce_bytes'] / mib:.3f} MiB",
-              f"{r['all_reduce_bytes_expected'] / mib:.3f} MiB", "sent by this rank")  # fmt: skip
+    t.add_row(
+        "params / rank",
+        f"{r['param_bytes_per_rank'] / mib:.3f} MiB",
+        f"{r['param_bytes_per_rank_expected'] / mib:.3f} MiB",
+        f"{r['param_bytes_per_rank'] / r['param_bytes_full']:.3f} of "
+        f"{r['param_bytes_full'] / mib:.2f} MiB",
+    )
+    t.add_row(
+        "all-reduces / step",
+        str(r["all_reduce_calls"]),
+        str(r["all_reduce_calls_expected"]),
+        "2 per block fwd + 2 bwd, +2, +3 loss",
+    )
+    t.add_row(
+        "all-reduce bytes / step",
+        f"{r['all_reduce_bytes'] / mib:.3f} MiB",
+        f"{r['all_reduce_bytes_expected'] / mib:.3f} MiB",
+        "sent by this rank",
+    )
     for key, value in r["step_time_s"].items():
         shown = f"{1000 * value:.1f} ms" if isinstance(value, float) else value
         t.add_row(f"step time: {key}", shown, "", "")

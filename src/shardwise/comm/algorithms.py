@@ -24,7 +24,32 @@ from shardwise.comm.ring import ring_all_reduce
 AllReduceName = Literal["native", "ring", "hierarchical"]
 
 
-class NativeAllReduce:
+class AllReduceAlgorithm:
+    """Sums a flat buffer over the group, asynchronously: `start(buffer)` returns a Handle.
+
+    A data-parallel strategy `describe`s each of its buffers once, in order, before the first
+    `start`: stateful algorithms (compression) keep their state per buffer index, which is
+    what `state_dict` saves (the same buffers exist again in a fresh prepare of the model).
+    """
+
+    def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
+        """`buffer` holds tensors of `shapes`, in order."""
+
+    def start(self, buffer: torch.Tensor) -> Handle:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got {sorted(state)[:3]}")
+
+    def close(self) -> None:
+        pass
+
+
+class NativeAllReduce(AllReduceAlgorithm):
     """The backend's own all-reduce (gloo's ring/halving-doubling, NCCL's rings and trees)."""
 
     def __init__(self, group: ProcessGroup | None = None) -> None:
@@ -33,11 +58,8 @@ class NativeAllReduce:
     def start(self, buffer: torch.Tensor) -> Handle:
         return all_reduce(buffer, group=self.group, async_op=True)
 
-    def close(self) -> None:
-        pass
 
-
-class _ThreadedAllReduce:
+class ThreadedAllReduce(AllReduceAlgorithm):
     """Runs a blocking all-reduce function on a dedicated thread and process group."""
 
     op = "all_reduce"
@@ -59,7 +81,7 @@ class _ThreadedAllReduce:
         self._thread.shutdown(wait=True)
 
 
-class RingAllReduce(_ThreadedAllReduce):
+class RingAllReduce(ThreadedAllReduce):
     op = "ring_all_reduce"
 
     def __init__(self, timeout: timedelta | None) -> None:
@@ -70,7 +92,7 @@ class RingAllReduce(_ThreadedAllReduce):
         ring_all_reduce(buffer, self.group)
 
 
-class HierarchicalAllReduce(_ThreadedAllReduce):
+class HierarchicalAllReduce(ThreadedAllReduce):
     op = "hierarchical_all_reduce"
 
     def __init__(self, group_size: int, timeout: timedelta | None) -> None:
@@ -83,7 +105,7 @@ class HierarchicalAllReduce(_ThreadedAllReduce):
 
 def make_all_reduce(
     name: AllReduceName, group_size: int | None = None, timeout: timedelta | None = None
-) -> NativeAllReduce | RingAllReduce | HierarchicalAllReduce:
+) -> AllReduceAlgorithm:
     """Collective when `name` is not native (it creates process groups)."""
     if name == "native":
         return NativeAllReduce()

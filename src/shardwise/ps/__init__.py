@@ -7,7 +7,7 @@ parameters, compute gradients on their data and push them back.
     else:
         model, opt = sw.prepare(MyModel(), strategy, optimizer=torch.optim.AdamW, lr=1e-3)
         ...  # the usual loop: loss.backward(); opt.step(); opt.zero_grad()
-        sw.api.strategy_of(model).close(model)   # tells the servers this worker is done
+        strategy.close(model)   # tells the servers this worker is done
 
 With `relays=R` (a two-level job), ranks S..S+R-1 run `sw.ps.relay(MyModel(), strategy)`.
 """
@@ -38,10 +38,12 @@ def serve(
     `model` gives the parameter names, shapes and initial values (build it with the same seed
     on every rank). Server 0 deals out `work` (batches of indices) when given one.
     """
-    rt = runtime.current() if runtime._runtime is not None else runtime.init()
+    rt = runtime.init()
     if not strategy.is_server(rt.rank):
-        raise ValueError(f"rank {rt.rank} is not a server: call sw.prepare(...) on workers, "
-                         "sw.ps.relay(...) on relays")  # fmt: skip
+        raise ValueError(
+            f"rank {rt.rank} is not a server: call sw.prepare(...) on workers, "
+            "sw.ps.relay(...) on relays"
+        )
     workers = strategy.workers(rt.world_size)
     clients = list(strategy.relay_groups(rt.world_size)) if strategy.relays else workers
     server = Server(
@@ -59,7 +61,7 @@ def serve(
 
 def relay(model: nn.Module, strategy: ParameterServer) -> RelayReport:
     """Run this rank's relay (a two-level job) until its workers are done or dead."""
-    rt = runtime.current() if runtime._runtime is not None else runtime.init()
+    rt = runtime.init()
     if not strategy.is_relay(rt.rank):
         raise ValueError(f"rank {rt.rank} is not a relay of this job")
     return Relay(model, strategy).serve()

@@ -71,8 +71,9 @@ class Relay:
 
     def serve(self) -> RelayReport:
         for peer in [*self.workers, *self.servers]:
-            threading.Thread(target=self._receive, args=(peer,), daemon=True,
-                             name=f"ps-relay-recv-{peer}").start()  # fmt: skip
+            threading.Thread(
+                target=self._receive, args=(peer,), daemon=True, name=f"ps-relay-recv-{peer}"
+            ).start()
         while self.live - self.done:
             for worker, silent_s in self.heartbeats.dead(self.live - self.done):
                 self._declare_dead(worker, silent_s)
@@ -162,8 +163,15 @@ class Relay:
     def _push_up(self, flat: torch.Tensor, version_used: int, count: int) -> None:
         """Push to every server its slice, then ask for the parameters after it."""
         for server, piece in zip(self.servers, self.up.plan.split(flat), strict=True):
-            protocol.send(server, Kind.PUSH, self.clock, version_used, count,
-                          payload=piece if piece.numel() else None, group=self.group)  # fmt: skip
+            protocol.send(
+                server,
+                Kind.PUSH,
+                self.clock,
+                version_used,
+                count,
+                payload=piece if piece.numel() else None,
+                group=self.group,
+            )
         self.clock += 1
         for server in self.servers:
             protocol.send(server, Kind.PULL, self.clock, group=self.group)
@@ -218,6 +226,9 @@ class Relay:
         self.pending.pop(worker, None)
         self.report.dead_workers[worker] = silent_s
         protocol.send(COORDINATOR, Kind.LOST, worker, group=self.group)
-        print(f"shardwise: ps relay {self.rank}: worker rank {worker} silent for "
-              f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
+        print(
+            f"shardwise: ps relay {self.rank}: worker rank {worker} silent for "
+            f"{silent_s:.1f} s, declared dead",
+            flush=True,
+        )
         self._forward_sync()

@@ -153,7 +153,7 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()
         self.lost: set[int] = set()  # clients whose connection broke while we answered them
         self.idle: set[int] = set()  # clients waiting for a batch: nobody waits for them
-        self.snapshot_dir = Path(options.snapshot_dir)
+        self.snapshot_dir = Path(options.snapshot_dir) if options.snapshot_dir else None
         if options.snapshot_every:
             self._restore()
             if self.work is not None:  # sync applies one update per W batches, else one each
@@ -163,8 +163,9 @@ class Server:
     # ---- the loop
     def serve(self) -> ServerReport:
         for client in [*self.live, *([COORDINATOR] if self.follows else [])]:
-            threading.Thread(target=self._receive, args=(client,), daemon=True,
-                             name=f"ps-recv-{client}").start()  # fmt: skip
+            threading.Thread(
+                target=self._receive, args=(client,), daemon=True, name=f"ps-recv-{client}"
+            ).start()
         while self.live - self.done:
             self._check_heartbeats()
             try:
@@ -177,8 +178,9 @@ class Server:
             for lost in sorted(self.lost - set(self.report.dead_workers)):
                 self._declare_dead(lost, self.heartbeats.silent_for(lost))
         self.report.clocks = dict(self.clock)
-        self.report.final = torch.cat([p.detach().reshape(-1) for p in self.params] or
-                                      [torch.zeros(0)])  # fmt: skip
+        self.report.final = torch.cat(
+            [p.detach().reshape(-1) for p in self.params] or [torch.zeros(0)]
+        )
         if self.work is not None:
             self.report.consumed = list(self.work.consumed)
         return self.report
@@ -300,15 +302,21 @@ class Server:
                     return  # a push is still on its way
                 self.rounds.popleft()
                 self.report.rounds.append(members)
-                self._apply_mean([self.pending_sync.pop(m) for m in members
-                                  if m in self.pending_sync])  # fmt: skip
+                self._apply_mean(
+                    [self.pending_sync.pop(m) for m in members if m in self.pending_sync]
+                )
             return
         if self.pending_sync and set(self.pending_sync) >= self._active():
             members = sorted(self.pending_sync)
             if self.o.mode == "sync" and self.o.servers > 1:
                 for server in range(1, self.o.servers):
-                    protocol.send(server, Kind.ROUND, self.version + 1,
-                                  payload=torch.tensor(members), group=self.group)  # fmt: skip
+                    protocol.send(
+                        server,
+                        Kind.ROUND,
+                        self.version + 1,
+                        payload=torch.tensor(members),
+                        group=self.group,
+                    )
             self.report.rounds.append(members)
             self._apply_mean([self.pending_sync.pop(m) for m in members])
 
@@ -383,8 +391,11 @@ class Server:
             self.work.give_back(client)
             self._deal()
         role = "relay" if self.o.relays else "worker"
-        print(f"shardwise: ps server {self.rank}: {role} rank {client} silent for "
-              f"{silent_s:.1f} s, declared dead", flush=True)  # fmt: skip
+        print(
+            f"shardwise: ps server {self.rank}: {role} rank {client} silent for "
+            f"{silent_s:.1f} s, declared dead",
+            flush=True,
+        )
         self._maybe_apply_sync()
         self._answer_pulls()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise.strategies.tensor_parallel import split_bounds
+from shardwise.comm.flat import flatten, split_bounds
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def plan_shards(model: nn.Module, servers: int) -> ShardPlan:
 
 
 def flat_values(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    return flatten(tensors, torch.float32)
 
 
 def signature(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:

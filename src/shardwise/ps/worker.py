@@ -1,10 +1,10 @@
 """The worker side of a parameter server, as a strategy: `sw.prepare(model, sw.ParameterServer())`.
 
 The usual loop works unchanged: `loss.backward()` leaves gradients on the worker's copy, and the
-optimizer `prepare` returns is a stand-in whose `step()` pushes them, each slice to the server
-that owns it, then pulls the parameters back (waiting as long as the consistency mode says).
-The real optimizer, and its state, lives on the servers. Under the averaging rule the worker
-keeps a real optimizer and pushes its parameters instead of its gradients.
+optimizer `prepare` returns pushes them on `step()`, each slice to the server that owns it, then
+pulls the parameters back (waiting as long as the consistency mode says). The real optimizer,
+and its state, lives on the servers. Under the averaging rule the worker keeps a real optimizer,
+steps it, and pushes its parameters instead of its gradients.
 
 Ranks 0..S-1 are servers, the next R relays (a two-level job, `relays: R`), the rest workers.
 Server ranks call `sw.ps.serve(...)` with the same model and optimizer, relays `sw.ps.relay(...)`;
@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
 from shardwise import runtime
+from shardwise.comm.flat import split_bounds
 from shardwise.ps import protocol
 from shardwise.ps.liveness import HeartbeatSender
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy, WrappedModel
-from shardwise.strategies.tensor_parallel import split_bounds
+from shardwise.section import StrategySection
+from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
 
 MODES = ("sync", "async", "ssp")
 
@@ -37,7 +40,7 @@ class PSError(RuntimeError):
     """A server refused this worker (e.g. a different model)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParameterServer(Strategy):
     """Options of a parameter-server job (the same object on servers and workers).
 
@@ -48,8 +51,9 @@ class ParameterServer(Strategy):
         step locally and push parameters; the server keeps beta * server + (1 - beta) * worker).
     staleness_lr: scale each update's learning rate by 1 / (1 + its staleness).
     heartbeat_s / timeout_s: how often workers prove they live; silence that declares one dead.
-    snapshot_every: servers save their shard every K updates (0: never) to `snapshot_dir`, and
-        resume from it when they start again.
+    snapshot_every: servers save their shard every K updates (0: never) to `snapshot_dir`
+        (required then; `shardwise train` uses the run directory), and resume from it when
+        they start again.
     relays: a second level (0: none): R relay processes, each serving an equal group of the
         workers as if it were the server, summing their pushes into one per clock (sync) and
         asking for their batches; the servers then hear from R relays instead of W workers.
@@ -64,7 +68,7 @@ class ParameterServer(Strategy):
     heartbeat_s: float = 0.5
     timeout_s: float = 10.0
     snapshot_every: int = 0
-    snapshot_dir: str = "ps-snapshots"
+    snapshot_dir: str | None = None
     relays: int = 0
 
     def __post_init__(self) -> None:
@@ -76,6 +80,8 @@ class ParameterServer(Strategy):
             raise ValueError("ps needs servers >= 1, staleness >= 0 and 0 <= beta <= 1")
         if self.timeout_s <= self.heartbeat_s:
             raise ValueError("ps timeout_s must exceed heartbeat_s")
+        if self.snapshot_every and self.snapshot_dir is None:
+            raise ValueError("ps snapshot_every needs a snapshot_dir to write to")
         if self.relays < 0:
             raise ValueError(f"ps relays must be >= 0, got {self.relays}")
         if self.relays and self.mode == "ssp":
@@ -98,8 +104,9 @@ class ParameterServer(Strategy):
         """Relay rank -> its workers: equal contiguous groups (sizes differ by at most one)."""
         workers = self.workers(world_size)
         if len(workers) < self.relays:
-            raise ValueError(f"{self.relays} relays need at least as many workers, "
-                             f"got {len(workers)}")  # fmt: skip
+            raise ValueError(
+                f"{self.relays} relays need at least as many workers, got {len(workers)}"
+            )
         bounds = split_bounds(len(workers), self.relays)
         return {self.servers + i: workers[a:b] for i, (a, b) in enumerate(bounds)}
 
@@ -115,32 +122,18 @@ class ParameterServer(Strategy):
     # ---- worker side
     def wrap(self, model: nn.Module, rt: Runtime) -> PSWorkerModel:
         if self.is_server(rt.rank) or self.is_relay(rt.rank):
-            raise ValueError(f"rank {rt.rank} is a server or relay: call sw.ps.serve(...) or "
-                             "sw.ps.relay(...) there")  # fmt: skip
+            raise ValueError(
+                f"rank {rt.rank} is a server or relay: call sw.ps.serve(...) or "
+                "sw.ps.relay(...) there"
+            )
         if rt.world_size <= self.servers + self.relays:
-            raise ValueError(f"{self.servers} server(s) and {self.relays} relay(s) leave no "
-                             f"worker in a world of {rt.world_size}")  # fmt: skip
-        return PSWorkerModel(model, PSClient(model, self, rt))
-
-    def make_optimizer(
-        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        local = (
-            optimizer_cls(model.module.parameters(), **kwargs) if self.rule == "average" else None
-        )
-        return PushPullOptimizer(model, local)
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        model.client.pull()  # the servers' current parameters
-        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-
-    def data_shard(self, model: nn.Module) -> tuple[int, int]:
-        rt = runtime.current()
+            raise ValueError(
+                f"{self.servers} server(s) and {self.relays} relay(s) leave no "
+                f"worker in a world of {rt.world_size}"
+            )
         first = self.servers + self.relays
-        return rt.world_size - first, rt.rank - first
-
-    def close(self, model: nn.Module) -> None:
-        model.client.close()
+        data_shard = (rt.world_size - first, rt.rank - first)
+        return PSWorkerModel(model, rt, PSClient(model, self, rt), self.rule, data_shard)
 
 
 class PSClient:
@@ -169,8 +162,9 @@ class PSClient:
             h, payload = protocol.recv(server, group=self.group)
             if Kind(int(h[0])) == Kind.ERROR:
                 self.close(say_done=False)
-                raise PSError(f"parameter server {server} refused this worker: "
-                              f"{protocol.unpack(payload)}")  # fmt: skip
+                raise PSError(
+                    f"parameter server {server} refused this worker: {protocol.unpack(payload)}"
+                )
             clocks.append(int(h[1]))
         self.clock = clocks[0]  # a resumed server: go on from its version
         self.pull()
@@ -193,8 +187,14 @@ class PSClient:
         """One value per parameter (gradients, or parameters under the averaging rule)."""
         flat = flat_values(tensors)
         for server, piece in zip(self.servers, self.plan.split(flat), strict=True):
-            protocol.send(server, Kind.PUSH, self.clock, self.version,
-                          payload=piece if piece.numel() else None, group=self.group)  # fmt: skip
+            protocol.send(
+                server,
+                Kind.PUSH,
+                self.clock,
+                self.version,
+                payload=piece if piece.numel() else None,
+                group=self.group,
+            )
         self.clock += 1
 
     def next_batch(self) -> list[int] | None:
@@ -216,25 +216,34 @@ class PSClient:
         self._beats.stop()
 
 
-class PSWorkerModel(WrappedModel):
-    def __init__(self, module: nn.Module, client: PSClient) -> None:
-        super().__init__(module)
-        self.client = client
+class PSWorkerModel(DistributedModel):
+    """A worker's copy of the model. After each optimizer step it pushes its gradients (or,
+    under the averaging rule, its locally stepped parameters) to the servers and pulls the
+    parameters the consistency mode allows."""
 
+    def __init__(
+        self,
+        module: nn.Module,
+        runtime: Runtime,
+        client: PSClient,
+        rule: str,
+        data_shard: tuple[int, int],
+    ) -> None:
+        super().__init__(module, runtime)
+        self.client, self.rule, self._data_shard = client, rule, data_shard
+        self.last_wait_s = 0.0  # seconds the last step waited for push and pull
 
-class PushPullOptimizer(torch.optim.Optimizer):
-    """`step()`: push gradients (or, with a local optimizer, the stepped parameters) to the
-    servers, then pull the parameters the consistency mode allows."""
-
-    def __init__(self, model: PSWorkerModel, local: torch.optim.Optimizer | None) -> None:
-        super().__init__(list(model.module.parameters()), {})
-        self.model, self.local = model, local
+    def make_optimizer(
+        self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> DistributedOptimizer:
+        # The gradient rule's optimizer lives on the servers: nothing to step here.
+        local = optimizer_cls(self.optimizer_params(), **kwargs) if self.rule == "average" else None
+        return DistributedOptimizer(self, local)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        client = self.model.client
-        if self.local is not None:  # averaging rule: step here, push the parameters
-            self.local.step()
+    def after_step(self) -> None:
+        client = self.client
+        if self.rule == "average":  # stepped here: push the parameters
             values = list(client.params)
         else:
             values = [p.grad if p.grad is not None else torch.zeros_like(p) for p in client.params]
@@ -242,3 +251,61 @@ class PushPullOptimizer(torch.optim.Optimizer):
         client.push(values)
         client.pull()
         self.last_wait_s = time.perf_counter() - start
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self.client.pull()  # the servers' current parameters
+        return super().full_state_dict()
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        client = self.client
+        return {"clock": torch.tensor(client.clock), "version": torch.tensor(client.version)}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.client.clock, self.client.version = int(state["clock"]), int(state["version"])
+
+    def data_shard(self) -> tuple[int, int]:
+        return self._data_shard
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PSConfig(StrategySection):
+    name: Literal["ps"] = Field("ps", description="the parallelism strategy")
+    servers: int = Field(1, ge=1, description="server processes (ranks 0..servers-1)")
+    workers: int = Field(2, ge=1, description="worker processes")
+    mode: Literal["sync", "async", "ssp"] = Field("sync", description="consistency mode")
+    staleness: int = Field(2, ge=0, description="ssp: clocks a worker may run ahead")
+    rule: Literal["gradient", "average"] = Field(
+        "gradient", description="push gradients, or push parameters to be averaged"
+    )
+    beta: float = Field(0.5, ge=0, le=1, description="average: new = beta*server+(1-beta)*worker")
+    staleness_lr: bool = Field(False, description="scale each update's lr by 1/(1+staleness)")
+    heartbeat_s: float = Field(0.5, gt=0, description="seconds between worker heartbeats")
+    timeout_s: float = Field(10.0, gt=0, description="silence that declares a worker dead")
+    snapshot_every: int = Field(0, ge=0, description="servers save their shard every K updates")
+    relays: int = Field(
+        0, ge=0, description="two-level: relays between workers and servers (sync/async)"
+    )
+
+    @model_validator(mode="after")
+    def _relays_fit(self) -> PSConfig:
+        if self.relays and self.mode == "ssp":
+            raise ValueError("ps relays work with mode sync or async, not ssp")
+        if self.relays > self.workers:
+            raise ValueError(f"{self.relays} relays need at least as many workers")
+        return self
+
+    def build(self, world_size: int, run_dir: Path) -> ParameterServer:
+        snapshots = str(run_dir / "ps-snapshots")
+        return ParameterServer(**self.options(exclude={"workers"}), snapshot_dir=snapshots)
+
+    def ranks_needed(self) -> int | None:
+        return self.servers + self.relays + self.workers
+
+    def describe(self) -> str:
+        relays = f"{self.relays} relays, " if self.relays else ""
+        return (
+            f"parameter server ({self.mode}, {self.servers} server(s), {relays}"
+            f"{self.workers} workers)"
+        )

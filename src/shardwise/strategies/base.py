@@ -1,9 +1,22 @@
-"""The strategy interface every parallelism in shardwise implements.
+"""The shape every parallelism in shardwise has: frozen options, and a model that behaves.
 
-A strategy is a transform: `wrap` turns a plain model into its distributed form, and
-`make_optimizer` builds the optimizer over whatever that strategy lets this rank update (all
-parameters for data parallel, one shard for ZeRO, ...). `full_state_dict` reassembles the
-single-process state dict, so checkpoints and exports never depend on how training was split.
+A `Strategy` is a frozen, validated set of options with one method, `wrap(model, runtime)`,
+that turns a plain model into a `DistributedModel`. Everything that varies by strategy lives on
+that model, which owns the `Runtime` (and so the process group) it was handed:
+
+- the training loop's hooks: `train_step`, `adapt_loss`, `predict`, `data_shard`;
+- gradients: `local_grads`, `grad_square_sum`, `clip_grad_norm_`, `zero_grad`;
+- the optimizer: `make_optimizer` returns a `DistributedOptimizer`, one `torch.optim.Optimizer`
+  subclass for every strategy, which calls the model's `before_step` / `step_optimizer` /
+  `after_step` hooks (ZeroRedundancyOptimizer is the shape: a real optimizer, so LR schedulers
+  keep working, never methods patched onto the user's);
+- state: `full_state_dict` (the single-process state dict, on every rank), `state_dict` /
+  `load_state_dict` (everything the next step depends on that this rank's model holds: the
+  `Stateful` shape of `torch.distributed.checkpoint`), and the reshardable checkpoint's
+  `checkpoint_shard` / `load_full_state`;
+- `close`, which releases threads and hooks.
+
+The defaults here are those of a model every rank holds whole (data parallel).
 """
 
 from __future__ import annotations
@@ -15,80 +28,142 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import runtime
 from shardwise.runtime import Runtime
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+EXTRA = "_shardwise."  # state-dict keys of strategy state that is not a module tensor
 
 
 class Strategy(ABC):
-    """Base class; subclasses are small dataclasses holding the user's options."""
+    """Base class; subclasses are small frozen dataclasses holding the user's options."""
 
     @abstractmethod
-    def wrap(self, model: nn.Module, runtime: Runtime) -> nn.Module:
+    def wrap(self, model: nn.Module, runtime: Runtime) -> DistributedModel:
         """Return the distributed model. May issue collectives (e.g. the initial broadcast)."""
 
-    @abstractmethod
-    def make_optimizer(
-        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        """Build the optimizer for the model `wrap` returned."""
+    def close(self, model: DistributedModel) -> None:
+        """Release what `model` holds (kept for scripts written as `strategy.close(model)`)."""
+        model.close()
 
-    @abstractmethod
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The complete, unsharded state dict with single-process keys, on every rank."""
 
-    def local_grads(self, model: nn.Module) -> list[torch.Tensor]:
+class DistributedModel(nn.Module):
+    """A strategy's model: forwards to `module` and owns everything the strategy changes."""
+
+    def __init__(self, module: nn.Module, runtime: Runtime) -> None:
+        super().__init__()
+        self.module = module
+        self.runtime = runtime
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ---- the training loop's hooks: what changes when the model itself is split -------------
+    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """Forward, loss and backward for one batch; returns the (detached) loss. A pipeline
+        runs its whole schedule here."""
+        loss = self.adapt_loss(loss_fn)(self(inputs), targets)
+        loss.backward()
+        return loss.detach()
+
+    def adapt_loss(self, loss_fn: LossFn) -> LossFn:
+        """The loss to use on this model's outputs (tensor parallel: from vocabulary slices)."""
+        return loss_fn
+
+    def predict(self, output: torch.Tensor) -> torch.Tensor:
+        """Predicted class per row of `output` (argmax over the last dimension)."""
+        return output.argmax(-1)
+
+    def data_shard(self) -> tuple[int, int]:
+        """(replicas, index): how many different batches a step consumes, and which is ours.
+        Ranks that split one model between them must see the same batch."""
+        return self.runtime.world_size, self.runtime.rank
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def local_grads(self) -> list[torch.Tensor]:
         """The gradients this rank holds (all of them, or its shard)."""
-        return [p.grad for p in model.parameters() if p.grad is not None]
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
 
-    def grad_square_sum(self, model: nn.Module) -> torch.Tensor:
+    def grad_square_sum(self) -> torch.Tensor:
         """Σ g² over the whole (global) gradient, the same on every rank: what clipping needs.
 
         This default is for replicated gradients; strategies that shard them sum over ranks.
         """
-        return square_sum(self.local_grads(model))
+        return square_sum(self.local_grads(), self.runtime.device)
 
-    # ---- the training loop's hooks: what changes when the model itself is split -------------
-    def train_step(
-        self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn
-    ) -> torch.Tensor:
-        """Forward, loss and backward for one batch; returns the (detached) loss. A pipeline
-        runs its whole schedule here."""
-        loss = self.adapt_loss(model, loss_fn)(model(inputs), targets)
-        loss.backward()
-        return loss.detach()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most `max_norm`; return the norm
+        before. The formula of `torch.nn.utils.clip_grad_norm_`, over every rank's share."""
+        total_norm = self.grad_square_sum().sqrt()
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for g in self.local_grads():
+            g.detach().mul_(coef.to(g.device, g.dtype))  # offloaded gradients: on the CPU
+        return total_norm
 
-    def adapt_loss(self, model: nn.Module, loss_fn: LossFn) -> LossFn:
-        """The loss to use on this model's outputs (tensor parallel: from vocabulary slices)."""
-        return loss_fn
+    # ---- the optimizer -----------------------------------------------------------------------
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What this rank's optimizer steps: every parameter here; ZeRO: its shards."""
+        return list(self.module.parameters())
 
-    def predict(self, model: nn.Module, output: torch.Tensor) -> torch.Tensor:
-        """Predicted class per row of `output` (argmax over the last dimension)."""
-        return output.argmax(-1)
+    def make_optimizer(
+        self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> DistributedOptimizer:
+        return DistributedOptimizer(self, optimizer_cls(self.optimizer_params(), **kwargs))
 
-    def data_shard(self, model: nn.Module) -> tuple[int, int]:
-        """(replicas, index): how many different batches a step consumes, and which is ours.
-        Ranks that split one model between them must see the same batch."""
-        rt = runtime.current()
-        return rt.world_size, rt.rank
+    def before_step(self) -> bool:
+        """Runs before the optimizer steps; False skips the step (fp16 overflow)."""
+        return True
+
+    def step_optimizer(self, inner: torch.optim.Optimizer, closure: Callable | None) -> Any:
+        """Step the inner optimizer (disk offload pages its state in shard by shard)."""
+        return inner.step(closure)
+
+    def after_step(self) -> None:
+        """Runs after the optimizer stepped: all-gathers, averages, pushes, counters."""
+
+    # ---- state -------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The complete, unsharded state dict with single-process keys, on every rank."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Strategy state the next step depends on beyond the module's tensors (codec
+        residuals, counters, loss scale), as tensors."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `extra_state`."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's training state: what it holds of the model, plus `extra_state` under
+        `_shardwise.` keys. `load_state_dict` of it into a fresh prepare of the same strategy
+        on the same ranks continues bit-identically."""
+        state = dict(self.module.state_dict(*args, **kwargs))
+        state.update(prefixed(EXTRA, self.extra_state()))
+        return state
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        module_state = {k: v for k, v in state_dict.items() if not k.startswith(EXTRA)}
+        self.load_extra_state(unprefixed(EXTRA, state_dict))
+        return self.module.load_state_dict(module_state, strict=strict, assign=assign)
 
     def checkpoint_shard(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
+        self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
         """Layout and this rank's tensors for a sharded checkpoint (see `checkpoint.py`).
 
         This default is for replicated state: one unit per parameter, written by rank 0 alone.
         """
-        named = list(model.module.named_parameters())
+        named = list(self.module.named_parameters())
         layout = {
             "num_shards": 1,
-            "strategy": type(self).__name__.lower(),
+            "strategy": self.checkpoint_name(),
             "units": [{"params": [[n, list(p.shape)]]} for n, p in named],
         }
-        if runtime.current().rank != 0:
+        if self.runtime.rank != 0:
             return layout, None
-        tensors = buffer_tensors(model)
+        tensors = buffer_tensors(self.module)
         for i, (_, p) in enumerate(named):
             tensors[f"unit{i}/param"] = p.detach().reshape(-1)
             for key, value in optimizer.state.get(p, {}).items():
@@ -96,72 +171,101 @@ class Strategy(ABC):
                     tensors[f"unit{i}/{key}"] = value.reshape(-1) if value.dim() else value
         return layout, tensors
 
+    def checkpoint_name(self) -> str:
+        return type(self).__name__.removesuffix("Model").lower()
+
+    @torch.no_grad()
     def load_full_state(
         self,
-        model: nn.Module,
         optimizer: torch.optim.Optimizer,
         params: dict[str, torch.Tensor],
         states: dict[str, dict[str, torch.Tensor]],
     ) -> None:
         """Take this strategy's part of full per-parameter tensors (any saved world size)."""
-        load_buffers(model, params)
-        with torch.no_grad():
-            for name, p in model.module.named_parameters():
-                p.copy_(params[name])
-                optimizer.state[p] = {
-                    k: (v.view_as(p) if v.dim() else v).clone().to(p.device)
-                    for k, v in states.get(name, {}).items()
-                }
+        load_buffers(self.module, params)
+        for name, p in self.module.named_parameters():
+            p.copy_(params[name])
+            optimizer.state[p] = {
+                k: (v.view_as(p) if v.dim() else v).clone().to(p.device)
+                for k, v in states.get(name, {}).items()
+            }
 
-    def close(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
-        """Release threads or groups the strategy created."""
-
-
-def buffer_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Module buffers (replicated on every rank) for rank 0's checkpoint file."""
-    return {f"buffer/{n}": b.detach() for n, b in model.module.named_buffers()}
-
-
-@torch.no_grad()
-def load_buffers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    for name, b in model.module.named_buffers():
-        if name in tensors:
-            b.copy_(tensors[name])
+    def close(self) -> None:
+        """Release threads, hooks or groups the strategy created."""
 
 
 class UnsplitCheckpointsOnly:
-    """For strategies that split the model itself: resumable sharded checkpoints are not
-    written yet (saying so beats writing a wrong one); `full_state_dict` works."""
+    """For models split over ranks: resumable sharded checkpoints are not written yet (saying
+    so beats writing a wrong one); `full_state_dict` and `state_dict` work."""
 
-    def checkpoint_shard(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def checkpoint_shard(self, optimizer: torch.optim.Optimizer):
+        strategy = type(self).__name__.removesuffix("Model")
         raise NotImplementedError(
-            f"sharded checkpoints of {type(self).__name__} models are not supported yet: "
+            f"sharded checkpoints of {strategy} models are not supported yet: "
             "save sw.full_state_dict(model) instead"
         )
 
 
-def square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    device = tensors[0].device if tensors else runtime.current().device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+class DistributedOptimizer(torch.optim.Optimizer):
+    """The optimizer `sw.prepare` returns, for every strategy.
+
+    It holds a real torch optimizer (`inner`) over what this rank updates and shares its
+    `param_groups` and `state`, so LR schedulers and `optimizer.state` work as usual. `step`
+    runs the model's hooks around the inner step; `zero_grad` is the model's (DDP keeps
+    gradients as views into its buckets, ZeRO clears its shards).
+    """
+
+    def __init__(self, model: DistributedModel, inner: torch.optim.Optimizer | None) -> None:
+        params = [p for g in inner.param_groups for p in g["params"]] if inner else []
+        super().__init__(params or list(model.parameters()), inner.defaults if inner else {})
+        self.model, self.inner = model, inner
+        self._share_inner()
+
+    def _share_inner(self) -> None:
+        if self.inner is not None:
+            self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    def step(self, closure: Callable | None = None) -> Any:
+        if not self.model.before_step():
+            return None
+        loss = self.model.step_optimizer(self.inner, closure) if self.inner else None
+        self.model.after_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict() if self.inner else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.inner is not None:
+            self.inner.load_state_dict(state_dict)
+            self._share_inner()  # torch's load replaces the state and group containers
+
+
+def square_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else device)
     for t in tensors:
         total += t.detach().float().pow(2).sum()
     return total
 
 
-class WrappedModel(nn.Module):
-    """A strategy's model: forwards to `module`; its state dict has the unwrapped keys."""
+def buffer_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Module buffers (replicated on every rank) for rank 0's checkpoint file."""
+    return {f"buffer/{n}": b.detach() for n, b in module.named_buffers()}
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+@torch.no_grad()
+def load_buffers(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, b in module.named_buffers():
+        if name in tensors:
+            b.copy_(tensors[name])
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(
-        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
-    ):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+def prefixed(prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+    return {prefix + k: v for k, v in state.items()}
+
+
+def unprefixed(prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

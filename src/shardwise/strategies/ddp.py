@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from shardwise import comm
 from shardwise.comm.algorithms import AllReduceName, NativeAllReduce, make_all_reduce
-from shardwise.compression import CompressedAllReduce, make_codec
+from shardwise.comm.compression import CompressedAllReduce, make_codec
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy, WrappedModel
+from shardwise.section import StrategySection
+from shardwise.strategies.base import DistributedModel, Strategy, prefixed, unprefixed
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
 from shardwise.sync_batchnorm import convert_sync_batchnorm
 
@@ -86,9 +89,8 @@ class GradientReducer:
         params = [p for _, p in reversed(named_params)]
         self.buckets = [_make_bucket(ps) for ps in assign_buckets(params, bucket_bytes)]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
-        if hasattr(all_reduce, "describe"):  # shape-aware compression needs the layout
-            for b in self.buckets:
-                all_reduce.describe(b.buffer, [p.shape for p in b.params])
+        for b in self.buckets:  # codecs keep state per bucket; PowerSGD needs the shapes
+            all_reduce.describe(b.buffer, [p.shape for p in b.params])
         callbacks = BucketCallbacks(self._move_into_bucket, self._launch, self._zero, self._wait)
         self.backward = BucketedBackward(
             [b.params for b in self.buckets],
@@ -138,17 +140,35 @@ class GradientReducer:
         self.all_reduce.close()
 
 
-class DataParallelModel(WrappedModel):
-    def __init__(self, module: nn.Module, reducer: GradientReducer) -> None:
-        super().__init__(module)
+class DataParallelModel(DistributedModel):
+    """Every rank holds the whole model; gradients are averaged during backward."""
+
+    def __init__(self, module: nn.Module, runtime: Runtime, reducer: GradientReducer) -> None:
+        super().__init__(module, runtime)
         self.reducer = reducer
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""
         return self.reducer.no_sync()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Gradients stay views into the buckets instead of being freed.
+        self.reducer.zero_grad(set_to_none)
 
-@dataclass
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return prefixed("comm.", self.reducer.all_reduce.state_dict())
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.reducer.all_reduce.load_state_dict(unprefixed("comm.", state))
+
+    def checkpoint_name(self) -> str:
+        return "ddp"
+
+    def close(self) -> None:
+        self.reducer.remove()
+
+
+@dataclass(frozen=True)
 class DDP(Strategy):
     """Options for our data parallel.
 
@@ -158,7 +178,7 @@ class DDP(Strategy):
     find_unused_parameters: allow parameters that get no gradient (treated as zero).
     sync_batchnorm: replace BatchNorm layers by SyncBatchNorm (global-batch statistics).
     compression: a gradient codec ('fp16', 'bf16', 'int8', 'topk:RATIO', 'randomk:RATIO',
-        'sign', 'powersgd:RANK'; see `shardwise.compression`) used instead of `algorithm`.
+        'sign', 'powersgd:RANK'; see `shardwise.comm.compression`) used instead of `algorithm`.
     """
 
     bucket_mb: float = 25.0
@@ -181,7 +201,7 @@ class DDP(Strategy):
     def wrap(self, model: nn.Module, runtime: Runtime) -> DataParallelModel:
         if runtime.group is not None and (self.compression or self.algorithm != "native"):
             raise ValueError(
-                "along a device-mesh dimension DDP uses the native all-reduce: "
+                "along a device-mesh axis DDP uses the native all-reduce: "
                 "algorithm and compression apply to whole-world data parallel only"
             )
         if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
@@ -203,19 +223,31 @@ class DDP(Strategy):
             int(self.bucket_mb * 2**20),
             self.find_unused_parameters,
         )
-        return DataParallelModel(model, reducer)
+        return DataParallelModel(model, runtime, reducer)
 
-    def make_optimizer(
-        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        assert isinstance(model, DataParallelModel)
-        optimizer = optimizer_cls(model.module.parameters(), **kwargs)
-        # zero_grad must keep the gradients as bucket views instead of freeing them.
-        optimizer.zero_grad = model.reducer.zero_grad
-        return optimizer
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dict(model.state_dict())
+class DDPConfig(StrategySection):
+    name: Literal["ddp"] = Field("ddp", description="the parallelism strategy")
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB")
+    algorithm: Literal["native", "ring", "hierarchical"] = Field(
+        "native", description="all-reduce: the backend's own, or our ring / hierarchical"
+    )
+    group_size: int | None = Field(
+        None, ge=1, description="hierarchical: ranks per group (default: ranks per node)"
+    )
+    find_unused_parameters: bool = Field(
+        False, description="allow parameters that receive no gradient (treated as zero)"
+    )
+    sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
+    compression: str | None = Field(
+        None,
+        description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
+        "powersgd:RANK",
+        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+(:\d+)?)?)$",
+    )
 
-    def close(self, model: nn.Module) -> None:
-        model.reducer.remove()
+    def build(self, world_size: int, run_dir: Path) -> DDP:
+        return DDP(**self.options())
+
+    def describe(self) -> str:
+        return f"ddp ({self.compression or self.algorithm + ' all-reduce'})"

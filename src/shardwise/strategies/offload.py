@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -48,6 +49,11 @@ class DiskStore:
 
     def nbytes(self) -> int:
         return sum(len(m) for m in self._maps.values())
+
+    def remove(self) -> None:
+        """Delete the files (the tensors that map them must not be used afterwards)."""
+        self._maps.clear()  # the mappings close once no tensor refers to them
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class DiskOffloadedStep:

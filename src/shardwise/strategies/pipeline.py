@@ -25,15 +25,23 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 
 from shardwise import comm
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import LossFn, Strategy, UnsplitCheckpointsOnly, square_sum
+from shardwise.section import StrategySection
+from shardwise.strategies.base import (
+    DistributedModel,
+    LossFn,
+    Strategy,
+    UnsplitCheckpointsOnly,
+    square_sum,
+)
 from shardwise.strategies.ddp import broadcast_module_state
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -194,7 +202,7 @@ def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) ->
     return order
 
 
-class PipelineModel(nn.Module):
+class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
     """This rank's stage, and the schedule that trains the whole pipeline through it.
 
     `train_step(inputs, targets, loss_fn)` runs one step's schedule (forward and backward of
@@ -206,21 +214,28 @@ class PipelineModel(nn.Module):
     def __init__(
         self,
         stage: nn.Module,
-        index: int,
-        stages: int,
-        group: dist.ProcessGroup | None,
+        runtime: Runtime,
         schedule: str,
         microbatches: int,
         names: dict[str, str],
     ) -> None:
-        super().__init__()
-        self.stage = stage
-        self.index, self.stages, self.group = index, stages, group
+        super().__init__(stage, runtime)
+        self.index, self.stages, self.group = runtime.rank, runtime.world_size, runtime.group
         self.schedule, self.microbatches = schedule, microbatches
         self.names = names  # stage state-dict key -> the unsplit model's key
-        self.is_first, self.is_last = index == 0, index == stages - 1
-        self.device = next(iter(_unwrapped(stage).parameters())).device
+        self.is_first, self.is_last = self.index == 0, self.index == self.stages - 1
+        self.device = next(iter(stage.parameters())).device
         self._sends: list[tuple[comm.Handle, torch.Tensor]] = []
+
+    @property
+    def stage(self) -> nn.Module:
+        """This rank's layers (under a data-parallel model on a device mesh)."""
+        return self.module
+
+    def wrap_stage(self, strategy: Strategy, runtime: Runtime) -> DistributedModel:
+        """Make the stage data parallel along a mesh axis (`runtime`): the composition."""
+        self.module = strategy.wrap(self.module, runtime)
+        return self.module
 
     # ---- messages
     def _send(self, tensor: torch.Tensor, dst: int, header: bool) -> None:
@@ -313,9 +328,26 @@ class PipelineModel(nn.Module):
         comm.broadcast(out, src=self.stages - 1, group=self.group)
         return out
 
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's tensors, under the unsplit model's keys, on every rank."""
+        stage_state = _unwrapped(self.stage).state_dict()
+        local = {self.names[k]: v.detach().cpu() for k, v in stage_state.items()}
+        parts = comm.all_gather_object(local, group=self.group)
+        return {k: v.to(self.device) for part in parts for k, v in part.items()}
 
-@dataclass
-class Pipeline(UnsplitCheckpointsOnly, Strategy):
+    def grad_square_sum(self) -> torch.Tensor:
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        squares = square_sum(grads, self.device)
+        comm.all_reduce(squares, group=self.group)  # stages hold disjoint parameters
+        return squares
+
+    def data_shard(self) -> tuple[int, int]:
+        return 1, 0  # every stage works on the same batch
+
+
+@dataclass(frozen=True)
+class Pipeline(Strategy):
     """Options for pipeline parallel.
 
     stages: number of stages (= ranks along the pipeline).
@@ -376,32 +408,23 @@ class Pipeline(UnsplitCheckpointsOnly, Strategy):
         starts = [*self.stage_starts(layers), len(layers)]
         mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
         names = {k: full_names[id(t)] for k, t in mine.state_dict(keep_vars=True).items()}
-        return PipelineModel(
-            mine, runtime.rank, self.stages, runtime.group, self.schedule, self.microbatches, names
-        )
+        return PipelineModel(mine, runtime, self.schedule, self.microbatches, names)
 
-    def make_optimizer(
-        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        return optimizer_cls(model.stage.parameters(), **kwargs)
 
-    @torch.no_grad()
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Every stage's tensors, under the unsplit model's keys, on every rank."""
-        local = {
-            model.names[k]: v.detach().cpu()
-            for k, v in _unwrapped(model.stage).state_dict().items()
-        }
-        parts = comm.all_gather_object(local, group=model.group)
-        return {k: v.to(model.device) for part in parts for k, v in part.items()}
+class PPConfig(StrategySection):
+    name: Literal["pp"] = Field("pp", description="the parallelism strategy")
+    stages: int | None = Field(None, ge=1, description="pipeline stages (default: the world)")
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline schedule")
+    microbatches: int = Field(4, ge=1, description="micro-batches per step")
+    split: list[int] | None = Field(
+        None, description="first layer of stages 1..S-1; default: balanced by parameters"
+    )
 
-    def train_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn):
-        return model.train_step(inputs, targets, loss_fn)
+    def build(self, world_size: int, run_dir: Path) -> Pipeline:
+        return Pipeline(stages=self.stages or world_size, **self.options(exclude={"stages"}))
 
-    def grad_square_sum(self, model: nn.Module) -> torch.Tensor:
-        squares = square_sum([p.grad for p in model.stage.parameters() if p.grad is not None])
-        comm.all_reduce(squares, group=model.group)  # stages hold disjoint parameters
-        return squares
+    def ranks_needed(self) -> int | None:
+        return self.stages
 
-    def data_shard(self, model: nn.Module) -> tuple[int, int]:
-        return 1, 0  # every stage works on the same batch
+    def describe(self) -> str:
+        return f"pipeline ({self.schedule}, {self.microbatches} micro-batches)"

@@ -19,16 +19,19 @@ Optimizer state (momentum, Adam's moments) stays local in all of them.
 from __future__ import annotations
 
 import math
-import types
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from shardwise import comm, runtime
+from shardwise import comm
+from shardwise.comm.flat import flatten, unflatten
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy, WrappedModel
+from shardwise.section import StrategySection
+from shardwise.strategies.base import DistributedModel, Strategy
 from shardwise.strategies.ddp import broadcast_module_state
 
 
@@ -38,80 +41,86 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 @torch.no_grad()
 def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        p.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for p, value in zip(model.parameters(), unflatten(flat, list(model.parameters())), strict=True):
+        p.copy_(value)
 
 
-def average_params(model: nn.Module, beta: float = 1.0) -> None:
-    """All ranks: x <- beta * mean_r(x_r) + (1 - beta) * x."""
+def average_params(model: nn.Module, runtime: Runtime, beta: float = 1.0) -> None:
+    """All ranks of `runtime`: x <- beta * mean_r(x_r) + (1 - beta) * x."""
     local = flat_params(model)
     mean = local.clone()
-    comm.all_reduce(mean)
-    mean.div_(runtime.current().world_size)
+    comm.all_reduce(mean, group=runtime.group)
+    mean.div_(runtime.world_size)
     set_flat_params(model, mean if beta == 1.0 else beta * mean + (1 - beta) * local)
 
 
-def average_grads(model: nn.Module) -> None:
+def average_grads(model: nn.Module, runtime: Runtime) -> None:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat)
-    flat.div_(runtime.current().world_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    flat = flatten(grads)
+    comm.all_reduce(flat, group=runtime.group)
+    flat.div_(runtime.world_size)
+    for g, value in zip(grads, unflatten(flat, grads), strict=True):
+        g.copy_(value)
 
 
-class RelaxedModel(WrappedModel):
-    """The model plus a record of the steps at which replicas were averaged globally."""
+class RelaxedModel(DistributedModel):
+    """Replicas that step on their own gradients; `synchronise` (after every optimizer step)
+    decides when and how they meet. Records the steps of global averages in `sync_steps`."""
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__(module)
+    def __init__(self, module: nn.Module, runtime: Runtime) -> None:
+        super().__init__(module, runtime)
         self.steps = 0
         self.sync_steps: list[int] = []
+        broadcast_module_state(module, group=runtime.group)
 
+    def after_step(self) -> None:
+        self.steps += 1
+        self.synchronise()
 
-class _Relaxed(Strategy):
-    """Shared plumbing: broadcast at wrap, then `after_step` runs after every optimizer step."""
-
-    def wrap(self, model: nn.Module, runtime: Runtime) -> RelaxedModel:
-        broadcast_module_state(model)
-        return RelaxedModel(model)
-
-    def make_optimizer(self, model, optimizer_cls, **kwargs: Any) -> torch.optim.Optimizer:
-        optimizer = optimizer_cls(model.module.parameters(), **kwargs)
-        inner, strategy = optimizer.step, self
-
-        def step(_optimizer, closure=None):
-            strategy.before_step(model)
-            loss = inner(closure)
-            model.steps += 1
-            strategy.after_step(model)
-            return loss
-
-        optimizer.step = types.MethodType(step, optimizer)  # bound: LR schedulers wrap it
-        return optimizer
-
-    def before_step(self, model: RelaxedModel) -> None:
-        pass
-
-    def after_step(self, model: RelaxedModel) -> None:
+    def synchronise(self) -> None:
         raise NotImplementedError
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def average(self, beta: float = 1.0) -> None:
+        average_params(self.module, self.runtime, beta)
+        self.sync_steps.append(self.steps)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return {"steps": torch.tensor(self.steps)}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.steps = int(state["steps"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The average of the replicas (they differ between synchronisations)."""
-        state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        state = super().full_state_dict()
         for value in state.values():
             if value.is_floating_point():
-                comm.all_reduce(value)
-                value.div_(runtime.current().world_size)
+                comm.all_reduce(value, group=self.runtime.group)
+                value.div_(self.runtime.world_size)
         return state
 
+    def checkpoint_name(self) -> str:
+        return "relaxed"
 
-@dataclass
-class LocalSGD(_Relaxed):
+
+class LocalSGDModel(RelaxedModel):
+    def __init__(self, module: nn.Module, runtime: Runtime, options: LocalSGD) -> None:
+        super().__init__(module, runtime)
+        self.options = options
+
+    def before_step(self) -> bool:
+        if self.steps < self.options.warmup_steps:  # post-local SGD: synchronous at first
+            average_grads(self.module, self.runtime)
+        return True
+
+    def synchronise(self) -> None:
+        since_warmup = self.steps - self.options.warmup_steps
+        if since_warmup > 0 and since_warmup % self.options.period == 0:
+            self.average(self.options.beta)
+
+
+@dataclass(frozen=True)
+class LocalSGD(Strategy):
     period: int = 4
     warmup_steps: int = 0
     beta: float = 1.0
@@ -122,14 +131,8 @@ class LocalSGD(_Relaxed):
         if not 0 < self.beta <= 1:
             raise ValueError(f"LocalSGD beta must be in (0, 1], got {self.beta}")
 
-    def before_step(self, model: RelaxedModel) -> None:
-        if model.steps < self.warmup_steps:  # post-local SGD: synchronous at first
-            average_grads(model.module)
-
-    def after_step(self, model: RelaxedModel) -> None:
-        if model.steps > self.warmup_steps and (model.steps - self.warmup_steps) % self.period == 0:
-            average_params(model.module, self.beta)
-            model.sync_steps.append(model.steps)
+    def wrap(self, model: nn.Module, runtime: Runtime) -> LocalSGDModel:
+        return LocalSGDModel(model, runtime, self)
 
 
 def neighbours(topology: str, rank: int, world: int) -> list[int]:
@@ -157,68 +160,84 @@ def neighbours(topology: str, rank: int, world: int) -> list[int]:
     raise ValueError(f"topology must be 'ring', 'torus' or 'exponential', got {topology!r}")
 
 
-@dataclass
-class Gossip(_Relaxed):
+class GossipModel(RelaxedModel):
+    def __init__(self, module: nn.Module, runtime: Runtime, options: Gossip) -> None:
+        super().__init__(module, runtime)
+        self.options = options
+        self.peers = neighbours(options.topology, runtime.rank, runtime.world_size)
+
+    def mixing_weight(self) -> float:
+        """Uniform weights 1/(d+1) over self and d peers. Every rank has the same degree in
+        these topologies, so the matrix is symmetric with unit row sums: doubly stochastic."""
+        return 1.0 / (len(self.peers) + 1)
+
+    def synchronise(self) -> None:
+        every = self.options.global_every
+        if every and self.steps % every == 0:
+            self.average()
+            return
+        mine = flat_params(self.module)
+        theirs = [torch.empty_like(mine) for _ in self.peers]
+        comm.exchange(
+            [(mine, p) for p in self.peers],
+            list(zip(theirs, self.peers, strict=True)),
+            group=self.runtime.group,
+            op="gossip",
+        )
+        set_flat_params(self.module, (mine + sum(theirs)) * self.mixing_weight())
+
+
+@dataclass(frozen=True)
+class Gossip(Strategy):
     topology: str = "ring"
     global_every: int | None = None
-    _peers: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         neighbours(self.topology, 0, 4)  # validates the name
         if self.global_every is not None and self.global_every < 1:
             raise ValueError(f"global_every must be >= 1, got {self.global_every}")
 
-    def wrap(self, model: nn.Module, runtime: Runtime) -> RelaxedModel:
-        self._peers = neighbours(self.topology, runtime.rank, runtime.world_size)
-        return super().wrap(model, runtime)
-
-    def mixing_weight(self) -> float:
-        """Uniform weights 1/(d+1) over self and d peers. Every rank has the same degree in
-        these topologies, so the matrix is symmetric with unit row sums: doubly stochastic."""
-        return 1.0 / (len(self._peers) + 1)
-
-    def after_step(self, model: RelaxedModel) -> None:
-        if self.global_every and model.steps % self.global_every == 0:
-            average_params(model.module)
-            model.sync_steps.append(model.steps)
-            return
-        mine = flat_params(model.module)
-        theirs = [torch.empty_like(mine) for _ in self._peers]
-        comm.exchange(
-            [(mine, p) for p in self._peers],
-            list(zip(theirs, self._peers, strict=True)),
-            op="gossip",
-        )
-        mixed = (mine + sum(theirs)) * self.mixing_weight()
-        set_flat_params(model.module, mixed)
+    def wrap(self, model: nn.Module, runtime: Runtime) -> GossipModel:
+        return GossipModel(model, runtime, self)
 
 
-@dataclass
-class AdaptiveSync(_Relaxed):
+class AdaptiveSyncModel(RelaxedModel):
+    def __init__(self, module: nn.Module, runtime: Runtime, threshold: float) -> None:
+        super().__init__(module, runtime)
+        self.threshold = threshold
+        self.anchor = flat_params(module)  # the replicas agree here: the first reference
+        self.drift_history: list[float] = []
+
+    def synchronise(self) -> None:
+        current = flat_params(self.module)
+        drift = ((current - self.anchor).norm() / self.anchor.norm().clamp_min(1e-12)).reshape(1)
+        comm.all_reduce(drift, group=self.runtime.group, op=torch.distributed.ReduceOp.MAX)
+        self.drift_history.append(drift.item())
+        if drift.item() > self.threshold:
+            self.average()
+            self.anchor = flat_params(self.module)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return {**super().extra_state(), "anchor": self.anchor}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_extra_state(state)
+        self.anchor = state["anchor"].clone()
+
+
+@dataclass(frozen=True)
+class AdaptiveSync(Strategy):
     threshold: float = 0.01
-    drift_history: list[float] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.threshold <= 0:
             raise ValueError(f"threshold must be > 0, got {self.threshold}")
 
-    def wrap(self, model: nn.Module, runtime: Runtime) -> RelaxedModel:
-        wrapped = super().wrap(model, runtime)
-        self._anchor = flat_params(model)  # the replicas agree here: the first reference
-        return wrapped
-
-    def after_step(self, model: RelaxedModel) -> None:
-        current = flat_params(model.module)
-        drift = ((current - self._anchor).norm() / self._anchor.norm().clamp_min(1e-12)).reshape(1)
-        comm.all_reduce(drift, op=torch.distributed.ReduceOp.MAX)
-        self.drift_history.append(drift.item())
-        if drift.item() > self.threshold:
-            average_params(model.module)
-            model.sync_steps.append(model.steps)
-            self._anchor = flat_params(model.module)
+    def wrap(self, model: nn.Module, runtime: Runtime) -> AdaptiveSyncModel:
+        return AdaptiveSyncModel(model, runtime, self.threshold)
 
 
-def Hybrid(local: str = "gossip", global_every: int = 8, topology: str = "ring") -> _Relaxed:
+def Hybrid(local: str = "gossip", global_every: int = 8, topology: str = "ring") -> Strategy:
     """Cheap local synchronisation every step, a global average every `global_every` steps:
     gossip with neighbours (`local='gossip'`), or none at all (`local='none'`, which is local
     SGD with period `global_every`)."""
@@ -227,3 +246,32 @@ def Hybrid(local: str = "gossip", global_every: int = 8, topology: str = "ring")
     if local == "none":
         return LocalSGD(period=global_every)
     raise ValueError(f"Hybrid local must be 'gossip' or 'none', got {local!r}")
+
+
+class LocalSGDConfig(StrategySection):
+    name: Literal["local_sgd"] = Field("local_sgd", description="the parallelism strategy")
+    period: int = Field(4, ge=1, description="local steps between parameter averages")
+    warmup_steps: int = Field(0, ge=0, description="fully synchronous steps first (post-local)")
+    beta: float = Field(1.0, gt=0, le=1, description="new = beta * average + (1-beta) * local")
+
+    def build(self, world_size: int, run_dir: Path) -> LocalSGD:
+        return LocalSGD(**self.options())
+
+
+class GossipConfig(StrategySection):
+    name: Literal["gossip"] = Field("gossip", description="the parallelism strategy")
+    topology: Literal["ring", "torus", "exponential"] = Field("ring", description="peers")
+    global_every: int | None = Field(
+        None, ge=1, description="hybrid: a global average every K steps"
+    )
+
+    def build(self, world_size: int, run_dir: Path) -> Gossip:
+        return Gossip(**self.options())
+
+
+class AdaptiveSyncConfig(StrategySection):
+    name: Literal["adaptive"] = Field("adaptive", description="the parallelism strategy")
+    threshold: float = Field(0.01, gt=0, description="relative drift that triggers an average")
+
+    def build(self, world_size: int, run_dir: Path) -> AdaptiveSync:
+        return AdaptiveSync(**self.options())

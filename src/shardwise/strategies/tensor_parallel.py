@@ -26,111 +26,33 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.parallel_ops import (
+    Split,
+    copy_to_parallel,
+    gather_from_parallel,
+    gather_split,
+    reduce_from_parallel,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 from shardwise.runtime import Runtime
-from shardwise.strategies.base import Strategy, UnsplitCheckpointsOnly, WrappedModel, square_sum
+from shardwise.section import StrategySection
+from shardwise.strategies.base import (
+    DistributedModel,
+    Strategy,
+    UnsplitCheckpointsOnly,
+    square_sum,
+)
 from shardwise.strategies.ddp import broadcast_module_state
-
-ProcessGroup = dist.ProcessGroup
-
-
-# ---- the two communication functions -----------------------------------------------------------
-class _CopyToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # Autograd may hand the same gradient tensor to several consumers (residual branches):
-        # reduce a copy, never it.
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-        out = x.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def copy_to_parallel(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return _CopyToParallel.apply(x, group)
-
-
-def reduce_from_parallel(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return _ReduceFromParallel.apply(x, group)
-
-
-# ---- how a dimension is split ------------------------------------------------------------------
-def split_bounds(size: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) of each rank's slice; the first `size % parts` ranks get one more."""
-    base, extra = divmod(size, parts)
-    bounds, start = [], 0
-    for r in range(parts):
-        end = start + base + (1 if r < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-@dataclass
-class Split:
-    """Dimension `dim` of a full tensor, made of `chunks` equal blocks (q, k, v for a fused
-    projection), each block cut into `parts` slices; rank r holds slice r of every block."""
-
-    dim: int
-    size: int
-    parts: int
-    chunks: int = 1
-
-    def __post_init__(self) -> None:
-        if self.size % self.chunks:
-            raise ValueError(f"size {self.size} is not {self.chunks} equal blocks")
-        self.block = self.size // self.chunks
-        self.bounds = split_bounds(self.block, self.parts)
-
-    def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        start, end = self.bounds[rank]
-        blocks = full.split(self.block, dim=self.dim)
-        return torch.cat([b.narrow(self.dim, start, end - start) for b in blocks], dim=self.dim)
-
-    def assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """Inverse of `take` over all ranks' pieces."""
-        per_rank = [p.split(p.shape[self.dim] // self.chunks, dim=self.dim) for p in pieces]
-        blocks = [torch.cat([r[c] for r in per_rank], dim=self.dim) for c in range(self.chunks)]
-        return torch.cat(blocks, dim=self.dim)
-
-
-def gather_split(local: torch.Tensor, split: Split, group: ProcessGroup | None) -> torch.Tensor:
-    """All ranks' slices (possibly of unequal sizes) reassembled into the full tensor."""
-    moved = local.detach().movedim(split.dim, 0).contiguous()
-    longest = max(e - s for s, e in split.bounds) * split.chunks
-    padded = torch.zeros((longest, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    padded[: moved.shape[0]] = moved
-    out = torch.empty((split.parts * longest, *moved.shape[1:]), dtype=moved.dtype,
-                      device=moved.device)  # fmt: skip
-    comm.all_gather_into_tensor(out.view(-1), padded.view(-1), group=group)
-    pieces = [
-        out[r * longest : r * longest + (e - s) * split.chunks].movedim(0, split.dim)
-        for r, (s, e) in enumerate(split.bounds)
-    ]
-    return split.assemble(pieces)
 
 
 # ---- the parallel layers -----------------------------------------------------------------------
@@ -192,20 +114,6 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_parallel(out, self.group)
 
 
-class _GatherFromParallel(torch.autograd.Function):
-    """All ranks' slices of the last dimension, concatenated; backward keeps this rank's."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split: Split, rank: int, group) -> torch.Tensor:
-        ctx.bounds = split.bounds[rank]
-        return gather_split(x, split, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        start, end = ctx.bounds
-        return grad[..., start:end], None, None, None
-
-
 class VocabParallelHead(ColumnParallelLinear):
     """The LM head, column-parallel over the vocabulary, with the embedding's row ranges. Its
     output is this rank's slice of the logits, for `vocab_parallel_cross_entropy`; with
@@ -221,54 +129,7 @@ class VocabParallelHead(ColumnParallelLinear):
         if not self.gather:
             return local
         last = Split(local.dim() - 1, self.split.size, self.split.parts)
-        return _GatherFromParallel.apply(local, last, self.rank, self.group)
-
-
-# ---- loss and prediction from vocabulary-sharded logits ----------------------------------------
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, group):
-        logits = logits.float()
-        top = logits.max(dim=-1).values
-        comm.all_reduce(top, group=group, op=dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)  # softmax is shift-invariant; this keeps exp finite
-        exp = shifted.exp()
-        total = exp.sum(dim=-1)
-        comm.all_reduce(total, group=group)
-        inside = (target >= start) & (target < start + logits.shape[-1])
-        local = (target - start).masked_fill(~inside, 0)
-        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-        comm.all_reduce(picked, group=group)  # exactly one rank contributes each target logit
-        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, inside)
-        return total.log() - picked
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        softmax, local, inside = ctx.saved_tensors
-        # d(-log softmax_target)/d logits = softmax - onehot(target); the onehot lives on one rank.
-        grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
-        return grad_logits * grad.unsqueeze(-1), None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, start: int, group: ProcessGroup | None
-) -> torch.Tensor:
-    """Mean cross-entropy from this rank's vocabulary slice [start, start + V_local) of the
-    logits (any leading shape); equals `F.cross_entropy` on the gathered logits."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), start, group).mean()
-
-
-def vocab_parallel_argmax(logits: torch.Tensor, start: int, group) -> torch.Tensor:
-    """argmax over the whole vocabulary from sharded logits (ties: the lowest index)."""
-    values, index = logits.max(dim=-1)
-    size = comm.group_size(group)
-    both = torch.stack([values.float(), (index + start).float()]).contiguous()
-    out = torch.empty((size, *both.shape), dtype=both.dtype, device=both.device)
-    comm.all_gather_into_tensor(out.view(-1), both.view(-1), group=group)
-    best = out[:, 0].argmax(dim=0, keepdim=True)  # first maximum = lowest rank = lowest index
-    return out[:, 1].gather(0, best).squeeze(0).long()
+        return gather_from_parallel(local, last, self.rank, self.group)
 
 
 # ---- the strategy ------------------------------------------------------------------------------
@@ -282,17 +143,61 @@ def _parse_style(style: str) -> tuple[str, int]:
     return name, int(chunks or 1)
 
 
-class TensorParallelModel(WrappedModel):
-    def __init__(self, module: nn.Module, group, parts: int, vocab: VocabParallelHead | None):
-        super().__init__(module)
-        self.group, self.parts, self.vocab_head = group, parts, vocab
+class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
+    """This rank's slices of the split layers, and the replicated rest."""
+
+    def __init__(self, module: nn.Module, runtime: Runtime, vocab: VocabParallelHead | None):
+        super().__init__(module, runtime)
+        self.group, self.vocab_head = runtime.group, vocab
+
+    def sharded_parameters(self) -> dict[str, Split]:
+        """Name -> how it is split, for every parameter that is not replicated."""
+        out = {}
+        for module_name, module in self.module.named_modules():
+            for pname, split in getattr(module, "splits", {}).items():
+                if getattr(module, pname, None) is not None:
+                    out[f"{module_name}.{pname}" if module_name else pname] = split
+        return out
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        splits = self.sharded_parameters()
+        return {
+            key: gather_split(value, splits[key], self.group) if key in splits else value.clone()
+            for key, value in self.module.state_dict().items()
+        }
+
+    def grad_square_sum(self) -> torch.Tensor:
+        splits = self.sharded_parameters()
+        named = [(n, p) for n, p in self.module.named_parameters() if p.grad is not None]
+        device = self.runtime.device
+        sharded = square_sum([p.grad for n, p in named if n in splits], device)
+        comm.all_reduce(sharded, group=self.group)  # disjoint slices: sum over ranks
+        return sharded + square_sum([p.grad for n, p in named if n not in splits], device)
+
+    def adapt_loss(self, loss_fn):
+        head = self.vocab_head
+        if head is None:
+            return loss_fn
+        return lambda logits, target: vocab_parallel_cross_entropy(
+            logits, target, head.start, self.group
+        )
+
+    def predict(self, logits: torch.Tensor) -> torch.Tensor:
+        head = self.vocab_head
+        if head is None:
+            return logits.argmax(-1)
+        return vocab_parallel_argmax(logits, head.start, self.group)
+
+    def data_shard(self) -> tuple[int, int]:
+        return 1, 0  # every rank of the group sees the same batch
 
 
-@dataclass
-class TensorParallel(UnsplitCheckpointsOnly, Strategy):
+@dataclass(frozen=True)
+class TensorParallel(Strategy):
     """Options for tensor parallel.
 
-    size: ranks the layers are split over (the world, or the mesh's tp dimension).
+    size: ranks the layers are split over (the world, or the mesh's tp axis).
     plan: module-name pattern -> style ('colwise[:CHUNKS]', 'rowwise', 'vocab_embedding',
         'vocab_head', 'heads' to divide an attention module's n_head); default: the model's
         TP_PLAN attribute.
@@ -322,31 +227,31 @@ class TensorParallel(UnsplitCheckpointsOnly, Strategy):
                 f"{type(model).__name__} has no TP_PLAN: pass TensorParallel(plan={{...}})"
             )
         broadcast_module_state(model, group=runtime.group)  # slice the same full weights
-        parts, rank, group = runtime.world_size, runtime.rank, runtime.group
         vocab_head = None
         names = dict(model.named_modules())
         for pattern, style in plan.items():
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             if not matched:
                 raise ValueError(f"tensor-parallel plan: no module matches {pattern!r}")
-            name, chunks = _parse_style(style)
             for module_name in matched:
-                module = names[module_name]
-                if name == "heads":
-                    if module.n_head % parts:
-                        raise ValueError(
-                            f"{module_name}: {module.n_head} heads do not split over {parts} ranks"
-                        )
-                    module.n_head //= parts
+                new = self._parallelize(names[module_name], module_name, style, runtime)
+                if new is None:
                     continue
-                new = self._parallel_layer(name, module, module_name, rank, parts, group, chunks)
                 parent, _, child = module_name.rpartition(".")
                 setattr(names[parent] if parent else model, child, new)
-                if name == "vocab_head":
+                if isinstance(new, VocabParallelHead):
                     vocab_head = new
-        return TensorParallelModel(model, group, parts, vocab_head if self.loss_parallel else None)
+        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
 
-    def _parallel_layer(self, style, module, name, rank, parts, group, chunks) -> nn.Module:
+    def _parallelize(self, module, name: str, style: str, rt: Runtime) -> nn.Module | None:
+        """The parallel layer replacing `module`, or None where it is changed in place."""
+        style, chunks = _parse_style(style)
+        parts, rank, group = rt.world_size, rt.rank, rt.group
+        if style == "heads":
+            if module.n_head % parts:
+                raise ValueError(f"{name}: {module.n_head} heads do not split over {parts} ranks")
+            module.n_head //= parts
+            return None
         expected = nn.Embedding if style == "vocab_embedding" else nn.Linear
         if not isinstance(module, expected):
             raise ValueError(f"{name}: style {style!r} needs an {expected.__name__}")
@@ -358,48 +263,19 @@ class TensorParallel(UnsplitCheckpointsOnly, Strategy):
             return VocabParallelEmbedding(module, rank, parts, group)
         return VocabParallelHead(module, rank, parts, group, gather=not self.loss_parallel)
 
-    def make_optimizer(
-        self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        return optimizer_cls(model.module.parameters(), **kwargs)
 
-    def sharded_parameters(self, model: nn.Module) -> dict[str, Split]:
-        """Name -> how it is split, for every parameter that is not replicated."""
-        out = {}
-        for module_name, module in model.module.named_modules():
-            for pname, split in getattr(module, "splits", {}).items():
-                if getattr(module, pname, None) is not None:
-                    out[f"{module_name}.{pname}" if module_name else pname] = split
-        return out
+class TPConfig(StrategySection):
+    name: Literal["tp"] = Field("tp", description="the parallelism strategy")
+    size: int | None = Field(None, ge=1, description="ranks per model (default: the world)")
+    loss_parallel: bool = Field(
+        True, description="loss from vocabulary-sharded logits (never gathered)"
+    )
 
-    @torch.no_grad()
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        splits = self.sharded_parameters(model)
-        return {
-            key: gather_split(value, splits[key], model.group) if key in splits else value.clone()
-            for key, value in model.module.state_dict().items()
-        }
+    def build(self, world_size: int, run_dir: Path) -> TensorParallel:
+        return TensorParallel(**self.options())
 
-    def grad_square_sum(self, model: nn.Module) -> torch.Tensor:
-        splits = self.sharded_parameters(model)
-        named = [(n, p) for n, p in model.module.named_parameters() if p.grad is not None]
-        sharded = square_sum([p.grad for n, p in named if n in splits])
-        comm.all_reduce(sharded, group=model.group)  # disjoint slices: sum over ranks
-        return sharded + square_sum([p.grad for n, p in named if n not in splits])
+    def ranks_needed(self) -> int | None:
+        return self.size
 
-    def adapt_loss(self, model: nn.Module, loss_fn):
-        head = model.vocab_head
-        if head is None:
-            return loss_fn
-        return lambda logits, target: vocab_parallel_cross_entropy(
-            logits, target, head.start, model.group
-        )
-
-    def predict(self, model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-        head = model.vocab_head
-        if head is None:
-            return logits.argmax(-1)
-        return vocab_parallel_argmax(logits, head.start, model.group)
-
-    def data_shard(self, model: nn.Module) -> tuple[int, int]:
-        return 1, 0  # every rank of the group sees the same batch
+    def describe(self) -> str:
+        return "tensor parallel"

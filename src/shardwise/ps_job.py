@@ -19,7 +19,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,23 +32,18 @@ from shardwise.jobs import OPTIMIZERS, Job, build_job, straggler_delay
 from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
 from shardwise.ps.server import WorkQueue
 from shardwise.ps.sharding import trainable
-from shardwise.ps.worker import ParameterServer
-from shardwise.reporting import MetricsFile, print_key_values
+from shardwise.reporting import MetricsFile, write_summary
+from shardwise.trainer import evaluate
 
-SUPERVISED = "SHARDWISE_PS_ATTEMPT"  # set by our supervisor (`launch.py`) in every process
-
-
-def strategy_from(cfg: Config) -> ParameterServer:
-    options = cfg.strategy.model_dump(exclude={"name", "workers", "worker_delay_s", "eval_every"})
-    return ParameterServer(**options)
+SUPERVISED = "SHARDWISE_PS_ATTEMPT"  # set by our supervisor (`ps_supervisor.py`) in each process
 
 
-def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
+def run_role(cfg: Config, run_dir: Path) -> None:
     started = time.perf_counter()
     rt = sw.init(backend="gloo", timeout_s=cfg.launch.comm_timeout_s)
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)
     job = build_job(cfg)
-    strategy = dataclasses.replace(strategy_from(cfg), snapshot_dir=str(snapshot_dir))
+    strategy = cfg.strategy.build(rt.world_size, run_dir)
     out = run_dir / "ps"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid{rt.rank}").write_text(str(os.getpid()))  # for operators (and failure tests)
@@ -83,30 +77,42 @@ def run_role(cfg: Config, run_dir: Path, snapshot_dir: Path) -> None:
 
 
 def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: float) -> None:
-    """Servers and relays count themselves done in the store. Under our supervisor, it writes
-    the summary; under torchrun (several machines, say), server 0 does, once all have written
-    (their files must be visible here: one machine, or a shared run directory)."""
-    if SUPERVISED in os.environ:  # (and the store may already be gone with rank 0)
-        return
+    """Servers and relays count themselves done in the store. Rank 0 hosts the store, so it
+    leaves last (another server may still be watching heartbeats through it). Under our
+    supervisor, the supervisor writes the summary; under torchrun (several machines, say),
+    server 0 does, once all have written (their files must be visible here: one machine, or a
+    shared run directory)."""
     store = dist.distributed_c10d._get_default_store()
     store.add("shardwise/ps/written", 1)
     if rank != 0:
         return
-    serving, deadline = strategy.servers + strategy.relays, time.monotonic() + 600
+    serving = strategy.servers + strategy.relays
+    deadline = time.monotonic() + max(60.0, 4 * strategy.timeout_s)
     while (written := store.add("shardwise/ps/written", 0)) < serving:
         if time.monotonic() > deadline:
-            print(f"shardwise: no summary: {serving - written} server(s) or relay(s) did not "
-                  "finish within 10 minutes of server 0", flush=True)  # fmt: skip
+            print(
+                f"shardwise: {serving - written} server(s) or relay(s) did not finish "
+                "in time after server 0",
+                flush=True,
+            )
             return
         time.sleep(0.05)
-    missing = [r for r in range(strategy.servers)
-               if not (run_dir / "ps" / f"server{r}.safetensors").exists()]  # fmt: skip
+    if SUPERVISED in os.environ:
+        return
+    missing = [
+        r
+        for r in range(strategy.servers)
+        if not (run_dir / "ps" / f"server{r}.safetensors").exists()
+    ]
     if missing:
         where = run_dir / "ps"
-        print(f"shardwise: no summary: the shards of servers {missing} are not in {where} "
-              "on this machine (use a shared run directory)", flush=True)  # fmt: skip
+        print(
+            f"shardwise: no summary: the shards of servers {missing} are not in {where} "
+            "on this machine (use a shared run directory)",
+            flush=True,
+        )
         return
-    print_ps_summary(summarise(cfg, run_dir, time.perf_counter() - started, {}))
+    summarise(cfg, run_dir, time.perf_counter() - started, {})
 
 
 def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
@@ -123,37 +129,41 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
         opt.step()
         opt.zero_grad()
         step += 1
-        record = {"step": step, "t": time.perf_counter() - start, "loss": loss.item(),
-                  "samples": len(indices), "step_time_s": time.perf_counter() - t0,
-                  "wait_s": opt.last_wait_s, "version": model.client.version}  # fmt: skip
+        record = {
+            "step": step,
+            "t": time.perf_counter() - start,
+            "loss": loss.item(),
+            "samples": len(indices),
+            "step_time_s": time.perf_counter() - t0,
+            "wait_s": model.last_wait_s,
+            "version": model.client.version,
+        }
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            record["eval_accuracy"] = evaluate(model.module, job)[1]
+            batch = cfg.train.eval_batch_size
+            record["eval_accuracy"] = evaluate(model, job, batch, everyone=False)[1]
         metrics.write(record)
     metrics.close()
     strategy.close(model)
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, job: Job) -> tuple[float, float]:
-    """Loss and accuracy on the whole test split (in this process, no communication)."""
-    x, y = default_collate([job.splits.test[i] for i in range(len(job.splits.test))])
-    logits = model(x)
-    return job.loss_fn(logits, y).item(), (logits.argmax(-1) == y).float().mean().item()
-
-
 def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int]) -> dict:
     """Put the servers' shards together into the model, evaluate it, write the summary."""
     out = run_dir / "ps"
-    servers = [json.loads((out / f"server{r}.json").read_text())
-               for r in range(cfg.strategy.servers)]  # fmt: skip
-    flat = torch.cat([load_file(str(out / f"server{r}.safetensors"))["flat"]
-                      for r in range(cfg.strategy.servers)])  # fmt: skip
+    servers = [
+        json.loads((out / f"server{r}.json").read_text()) for r in range(cfg.strategy.servers)
+    ]
+    flat = torch.cat(
+        [
+            load_file(str(out / f"server{r}.safetensors"))["flat"]
+            for r in range(cfg.strategy.servers)
+        ]
+    )
     job = build_job(cfg)
     with torch.no_grad():
         params = trainable(job.model)
         for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.copy_(value.view_as(p))
-    eval_loss, accuracy = evaluate(job.model, job)
+    eval_loss, accuracy = evaluate(job.model, job, cfg.train.eval_batch_size, everyone=False)
     save_model(run_dir / "checkpoint", job.model.state_dict(), {"name": cfg.name, "ps": True})
     workers = {}
     for path in sorted(out.glob("worker*.jsonl")):
@@ -171,9 +181,7 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     dead = {w: s for w, s in dead.items() if w >= cfg.strategy.servers + cfg.strategy.relays}
     summary = {
         "name": cfg.name,
-        "strategy": f"parameter server ({cfg.strategy.mode}, {cfg.strategy.servers} server(s), "
-        + (f"{cfg.strategy.relays} relays, " if cfg.strategy.relays else "")
-        + f"{cfg.strategy.workers} workers)",
+        "strategy": cfg.strategy.describe(),
         "updates": servers[0]["updates"],
         "pushes_into_servers": sum(report["pushes_received"] for report in servers),
         "samples": samples,
@@ -190,7 +198,7 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
         "wall_time_s": wall_s,
         "run_dir": str(run_dir),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_summary(run_dir, summary)
     return summary
 
 
@@ -208,21 +216,3 @@ def _plot_staleness(histogram: dict[str, int], path: Path, mode: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def print_ps_summary(summary: dict[str, Any]) -> None:
-    rows = [
-        ("strategy", summary["strategy"]),
-        ("updates (pushes into the servers)",
-         f"{summary['updates']} ({summary['pushes_into_servers']})"),
-        ("samples/s", f"{summary['samples_per_s']:,.1f}"),
-        ("eval loss", f"{summary['eval_loss']:.4f}"),
-        ("eval accuracy", f"{100 * summary['eval_accuracy']:.2f} %"),
-        ("staleness (mean; histogram)",
-         f"{summary['staleness_mean']:.2f}; {summary['staleness_histogram']}"),
-        ("dead workers (rank: silent s)",
-         ", ".join(f"{w}: {s:.1f}" for w, s in summary["dead_workers"].items()) or "none"),
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("run directory", summary["run_dir"]),
-    ]  # fmt: skip
-    print_key_values(f"shardwise run: {summary['name']}", rows)

@@ -30,8 +30,13 @@ def _free_port() -> int:
 
 def _start(argv: list[str], nproc: int, threads: int | None, attempt: int) -> list:
     env = {**os.environ, **worker_environment(nproc, threads)}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc), SHARDWISE_PS_ATTEMPT=str(attempt))  # fmt: skip
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        SHARDWISE_PS_ATTEMPT=str(attempt),
+    )
     return [
         subprocess.Popen([sys.executable, *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(nproc)
@@ -55,8 +60,11 @@ def supervise(argv: list[str], servers: int, nproc: int, threads: int | None, re
                     server_failed = True
                     print(f"shardwise: ps server rank {rank} exited with code {code}", flush=True)
                 else:
-                    print(f"shardwise: ps worker rank {rank} exited with code {code}; "
-                          "the others go on", flush=True)  # fmt: skip
+                    print(
+                        f"shardwise: ps worker rank {rank} exited with code {code}; "
+                        "the others go on",
+                        flush=True,
+                    )
             if server_failed:
                 for p in procs:
                     p.kill()
@@ -73,18 +81,17 @@ def supervise(argv: list[str], servers: int, nproc: int, threads: int | None, re
     return False, failures
 
 
-def run_ps_job(cfg: Config, resolved: Path, run_dir: Path) -> int:
-    from shardwise.ps.job import print_ps_summary, summarise
+def run_ps_job(cfg: Config, argv: list[str], run_dir: Path) -> int:
+    """Run the roles (`argv`: `shardwise train CONFIG --run-dir RUN_DIR`), then summarise."""
+    from shardwise.ps_job import summarise
 
-    argv = ["-m", "shardwise", "train", str(resolved), "--run-dir", str(run_dir)]
+    argv = ["-m", *argv]
     restarts = 1 if cfg.strategy.snapshot_every else 0
     started = time.perf_counter()
     serving = cfg.strategy.servers + cfg.strategy.relays
-    ok, failures = supervise(argv, serving, cfg.launch.nproc,
-                             cfg.launch.threads_per_rank, restarts)  # fmt: skip
+    ok, failures = supervise(argv, serving, cfg.launch.nproc, cfg.launch.threads_per_rank, restarts)
     if not ok:
         print(f"shardwise: the parameter-server job failed ({failures})", file=sys.stderr)
         return 1
-    summary = summarise(cfg, run_dir, time.perf_counter() - started, failures)
-    print_ps_summary(summary)
+    summarise(cfg, run_dir, time.perf_counter() - started, failures)
     return 0

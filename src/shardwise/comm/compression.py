@@ -10,7 +10,9 @@ approximately, while sending less. Two shapes of exchange exist:
 
 Biased codecs (top-k, random-k, sign) keep **error feedback** (Seide et al. 2014; Karimireddy
 et al. 2019): what a step did not send is added to the next step's gradient, so nothing is
-lost, only delayed. State is kept per buffer (keyed by the caller).
+lost, only delayed. State is kept per buffer, keyed by the buffer's index (the order in which
+the strategy describes its buffers), and `state_dict` saves all of it, random generators
+included, so a resumed run continues bit-identically.
 The bytes counted by the accounting layer are those of the tensors really exchanged.
 """
 
@@ -22,9 +24,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardwise import comm
-from shardwise.comm.algorithms import _ThreadedAllReduce
-from shardwise.comm.collectives import ProcessGroup, group_size
+from shardwise.comm.algorithms import ThreadedAllReduce
+from shardwise.comm.collectives import (
+    ProcessGroup,
+    all_gather_into_tensor,
+    all_reduce,
+    group_size,
+)
 
 
 class Codec(ABC):
@@ -33,18 +39,36 @@ class Codec(ABC):
     name = "codec"
 
     def __init__(self) -> None:
-        self.residuals: dict[object, torch.Tensor] = {}
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.generator: torch.Generator | None = None  # codecs that draw random numbers
 
     @abstractmethod
-    def reduce(self, buffer: torch.Tensor, group: ProcessGroup | None, key: object) -> None:
+    def reduce(self, buffer: torch.Tensor, group: ProcessGroup | None, key: int) -> None:
         """Replace `buffer` (this rank's contribution) by the decoded sum over the group."""
 
-    def with_feedback(self, buffer: torch.Tensor, key: object) -> torch.Tensor:
+    def describe(self, key: int, shapes: list[torch.Size]) -> None:  # noqa: B027 - optional
+        """Buffer `key` holds tensors of `shapes` (PowerSGD compresses each matrix)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything the next reduction depends on: residuals and the random generator."""
+        state = {f"residual.{k}": v for k, v in self.residuals.items()}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {
+            int(k.split(".")[1]): v.clone() for k, v in state.items() if k.startswith("residual.")
+        }
+        if self.generator is not None and "generator" in state:
+            self.generator.set_state(state["generator"])
+
+    def with_feedback(self, buffer: torch.Tensor, key: int) -> torch.Tensor:
         """The buffer plus what earlier steps left unsent (error feedback)."""
         residual = self.residuals.get(key)
         return buffer if residual is None else buffer + residual
 
-    def keep_residual(self, key: object, corrected: torch.Tensor, sent: torch.Tensor) -> None:
+    def keep_residual(self, key: int, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         """Remember exactly what was not sent: `corrected - sent`."""
         self.residuals[key] = corrected - sent
 
@@ -59,7 +83,7 @@ class CastCodec(Codec):
 
     def reduce(self, buffer, group, key) -> None:
         low = buffer.to(self.dtype)
-        comm.all_reduce(low, group=group)
+        all_reduce(low, group=group)
         buffer.copy_(low)
 
 
@@ -67,7 +91,7 @@ def _gather(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All ranks' equal-sized tensors stacked along a new first dimension."""
     n = group_size(group)
     out = torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    comm.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=group)
+    all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=group)
     return out
 
 
@@ -208,14 +232,33 @@ class PowerSGD(Codec):
         # Plain all-reduce for the first `start_iter` reductions of each buffer: the start of
         # training is the most sensitive to approximate gradients (torch's start_powerSGD_iter).
         self.start_iter = start_iter
-        self.calls: dict[object, int] = {}
+        self.calls: dict[int, int] = {}
         self.generator = torch.Generator().manual_seed(seed)
-        self.shapes: dict[object, list[torch.Size]] = {}
-        self.qs: dict[object, list[torch.Tensor]] = {}
+        self.shapes: dict[int, list[torch.Size]] = {}
+        self.qs: dict[int, list[torch.Tensor]] = {}
 
-    def describe(self, key: object, shapes: list[torch.Size]) -> None:
+    def describe(self, key: int, shapes: list[torch.Size]) -> None:
         """The shapes of the tensors that make up buffer `key`, in order."""
         self.shapes[key] = [torch.Size(s) for s in shapes]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = super().state_dict()
+        state.update({f"calls.{k}": torch.tensor(n) for k, n in self.calls.items()})
+        for k, qs in self.qs.items():
+            state.update({f"q.{k}.{i}": q for i, q in enumerate(qs)})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+        self.calls = {
+            int(k.split(".")[1]): int(v) for k, v in state.items() if k.startswith("calls.")
+        }
+        qs: dict[int, dict[int, torch.Tensor]] = {}
+        for name, q in state.items():
+            if name.startswith("q."):
+                _, key, i = name.split(".")
+                qs.setdefault(int(key), {})[int(i)] = q.clone()
+        self.qs = {k: [by_index[i] for i in sorted(by_index)] for k, by_index in qs.items()}
 
     def _matrix_rank(self, shape: torch.Size) -> int | None:
         """The rank to compress a tensor of `shape` with, or None to send it as it is."""
@@ -228,7 +271,7 @@ class PowerSGD(Codec):
     def reduce(self, buffer, group, key) -> None:
         self.calls[key] = self.calls.get(key, 0) + 1
         if self.calls[key] <= self.start_iter:
-            comm.all_reduce(buffer, group=group)
+            all_reduce(buffer, group=group)
             return
         shapes = self.shapes.get(key, [buffer.shape])
         corrected = self.with_feedback(buffer, key)
@@ -270,7 +313,7 @@ class PowerSGD(Codec):
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        comm.all_reduce(flat, group=group)
+        all_reduce(flat, group=group)
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.copy_(piece.view_as(t))
 
@@ -298,7 +341,7 @@ def make_codec(spec: str) -> Codec:
     )
 
 
-class CompressedAllReduce(_ThreadedAllReduce):
+class CompressedAllReduce(ThreadedAllReduce):
     """A DDP all-reduce algorithm that runs a codec on the communication thread."""
 
     def __init__(self, codec: Codec, timeout: timedelta | None) -> None:
@@ -306,12 +349,19 @@ class CompressedAllReduce(_ThreadedAllReduce):
         self.codec = codec
         self.op = f"compressed_{codec.name}"
         self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
+        self.index: dict[int, int] = {}  # a buffer's address -> its index (the codec's key)
 
     def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
-        """Tell shape-aware codecs (PowerSGD) which tensors a bucket holds."""
-        if hasattr(self.codec, "describe"):
-            self.codec.describe(buffer.data_ptr(), shapes)
+        # A bucket's buffer lives as long as the model: its address finds its index.
+        key = self.index.setdefault(buffer.data_ptr(), len(self.index))
+        self.codec.describe(key, shapes)
 
     def _run(self, buffer: torch.Tensor) -> None:
-        # A bucket's buffer lives as long as the model: its address names its error feedback.
-        self.codec.reduce(buffer, self.group, key=buffer.data_ptr())
+        key = self.index.setdefault(buffer.data_ptr(), len(self.index))
+        self.codec.reduce(buffer, self.group, key=key)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.codec.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.codec.load_state_dict(state)

@@ -1,0 +1,56 @@
+"""Start a training job on this machine: its run directory, then its processes.
+
+`run_job` is what `shardwise train` does outside a worker, and what the benchmarks call: it
+creates the run directory (`runs/<name>-<time>` unless one is given), writes the resolved
+config there, and starts the ranks, with torchrun's elastic agent, or, for a parameter-server
+job, with our supervisor (which survives dead workers). Each rank then runs `trainer.train`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from shardwise.config import Config, ConfigError, dump_config
+from shardwise.ps.worker import PSConfig
+
+
+def new_run_dir(cfg: Config, requested: str | Path | None = None) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(requested or Path(cfg.launch.runs_dir) / f"{cfg.name}-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
+    """The config with `launch.nproc` the strategy's own where it fixes one (the roles of a
+    parameter-server job, unless given); a one-line error where they disagree."""
+    needed = cfg.strategy.ranks_needed()
+    if isinstance(cfg.strategy, PSConfig) and not nproc_given:
+        cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"nproc": needed})})
+    if needed is not None and needed != cfg.launch.nproc:
+        raise ConfigError(
+            f"config error: strategy {cfg.strategy.name!r} needs {needed} ranks, "
+            f"but launch.nproc is {cfg.launch.nproc}"
+        )
+    return cfg
+
+
+def run_job(cfg: Config, run_dir: str | Path | None = None) -> int:
+    """Run the job on `cfg.launch.nproc` local processes; 0 on success. A failed rank raises
+    `LaunchError` (torchrun's agent stopped the others); a failed parameter-server job returns
+    1 after saying why."""
+    from shardwise.launcher import launch
+
+    cfg = fit_ranks(cfg, nproc_given=True)
+    run_dir = new_run_dir(cfg, run_dir)
+    resolved = run_dir / "config.yaml"
+    resolved.write_text(dump_config(cfg))
+    print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
+    argv = ["shardwise", "train", str(resolved), "--run-dir", str(run_dir)]
+    if isinstance(cfg.strategy, PSConfig):  # a supervisor of our own: a dead worker must not end it
+        from shardwise.ps_supervisor import run_ps_job
+
+        return run_ps_job(cfg, argv, run_dir)
+    launch(argv, cfg.launch.nproc, cfg.launch.threads_per_rank)
+    return 0

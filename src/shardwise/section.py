@@ -1,0 +1,41 @@
+"""Config sections: typed, validated fields, each with a description (pydantic models).
+
+A strategy declares its YAML section beside its options, in its own module: a `StrategySection`
+whose `name` picks it and whose `build` makes the strategy. `config.py` assembles the sections
+into one `Config`; nothing else needs to know the strategy exists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from shardwise.strategies.base import Strategy
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StrategySection(Section):
+    """The `strategy:` section of one strategy (`name` is its discriminator)."""
+
+    name: str
+
+    def build(self, world_size: int) -> Strategy:
+        """The strategy these options describe, for a job of `world_size` ranks."""
+        raise NotImplementedError
+
+    def ranks_needed(self) -> int | None:
+        """The world size the options fix, where they fix one (model parallel, PS roles)."""
+        return None
+
+    def describe(self) -> str:
+        """A few words for the summary table."""
+        return self.name
+
+    def options(self, exclude: set[str] = frozenset()) -> dict:
+        """The fields that map one to one onto the strategy's options."""
+        return self.model_dump(exclude={"name", *exclude})

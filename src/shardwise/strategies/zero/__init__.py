@@ -1,0 +1,116 @@
+"""ZeRO: data parallel without the redundancy (Rajbhandari et al., SC 2020).
+
+Plain data parallel keeps 16 bytes per parameter on every rank with fp32 Adam: parameters (4),
+gradients (4) and optimizer state (8). ZeRO shards them over the N ranks, stage by stage, each
+stage a short extension of the one before:
+
+- `stage1.py`: the optimizer state (4P + 4P + 8P/N);
+- `stage2.py`: + the gradients (4P + 12P/N);
+- `stage3.py`: + the parameters, gathered unit by unit around forward and backward (16P/N).
+
+`units.py` holds the flat, padded buffers every stage shards; `masters.py` what the optimizer
+steps (the buffer's slices, or fp32 master weights with loss scaling, offloadable).
+Any element-wise `torch.optim` optimizer (SGD, Adam, AdamW, ...) works unchanged on the slices.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch import nn
+
+from shardwise.mixed_precision import compute_dtype
+from shardwise.runtime import Runtime
+from shardwise.section import StrategySection
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.zero.masters import FP32Masters, ShardViews
+from shardwise.strategies.zero.stage1 import ZeroStage1
+from shardwise.strategies.zero.stage2 import ZeroStage2
+from shardwise.strategies.zero.stage3 import ZeroStage3, stage3_units
+
+STAGES: dict[int, type[ZeroStage1]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+
+
+@dataclass(frozen=True)
+class ZeRO(Strategy):
+    """Options for ZeRO.
+
+    stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) sharded over the ranks.
+    bucket_mb: stages 1/2: size of the flat units gradients are reduce-scattered in.
+    mixed_precision: None (fp32), 'bf16' or 'fp16' compute and communication, with fp32 master
+        weights in the sharded optimizer; 'fp16' adds dynamic loss scaling.
+    offload: None, 'cpu' (master weights, their gradients and optimizer state in host memory
+        while training on a GPU) or 'disk' (the same in memory-mapped files, stepped and paged
+        in shard by shard).
+    offload_dir: offload='disk': where each rank makes a fresh directory of its own for those
+        files (removed when the model is closed); default: the system's temporary directory
+        (`shardwise train` uses the run directory).
+    """
+
+    stage: int = 1
+    bucket_mb: float = 25.0
+    mixed_precision: str | None = None
+    offload: str | None = None
+    offload_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        compute_dtype(self.mixed_precision)  # validates the name
+        if self.offload not in (None, "cpu", "disk"):
+            raise ValueError(f"offload must be None, 'cpu' or 'disk', got {self.offload!r}")
+        if self.stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+    def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroStage1:
+        broadcast_module_state(model, group=runtime.group)
+        # fp32 masters apart from the compute copy: with mixed precision, and with offload.
+        if self.mixed_precision is None and self.offload is None:
+            masters = ShardViews(next(model.parameters()).dtype)
+        else:
+            device = torch.device("cpu") if self.offload else None
+            masters = FP32Masters(self.mixed_precision, device, runtime.device)
+        offload_dir = None
+        if self.offload == "disk":  # unique per rank and job, even in a shared parent
+            parent = self.offload_dir or tempfile.gettempdir()
+            Path(parent).mkdir(parents=True, exist_ok=True)
+            prefix = f"shardwise-offload-rank{dist.get_rank()}-"
+            offload_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        stage = STAGES[self.stage]
+        return stage(model, runtime, masters, int(self.bucket_mb * 2**20), offload_dir)
+
+
+class ZeROConfig(StrategySection):
+    name: Literal["zero"] = Field("zero", description="the parallelism strategy")
+    stage: Literal[1, 2, 3] = Field(
+        1, description="1: optimizer state, 2: + gradients, 3: + parameters sharded"
+    )
+    bucket_mb: float = Field(25.0, gt=0, description="stages 1/2: flat unit size in MiB")
+    mixed_precision: Literal["bf16", "fp16"] | None = Field(
+        None, description="compute dtype over fp32 master weights; fp16 adds loss scaling"
+    )
+    offload: Literal["cpu", "disk"] | None = Field(
+        None, description="master weights and optimizer state in host memory, or on disk"
+    )
+    offload_dir: str | None = Field(
+        None,
+        description="offload=disk: where each rank makes its own directory of memory-mapped "
+        "files (default: the run directory)",
+    )
+
+    def build(self, world_size: int, run_dir: Path) -> ZeRO:
+        offload_dir = self.offload_dir or str(run_dir)
+        return ZeRO(**self.options(exclude={"offload_dir"}), offload_dir=offload_dir)
+
+    def describe(self) -> str:
+        return f"zero-{self.stage}"
+
+
+__all__ = ["STAGES", "ZeRO", "ZeROConfig", "ZeroStage1", "ZeroStage2", "ZeroStage3", "stage3_units"]

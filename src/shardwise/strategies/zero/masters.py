@@ -1,0 +1,103 @@
+"""What ZeRO's optimizer steps: this rank's slice of the compute buffer itself, or fp32 master
+weights beside it (mixed precision, offload). One object, chosen once, composed into the stage.
+
+`ShardViews`: no second copy. Stages 1/2 step a view of the unit's buffer, so stepping updates
+the model; stage 3 steps a clone, the only persistent copy of the slice.
+
+`FP32Masters`: fp32 master slices (Micikevicius et al., ICLR 2018), in host memory when
+offloaded, beside a compute copy in bf16/fp16 (or fp32 with offload alone). Gradients arrive in
+the compute dtype, are divided by the loss scale (fp16) and accumulate in fp32; a step whose
+gradients overflowed on any rank is skipped while the scale backs off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.mixed_precision import LossScaler, compute_dtype, install_casts
+from shardwise.strategies.zero.units import FlatUnit
+
+
+class ShardViews:
+    """The optimizer steps the compute buffer's slices directly."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.compute_dtype = dtype
+
+    def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
+        own = unit.own(unit.full)
+        return nn.Parameter(own if view else own.clone())
+
+    def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
+        """The reduced slice becomes the shard's gradient."""
+        if keep_full:  # gradients stay views of the persistent buffer (4P + 4P + 8P/N)
+            if shard.grad is not None:
+                raise RuntimeError(
+                    "ZeRO stage 1 accumulates gradients only inside no_sync(): call "
+                    "optimizer.zero_grad() after each step"
+                )
+            own = unit.own(unit.grad_full)
+            own.copy_(unit.reduced)
+            shard.grad = own
+        else:
+            add_grad(shard, unit.reduced)
+
+    def step_allowed(self, grads: list[torch.Tensor]) -> bool:
+        return True
+
+    def install(self, model: nn.Module) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+class FP32Masters:
+    """fp32 master slices on `device`, a compute copy in `mixed_precision` (None: fp32)."""
+
+    def __init__(
+        self, mixed_precision: str | None, device: torch.device | None, scaler_device
+    ) -> None:
+        self.compute_dtype = compute_dtype(mixed_precision)
+        self.mixed = mixed_precision is not None
+        self.device = device
+        self.scaler = LossScaler(scaler_device) if mixed_precision == "fp16" else None
+
+    def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
+        master = unit.master_init if self.mixed else unit.own(unit.full).clone()
+        return nn.Parameter(master.to(self.device or master.device))
+
+    def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
+        reduced = unit.reduced.to(shard.device, shard.dtype)
+        if self.scaler is not None:
+            reduced.div_(self.scaler.scale)
+        add_grad(shard, reduced)
+        if keep_full:  # reduced into the master: the next backward starts at zero
+            unit.grad_full.zero_()
+
+    def step_allowed(self, grads: list[torch.Tensor]) -> bool:
+        """False on an fp16 overflow on any rank (the step is skipped, the scale halves)."""
+        if self.scaler is None:
+            return True
+        overflow = self.scaler.found_overflow(grads)
+        self.scaler.after_step(overflow)
+        return not overflow
+
+    def install(self, model: nn.Module) -> None:
+        if self.mixed:
+            install_casts(model, self.compute_dtype, self.scaler)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state)
+
+
+def add_grad(shard: nn.Parameter, grad: torch.Tensor) -> None:
+    shard.grad = grad if shard.grad is None else shard.grad.add_(grad)

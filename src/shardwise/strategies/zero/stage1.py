@@ -1,0 +1,256 @@
+"""ZeRO stage 1: the optimizer state sharded over the N ranks (Rajbhandari et al., SC 2020).
+
+Parameters are flattened into units (padded so N divides them); rank r owns slice r of every
+unit and its optimizer sees only those slices, so Adam's 8 bytes per parameter become 8/N.
+During backward each unit's full gradient is reduce-scattered as soon as it is complete (the
+bucket scheduling DDP uses): every rank receives the averaged slice it owns. The rank steps its
+slices, then every unit's updated slices are all-gathered into the full parameters.
+
+Memory with fp32 Adam: 4P parameters + 4P gradients (kept, as in DDP: the parameters' `.grad`
+are views into each unit's full gradient buffer) + 8P/N optimizer state. Communication:
+reduce-scatter + all-gather, the volume of one all-reduce, as DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.runtime import Runtime
+from shardwise.strategies.base import (
+    DistributedModel,
+    DistributedOptimizer,
+    buffer_tensors,
+    load_buffers,
+    prefixed,
+    square_sum,
+    unprefixed,
+)
+from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
+from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
+from shardwise.strategies.zero.masters import FP32Masters, ShardViews
+from shardwise.strategies.zero.units import FlatUnit
+
+
+class ZeroStage1(DistributedModel):
+    """Units, the optimizer's shards and the hooks that reduce gradients into them."""
+
+    stage = 1
+    keeps_full_grads = True  # the full gradient buffers persist between steps (stage 1 only)
+    shard_is_view = True  # the shard is a view of the compute buffer (not stage 3)
+
+    def __init__(
+        self,
+        module: nn.Module,
+        runtime: Runtime,
+        masters: ShardViews | FP32Masters,
+        bucket_bytes: int,
+        offload_dir: Path | None = None,
+    ) -> None:
+        super().__init__(module, runtime)
+        self.masters, self.offload_dir = masters, offload_dir
+        self.disk_step: DiskOffloadedStep | None = None
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names = {p: n for n, p in named}
+        self.units = [
+            FlatUnit(params, runtime.rank, runtime.world_size, masters.compute_dtype, runtime.group)
+            for params in self.unit_params([p for _, p in named], bucket_bytes)
+        ]
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        self.shards = [masters.make_shard(u, view=self.shard_is_view) for u in self.units]
+        # Gradients become ready roughly in reverse forward order: reduce units in that order.
+        order = list(reversed(range(len(self.units))))
+        self.backward = BucketedBackward(
+            [self.units[i].params for i in order],
+            self.names,
+            BucketCallbacks(
+                self._on_grad, lambda k: self._launch(order[k]), self._zero, self._finish
+            ),
+            find_unused_parameters=False,
+        )
+        self.prepare_units()
+        masters.install(module)
+
+    def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
+        """Which parameters share a unit: buckets by size, in reverse registration order."""
+        return assign_buckets(params, bucket_bytes)
+
+    def prepare_units(self) -> None:
+        for u in self.units:
+            u.grad_full = torch.zeros_like(u.full)
+
+    # ---- gradients: fill the unit's full gradient buffer, reduce-scatter it, keep our slice
+    def _on_grad(self, p: nn.Parameter) -> None:
+        # Gradients stay views into the persistent buffer (as in DDP).
+        slot = self.unit_of[p].slot(self.unit_of[p].grad_full, p)
+        if p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+            p.grad = slot
+
+    def _zero(self, p: nn.Parameter) -> None:
+        unit = self.unit_of[p]
+        if unit.grad_full is None:
+            unit.grad_full = torch.zeros_like(unit.full)
+        unit.slot(unit.grad_full, p).zero_()
+
+    def _launch(self, index: int) -> None:
+        unit = self.units[index]
+        unit.grad_full.div_(self.runtime.world_size)  # average, before summing (fp16-safe)
+        unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
+        unit.handle = comm.reduce_scatter_tensor(
+            unit.reduced, unit.grad_full, group=self.runtime.group, async_op=True
+        )
+
+    def _finish(self) -> None:
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            unit.handle.wait()
+            unit.handle = None
+            self.masters.take_grad(unit, shard, keep_full=self.keeps_full_grads)
+            self.release_full_grad(unit)
+            unit.reduced = None
+
+    def release_full_grad(self, unit: FlatUnit) -> None:
+        """Stage 1 keeps the unit's full gradient buffer (the parameters' .grad live in it)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            shard.grad = None
+            if not set_to_none:
+                unit.grad_full.zero_()
+            for p in unit.params:
+                p.grad = None if set_to_none else unit.slot(unit.grad_full, p)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients locally (no communication) for the backward passes inside."""
+        return self.backward.paused()
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.shards if s.grad is not None]
+
+    # ---- the step: skip on fp16 overflow, step the shards, all-gather the parameters
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return self.shards
+
+    def make_optimizer(self, optimizer_cls, **kwargs: Any) -> DistributedOptimizer:
+        optimizer = super().make_optimizer(optimizer_cls, **kwargs)
+        if self.offload_dir is not None:  # masters and optimizer state in memory-mapped files
+            store = DiskStore(self.offload_dir)
+            self.disk_step = DiskOffloadedStep(optimizer.inner, self.shards, store)
+        return optimizer
+
+    def before_step(self) -> bool:
+        return self.masters.step_allowed(self.grad_shards())
+
+    def step_optimizer(self, inner: torch.optim.Optimizer, closure) -> Any:
+        return self.disk_step(closure) if self.disk_step else inner.step(closure)
+
+    def after_step(self) -> None:
+        self.gather_parameters()
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """Every unit's full compute buffer from all ranks' updated slices."""
+        handles = [
+            comm.all_gather_into_tensor(
+                u.full, self._compute_copy(s), self.runtime.group, async_op=True
+            )
+            for u, s in zip(self.units, self.shards, strict=True)
+        ]
+        for h in handles:
+            h.wait()
+
+    def _compute_copy(self, shard: torch.Tensor) -> torch.Tensor:
+        """What the ranks all-gather: the master slice in the compute dtype."""
+        device = self.units[0].full.device
+        return shard.detach().to(device, self.masters.compute_dtype, copy=True)
+
+    # ---- gradients' norm and the state
+    def local_grads(self) -> list[torch.Tensor]:
+        return self.grad_shards()
+
+    def grad_square_sum(self) -> torch.Tensor:
+        device = self.units[0].full.device  # offloaded shards are on the CPU
+        squares = square_sum(self.local_grads(), device).to(device)
+        comm.all_reduce(squares, group=self.runtime.group)  # disjoint shards: sum over ranks
+        return squares
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters all-gathered from the shards the optimizer steps (fp32 masters under
+        mixed precision), buffers as the module holds them."""
+        full = {}
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            # Gather on the compute device: offloaded masters live on the CPU, NCCL does not.
+            device = unit.full.device
+            flat = torch.empty(unit.full.numel(), dtype=shard.dtype, device=device)
+            comm.all_gather_into_tensor(
+                flat, shard.detach().to(device).contiguous(), self.runtime.group
+            )
+            for p in unit.params:
+                full[self.names[p]] = unit.slot(flat, p).clone()
+        state = self.module.state_dict(keep_vars=True)
+        return {k: full[k] if k in full else v.detach().clone() for k, v in state.items()}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's shards (fp32 masters where kept), the buffers, the loss scale."""
+        state = {f"shard{i}": s.detach() for i, s in enumerate(self.shards)}
+        state.update({f"buffer.{n}": b for n, b in self.module.named_buffers()})
+        return {**state, **prefixed("masters.", self.masters.state_dict())}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign=False):
+        """Collective (the compute copies are all-gathered from every rank's shards)."""
+        for i, shard in enumerate(self.shards):
+            shard.copy_(state_dict[f"shard{i}"])
+        load_buffers(self.module, unprefixed("buffer.", state_dict))
+        self.masters.load_state_dict(unprefixed("masters.", state_dict))
+        self.gather_parameters()
+
+    def checkpoint_name(self) -> str:
+        return f"zero-{self.stage}"
+
+    def checkpoint_shard(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        layout = {
+            "num_shards": self.runtime.world_size,
+            "strategy": self.checkpoint_name(),
+            "units": [
+                {"params": [[self.names[p], list(p.shape)] for p in u.params]} for u in self.units
+            ],
+        }
+        tensors = buffer_tensors(self.module) if self.runtime.rank == 0 else {}
+        for i, shard in enumerate(self.shards):
+            tensors[f"unit{i}/param"] = shard.detach()
+            for key, value in optimizer.state.get(shard, {}).items():
+                if torch.is_tensor(value):
+                    tensors[f"unit{i}/{key}"] = value
+        return layout, tensors
+
+    @torch.no_grad()
+    def load_full_state(self, optimizer, params, states) -> None:
+        load_buffers(self.module, params)
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            names = [self.names[p] for p in unit.params]
+            full = unit.flatten([params[n] for n in names], shard.dtype)
+            shard.copy_(unit.own(full))
+            self.take_full_params(unit, full)
+            optimizer.state[shard] = {
+                key: value.clone().to(shard.device)
+                if value.dim() == 0
+                else unit.own(unit.flatten([states[n][key] for n in names], shard.dtype)).clone()
+                for key, value in states.get(names[0], {}).items()
+            }
+
+    def take_full_params(self, unit: FlatUnit, full: torch.Tensor) -> None:
+        unit.full.copy_(full)  # the model's parameters are views of it
+
+    def close(self) -> None:
+        self.backward.remove()
+        if self.disk_step is not None:
+            self.disk_step.store.remove()

@@ -1,0 +1,105 @@
+"""Flat units: ZeRO's storage. Some parameters laid end to end in one padded buffer (so N
+ranks divide it), each parameter a view into it; rank r owns slice r.
+
+Stages 1/2 make units by size (`bucket_mb`, reverse registration order, like DDP's buckets);
+stage 3 makes one unit per module (`stage3_units`), so that gathering follows the forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.comm.flat import flatten
+
+
+class FlatUnit:
+    """Some parameters flattened into one padded buffer; this rank owns one equal slice of it."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        rank: int,
+        world_size: int,
+        dtype: torch.dtype,
+        group: comm.ProcessGroup | None = None,
+    ) -> None:
+        assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
+        self.params, self.rank, self.group = params, rank, group
+        self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
+        self.numels = [p.numel() for p in params]
+        offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.offset_of = dict(zip(params, offsets, strict=True))  # parameters hash by identity
+        padded = self.shard_numel * world_size  # shard_numel is rounded up: N divides this
+        exact = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        with torch.no_grad():
+            for p, n in zip(params, self.numels, strict=True):
+                exact[offset : offset + n].copy_(p.reshape(-1))
+                offset += n
+        self.master_init = self.own(exact).clone() if dtype != exact.dtype else None
+        self.full = exact.to(dtype)  # the compute copy (the same tensor without mixed precision)
+        self.bind_views()
+        self.grad_full: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None
+        self.handle: comm.Handle | None = None
+        self.gather_handle: comm.Handle | None = None
+
+    def bind_views(self) -> None:
+        """Make every parameter a view into `full` (so gathering `full` updates the model)."""
+        offset = 0
+        for p, n in zip(self.params, self.numels, strict=True):
+            p.data = self.full[offset : offset + n].view_as(p)
+            offset += n
+
+    def slot(self, buffer: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s place in a unit-sized buffer."""
+        offset = self.offset_of[p]
+        return buffer[offset : offset + p.numel()].view_as(p)
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """One tensor per parameter (any device/dtype) -> a padded unit-sized flat buffer."""
+        out = torch.zeros(self.full.numel(), dtype=dtype, device=self.full.device)
+        flat = flatten([t.to(out.device) for t in tensors], dtype)
+        out[: flat.numel()] = flat
+        return out
+
+    def own(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a unit-sized buffer."""
+        return buffer[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    # Stage 3: the full buffer exists only while the unit runs forward or backward.
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def start_gather(self, shard: torch.Tensor) -> None:
+        if self.is_gathered() or self.gather_handle is not None:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.gather_handle = comm.all_gather_into_tensor(
+            self.full, shard.detach(), group=self.group, async_op=True
+        )
+
+    def wait_gather(self) -> None:
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+
+
+def stage3_units(model: nn.Module) -> list[nn.Module]:
+    """Modules that become stage-3 units, in registration (≈ forward) order."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                visit(child)
+            elif any(p.requires_grad for p in child.parameters()):
+                units.append(child)
+
+    visit(model)
+    return units
