@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.mesh import check_sizes, coordinates, rank_of
 from shardwise.models import MLP, TinyGPT, lm_loss
-from shardwise.strategies.pipeline import balanced_split, schedule_order
+from shardwise.strategies.pipeline import schedule_order
+from shardwise.strategies.pipeline_stages import balanced_split
 from spawn import run
 
 STEPS = 10
@@ -233,8 +234,8 @@ def _torch_oracle(schedule_name: str, m: int):
     """Loss and gradients of one step: ours vs torch.distributed.pipelining, same split."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from shardwise.strategies.pipeline import PipelineStage as OurStage
-    from shardwise.strategies.pipeline import pipeline_layers
+    from shardwise.strategies.pipeline_stages import PipelineStage as OurStage
+    from shardwise.strategies.pipeline_stages import pipeline_layers
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = _batch(0)

@@ -66,14 +66,14 @@ def _sync_run(
         return {"received": report.pushes_received, "forwarded": report.pushes_forwarded}
     if strategy.is_server():
         if kill_server_at is not None and rank == 0:
-            original = sw.ps.server.Server._apply
+            original = sw.ps.server.Server.apply
 
             def dying_apply(self, flat, staleness):
                 original(self, flat, staleness)
                 if self.version == kill_server_at:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            sw.ps.server.Server._apply = dying_apply
+            sw.ps.server.Server.apply = dying_apply
         report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=1e-2)
         return {
             "resumed_from": report.resumed_from,

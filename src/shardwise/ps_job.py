@@ -30,18 +30,19 @@ from shardwise.checkpoint import save_model
 from shardwise.config import Config
 from shardwise.jobs import OPTIMIZERS, Job, build_job, straggler_delay
 from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
-from shardwise.ps.server import WorkQueue
 from shardwise.ps.sharding import trainable
+from shardwise.ps.work_queue import WorkQueue
 from shardwise.reporting import MetricsFile, write_summary
-from shardwise.trainer import evaluate
+from shardwise.trainer import agree_run_dir, evaluate
 
 SUPERVISED = "SHARDWISE_PS_ATTEMPT"  # set by our supervisor (`ps_supervisor.py`) in each process
 
 
-def run_role(cfg: Config, run_dir: Path) -> None:
+def run_role(cfg: Config, requested_run_dir: str | None) -> None:
     started = time.perf_counter()
     rt = sw.init(backend="gloo", timeout_s=cfg.launch.comm_timeout_s)
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)
+    run_dir = agree_run_dir(cfg, requested_run_dir, rt)
     job = build_job(cfg)
     strategy = cfg.strategy.build(rt.world_size, run_dir)
     out = run_dir / "ps"

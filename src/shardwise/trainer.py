@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import comm
@@ -29,21 +29,23 @@ from shardwise.jobs import (
 )
 from shardwise.ps.worker import PSConfig
 from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
+from shardwise.runner import new_run_dir
 from shardwise.strategies.base import DistributedModel
 
-WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
+WARMUP_STEPS_EXCLUDED = 3
+RUN_DIR_KEY = "shardwise/run_dir"  # first steps pay for allocation and lazy init; not in samples/s
 
 
-def _run_dir(cfg: Config, requested: str | None, rt: sw.Runtime) -> Path:
-    """Rank 0 picks (and creates) the directory; everyone learns its path."""
-    path = None
+def agree_run_dir(cfg: Config, requested: str | None, rt: sw.Runtime) -> Path:
+    """Rank 0 picks (and creates) the directory, a new one unless `requested`; the others
+    read its path from the job's store (plain text: no object crosses the wire). Two jobs
+    never share one by accident."""
+    store = dist.distributed_c10d._get_default_store()
     if rt.is_main:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = Path(requested or Path(cfg.launch.runs_dir) / f"{cfg.name}-{stamp}")
-        path.mkdir(parents=True, exist_ok=True)
+        path = new_run_dir(cfg, requested)
         (path / "config.yaml").write_text(dump_config(cfg))
-        path = str(path.resolve())
-    return Path(comm.broadcast_object(path))
+        store.set(RUN_DIR_KEY, str(path))
+    return Path(store.get(RUN_DIR_KEY).decode())
 
 
 def _batches(loader: sw.data.ShardedLoader):
@@ -118,7 +120,7 @@ def setup(cfg: Config, run_dir: str | None) -> Run:
     if cfg.launch.threads_per_rank:
         torch.set_num_threads(cfg.launch.threads_per_rank)
     job = build_job(cfg)
-    out = _run_dir(cfg, run_dir, rt)
+    out = agree_run_dir(cfg, run_dir, rt)
     model, opt = sw.prepare(
         job.model,
         cfg.strategy.build(rt.world_size, out),
@@ -224,7 +226,7 @@ def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
     if isinstance(cfg.strategy, PSConfig):  # roles instead of replicas; the supervisor sums up
         from shardwise.ps_job import run_role
 
-        run_role(cfg, Path(run_dir or cfg.launch.runs_dir))
+        run_role(cfg, run_dir)
         return {}
     run = setup(cfg, run_dir)
     comm.stats.reset()

@@ -44,7 +44,7 @@ import shardwise as sw
 from shardwise.bench.common import gpt_batch, gpt_model
 from shardwise.memory import ActivationMeter
 from shardwise.models import lm_loss
-from shardwise.strategies.pipeline import PipelineStage, pipeline_layers
+from shardwise.strategies.pipeline_stages import PipelineStage, pipeline_layers
 
 SPLIT = 3  # stage 1 starts at layer 3 (block 2)
 
@@ -171,6 +171,55 @@ def single_process_rate(batch, steps: int) -> float:
     return x.shape[0] * steps / (time.perf_counter() - t0)
 
 
+def bench_cell(schedule: str, m: int, stages: int, batch, args) -> list[dict]:
+    """One (schedule, M): ours, torch's (and the control), timed step by step in alternation."""
+    impls = {"ours": build_ours(schedule, m)}
+    if schedule == "1f1b" and m < stages:
+        refused = f"torch's 1F1B refuses M={m} < {stages} stages"
+    else:
+        impls["torch"], refused = build_torch(schedule, m), None
+        if args.control == f"{schedule}:{m}":  # the same code twice: the noise floor
+            impls["torch (control)"] = build_torch(schedule, m)
+    peaks = {}
+    for key, (step, timer) in impls.items():
+        step(*batch)  # warm-up (and torch's shape inference)
+        peaks[key] = activation_peak(step, batch)
+        timer.take()
+    times = {k: ([], []) for k in impls}  # per step: (seconds, busy seconds)
+    for i in range(args.steps * args.reps):  # alternating: ours, torch, torch, ours...
+        for key in list(impls)[:: 1 if i % 2 == 0 else -1]:
+            seconds, busy = timed_step(*impls[key], batch)
+            times[key][0].append(seconds)
+            times[key][1].append(busy)
+    per_stage = gather({k: (*v, peaks[k]) for k, v in times.items()})
+    # A step lasts as long as its slowest stage.
+    step_times = {
+        k: [max(s[k][0][i] for s in per_stage) for i in range(len(v[0]))] for k, v in times.items()
+    }
+    rows = []
+    for key in impls:
+        step_s = statistics.median(step_times[key])
+        row = {
+            "schedule": schedule,
+            "microbatches": m,
+            "impl": key,
+            "step_time_s": step_s,
+            "samples_per_s": args.batch / step_s,
+            "bubble_measured": [
+                1 - statistics.fmean(s[key][1]) / statistics.fmean(step_times[key])
+                for s in per_stage
+            ],
+            "bubble_formula": (stages - 1) / (m + stages - 1),
+            "activation_peak_bytes": [s[key][2] for s in per_stage],
+        }
+        if key != "torch" and "torch" in impls:
+            row["speed_over_torch"] = speed_ratio(step_times[key], step_times["torch"])
+        rows.append(row)
+    if refused:
+        rows.append({"schedule": schedule, "microbatches": m, "impl": "torch", "refused": refused})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="shardwise bench pipeline (one rank)")
     parser.add_argument("--batch", type=int, default=16)
@@ -186,52 +235,7 @@ def main() -> None:
     rows = []
     for schedule in ("gpipe", "1f1b"):
         for m in (int(v) for v in args.microbatches.split(",")):
-            impls = {"ours": build_ours(schedule, m)}
-            if schedule == "1f1b" and m < stages:
-                refused = f"torch's 1F1B refuses M={m} < {stages} stages"
-            else:
-                impls["torch"], refused = build_torch(schedule, m), None
-                if args.control == f"{schedule}:{m}":  # the same code twice: the noise floor
-                    impls["torch (control)"] = build_torch(schedule, m)
-            peaks = {}
-            for key, (step, timer) in impls.items():
-                step(*batch)  # warm-up (and torch's shape inference)
-                peaks[key] = activation_peak(step, batch)
-                timer.take()
-            times = {k: ([], []) for k in impls}  # per step: (seconds, busy seconds)
-            for i in range(args.steps * args.reps):  # alternating: ours, torch, torch, ours...
-                for key in list(impls)[:: 1 if i % 2 == 0 else -1]:
-                    seconds, busy = timed_step(*impls[key], batch)
-                    times[key][0].append(seconds)
-                    times[key][1].append(busy)
-            per_stage = gather({k: (*v, peaks[k]) for k, v in times.items()})
-            # A step lasts as long as its slowest stage.
-            step_times = {
-                k: [max(s[k][0][i] for s in per_stage) for i in range(len(v[0]))]
-                for k, v in times.items()
-            }
-            for key in impls:
-                step_s = statistics.median(step_times[key])
-                row = {
-                    "schedule": schedule,
-                    "microbatches": m,
-                    "impl": key,
-                    "step_time_s": step_s,
-                    "samples_per_s": args.batch / step_s,
-                    "bubble_measured": [
-                        1 - statistics.fmean(s[key][1]) / statistics.fmean(step_times[key])
-                        for s in per_stage
-                    ],
-                    "bubble_formula": (stages - 1) / (m + stages - 1),
-                    "activation_peak_bytes": [s[key][2] for s in per_stage],
-                }
-                if key != "torch" and "torch" in impls:
-                    row["speed_over_torch"] = speed_ratio(step_times[key], step_times["torch"])
-                rows.append(row)
-            if refused:
-                rows.append(
-                    {"schedule": schedule, "microbatches": m, "impl": "torch", "refused": refused}
-                )
+            rows += bench_cell(schedule, m, stages, batch, args)
     single = single_process_rate(batch, args.steps)
     if rt.is_main:
         result = {

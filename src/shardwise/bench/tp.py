@@ -110,6 +110,39 @@ def torch_tp(model: TinyGPT, parts: int):
     return parallelize_module(model, mesh, plan)
 
 
+def time_variants(model, opt, x, y, parts: int, steps: int, reps: int) -> dict:
+    """Seconds per step: ours, torch's tensor parallel (when it runs here), single process."""
+
+    def ours_step() -> None:
+        sw.train_step(model, x, y, lm_loss)
+        opt.step()
+        opt.zero_grad()
+
+    single = _model()
+    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-4)
+
+    def single_step() -> None:
+        lm_loss(single(x), y).backward()
+        single_opt.step()
+        single_opt.zero_grad()
+
+    timings = {"ours_tp": _time(ours_step, steps, reps)}
+    try:
+        rival = torch_tp(_model(), parts)
+        rival_opt = torch.optim.AdamW(rival.parameters(), lr=1e-4)
+
+        def rival_step() -> None:
+            lm_loss(rival(x), y).backward()
+            rival_opt.step()
+            rival_opt.zero_grad()
+
+        timings["torch_tp"] = _time(rival_step, steps, reps)
+    except Exception as e:  # report, do not hide, a rival that cannot run here
+        timings["torch_tp_error"] = f"{type(e).__name__}: {e}"
+    timings["single_process"] = _time(single_step, steps, reps)
+    return timings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="shardwise bench tp (one rank)")
     parser.add_argument("--batch", type=int, default=8)
@@ -131,34 +164,7 @@ def main() -> None:
     measured = sw.comm.stats.end_step().by_op["all_reduce"]
     expected = expected_tp_bytes(_model(), args.batch, 128, parts)
 
-    def ours_step() -> None:
-        sw.train_step(model, x, y, lm_loss)
-        opt.step()
-        opt.zero_grad()
-
-    single = _model()
-    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-4)
-
-    def single_step() -> None:
-        lm_loss(single(x), y).backward()
-        single_opt.step()
-        single_opt.zero_grad()
-
-    timings = {"ours_tp": _time(ours_step, args.steps, args.reps)}
-    try:
-        rival = torch_tp(_model(), parts)
-        rival_opt = torch.optim.AdamW(rival.parameters(), lr=1e-4)
-
-        def rival_step() -> None:
-            lm_loss(rival(x), y).backward()
-            rival_opt.step()
-            rival_opt.zero_grad()
-
-        timings["torch_tp"] = _time(rival_step, args.steps, args.reps)
-    except Exception as e:  # report, do not hide, a rival that cannot run here
-        timings["torch_tp_error"] = f"{type(e).__name__}: {e}"
-    timings["single_process"] = _time(single_step, args.steps, args.reps)
-
+    timings = time_variants(model, opt, x, y, parts, args.steps, args.reps)
     result = {
         "bench": "tp",
         "model": "gpt",

@@ -21,8 +21,9 @@ from torch import nn
 
 from shardwise import runtime
 from shardwise.ps.relay import Relay, RelayReport
-from shardwise.ps.server import Server, ServerReport, WorkQueue
+from shardwise.ps.server import Server, ServerReport
 from shardwise.ps.sharding import ShardPlan, plan_shards
+from shardwise.ps.work_queue import WorkQueue
 from shardwise.ps.worker import ParameterServer, PSError
 
 
@@ -64,7 +65,7 @@ def relay(model: nn.Module, strategy: ParameterServer) -> RelayReport:
     rt = runtime.init()
     if not strategy.is_relay(rt.rank):
         raise ValueError(f"rank {rt.rank} is not a relay of this job")
-    return Relay(model, strategy).serve()
+    return Relay(model, strategy, rt).serve()
 
 
 __all__ = [

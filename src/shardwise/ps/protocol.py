@@ -1,10 +1,9 @@
-"""Messages between workers and servers: a fixed-size header, then (maybe) one tensor.
+"""Messages between workers and servers: a header, then (maybe) one tensor.
 
-Everything travels as tensors over c10d point-to-point messages. The header is 8 int64 values:
-kind, then up to 6 integers whose meaning depends on the kind, then the payload's element
-count (0: no payload). Objects that are not tensors (a model's signature, an error message) are
-pickled into a uint8 payload. Between one pair of ranks, messages arrive in the order they were
-sent, so a header is always followed by its own payload.
+Everything travels as tensors over c10d point-to-point messages (`comm.messages`). The header
+is 8 int64 values: kind, then up to 6 integers whose meaning depends on the kind, then the
+payload's element count (0: no payload). Objects that are not tensors (a model's signature, an
+error message) are pickled into a uint8 payload.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
+from shardwise.comm import messages
 
-HEADER = 8
 COORDINATOR = 0  # server 0: deals out batches and, in sync mode, decides each round's members
 
 
@@ -42,18 +41,11 @@ class Kind(IntEnum):
     BATCH = 14
 
 
-def header(kind: Kind, *ints: int, numel: int = 0) -> torch.Tensor:
-    h = torch.zeros(HEADER, dtype=torch.int64)
-    h[0] = int(kind)
-    h[1 : 1 + len(ints)] = torch.tensor(ints, dtype=torch.int64)
-    h[-1] = numel
-    return h
-
-
 def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, group=None) -> None:
     """Send a header (and its payload) to rank `dst` of `group`, waiting until both are out."""
-    numel = 0 if payload is None else payload.numel()
-    handles = [comm.send(header(kind, *ints, numel=numel), dst, group)]
+    head = messages.header(int(kind), *ints)
+    head[-1] = 0 if payload is None else payload.numel()
+    handles = [messages.send_header(head, dst, group)]
     if payload is not None:
         handles.append(comm.send(payload.contiguous(), dst, group))
     for h in handles:
@@ -74,8 +66,7 @@ def recv(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A header and its payload from rank `src` of `group` (blocking); the payload's dtype is
     `dtype`, or the one its kind implies."""
-    h = torch.empty(HEADER, dtype=torch.int64)
-    comm.recv(h, src, group)
+    h = messages.recv_header(src, group)
     numel = int(h[-1])
     if numel == 0:
         return h, None

@@ -22,18 +22,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import queue
-import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from shardwise import runtime
 from shardwise.ps import protocol
-from shardwise.ps.liveness import HeartbeatWatch
+from shardwise.ps.consistency import round_complete, sync_pull_ready
+from shardwise.ps.peers import Peers, check_hello, start_receivers
 from shardwise.ps.protocol import COORDINATOR, Kind
-from shardwise.ps.sharding import describe_mismatch, flat_values, signature
+from shardwise.ps.sharding import flat_values, signature
 from shardwise.ps.worker import ParameterServer, PSClient
+from shardwise.runtime import Runtime
 
 
 @dataclass
@@ -47,8 +47,7 @@ class RelayReport:
 
 
 class Relay:
-    def __init__(self, model: nn.Module, options: ParameterServer) -> None:
-        rt = runtime.current()
+    def __init__(self, model: nn.Module, options: ParameterServer, rt: Runtime) -> None:
         self.o, self.rank = options, rt.rank
         self.workers = options.relay_groups(rt.world_size)[rt.rank]
         self.servers = list(range(options.servers))
@@ -58,24 +57,20 @@ class Relay:
         self.group = self.up.group
         self.flat = flat_values(self.up.params)
         self.version, self.clock = self.up.version, self.up.clock
-        self.live, self.done, self.idle = set(self.workers), set(), set()
+        self.peers = Peers(self.workers, options.timeout_s, options.heartbeat_s)
         self.pending: dict[int, torch.Tensor] = {}  # sync: worker -> its push of this clock
         self.waiting_pulls: list[tuple[int, int]] = []  # (worker, clock)
         self.reply_needed: dict[int, int] = {}  # async: worker -> the pull reply to wait for
         self.pulls_sent = self.replies = 0
         self.pieces: dict[int, collections.deque] = {s: collections.deque() for s in self.servers}
         self.told_idle = False
-        self.heartbeats = HeartbeatWatch(self.workers, options.timeout_s, options.heartbeat_s / 2)
         self.inbox: queue.Queue = queue.Queue()
         self.report = RelayReport(rank=rt.rank, workers=list(self.workers))
 
     def serve(self) -> RelayReport:
-        for peer in [*self.workers, *self.servers]:
-            threading.Thread(
-                target=self._receive, args=(peer,), daemon=True, name=f"ps-relay-recv-{peer}"
-            ).start()
-        while self.live - self.done:
-            for worker, silent_s in self.heartbeats.dead(self.live - self.done):
+        start_receivers([*self.workers, *self.servers], self.group, self.inbox, set(self.workers))
+        while self.peers.serving():
+            for worker, silent_s in self.peers.newly_dead():
                 self._declare_dead(worker, silent_s)
             try:
                 src, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
@@ -85,7 +80,7 @@ class Relay:
                 continue
             if src in self.servers:
                 self._from_server(src, Kind(int(h[0])), h, payload)
-            elif src in self.live:
+            elif src in self.peers.live:
                 self._from_worker(src, Kind(int(h[0])), h, payload)
             self._answer_pulls()
         while self.replies < self.pulls_sent:  # the servers' last answers, before leaving
@@ -99,32 +94,21 @@ class Relay:
         self.up.close(say_done=False)
         return self.report
 
-    def _receive(self, peer: int) -> None:
-        while True:
-            try:
-                h, payload = protocol.recv(peer, group=self.group)
-            except Exception:
-                self.inbox.put((peer, None, None))
-                return
-            self.inbox.put((peer, h, payload))
-            if peer not in self.servers and Kind(int(h[0])) == Kind.DONE:
-                return
-
     # ---- the workers' side: the relay is their server
     def _from_worker(self, w: int, kind: Kind, h: torch.Tensor, payload) -> None:
         if kind == Kind.HELLO:
-            problem = describe_mismatch(self.signature, protocol.unpack(payload))
+            problem = check_hello(self.signature, payload)
             if problem is None:
                 self._send(w, Kind.OK, self.version)
             else:
                 self.report.rejected[w] = problem
-                self.live.discard(w)
+                self.peers.live.discard(w)
                 self._send(w, Kind.ERROR, payload=protocol.pack(problem))
                 self._forward_sync()
         elif kind == Kind.PULL:
             self.waiting_pulls.append((w, int(h[1])))
         elif kind == Kind.PUSH:
-            self.idle.discard(w)
+            self.peers.idle.discard(w)
             self.report.pushes_received += 1
             if self.o.mode == "sync":
                 self.pending[w] = payload
@@ -135,8 +119,7 @@ class Relay:
         elif kind == Kind.NEXT:
             protocol.send(COORDINATOR, Kind.NEXT, w, group=self.group)
         elif kind == Kind.DONE:
-            self.done.add(w)
-            self.idle.discard(w)
+            self.peers.finish(w)
             protocol.send(COORDINATOR, Kind.FINISHED, w, group=self.group)
             self._forward_sync()
 
@@ -149,13 +132,13 @@ class Relay:
         """Sync: once every active worker of the group pushed this clock, push their sum."""
         if self.o.mode != "sync":
             return
-        active = self.live - self.done - self.idle
-        if self.pending and set(self.pending) >= active:
+        active = self.peers.active()
+        if round_complete(self.pending, active):
             total = torch.stack(list(self.pending.values())).sum(dim=0)
             count = len(self.pending)
             self.pending.clear()
             self._push_up(total, version_used=self.version, count=count)
-        elif not active and self.live - self.done and not self.told_idle:
+        elif not active and self.peers.serving() and not self.told_idle:
             for server in self.servers:  # all of the group waits for batches: skip us
                 protocol.send(server, Kind.IDLE, group=self.group)
             self.told_idle = True
@@ -182,11 +165,11 @@ class Relay:
     def _answer_pulls(self) -> None:
         still = []
         for w, clock in self.waiting_pulls:
-            if w not in self.live:
+            if w not in self.peers.live:
                 continue
             if self.o.mode == "sync":  # not before the round that holds its own push
-                active = self.live - self.done - self.idle
-                ready = w not in self.pending and (self.version >= clock or not active)
+                active = self.peers.active()
+                ready = sync_pull_ready(w, self.pending, self.version, clock, active)
             else:
                 ready = self.replies >= self.reply_needed.get(w, 0)
             if ready:
@@ -206,23 +189,22 @@ class Relay:
                 self.replies += 1
         elif kind in (Kind.BATCH, Kind.WAIT, Kind.END):  # server 0 answers for a worker
             worker = int(h[2]) if kind == Kind.BATCH else int(h[1])
-            if worker not in self.live:
+            if worker not in self.peers.live:
                 return
             if kind == Kind.BATCH:
-                self.idle.discard(worker)
+                self.peers.idle.discard(worker)
                 self.told_idle = False  # server 0 counts on us again: say so if all idle again
                 self._send(worker, Kind.BATCH, int(h[1]), worker, payload=payload)
             else:
                 self._send(worker, kind, worker)
                 if kind == Kind.WAIT:  # do not wait for it: it has nothing to push
-                    self.idle.add(worker)
+                    self.peers.idle.add(worker)
                     self._forward_sync()
         elif kind == Kind.ERROR:
             raise RuntimeError(f"parameter server {s}: {protocol.unpack(payload)}")
 
     def _declare_dead(self, worker: int, silent_s: float) -> None:
-        self.live.discard(worker)
-        self.idle.discard(worker)
+        self.peers.mark_dead(worker, silent_s)
         self.pending.pop(worker, None)
         self.report.dead_workers[worker] = silent_s
         protocol.send(COORDINATOR, Kind.LOST, worker, group=self.group)

@@ -23,7 +23,6 @@ receives block, and each activation is preceded by a small header with its shape
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +32,13 @@ from pydantic import Field
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.messages import (
+    header,
+    read_tensor_header,
+    recv_header,
+    send_header,
+    tensor_header,
+)
 from shardwise.runtime import Runtime
 from shardwise.section import StrategySection
 from shardwise.strategies.base import (
@@ -43,84 +49,14 @@ from shardwise.strategies.base import (
     square_sum,
 )
 from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.pipeline_stages import (
+    PipelineStage,
+    balanced_split,
+    measure_layer_times,
+    pipeline_layers,
+)
 
 SCHEDULES = ("gpipe", "1f1b")
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
-_HEADER = 8  # ndim, up to 6 sizes, dtype code
-
-
-# ---- splitting the model -----------------------------------------------------------------------
-def pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """The model as layers in order, each one's output the next one's input."""
-    if hasattr(model, "pipeline_layers"):
-        return list(model.pipeline_layers())
-    if isinstance(model, nn.Sequential):
-        return list(model)
-    raise ValueError(
-        f"{type(model).__name__} is not an nn.Sequential and has no pipeline_layers() method: "
-        "a pipeline needs the model as a sequence of layers"
-    )
-
-
-def balanced_split(weights: list[float], stages: int) -> list[int]:
-    """Start index of each stage for contiguous stages minimising the heaviest stage's weight.
-
-    Dynamic programming over (layers used, stages used); L and S are small.
-    """
-    n = len(weights)
-    if stages > n:
-        raise ValueError(f"cannot split {n} layers into {stages} pipeline stages")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: heaviest stage when the first i layers form k stages; cut[k][i]: last start.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    starts, i = [], n
-    for k in range(stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
-def measure_layer_times(
-    layers: list[nn.Module], sample: torch.Tensor, reps: int = 3
-) -> list[float]:
-    """Seconds of forward plus backward per layer on `sample` (the median of `reps`)."""
-    times = [[] for _ in layers]
-    for _ in range(reps):
-        x = sample
-        for i, layer in enumerate(layers):
-            x = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            y = layer(x)
-            y.float().sum().backward()
-            times[i].append(time.perf_counter() - start)
-            x = y
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-    return [sorted(t)[len(t) // 2] for t in times]
-
-
-class PipelineStage(nn.Module):
-    """This rank's consecutive layers."""
-
-    def __init__(self, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -150,10 +86,8 @@ class _Inbox:
     def activation(self, i: int) -> torch.Tensor:
         model = self.model
         if self.shape is None:  # the step's first activation brings the header
-            head = torch.empty(_HEADER, dtype=torch.int64, device=model.device)
-            comm.recv(head, model.index - 1, model.group)
-            ndim = int(head[0])
-            self.shape = ([int(v) for v in head[1 : 1 + ndim]], _DTYPES[int(head[-1])])
+            head = recv_header(model.index - 1, model.group, model.device)
+            self.shape = read_tensor_header(head)
         if ("F", i) not in self.posted:
             self._post_activation(i)
         x = self._take(("F", i))
@@ -241,19 +175,13 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
     def _send(self, tensor: torch.Tensor, dst: int, header: bool) -> None:
         tensor = tensor.detach().contiguous()
         if header:
-            head = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
-            head[0] = tensor.dim()
-            head[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
-            head[-1] = _DTYPES.index(tensor.dtype)
-            self._sends.append((comm.send(head, dst, self.group), head))
+            head = tensor_header(tensor)
+            self._sends.append((send_header(head, dst, self.group), head))
         self._sends.append((comm.send(tensor, dst, self.group), tensor))
 
     def _recv_activation(self, src: int) -> torch.Tensor:
-        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        comm.recv(head, src, self.group)
-        ndim = int(head[0])
-        shape = [int(v) for v in head[1 : 1 + ndim]]
-        out = torch.empty(shape, dtype=_DTYPES[int(head[-1])], device=self.device)
+        shape, dtype = read_tensor_header(recv_header(src, self.group, self.device))
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         comm.recv(out, src, self.group)
         return out
 
@@ -316,15 +244,11 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
             self._send(out, self.index + 1, header=True)
             self._wait_sends()
         # Every rank gets the output: the last stage sends its shape, then the values.
-        head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        if self.is_last:
-            head[0] = out.dim()
-            head[1 : 1 + out.dim()] = torch.tensor(out.shape)
-            head[-1] = _DTYPES.index(out.dtype)
+        head = tensor_header(out) if self.is_last else header(device=self.device)
         comm.broadcast(head, src=self.stages - 1, group=self.group)
         if not self.is_last:
-            shape = [int(v) for v in head[1 : 1 + int(head[0])]]
-            out = torch.empty(shape, dtype=_DTYPES[int(head[-1])], device=self.device)
+            shape, dtype = read_tensor_header(head)
+            out = torch.empty(shape, dtype=dtype, device=self.device)
         comm.broadcast(out, src=self.stages - 1, group=self.group)
         return out
 

@@ -1,0 +1,125 @@
+"""The consistency modes of a parameter server: what a push does, and when a pull is answered.
+
+One object per mode, chosen once when the server starts (`mode_for`):
+
+- `Async`: each push is applied on arrival; a pull is answered at once with the current
+  parameters. Staleness is whatever the other workers pushed meanwhile.
+- `SSP` (stale synchronous parallel, Ho et al. 2013): pushes as in async, but a worker's pull
+  waits while it is more than `staleness` clocks ahead of the slowest active worker.
+- `Sync`: lock-step. The pushes of a clock wait until every active client has pushed, then
+  their mean over all the workers behind them is applied (the same arithmetic as single-process
+  training on the global batch); a pull waits for the round that holds the client's own push.
+  With several servers, server 0 (`Sync`) decides each round's members (who is idle, dead or
+  late is known there first) and announces them (ROUND); the others (`SyncFollower`) apply
+  exactly those pushes, so that every shard averages the same workers.
+
+`settle` runs whenever membership changes (a worker idles, finishes or dies, a round is
+announced): a sync round may be complete then.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from shardwise.ps.server import Server
+
+
+def round_complete(pending: Collection[int], active: set[int]) -> bool:
+    """Sync: a clock's round closes once every active client has pushed for it."""
+    return bool(pending) and set(pending) >= active
+
+
+def sync_pull_ready(client: int, pending, version: int, clock: int, active: set[int]) -> bool:
+    """Sync: a pull is answered after the round that holds the client's own push (or when no
+    one is left to wait for)."""
+    return client not in pending and (version >= clock or not active)
+
+
+class Async:
+    def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
+        # (a relay forwards each of its workers' pushes on its own in this mode: count is 1)
+        server.apply(value / count, staleness=server.version - version_used)
+
+    def may_answer(self, server: Server, client: int, clock: int) -> bool:
+        return True
+
+    def settle(self, server: Server) -> None:
+        pass
+
+    def forget(self, client: int) -> None:
+        """`client` died: drop what it left here."""
+
+
+class SSP(Async):
+    def __init__(self, staleness: int) -> None:
+        self.staleness = staleness
+
+    def may_answer(self, server: Server, client: int, clock: int) -> bool:
+        slowest = min((server.clock[w] for w in server.peers.active()), default=clock)
+        return clock - slowest <= self.staleness
+
+
+class Sync:
+    def __init__(self, followers: list[int]) -> None:
+        self.followers = followers  # the other servers, told each round's members
+        # client -> (sum of its pushed values, how many workers' pushes it holds), this clock
+        self.pending: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
+        self.pending[client] = (value, count)
+        self.settle(server)
+
+    def may_answer(self, server: Server, client: int, clock: int) -> bool:
+        return sync_pull_ready(client, self.pending, server.version, clock, server.peers.active())
+
+    def settle(self, server: Server) -> None:
+        """Once every active client pushed this clock, apply the mean and announce it."""
+        if round_complete(self.pending, server.peers.active()):
+            members = sorted(self.pending)
+            for follower in self.followers:
+                server.announce_round(follower, members)
+            server.apply_round(members, [self.pending.pop(m) for m in members])
+
+    def forget(self, client: int) -> None:
+        self.pending.pop(client, None)
+
+    def announce(self, members: list[int]) -> None:
+        raise ValueError("only server 0 decides sync rounds")
+
+
+class SyncFollower(Sync):
+    def __init__(self) -> None:
+        super().__init__(followers=[])
+        self.rounds: collections.deque[list[int]] = collections.deque()  # announced, not applied
+
+    def announce(self, members: list[int]) -> None:
+        self.rounds.append(members)
+
+    def settle(self, server: Server) -> None:
+        """Apply each announced round once its members' pushes are in (a member that died
+        here before its push arrived is left out)."""
+        while self.rounds:
+            members = self.rounds[0]
+            if any(m not in self.pending and m in server.peers.live for m in members):
+                return  # a push is still on its way
+            self.rounds.popleft()
+            pushes = [self.pending.pop(m) for m in members if m in self.pending]
+            server.apply_round(members, pushes)
+
+    def forget(self, client: int) -> None:
+        pass  # keep its push: server 0 may have counted it in a round
+
+
+def mode_for(mode: str, staleness: int, rank: int, servers: int) -> Async | Sync:
+    if mode == "async":
+        return Async()
+    if mode == "ssp":
+        return SSP(staleness)
+    if rank > 0:
+        return SyncFollower()
+    return Sync(followers=list(range(1, servers)))

@@ -1,0 +1,79 @@
+"""The peers a server (or a relay) serves, and what both do with them alike.
+
+`Peers` is one record of who is live, done, idle (waiting for a batch: nobody waits for it),
+lost (its connection broke while we answered it) or dead (silent past the timeout), with the
+heartbeat watch that notices silence. `start_receivers` runs one thread per peer that puts each
+of its messages, in order, into one inbox, so the owner handles everything in one loop and never
+blocks on one peer while another needs an answer. `check_hello` compares a newcomer's model with
+ours.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from shardwise.ps import protocol
+from shardwise.ps.liveness import HeartbeatWatch
+from shardwise.ps.protocol import Kind
+from shardwise.ps.sharding import describe_mismatch
+
+
+class Peers:
+    def __init__(self, ranks: list[int], timeout_s: float, heartbeat_s: float) -> None:
+        self.live, self.done, self.idle, self.lost = set(ranks), set(), set(), set()
+        self.dead: dict[int, float] = {}  # rank -> seconds of silence when declared dead
+        self.heartbeats = HeartbeatWatch(ranks, timeout_s, heartbeat_s / 2)
+
+    def active(self) -> set[int]:
+        """Those others may wait for: alive, not finished, not waiting for work."""
+        return self.live - self.done - self.idle
+
+    def serving(self) -> bool:
+        return bool(self.live - self.done)
+
+    def newly_dead(self) -> list[tuple[int, float]]:
+        """Peers to declare dead now, with their silence: a lost connection, or heartbeats
+        that stopped for longer than the timeout."""
+        lost = [(r, self.heartbeats.silent_for(r)) for r in sorted(self.lost - set(self.dead))]
+        return lost + self.heartbeats.dead(self.live - self.done - self.lost)
+
+    def mark_dead(self, rank: int, silent_s: float) -> None:
+        self.live.discard(rank)
+        self.idle.discard(rank)
+        self.dead[rank] = silent_s
+
+    def finish(self, rank: int) -> None:
+        self.done.add(rank)
+        self.idle.discard(rank)
+
+
+def start_receivers(
+    ranks: list[int], group, inbox: queue.Queue, until_done: set[int] | None = None
+) -> None:
+    """A thread per peer: (rank, header, payload) into `inbox` for each message, and
+    (rank, None, None) once its connection closes. Threads of the ranks in `until_done` (all
+    when None) end after that peer's DONE."""
+
+    def receive(rank: int) -> None:
+        while True:
+            try:
+                h, payload = protocol.recv(rank, group=group)
+            except Exception:  # its connection closed: the heartbeats will tell
+                inbox.put((rank, None, None))
+                return
+            inbox.put((rank, h, payload))
+            ends = until_done is None or rank in until_done
+            if ends and Kind(int(h[0])) == Kind.DONE:
+                return
+
+    for rank in ranks:
+        name = f"ps-recv-{rank}"
+        threading.Thread(target=receive, args=(rank,), daemon=True, name=name).start()
+
+
+def check_hello(signature: list, payload: torch.Tensor) -> str | None:
+    """None if the newcomer's model (its HELLO's payload) is ours, else what differs."""
+    return describe_mismatch(signature, protocol.unpack(payload))

@@ -1,0 +1,87 @@
+"""How a pipeline cuts a model: its layers in order, and contiguous stages of them.
+
+A model is a pipeline's if it is an `nn.Sequential` or has a `pipeline_layers()` method that
+lists its layers in order (each one's output the next one's input). Stages are cut where the
+heaviest stage is lightest, by parameter count or by measured time per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """The model as layers in order, each one's output the next one's input."""
+    if hasattr(model, "pipeline_layers"):
+        return list(model.pipeline_layers())
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    raise ValueError(
+        f"{type(model).__name__} is not an nn.Sequential and has no pipeline_layers() method: "
+        "a pipeline needs the model as a sequence of layers"
+    )
+
+
+def balanced_split(weights: list[float], stages: int) -> list[int]:
+    """Start index of each stage for contiguous stages minimising the heaviest stage's weight.
+
+    Dynamic programming over (layers used, stages used); L and S are small.
+    """
+    n = len(weights)
+    if stages > n:
+        raise ValueError(f"cannot split {n} layers into {stages} pipeline stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: heaviest stage when the first i layers form k stages; cut[k][i]: last start.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def measure_layer_times(
+    layers: list[nn.Module], sample: torch.Tensor, reps: int = 3
+) -> list[float]:
+    """Seconds of forward plus backward per layer on `sample` (the median of `reps`)."""
+    times = [[] for _ in layers]
+    for _ in range(reps):
+        x = sample
+        for i, layer in enumerate(layers):
+            x = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            y = layer(x)
+            y.float().sum().backward()
+            times[i].append(time.perf_counter() - start)
+            x = y
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+class PipelineStage(nn.Module):
+    """This rank's consecutive layers."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
