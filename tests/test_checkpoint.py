@@ -25,7 +25,9 @@ def _model():
 
 
 def _strategy(name: str):
-    return sw.DDP() if name == "ddp" else sw.ZeRO(stage=int(name[-1]), bucket_mb=0.0005)
+    if name.startswith("ddp"):
+        return sw.DDP(compression="topk:0.3" if name == "ddp_topk" else None)
+    return sw.ZeRO(stage=int(name[-1]), bucket_mb=0.0005)
 
 
 def train_segment(strategy: str, start: int, stop: int, load_from: str | None, save_to: str):
@@ -78,6 +80,16 @@ def test_reshard_chain_4_2_1_and_2_to_4_across_strategies(tmp_path):
     run(train_segment, 1, "zero1", 10, 15, str(tmp_path / "b"), str(tmp_path / "c"))
     run(train_segment, 4, "ddp", 15, 20, str(tmp_path / "c"), str(tmp_path / "d"))
     _assert_same_training_state(tmp_path / "straight", tmp_path / "d")
+
+
+def test_checkpoint_restores_strategy_state_for_an_exact_resume(tmp_path):
+    """Top-k's error-feedback residuals travel in the checkpoint: resumed on the same ranks,
+    training continues bit-identically (without them, the next steps would differ)."""
+    (straight,) = run(train_segment, 2, "ddp_topk", 0, 8, None, str(tmp_path / "straight"))[:1]
+    run(train_segment, 2, "ddp_topk", 0, 4, None, str(tmp_path / "half"))
+    half = str(tmp_path / "half")
+    (resumed,) = run(train_segment, 2, "ddp_topk", 4, 8, half, str(tmp_path / "resumed"))[:1]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 def test_export_gives_plain_safetensors_weights(tmp_path):

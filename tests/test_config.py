@@ -70,3 +70,18 @@ def test_straggler_delays_stay_or_rotate():
     rotating = load_config("digits", ["train.delay_s=[0.1]", "train.delay_rotate=true"]).train
     table = [[straggler_delay(rotating, i, 3, step) for i in range(3)] for step in range(3)]
     assert table == [[0.1, 0.0, 0.0], [0.0, 0.1, 0.0], [0.0, 0.0, 0.1]]  # one slow rank a step
+
+
+def test_config_command_lists_every_field_with_default_and_description(capsys):
+    from shardwise.cli import main
+
+    assert main(["config", "zero"]) == 0
+    out = capsys.readouterr().out
+    for field, default in [("stage", "1"), ("offload_dir", "None"), ("bucket_mb", "25.0")]:
+        line = next(row for row in out.splitlines() if f" {field} " in row)
+        assert f" {default} " in line and "│" in line
+    assert "Literal[1, 2, 3]" in out  # the allowed values, not only the type
+    assert main(["config"]) == 0
+    assert "zero" in capsys.readouterr().out
+    assert main(["config", "nope"]) == 2
+    assert "no section or strategy named 'nope'" in capsys.readouterr().err

@@ -272,6 +272,11 @@ def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
     assert second[0]["updates"] == STEPS - 10
     for state in second[1:]:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+    # The servers' state (shard and optimizer) is the job's training state: resumed from it,
+    # training continued exactly as an uninterrupted parameter-server run does.
+    straight = run(_sync_run, 3, 1, STEPS)
+    for state, resumed in zip(straight[1:], second[1:], strict=True):
+        assert all(torch.equal(state[k], resumed[k]) for k in state)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -66,26 +66,45 @@ def _sha256(path: Path) -> str:
 def save_checkpoint(
     model: DistributedModel, optimizer: torch.optim.Optimizer, directory: str | Path, step: int = 0
 ) -> None:
-    """Collective: every rank writes its shard; rank 0 then writes the manifest."""
+    """Collective: every rank writes its shard; rank 0 then writes the manifest.
+
+    Beside the reshardable per-parameter state, each rank writes its strategy state (the
+    model's `extra_state()`: codec residuals, counters, loss scale), restored when the
+    checkpoint is loaded by the same strategy on as many ranks."""
     directory = Path(directory)
     rt = model.runtime
     layout, tensors = model.checkpoint_shard(optimizer)
     directory.mkdir(parents=True, exist_ok=True)
     if tensors is not None:  # strategies with replicated state write from rank 0 only
-        cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-        _atomic(directory / f"rank{rt.rank}.safetensors", lambda p: save_file(cpu, str(p)))
+        _write_tensors(directory / f"rank{rt.rank}.safetensors", tensors)
+    extra = model.extra_state()  # the same keys on every rank
+    if extra:
+        _write_tensors(directory / f"extra{rt.rank}.safetensors", extra)
     comm.barrier()
     if rt.is_main:
         files = [f"rank{r}.safetensors" for r in range(layout["num_shards"])]
+        extra_files = [f"extra{r}.safetensors" for r in range(rt.world_size)] if extra else []
         manifest = {
             "format": FORMAT,
             "step": step,
             "world_size": rt.world_size,
             **layout,
             "sha256": {name: _sha256(directory / name) for name in files},
+            "strategy_state_sha256": {name: _sha256(directory / name) for name in extra_files},
         }
         _atomic(directory / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
     comm.barrier()
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    _atomic(path, lambda p: save_file(cpu, str(p)))
+
+
+def _verified(path: Path, expected: str) -> dict[str, torch.Tensor]:
+    if not path.is_file() or _sha256(path) != expected:
+        raise CheckpointError(f"checkpoint file missing or corrupt (checksum): {path}")
+    return load_file(str(path))
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -105,12 +124,7 @@ def read_full_state(directory: str | Path) -> tuple[dict, dict, int]:
     """Full per-parameter tensors: (params, optimizer state per parameter, step)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    shards = []
-    for name, expected in manifest["sha256"].items():
-        path = directory / name
-        if not path.is_file() or _sha256(path) != expected:
-            raise CheckpointError(f"checkpoint file missing or corrupt (checksum): {path}")
-        shards.append(load_file(str(path)))
+    shards = [_verified(directory / name, sha) for name, sha in manifest["sha256"].items()]
     params = {k.removeprefix("buffer/"): v for k, v in shards[0].items() if k.startswith("buffer/")}
     states: dict[str, dict[str, torch.Tensor]] = {}
     for i, unit in enumerate(manifest["units"]):
@@ -140,7 +154,28 @@ def load_checkpoint(
     """Load a sharded checkpoint saved at any world size; returns its step."""
     params, states, step = read_full_state(directory)
     model.load_full_state(optimizer, params, states)
+    _load_strategy_state(model, Path(directory))
     return step
+
+
+def _load_strategy_state(model: DistributedModel, directory: Path) -> None:
+    """This rank's strategy state, where the same strategy saved it on as many ranks; it
+    cannot be resharded (a codec's residual is one rank's), so elsewhere it starts afresh."""
+    manifest = read_manifest(directory)
+    files = manifest.get("strategy_state_sha256", {})
+    rt = model.runtime
+    same = (
+        manifest["strategy"] == model.checkpoint_name() and manifest["world_size"] == rt.world_size
+    )
+    if files and same:
+        name = f"extra{rt.rank}.safetensors"
+        model.load_extra_state(_verified(directory / name, files[name]))
+    elif files and rt.is_main:
+        print(
+            f"shardwise: {directory}: strategy state of {manifest['strategy']} on "
+            f"{manifest['world_size']} ranks not restored here (it starts afresh)",
+            flush=True,
+        )
 
 
 def export_checkpoint(directory: str | Path, out: str | Path) -> Path:
