@@ -2,7 +2,7 @@
 ranks divide it), each parameter a view into it; rank r owns slice r.
 
 Stages 1/2 make units by size (`bucket_mb`, reverse registration order, like DDP's buckets);
-stage 3 makes one unit per module (`stage3_units`), so that gathering follows the forward pass.
+stage 3 makes one unit per block (`stage3.stage3_units`), so gathering follows the forward pass.
 """
 
 from __future__ import annotations
@@ -88,18 +88,3 @@ class FlatUnit:
         if self.gather_handle is not None:
             self.gather_handle.wait()
             self.gather_handle = None
-
-
-def stage3_units(model: nn.Module) -> list[nn.Module]:
-    """Modules that become stage-3 units, in registration (≈ forward) order."""
-    units: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                visit(child)
-            elif any(p.requires_grad for p in child.parameters()):
-                units.append(child)
-
-    visit(model)
-    return units
