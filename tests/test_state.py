@@ -101,7 +101,9 @@ def _prepare(factory, build_model):
     return sw.prepare(build_model(), factory(), optimizer=torch.optim.AdamW, lr=1e-2)
 
 
-def roundtrips(table_name: str, gpt: bool, table: dict | None = None) -> dict[str, bool]:
+def roundtrips(
+    table_name: str, gpt: bool, table: dict | None = None, checkpoint_dir: str | None = None
+) -> dict[str, bool]:
     table = table or globals()[table_name]  # (strategies are built in the ranks: lambdas)
     build_model, batch_fn = (_gpt, _gpt_batch) if gpt else (_mlp, _mlp_batch)
     identical = {}
@@ -111,24 +113,41 @@ def roundtrips(table_name: str, gpt: bool, table: dict | None = None) -> dict[st
         _train(straight, straight_opt, range(K + M), batch_fn, poison)
         expected = sw.full_state_dict(straight)
         expected_state = copy.deepcopy((straight.state_dict(), straight_opt.state_dict()))
+        expected_scale = _loss_scale(straight)
         straight.close()
 
         first, first_opt = _prepare(factory, build_model)
         _train(first, first_opt, range(K), batch_fn, poison)
+        if checkpoint_dir:  # through files: the reshardable checkpoint and the strategy state
+            sw.save_checkpoint(first, first_opt, f"{checkpoint_dir}/{name}", step=K)
         saved = copy.deepcopy((first.state_dict(), first_opt.state_dict()))
         first.close()
 
         resumed, resumed_opt = _prepare(factory, build_model)
-        resumed.load_state_dict(saved[0])
-        resumed_opt.load_state_dict(saved[1])
+        if checkpoint_dir:
+            sw.load_checkpoint(resumed, resumed_opt, f"{checkpoint_dir}/{name}")
+        else:
+            resumed.load_state_dict(saved[0])
+            resumed_opt.load_state_dict(saved[1])
         _train(resumed, resumed_opt, range(K, K + M), batch_fn, poison)
         got = sw.full_state_dict(resumed)
         got_state = (resumed.state_dict(), resumed_opt.state_dict())
+        got_scale = _loss_scale(resumed)
         resumed.close()
         # The gathered parameters, and every tensor of the training state (loss scale, codec
         # residuals, counters, optimizer moments), end the same.
-        identical[name] = _same(got, expected) and _same(got_state, expected_state)
+        identical[name] = (
+            _same(got, expected)
+            and _same(got_state, expected_state)
+            and got_scale == expected_scale
+        )
     return identical
+
+
+def _loss_scale(model) -> float | None:
+    """fp16's loss scale: it changes no weight until the next overflow, so look at it."""
+    scaler = getattr(getattr(model, "masters", None), "scaler", None)
+    return None if scaler is None else scaler.scale
 
 
 def _same(a, b) -> bool:
@@ -169,6 +188,37 @@ def disk_offload_roundtrip(directory: str) -> dict[str, bool]:
 def test_disk_offload_state_roundtrip_is_bit_identical(tmp_path):
     _assert_all_identical(run(disk_offload_roundtrip, 2, str(tmp_path)))
     assert list(tmp_path.iterdir()) == []  # each closed model removed its files
+
+
+def checkpoint_roundtrips(directory: str) -> dict[str, bool]:
+    table = {
+        "ddp_powersgd:1:2": DATA_PARALLEL["ddp_powersgd:1:2"],
+        "zero2_fp16": DATA_PARALLEL["zero2_fp16"],
+        "zero3": DATA_PARALLEL["zero3"],
+    }
+    return roundtrips("", False, table, checkpoint_dir=directory)
+
+
+def test_checkpoint_roundtrip_is_bit_identical(tmp_path):
+    """save_checkpoint / load_checkpoint on the same ranks: the strategy state travels too
+    (PowerSGD's factors and counter, the fp16 loss scale halved before the save)."""
+    _assert_all_identical(run(checkpoint_roundtrips, 2, str(tmp_path)))
+
+
+def plain_weights_load() -> list[bool]:
+    """A single-process state dict loads into a prepared model of any strategy."""
+    target = {k: v + 0.5 for k, v in _mlp().state_dict().items()}
+    loaded = []
+    for factory in (sw.DDP, sw.LocalSGD, sw.AdaptiveSync, lambda: sw.ZeRO(stage=3)):
+        model, _ = sw.prepare(_mlp(), factory())
+        model.load_state_dict(target)
+        loaded.append(_same(sw.full_state_dict(model), target))
+        model.close()
+    return loaded
+
+
+def test_plain_weights_load_into_every_prepared_model():
+    assert all(all(loaded) for loaded in run(plain_weights_load, 2))
 
 
 def state_is_not_shared_between_prepares() -> tuple[int, int]:

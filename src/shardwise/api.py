@@ -74,6 +74,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
     Correct for every strategy: where ranks hold disjoint gradient shards (ZeRO), the squared
     norms of all shards on all ranks are summed; replicated gradients (DDP) need no message.
-    Same formula as `torch.nn.utils.clip_grad_norm_`.
+    Same formula as `torch.nn.utils.clip_grad_norm_` (which a plain module gets).
     """
-    return _distributed(model).clip_grad_norm_(max_norm)
+    if not isinstance(model, DistributedModel):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return model.clip_grad_norm_(max_norm)

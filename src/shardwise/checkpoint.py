@@ -80,7 +80,7 @@ def save_checkpoint(
     extra = model.extra_state()  # the same keys on every rank
     if extra:
         _write_tensors(directory / f"extra{rt.rank}.safetensors", extra)
-    comm.barrier()
+    comm.barrier(rt.group)
     if rt.is_main:
         files = [f"rank{r}.safetensors" for r in range(layout["num_shards"])]
         extra_files = [f"extra{r}.safetensors" for r in range(rt.world_size)] if extra else []
@@ -93,7 +93,7 @@ def save_checkpoint(
             "strategy_state_sha256": {name: _sha256(directory / name) for name in extra_files},
         }
         _atomic(directory / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
-    comm.barrier()
+    comm.barrier(rt.group)
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

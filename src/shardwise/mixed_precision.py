@@ -84,7 +84,7 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | None) -> None:
+def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | None) -> list:
     """Inputs enter in `dtype`; outputs leave in fp32, and with a scaler their gradient is
     multiplied by the loss scale on its way back (so `loss.backward()` needs no change)."""
 
@@ -97,5 +97,7 @@ def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | Non
             output.register_hook(lambda grad: grad * scaler.scale)
         return output
 
-    model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
-    model.register_forward_hook(cast_outputs)
+    return [
+        model.register_forward_pre_hook(cast_inputs, with_kwargs=True),
+        model.register_forward_hook(cast_outputs),
+    ]

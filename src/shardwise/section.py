@@ -7,6 +7,7 @@ into one `Config`; nothing else needs to know the strategy exists.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
@@ -24,8 +25,9 @@ class StrategySection(Section):
 
     name: str
 
-    def build(self, world_size: int) -> Strategy:
-        """The strategy these options describe, for a job of `world_size` ranks."""
+    def build(self, world_size: int, run_dir: Path) -> Strategy:
+        """The strategy these options describe, for a job of `world_size` ranks whose outputs
+        (offload files, snapshots) go under `run_dir`."""
         raise NotImplementedError
 
     def ranks_needed(self) -> int | None:

@@ -32,8 +32,8 @@ from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
 from shardwise.runner import new_run_dir
 from shardwise.strategies.base import DistributedModel
 
-WARMUP_STEPS_EXCLUDED = 3
-RUN_DIR_KEY = "shardwise/run_dir"  # first steps pay for allocation and lazy init; not in samples/s
+WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
+RUN_DIR_KEY = "shardwise/run_dir"  # where rank 0 tells the others the run directory
 
 
 def agree_run_dir(cfg: Config, requested: str | None, rt: sw.Runtime) -> Path:

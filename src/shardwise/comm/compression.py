@@ -31,6 +31,7 @@ from shardwise.comm.collectives import (
     all_reduce,
     group_size,
 )
+from shardwise.comm.flat import flatten, unflatten
 
 
 class Codec(ABC):
@@ -66,7 +67,8 @@ class Codec(ABC):
     def with_feedback(self, buffer: torch.Tensor, key: int) -> torch.Tensor:
         """The buffer plus what earlier steps left unsent (error feedback)."""
         residual = self.residuals.get(key)
-        return buffer if residual is None else buffer + residual
+        # (a residual restored from a checkpoint arrives on the CPU)
+        return buffer if residual is None else buffer + residual.to(buffer.device)
 
     def keep_residual(self, key: int, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         """Remember exactly what was not sent: `corrected - sent`."""
@@ -284,7 +286,7 @@ class PowerSGD(Codec):
                 torch.randn(m.shape[1], r, generator=self.generator).to(m)
                 for m, r in zip(matrices, filter(None, ranks), strict=True)
             ]
-        qs = [orthogonalize(q) for q in self.qs[key]]
+        qs = [orthogonalize(q.to(m)) for q, m in zip(self.qs[key], matrices, strict=True)]
         flat_plain = torch.cat(plain) if plain else corrected.new_empty(0)
         ps = [m @ q for m, q in zip(matrices, qs, strict=True)]
         # Two rounds of messages: the uncompressed tensors with the Ps, then the Qs.
@@ -312,10 +314,10 @@ class PowerSGD(Codec):
         tensors = [t for t in tensors if t.numel()]
         if not tensors:
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = flatten(tensors)
         all_reduce(flat, group=group)
-        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-            t.copy_(piece.view_as(t))
+        for t, piece in zip(tensors, unflatten(flat, tensors), strict=True):
+            t.copy_(piece)
 
 
 def make_codec(spec: str) -> Codec:

@@ -34,11 +34,13 @@ class Peers:
     def serving(self) -> bool:
         return bool(self.live - self.done)
 
-    def newly_dead(self) -> list[tuple[int, float]]:
-        """Peers to declare dead now, with their silence: a lost connection, or heartbeats
-        that stopped for longer than the timeout."""
-        lost = [(r, self.heartbeats.silent_for(r)) for r in sorted(self.lost - set(self.dead))]
-        return lost + self.heartbeats.dead(self.live - self.done - self.lost)
+    def silent(self) -> list[tuple[int, float]]:
+        """Peers whose heartbeats stopped for longer than the timeout, with their silence."""
+        return self.heartbeats.dead(self.live - self.done - self.lost)
+
+    def lost_undeclared(self) -> list[tuple[int, float]]:
+        """Peers whose connection broke while we answered them, not declared dead yet."""
+        return [(r, self.heartbeats.silent_for(r)) for r in sorted(self.lost - set(self.dead))]
 
     def mark_dead(self, rank: int, silent_s: float) -> None:
         self.live.discard(rank)

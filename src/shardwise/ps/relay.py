@@ -70,7 +70,7 @@ class Relay:
     def serve(self) -> RelayReport:
         start_receivers([*self.workers, *self.servers], self.group, self.inbox, set(self.workers))
         while self.peers.serving():
-            for worker, silent_s in self.peers.newly_dead():
+            for worker, silent_s in self.peers.silent():
                 self._declare_dead(worker, silent_s)
             try:
                 src, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.comm.flat import flatten
 from shardwise.ps import protocol
 from shardwise.ps.consistency import mode_for
 from shardwise.ps.peers import Peers, check_hello, start_receivers
@@ -118,15 +119,18 @@ class Server:
         senders = [*self.peers.live, *([COORDINATOR] if follows else [])]
         start_receivers(senders, self.group, self.inbox)
         while self.peers.serving():
-            for client, silent_s in self.peers.newly_dead():
+            for client, silent_s in self.peers.silent():
                 self._declare_dead(client, silent_s)
             try:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
                 continue
-            if h is not None and (client in self.peers.live or client == COORDINATOR):
-                self.handlers[Kind(int(h[0]))](client, h, payload)
+            handler = self.handlers.get(Kind(int(h[0]))) if h is not None else None
+            if handler and (client in self.peers.live or client == COORDINATOR):
+                handler(client, h, payload)
                 self._answer_pulls()
+            for lost, silent_s in self.peers.lost_undeclared():  # a send to it failed
+                self._declare_dead(lost, silent_s)
         self.report.clocks = dict(self.clock)
         self.report.final = torch.cat(
             [p.detach().reshape(-1) for p in self.params] or [torch.zeros(0)]
@@ -270,8 +274,7 @@ class Server:
             if client not in self.peers.live:
                 continue
             if self.mode.may_answer(self, client, clock):
-                flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-                self._send(client, Kind.OK, self.version, payload=flat)
+                self._send(client, Kind.OK, self.version, payload=flatten(self.params))
             else:
                 still.append((client, clock))
         self.waiting_pulls = still

@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from shardwise import runtime
-from shardwise.comm.flat import split_bounds
+from shardwise.comm.flat import split_bounds, unflatten
 from shardwise.ps import protocol
 from shardwise.ps.liveness import HeartbeatSender
 from shardwise.ps.protocol import Kind
@@ -180,8 +180,8 @@ class PSClient:
             self.version = int(h[1])
             pieces.append(piece if piece is not None else torch.zeros(0))
         flat = torch.cat(pieces)
-        for p, value in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
-            p.copy_(value.view_as(p))
+        for p, value in zip(self.params, unflatten(flat, self.params), strict=True):
+            p.copy_(value)
 
     def push(self, tensors: list[torch.Tensor]) -> None:
         """One value per parameter (gradients, or parameters under the averaging rule)."""

@@ -136,7 +136,7 @@ class DistributedModel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's training state: what it holds of the model, plus `extra_state` under
         `_shardwise.` keys. `load_state_dict` of it into a fresh prepare of the same strategy
-        on the same ranks continues bit-identically."""
+        on the same ranks continues bit-identically; plain single-process weights load too."""
         state = dict(self.module.state_dict(*args, **kwargs))
         state.update(prefixed(EXTRA, self.extra_state()))
         return state
@@ -145,7 +145,8 @@ class DistributedModel(nn.Module):
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         module_state = {k: v for k, v in state_dict.items() if not k.startswith(EXTRA)}
-        self.load_extra_state(unprefixed(EXTRA, state_dict))
+        if extra := unprefixed(EXTRA, state_dict):  # (plain weights carry none: load those)
+            self.load_extra_state(extra)
         return self.module.load_state_dict(module_state, strict=strict, assign=assign)
 
     def checkpoint_shard(

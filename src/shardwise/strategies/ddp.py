@@ -30,6 +30,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm.algorithms import AllReduceName, NativeAllReduce, make_all_reduce
 from shardwise.comm.compression import CompressedAllReduce, make_codec
+from shardwise.comm.flat import flatten, unflatten
 from shardwise.runtime import Runtime
 from shardwise.section import StrategySection
 from shardwise.strategies.base import DistributedModel, Strategy, prefixed, unprefixed
@@ -55,11 +56,11 @@ def broadcast_module_state(
     # An ordered set: a plain set's order can differ between processes, and so would the messages.
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         same = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        flat = flatten(same)
         comm.broadcast(flat, src=src, group=group)
         with torch.no_grad():
-            for t, chunk in zip(same, flat.split([t.numel() for t in same]), strict=True):
-                t.copy_(chunk.view_as(t))
+            for t, chunk in zip(same, unflatten(flat, same), strict=True):
+                t.copy_(chunk)
 
 
 def _make_bucket(params: list[nn.Parameter]) -> Bucket:

@@ -95,7 +95,7 @@ class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
 
     def close(self) -> None:
         self.data.close()
-        comm.barrier()
+        comm.barrier(self.runtime.group)  # every rank of the mesh
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from shardwise.strategies.ddp import broadcast_module_state
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flatten(list(model.parameters()))
 
 
 @torch.no_grad()
@@ -98,9 +98,6 @@ class RelaxedModel(DistributedModel):
                 comm.all_reduce(value, group=self.runtime.group)
                 value.div_(self.runtime.world_size)
         return state
-
-    def checkpoint_name(self) -> str:
-        return "relaxed"
 
 
 class LocalSGDModel(RelaxedModel):
@@ -222,7 +219,7 @@ class AdaptiveSyncModel(RelaxedModel):
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         super().load_extra_state(state)
-        self.anchor = state["anchor"].clone()
+        self.anchor = state["anchor"].to(self.runtime.device, copy=True)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 from torch import nn
 
@@ -73,7 +72,7 @@ class ZeRO(Strategy):
         broadcast_module_state(model, group=runtime.group)
         # fp32 masters apart from the compute copy: with mixed precision, and with offload.
         if self.mixed_precision is None and self.offload is None:
-            masters = ShardViews(next(model.parameters()).dtype)
+            masters = ShardViews(next(model.parameters(), torch.empty(0)).dtype)
         else:
             device = torch.device("cpu") if self.offload else None
             masters = FP32Masters(self.mixed_precision, device, runtime.device)
@@ -81,7 +80,7 @@ class ZeRO(Strategy):
         if self.offload == "disk":  # unique per rank and job, even in a shared parent
             parent = self.offload_dir or tempfile.gettempdir()
             Path(parent).mkdir(parents=True, exist_ok=True)
-            prefix = f"shardwise-offload-rank{dist.get_rank()}-"
+            prefix = f"shardwise-offload-rank{runtime.rank}-"
             offload_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         stage = STAGES[self.stage]
         return stage(model, runtime, masters, int(self.bucket_mb * 2**20), offload_dir)

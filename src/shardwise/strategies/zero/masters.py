@@ -46,8 +46,8 @@ class ShardViews:
     def step_allowed(self, grads: list[torch.Tensor]) -> bool:
         return True
 
-    def install(self, model: nn.Module) -> None:
-        pass
+    def install(self, model: nn.Module) -> list:
+        return []  # no hooks: the model computes in its own dtype
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -87,9 +87,9 @@ class FP32Masters:
         self.scaler.after_step(overflow)
         return not overflow
 
-    def install(self, model: nn.Module) -> None:
-        if self.mixed:
-            install_casts(model, self.compute_dtype, self.scaler)
+    def install(self, model: nn.Module) -> list:
+        """The hooks that cast inputs and outputs (and scale the loss's gradient)."""
+        return install_casts(model, self.compute_dtype, self.scaler) if self.mixed else []
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {} if self.scaler is None else self.scaler.state_dict()

@@ -14,6 +14,7 @@ reduce-scatter + all-gather, the volume of one all-reduce, as DDP.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.runtime import Runtime
 from shardwise.strategies.base import (
+    EXTRA,
     DistributedModel,
     DistributedOptimizer,
     buffer_tensors,
@@ -73,8 +75,9 @@ class ZeroStage1(DistributedModel):
             ),
             find_unused_parameters=False,
         )
+        self.hooks: list = []  # module hooks the strategy added, removed by close()
         self.prepare_units()
-        masters.install(module)
+        self.hooks += masters.install(module)
 
     def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
         """Which parameters share a unit: buckets by size, in reverse registration order."""
@@ -196,19 +199,30 @@ class ZeroStage1(DistributedModel):
         state = self.module.state_dict(keep_vars=True)
         return {k: full[k] if k in full else v.detach().clone() for k, v in state.items()}
 
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return self.masters.state_dict()  # the loss scale (fp16)
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.masters.load_state_dict(state)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's shards (fp32 masters where kept), the buffers, the loss scale."""
         state = {f"shard{i}": s.detach() for i, s in enumerate(self.shards)}
         state.update({f"buffer.{n}": b for n, b in self.module.named_buffers()})
-        return {**state, **prefixed("masters.", self.masters.state_dict())}
+        return {**state, **prefixed(EXTRA, self.extra_state())}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign=False):
-        """Collective (the compute copies are all-gathered from every rank's shards)."""
+        """This rank's state from `state_dict()`, or a full single-process state dict (the
+        shards are cut from it). Collective: the compute copies are gathered from all ranks."""
+        if "shard0" not in state_dict:
+            self.load_full_params(state_dict)
+            return
         for i, shard in enumerate(self.shards):
             shard.copy_(state_dict[f"shard{i}"])
         load_buffers(self.module, unprefixed("buffer.", state_dict))
-        self.masters.load_state_dict(unprefixed("masters.", state_dict))
+        if extra := unprefixed(EXTRA, state_dict):
+            self.load_extra_state(extra)
         self.gather_parameters()
 
     def checkpoint_name(self) -> str:
@@ -233,13 +247,19 @@ class ZeroStage1(DistributedModel):
         return layout, tensors
 
     @torch.no_grad()
-    def load_full_state(self, optimizer, params, states) -> None:
+    def load_full_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Take this rank's slices of full, single-process parameters (and the buffers)."""
         load_buffers(self.module, params)
         for unit, shard in zip(self.units, self.shards, strict=True):
-            names = [self.names[p] for p in unit.params]
-            full = unit.flatten([params[n] for n in names], shard.dtype)
+            full = unit.flatten([params[self.names[p]] for p in unit.params], shard.dtype)
             shard.copy_(unit.own(full))
             self.take_full_params(unit, full)
+
+    @torch.no_grad()
+    def load_full_state(self, optimizer, params, states) -> None:
+        self.load_full_params(params)
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            names = [self.names[p] for p in unit.params]
             optimizer.state[shard] = {
                 key: value.clone().to(shard.device)
                 if value.dim() == 0
@@ -252,5 +272,9 @@ class ZeroStage1(DistributedModel):
 
     def close(self) -> None:
         self.backward.remove()
+        for hook in self.hooks:
+            hook.remove()
         if self.disk_step is not None:
             self.disk_step.store.remove()
+        elif self.offload_dir is not None:  # made at wrap, before any optimizer existed
+            shutil.rmtree(self.offload_dir, ignore_errors=True)

@@ -51,10 +51,17 @@ class ZeroStage3(ZeroStage2):
     def prepare_units(self) -> None:
         offset = 1 if self.rest else 0
         if self.rest:
-            self.module.register_forward_pre_hook(lambda *_: self._gather(0, prefetch=False))
+            gather_rest = self.module.register_forward_pre_hook(
+                lambda *_: self._gather(0, prefetch=False)
+            )
+            self.hooks.append(gather_rest)
         for i, module in enumerate(self.unit_modules, start=offset):
-            module.register_forward_pre_hook(lambda _m, _a, i=i: self._gather(i, prefetch=True))
-            module.register_forward_hook(lambda _m, _a, out, i=i: self._after_forward(i, out))
+            self.hooks += [
+                module.register_forward_pre_hook(
+                    lambda _m, _a, i=i: self._gather(i, prefetch=True)
+                ),
+                module.register_forward_hook(lambda _m, _a, out, i=i: self._after_forward(i, out)),
+            ]
         for u in self.units:
             u.free()
 
