@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -130,3 +131,6 @@ def _quiesce(timeout_s: float = 5.0) -> None:
     `timeout_s`, not a hang."""
     with contextlib.suppress(Exception):  # a peer already left: nothing to wait for
         dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    # The waiter is told before the worker thread lets go of the barrier's operation, and
+    # letting go takes the GIL: give it the moment it needs (nothing is in flight after this).
+    time.sleep(0.05)

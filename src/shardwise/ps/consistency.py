@@ -41,6 +41,11 @@ def sync_pull_ready(client: int, pending, version: int, clock: int, active: set[
 
 
 class Async:
+    hears_rounds = False  # whether server 0 announces this server's sync rounds to it
+
+    def batches_per_update(self, workers: int) -> int:
+        return 1  # each push is an update
+
     def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
         # (a relay forwards each of its workers' pushes on its own in this mode: count is 1)
         server.apply(value / count, staleness=server.version - version_used)
@@ -70,6 +75,11 @@ class Sync:
         # client -> (sum of its pushed values, how many workers' pushes it holds), this clock
         self.pending: dict[int, tuple[torch.Tensor, int]] = {}
 
+    hears_rounds = False
+
+    def batches_per_update(self, workers: int) -> int:
+        return workers  # one update averages every worker's batch
+
     def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
         self.pending[client] = (value, count)
         self.settle(server)
@@ -93,6 +103,8 @@ class Sync:
 
 
 class SyncFollower(Sync):
+    hears_rounds = True
+
     def __init__(self) -> None:
         super().__init__(followers=[])
         self.rounds: collections.deque[list[int]] = collections.deque()  # announced, not applied

@@ -99,9 +99,8 @@ class Server:
         store = dist.distributed_c10d._get_default_store()
         self.snapshots = ShardSnapshots(self.o.snapshot_dir, self.rank, self.o.servers, store)
         self._restore()
-        if self.work is not None:  # sync applies one update per W batches, else one each
-            per_update = workers if self.o.mode == "sync" else 1
-            self.work.skip(self.version * per_update)
+        if self.work is not None:
+            self.work.skip(self.version * self.mode.batches_per_update(workers))
 
     def _make_shard(self, model: nn.Module, optimizer_cls, optimizer_kwargs) -> None:
         """This server's range of the flat parameters, and an optimizer over it."""
@@ -115,8 +114,7 @@ class Server:
 
     # ---- the loop
     def serve(self) -> ServerReport:
-        follows = self.rank > 0 and self.o.mode == "sync" and self.o.servers > 1
-        senders = [*self.peers.live, *([COORDINATOR] if follows else [])]
+        senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
         start_receivers(senders, self.group, self.inbox)
         while self.peers.serving():
             for client, silent_s in self.peers.silent():
