@@ -21,6 +21,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
 
@@ -40,20 +41,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.set or [])
     if args.nproc is not None:
         overrides.append(f"launch.nproc={args.nproc}")
+    if args.max_restarts is not None:
+        overrides.append(f"launch.max_restarts={args.max_restarts}")
     cfg = load_config(args.config, overrides)
     if _in_worker():  # a rank of the job (under our launcher, or torchrun on any machine)
         import shardwise as sw
         from shardwise.trainer import train
 
         try:
-            train(cfg, args.run_dir)
+            train(cfg, args.run_dir, resume=args.resume is not None)
         finally:
             sw.shutdown()
         return 0
     from shardwise.runner import fit_ranks, run_job
 
     _quiet_torch_elastic()
-    return run_job(fit_ranks(cfg, nproc_given=args.nproc is not None), args.run_dir)
+    run_dir, resume = args.run_dir, args.resume is not None
+    if resume:
+        if not args.resume or not Path(args.resume).is_dir():
+            raise ConfigError(f"--resume: no run directory {args.resume}")
+        run_dir = args.resume
+    return run_job(fit_ranks(cfg, nproc_given=args.nproc is not None), run_dir, resume)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -118,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, help="local ranks (overrides launch.nproc)")
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
     train.add_argument("--run-dir", help="run directory (default: runs/<name>-<time>)")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest complete checkpoint",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        help="restart after a failed rank, resuming (launch.max_restarts)",
+    )
     train.set_defaults(func=cmd_train)
 
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(e, LaunchError):
             print(f"shardwise: {e}", file=sys.stderr)
-            return 1
+            return e.exit_code
         raise
 
 

@@ -119,6 +119,13 @@ class TrainConfig(Section):
         description="artificial seconds added to every step of data-parallel rank i "
         "(parameter server: worker i), to emulate stragglers",
     )
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="save a checkpoint that resumes the run exactly every N steps, under "
+        "RUN_DIR/checkpoints (0: only the final weights)",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints to keep")
     delay_rotate: bool = Field(
         False,
         description="move the delays one rank on every step (transient stragglers: each rank "
@@ -138,6 +145,12 @@ class LaunchConfig(Section):
         300.0, gt=0, description="seconds before a stuck collective fails the job"
     )
     runs_dir: str = Field("runs", description="where run directories are created")
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="restart the job this many times when a rank fails (torchrun's agent), "
+        "resuming from the newest checkpoint",
+    )
 
 
 class Config(Section):

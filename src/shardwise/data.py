@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise import runtime
@@ -69,6 +70,9 @@ def loader(
             sampler=sampler,
             drop_last=drop_last,
             num_workers=num_workers,
+            # Its own generator: each new iterator draws a seed, and from the global generator
+            # that draw would shift dropout's random numbers after a resume.
+            generator=torch.Generator().manual_seed(seed),
         ),
         sampler,
     )

@@ -10,9 +10,11 @@ each step makes step times swing by ~30%).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -23,6 +25,16 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": 
 class LaunchError(RuntimeError):
     """A worker failed; the message names the rank and its exit code."""
 
+    exit_code = 1
+
+
+class Stopped(LaunchError):
+    """The job was stopped by a signal (its ranks saved a checkpoint first, where they could)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum
+
 
 def worker_environment(nproc: int, threads_per_rank: int | None) -> dict[str, str]:
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
@@ -32,9 +44,12 @@ def worker_environment(nproc: int, threads_per_rank: int | None) -> dict[str, st
     return env
 
 
-def launch(module_args: list[str], nproc: int, threads_per_rank: int | None = None) -> None:
-    """Run `python -m <module_args...>` on `nproc` local ranks; raise `LaunchError` on failure."""
-    _launch(["-m", *module_args], nproc, threads_per_rank)
+def launch(
+    module_args: list[str], nproc: int, threads_per_rank: int | None = None, max_restarts: int = 0
+) -> None:
+    """Run `python -m <module_args...>` on `nproc` local ranks; raise `LaunchError` on failure
+    (after `max_restarts` restarts of all of them, when a rank fails)."""
+    _launch(["-m", *module_args], nproc, threads_per_rank, max_restarts)
 
 
 def launch_script(
@@ -46,7 +61,9 @@ def launch_script(
     _launch([script, *args], nproc, threads_per_rank)
 
 
-def _launch(python_args: list[str], nproc: int, threads_per_rank: int | None) -> None:
+def _launch(
+    python_args: list[str], nproc: int, threads_per_rank: int | None, max_restarts: int = 0
+) -> None:
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     os.environ.update(worker_environment(nproc, threads_per_rank))
@@ -57,12 +74,14 @@ def _launch(python_args: list[str], nproc: int, threads_per_rank: int | None) ->
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",  # port 0: the agent picks a free port and hosts the store
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
     try:
         elastic_launch(config, sys.executable)(*python_args)
+    except SignalException as e:  # SIGTERM / SIGINT: the agent stopped the ranks
+        raise Stopped(int(e.sigval)) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise LaunchError(

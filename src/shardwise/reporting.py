@@ -14,9 +14,16 @@ from rich.table import Table
 
 
 class MetricsFile:
-    """One JSON object per line; flushed so a crashed run keeps what it logged."""
+    """One JSON object per line; flushed so a crashed run keeps what it logged.
 
-    def __init__(self, path: Path) -> None:
+    `keep_steps`: a resumed run first drops the lines of steps after its checkpoint (they are
+    about to be run again)."""
+
+    def __init__(self, path: Path, keep_steps: int | None = None) -> None:
+        if keep_steps is not None and path.exists():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= keep_steps]
+            path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:

@@ -36,10 +36,11 @@ def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
     return cfg
 
 
-def run_job(cfg: Config, run_dir: str | Path | None = None) -> int:
+def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> int:
     """Run the job on `cfg.launch.nproc` local processes; 0 on success. A failed rank raises
-    `LaunchError` (torchrun's agent stopped the others); a failed parameter-server job returns
-    1 after saying why."""
+    `LaunchError` (torchrun's agent stopped the others, after `launch.max_restarts` restarts);
+    a failed parameter-server job returns 1 after saying why. With `resume` (or restarts),
+    the ranks continue from the run directory's newest checkpoint."""
     from shardwise.launcher import launch
 
     cfg = fit_ranks(cfg, nproc_given=True)
@@ -48,9 +49,11 @@ def run_job(cfg: Config, run_dir: str | Path | None = None) -> int:
     resolved.write_text(dump_config(cfg))
     print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
     argv = ["shardwise", "train", str(resolved), "--run-dir", str(run_dir)]
+    if resume or cfg.launch.max_restarts:  # a restarted rank resumes from the newest checkpoint
+        argv.append("--resume")
     if isinstance(cfg.strategy, PSConfig):  # a supervisor of our own: a dead worker must not end it
         from shardwise.ps_supervisor import run_ps_job
 
         return run_ps_job(cfg, argv, run_dir)
-    launch(argv, cfg.launch.nproc, cfg.launch.threads_per_rank)
+    launch(argv, cfg.launch.nproc, cfg.launch.threads_per_rank, cfg.launch.max_restarts)
     return 0

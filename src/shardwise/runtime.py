@@ -77,7 +77,14 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
         # NCCL binds its communicators to this rank's GPU up front (barriers included).
         bound = {"device_id": device} if backend == "nccl" else {}
         if "RANK" in env and "WORLD_SIZE" in env:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout, **bound)
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+            # torchrun's agent keeps its store when it restarts the ranks after a failure: the
+            # keys of each attempt (gloo's addresses among them) must not meet the last one's.
+            attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+            store = dist.PrefixStore(f"shardwise/attempt-{attempt}", store)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
+            )
         else:  # plain `python script.py`: a world of one, same code path
             store = dist.HashStore()
             dist.init_process_group(

@@ -6,6 +6,9 @@ config, metrics.jsonl (one line per step), summary.json and the final checkpoint
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import comm
+from shardwise import comm, run_checkpoint
 from shardwise.checkpoint import save_model
 from shardwise.config import Config, dump_config
+from shardwise.faults import FaultInjector
 from shardwise.jobs import (
     OPTIMIZERS,
     Job,
@@ -48,16 +52,21 @@ def agree_run_dir(cfg: Config, requested: str | None, rt: sw.Runtime) -> Path:
     return Path(store.get(RUN_DIR_KEY).decode())
 
 
-def _batches(loader: sw.data.ShardedLoader):
-    """Endless iteration over epochs; each pass reshuffles (the sampler's epoch advances)."""
+def _batches(loader: sw.data.ShardedLoader, consumed: int = 0):
+    """Endless iteration over epochs; each pass reshuffles (the sampler's epoch advances).
+    A resumed run has `consumed` batches behind it: the same order goes on from there."""
+    loader.epoch, skip = divmod(consumed, len(loader))
+    yield from itertools.islice(iter(loader), skip, None)
     while True:
         yield from loader
 
 
-def _global_mean(value: float, count: int, device: torch.device) -> float:
-    t = torch.tensor([value * count, count], dtype=torch.float64, device=device)
+def _global_mean(value: float, count: int, stop: bool, device) -> tuple[float, bool]:
+    """The loss averaged over the global batch, and whether any rank was asked to stop (one
+    message for both, so that every rank stops after the same step)."""
+    t = torch.tensor([value * count, count, float(stop)], dtype=torch.float64, device=device)
     comm.all_reduce(t)
-    return (t[0] / t[1]).item()
+    return (t[0] / t[1]).item(), bool(t[2] > 0)
 
 
 @torch.no_grad()
@@ -105,6 +114,9 @@ class Run:
     shard: tuple[int, int]  # (replicas, index) of this rank's data
     metrics: MetricsFile | None
     progress: ProgressReporter
+    start_step: int = 0  # steps done before this process started (a resumed run)
+    stop_requested: bool = False  # SIGTERM / SIGINT: checkpoint after this step and leave
+    stopping: bool = False  # every rank agreed to stop
     step_times: list[float] = field(default_factory=list)
     loss: float = float("nan")
     memory: dict[str, int] = field(default_factory=dict)
@@ -114,8 +126,9 @@ class Run:
         return self.cfg.data.batch_size * self.shard[0]
 
 
-def setup(cfg: Config, run_dir: str | None) -> Run:
-    """Process group, run directory, model, strategy, optimizer, schedule and data."""
+def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
+    """Process group, run directory, model, strategy, optimizer, schedule and data; with
+    `resume`, everything restored from the run directory's newest complete checkpoint."""
     rt = sw.init(backend=cfg.launch.backend, timeout_s=cfg.launch.comm_timeout_s)
     if cfg.launch.threads_per_rank:
         torch.set_num_threads(cfg.launch.threads_per_rank)
@@ -128,13 +141,30 @@ def setup(cfg: Config, run_dir: str | None) -> Run:
         **optimizer_kwargs(cfg.optim),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, cfg.train.steps))
+    start = _resume(out, model, opt, scheduler) if resume else 0
     shard = model.data_shard()
     loader = sw.data.loader(
         job.splits.train, cfg.data.batch_size, shuffle=True, seed=cfg.train.seed, shard=shard
     )
-    metrics = MetricsFile(out / "metrics.jsonl") if rt.is_main else None
+    keep = start if resume else None
+    metrics = MetricsFile(out / "metrics.jsonl", keep_steps=keep) if rt.is_main else None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
-    return Run(cfg, rt, job, model, opt, scheduler, out, _batches(loader), shard, metrics, progress)
+    batches = _batches(loader, consumed=start)
+    return Run(cfg, rt, job, model, opt, scheduler, out, batches, shard, metrics, progress, start)
+
+
+def _resume(out: Path, model: DistributedModel, opt, scheduler) -> int:
+    """Load the newest complete checkpoint of the run; its step (0: none, start afresh)."""
+    rt = model.runtime
+    found = run_checkpoint.newest(out, rt.world_size, model.checkpoint_name())
+    if found is None:
+        if rt.is_main:
+            print(f"shardwise: no checkpoint in {out}: starting from step 0", flush=True)
+        return 0
+    step = run_checkpoint.load(found[0], model, opt, scheduler)
+    if rt.is_main:
+        print(f"shardwise: resumed from {found[0]} (step {step})", flush=True)
+    return step
 
 
 def run_step(run: Run, step: int, loop_start: float) -> None:
@@ -157,7 +187,9 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     run.scheduler.step()
     step_time = time.perf_counter() - t0
     # The loss average is a (tiny) collective too: it is counted in this step's figures.
-    run.loss = _global_mean(local_loss.item(), y.shape[0], run.rt.device)
+    run.loss, run.stopping = _global_mean(
+        local_loss.item(), y.shape[0], run.stop_requested, run.rt.device
+    )
     step_comm = comm.stats.end_step()
     record = {}
     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
@@ -220,17 +252,56 @@ def finish(run: Run, started: float) -> dict[str, Any]:
     return summary
 
 
-def train(cfg: Config, run_dir: str | None = None) -> dict[str, Any]:
-    """Run the job described by `cfg` in this process (one rank of it); return the summary."""
+def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run the job described by `cfg` in this process (one rank of it); return the summary.
+    With `resume`, continue from the run directory's newest checkpoint (if it has one)."""
     started = time.perf_counter()
     if isinstance(cfg.strategy, PSConfig):  # roles instead of replicas; the supervisor sums up
         from shardwise.ps_job import run_role
 
         run_role(cfg, run_dir)
         return {}
-    run = setup(cfg, run_dir)
+    run = setup(cfg, run_dir, resume)
+    faults = FaultInjector(run.rt.rank, run.out)
     comm.stats.reset()
     loop_start = time.perf_counter()
-    for step in range(1, cfg.train.steps + 1):
-        run_step(run, step, loop_start)
+    with _stop_on_signals(run):
+        for step in range(run.start_step + 1, cfg.train.steps + 1):
+            faults.before_step(step)
+            run_step(run, step, loop_start)
+            every = cfg.train.checkpoint_every
+            if run.stopping or (every and step % every == 0):
+                _checkpoint(run, step)
+            if run.stopping:
+                if run.rt.is_main:
+                    print(f"shardwise: stopped after step {step}; resume with --resume {run.out}")
+                run.model.close()
+                return {}
     return finish(run, started)
+
+
+def _checkpoint(run: Run, step: int) -> None:
+    started = time.perf_counter()
+    path = run_checkpoint.save(
+        run.out, step, run.model, run.opt, run.scheduler, run.cfg.train.keep_checkpoints
+    )
+    if run.metrics:
+        stall = time.perf_counter() - started
+        run.metrics.write({"step": step, "checkpoint": str(path), "checkpoint_stall_s": stall})
+    comm.stats.end_step()  # the save's barriers are not the next step's messages
+
+
+@contextlib.contextmanager
+def _stop_on_signals(run: Run):
+    """SIGTERM and SIGINT ask the run to stop: every rank finishes the step, the run saves a
+    checkpoint and leaves (instead of dying inside a collective)."""
+
+    def ask_to_stop(signum, frame) -> None:
+        run.stop_requested = True
+
+    previous = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
