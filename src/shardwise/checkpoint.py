@@ -55,7 +55,7 @@ def load_model(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(directory) / "model.safetensors"))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -89,8 +89,8 @@ def save_checkpoint(
             "step": step,
             "world_size": rt.world_size,
             **layout,
-            "sha256": {name: _sha256(directory / name) for name in files},
-            "strategy_state_sha256": {name: _sha256(directory / name) for name in extra_files},
+            "sha256": {name: sha256_file(directory / name) for name in files},
+            "strategy_state_sha256": {name: sha256_file(directory / name) for name in extra_files},
         }
         _atomic(directory / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
     comm.barrier(rt.group)
@@ -102,7 +102,7 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _verified(path: Path, expected: str) -> dict[str, torch.Tensor]:
-    if not path.is_file() or _sha256(path) != expected:
+    if not path.is_file() or sha256_file(path) != expected:
         raise CheckpointError(f"checkpoint file missing or corrupt (checksum): {path}")
     return load_file(str(path))
 

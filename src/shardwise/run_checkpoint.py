@@ -17,7 +17,6 @@ from JSON.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -30,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardwise import comm
+from shardwise.checkpoint import sha256_file
 from shardwise.strategies.base import DistributedModel
 
 FORMAT = "shardwise-run-checkpoint-v1"
@@ -46,14 +46,6 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- one rank's state as tensors + JSON ----------------------------------------------------------
@@ -145,7 +137,7 @@ def save(
             "step": step,
             "world_size": rt.world_size,
             "strategy": model.checkpoint_name(),
-            "sha256": {name: _sha256(tmp / name) for name in files},
+            "sha256": {name: sha256_file(tmp / name) for name in files},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         _fsync_path(tmp / "manifest.json")
@@ -187,7 +179,7 @@ def _check(directory: Path, world_size: int, strategy: str) -> dict[str, Any]:
         )
     for name, expected in files.items():
         path = directory / name
-        if Path(name).name != name or not path.is_file() or _sha256(path) != expected:
+        if Path(name).name != name or not path.is_file() or sha256_file(path) != expected:
             raise RunCheckpointError(f"checkpoint file missing or corrupt (checksum): {path}")
     return {"step": step}
 
