@@ -1,7 +1,10 @@
 """Exact resume: a job that loses a rank restarts and resumes from its newest checkpoint, a job
 stopped by SIGTERM saves one and continues with --resume, and either way it ends bit-identical
 to the same job run straight through: parameters, optimizer moments, strategy state (PowerSGD's
-error feedback and Q matrices, ZeRO's shards) and random generators, compared file by file."""
+error feedback and Q matrices, ZeRO's shards) and random generators, compared file by file.
+A run resumed on another number of ranks sees every sample of the epoch once (its ranks'
+sample ledger says) and ends where plain single-process training on the same global batches
+ends."""
 
 from __future__ import annotations
 
@@ -15,14 +18,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils.data import default_collate
 
-from shardwise import run_checkpoint
+from shardwise import ledger, run_checkpoint
+from shardwise.config import load_config
+from shardwise.jobs import OPTIMIZERS, build_job, lr_multiplier, optimizer_kwargs
 
 STEPS = 60
 
 
-def _train(run_dir: Path, *sets: str, env: dict | None = None, extra=()) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", "2"]
+def _train(
+    run_dir: Path, *sets: str, env: dict | None = None, extra=(), nproc: int = 2
+) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", str(nproc)]
     argv += ["--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=10", *extra]
     for kv in sets:
         argv += ["--set", kv]
@@ -35,12 +43,12 @@ def _train(run_dir: Path, *sets: str, env: dict | None = None, extra=()) -> subp
     )
 
 
-def _finish(job: subprocess.Popen) -> str:
+def _finish(job: subprocess.Popen, code: int = 0) -> str:
     try:
         out, _ = job.communicate(timeout=240)
     finally:
         job.kill()  # (a job that hangs must not outlive its test)
-    assert job.returncode == 0, out[-3000:]
+    assert job.returncode == code, out[-3000:]
     return out
 
 
@@ -55,19 +63,30 @@ def _same_end(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "strategy",
-    [["strategy.compression=powersgd:2"], ["strategy.name=zero", "strategy.stage=2"]],
-    ids=["ddp-powersgd", "zero2"],
+    "strategy, corrupt",
+    [
+        (["strategy.compression=powersgd:2"], []),
+        # ...and the newest checkpoint damaged (a fault from the config): back to the one before
+        (["strategy.name=zero", "strategy.stage=2"], ["faults=[corrupt-checkpoint:step=30]"]),
+    ],
+    ids=["ddp-powersgd", "zero2-corrupt-newest"],
 )
-def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, strategy):
+def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, strategy, corrupt):
     straight = _train(tmp_path / "straight", *strategy)
     _finish(straight)
     fault = {"SHARDWISE_FAULT": "kill:rank=1:step=37"}
-    faulty = _train(tmp_path / "faulty", *strategy, env=fault, extra=["--max-restarts", "1"])
+    faulty = _train(
+        tmp_path / "faulty", *strategy, *corrupt, env=fault, extra=["--max-restarts", "1"]
+    )
     out = _finish(faulty)
-    assert "fault injected: kill-rank1-step37" in out
-    assert "resumed from" in out and "(step 30)" in out
+    assert "fault injected on rank 1: kill-rank1-step37" in out
     assert (tmp_path / "faulty" / "faults" / "kill-rank1-step37").exists()  # fired once
+    if corrupt:
+        newest = tmp_path / "faulty" / "checkpoints" / f"{run_checkpoint.PREFIX}{30:09d}"
+        assert f"skipping a checkpoint: checkpoint file corrupt (checksum): {newest}/rank" in out
+        assert "(step 20)" in out
+    else:  # step 30's checkpoint, or 20's if the kill came before the background save was done
+        assert "resumed from" in out
     _same_end(tmp_path / "straight", tmp_path / "faulty")
 
 
@@ -78,7 +97,11 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_pat
     stopped = _train(tmp_path / "stopped", *slow)
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 15):
+
+    def steps_done() -> int:
+        return metrics.read_text().count('"loss"') if metrics.exists() else 0
+
+    while steps_done() < 15:
         assert time.monotonic() < deadline and stopped.poll() is None
         time.sleep(0.1)
     stopped.send_signal(signal.SIGTERM)
@@ -103,6 +126,55 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):
     shard = newest / "rank1.safetensors"
     shard.write_bytes(shard.read_bytes()[:-5] + b"xxxxx")
     found = run_checkpoint.newest(tmp_path / "run", 2, "ddp")
-    assert found == (previous, int(previous.name.removeprefix(run_checkpoint.PREFIX)))
-    assert f"checkpoint file missing or corrupt (checksum): {shard}" in capsys.readouterr().out
-    assert run_checkpoint.newest(tmp_path / "run", 4, "ddp") is None  # saved on 2 ranks
+    assert (found.directory, found.world_size) == (previous, 2)
+    assert found.step == int(previous.name.removeprefix(run_checkpoint.PREFIX))
+    assert f"checkpoint file corrupt (checksum): {shard}" in capsys.readouterr().out
+    assert run_checkpoint.newest(tmp_path / "run", 2, "zero-2") is None  # another strategy
+
+
+def _reference(run_dir: Path, sets: list[str]) -> dict[str, torch.Tensor]:
+    """Plain single-process training on the global batches the ledger says the ranks used:
+    each step's batch is every rank's indices of that step, in rank order."""
+    cfg = load_config("digits", [f"train.steps={STEPS}", *sets])
+    job = build_job(cfg)
+    model = job.model
+    opt = OPTIMIZERS[cfg.optim.name](model.parameters(), **optimizer_kwargs(cfg.optim))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, STEPS))
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for rank, lines in ledger.read(run_dir).items():
+        for line in lines:
+            by_step.setdefault(line["step"], {})[rank] = line["indices"]
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    data = job.splits.train
+    for step in range(1, STEPS + 1):
+        indices = [i for rank in sorted(by_step[step]) for i in by_step[step][rank]]
+        x, y = default_collate([data[i] for i in indices])
+        opt.zero_grad()
+        job.loss_fn(model(x), y).backward()
+        opt.step()
+        schedule.step()
+    return model.state_dict()
+
+
+# Batch sizes such that the resumed part crosses the end of the first epoch.
+@pytest.mark.parametrize("before, after, batch", [(4, 2, 8), (2, 3, 12)], ids=["4to2", "2to3"])
+def test_resume_on_another_number_of_ranks_sees_every_sample_once(tmp_path, before, after, batch):
+    run = tmp_path / "run"
+    sets = ["train.sample_ledger=true", f"data.batch_size={batch}", "optim.warmup_steps=0"]
+    sets.append("train.async_checkpoint=false")  # step 30's checkpoint is complete at the kill
+    killed = _train(run, *sets, env={"SHARDWISE_FAULT": "kill:rank=1:step=31"}, nproc=before)
+    _finish(killed, code=1)
+    out = _finish(_train(run, *sets, extra=["--resume", str(run)], nproc=after))
+    assert f"(step 30, resharded from {before} to {after} ranks)" in out
+    lines = [line for rank_lines in ledger.read(run).values() for line in rank_lines]
+    assert {line["world_size"] for line in lines if line["step"] > 30} == {after}
+    first_epoch = [i for line in lines if line["epoch"] == 0 for i in line["indices"]]
+    assert len(first_epoch) == len(set(first_epoch))  # no sample twice
+    # every sample once, but the tail that does not fill a global batch (drop_last)
+    size = len(build_job(load_config("digits")).splits.train)
+    assert size - batch * after < len(first_epoch) <= size
+    assert any(line["epoch"] == 1 for line in lines)  # (the run went past the epoch's end)
+    expected = _reference(run, sets)
+    final = load_file(str(run / "checkpoint" / "model.safetensors"))
+    for name, value in expected.items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=1e-5)

@@ -3,23 +3,33 @@
 Sharded checkpoints (`save_checkpoint` / `load_checkpoint`): each rank writes only what it holds
 (`rank{r}.safetensors`: its slice of every flat unit of parameters and optimizer state), then
 rank 0 writes `manifest.json` (layout: which parameters each unit holds, their shapes, shard
-sizes; world size; SHA-256 of every file). Every file is written to a temporary name and renamed,
-and the manifest comes last, so a directory with a manifest is complete. Loading rebuilds each
-parameter's full tensor (and each optimizer-state tensor) from the shards, then the loading
-strategy takes its own slices: the world size and even the strategy may differ (4 -> 2, ZeRO-3 ->
-DDP). `export_checkpoint` turns a sharded checkpoint into plain fp32 weights, no process group.
+sizes; world size; SHA-256 of every file). A save writes everything into a hidden sibling
+directory (`.NAME.tmp`), fsyncs it, the manifest last, and only then renames it into place (an
+existing checkpoint is first moved aside to `.NAME.old`, removed once the new one is in place):
+at every moment a complete checkpoint exists, and a kill during a re-save leaves the previous
+one loadable. Reading trusts nothing in the manifest: its fields are type-checked, its file
+names must be exactly `rank{r}.safetensors` / `extra{r}.safetensors` of this directory, and
+every problem is one `CheckpointError` line. Loading rebuilds each parameter's full tensor (and
+each optimizer-state tensor) from the shards, then the loading strategy takes its own slices:
+the world size and even the strategy may differ (4 -> 2, ZeRO-3 -> DDP). `export_checkpoint`
+turns a sharded checkpoint into plain fp32 weights, no process group.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shardwise import comm
@@ -36,9 +46,17 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Write to a temporary sibling, fsync, then rename: a reader never sees a partial file."""
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    _fsync(tmp)
     os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries (what renames and new files changed), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_model(directory: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
@@ -63,23 +81,38 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _siblings(directory: Path) -> tuple[Path, Path]:
+    """Where a save writes (`.NAME.tmp`) and where it moves the checkpoint it replaces
+    (`.NAME.old`). Derived from the name alone, so every rank agrees without a message."""
+    return (
+        directory.with_name(f".{directory.name}.tmp"),
+        directory.with_name(f".{directory.name}.old"),
+    )
+
+
 def save_checkpoint(
     model: DistributedModel, optimizer: torch.optim.Optimizer, directory: str | Path, step: int = 0
 ) -> None:
-    """Collective: every rank writes its shard; rank 0 then writes the manifest.
+    """Collective: every rank writes its shard; rank 0 then writes the manifest and moves the
+    finished checkpoint into place (replacing `directory` if it exists).
 
     Beside the reshardable per-parameter state, each rank writes its strategy state (the
     model's `extra_state()`: codec residuals, counters, loss scale), restored when the
     checkpoint is loaded by the same strategy on as many ranks."""
-    directory = Path(directory)
+    directory = Path(os.path.abspath(directory))  # "ckpt/.." has no name to make siblings of
     rt = model.runtime
+    tmp, _ = _siblings(directory)
+    _check_replaceable(directory)  # on every rank, before anyone waits for anyone
     layout, tensors = model.checkpoint_shard(optimizer)
-    directory.mkdir(parents=True, exist_ok=True)
+    if rt.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+        tmp.mkdir(parents=True)
+    comm.barrier(rt.group)  # the others write only into the fresh directory
     if tensors is not None:  # strategies with replicated state write from rank 0 only
-        _write_tensors(directory / f"rank{rt.rank}.safetensors", tensors)
+        _write_tensors(tmp / f"rank{rt.rank}.safetensors", tensors)
     extra = model.extra_state()  # the same keys on every rank
     if extra:
-        _write_tensors(directory / f"extra{rt.rank}.safetensors", extra)
+        _write_tensors(tmp / f"extra{rt.rank}.safetensors", extra)
     comm.barrier(rt.group)
     if rt.is_main:
         files = [f"rank{r}.safetensors" for r in range(layout["num_shards"])]
@@ -89,63 +122,183 @@ def save_checkpoint(
             "step": step,
             "world_size": rt.world_size,
             **layout,
-            "sha256": {name: sha256_file(directory / name) for name in files},
-            "strategy_state_sha256": {name: sha256_file(directory / name) for name in extra_files},
+            "sha256": {name: sha256_file(tmp / name) for name in files},
+            "strategy_state_sha256": {name: sha256_file(tmp / name) for name in extra_files},
         }
-        _atomic(directory / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        _fsync(tmp / "manifest.json")
+        _fsync(tmp)
+        _move_into_place(tmp, directory)
     comm.barrier(rt.group)
+
+
+# What a checkpoint directory may hold (older versions' per-file temporaries included).
+_OURS = re.compile(r"\.?(manifest\.json|(rank|extra)[0-9]+\.safetensors)(\.tmp)?")
+
+
+def _check_replaceable(directory: Path) -> None:
+    """A re-save replaces the whole directory, so it must hold nothing but a checkpoint."""
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise CheckpointError(f"cannot save a checkpoint to {directory}: not a directory")
+    others = sorted(p.name for p in directory.iterdir() if not _OURS.fullmatch(p.name))
+    if others:
+        raise CheckpointError(
+            f"cannot save a checkpoint to {directory}: it holds other files ({others[0]!r}), "
+            "which replacing it would delete"
+        )
+
+
+def _move_into_place(tmp: Path, directory: Path) -> None:
+    """Rename the complete `tmp` to `directory`. The old checkpoint is renamed aside first and
+    removed last, so a kill at any point leaves one complete checkpoint (see `_readable`)."""
+    _, old = _siblings(directory)
+    if directory.exists():
+        shutil.rmtree(old, ignore_errors=True)  # a killed save's, whose new one is in place
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    _fsync(directory.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _readable(directory: Path) -> Path:
+    """`directory`, or, where a save was killed between its two renames (`directory` gone),
+    the previous checkpoint that save had moved aside."""
+    _, old = _siblings(directory)
+    if not directory.exists() and (old / "manifest.json").is_file():
+        return old
+    return directory
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    _atomic(path, lambda p: save_file(cpu, str(p)))
+    save_file(cpu, str(path))
+    _fsync(path)
 
 
 def _verified(path: Path, expected: str) -> dict[str, torch.Tensor]:
     if not path.is_file() or sha256_file(path) != expected:
         raise CheckpointError(f"checkpoint file missing or corrupt (checksum): {path}")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:  # the checksum matches a file that was never valid
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+# ---- the manifest, checked before anything it names is read ------------------------------------
+Dim = Annotated[int, Field(ge=0, lt=2**63)]  # a torch size
+
+
+class _Unit(BaseModel):
+    model_config = ConfigDict(strict=True)
+    params: list[tuple[str, list[Dim]]] = Field(min_length=1)  # [name, shape]
+
+
+class Manifest(BaseModel):
+    """What `save_checkpoint` writes (strict: a string is not a number, nor a float an int)."""
+
+    model_config = ConfigDict(strict=True)
+    format: str
+    step: int
+    world_size: int = Field(ge=1)
+    num_shards: int = Field(ge=1)
+    strategy: str
+    units: list[_Unit]
+    sha256: dict[str, str]
+    strategy_state_sha256: dict[str, str] = {}
+
+    def shard_files(self) -> list[str]:
+        return [f"rank{r}.safetensors" for r in range(self.num_shards)]
+
+
+def _expect_files(path: Path, field: str, listed: dict[str, str], expected: list[str]) -> None:
+    """`listed` must name exactly `expected`: plain names, so nothing outside is ever read."""
+    for name in listed:
+        if name not in expected:
+            raise CheckpointError(
+                f"{path}: {field}: unexpected file name {name!r} "
+                f"(expected {expected[0]} .. {expected[-1]})"
+            )
+    if len(listed) != len(expected):
+        raise CheckpointError(
+            f"{path}: {field} lists {len(listed)} files, expected {len(expected)} "
+            f"({expected[0]} .. {expected[-1]})"
+        )
+
+
+def read_manifest(directory: Path) -> Manifest:
     path = Path(directory) / "manifest.json"
     if not path.is_file():
         raise CheckpointError(f"not a complete shardwise checkpoint (no manifest): {directory}")
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt checkpoint manifest {path}: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+        manifest = Manifest.model_validate_json(path.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint manifest {path}: {e.strerror}") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "manifest"
+        raise CheckpointError(
+            f"malformed checkpoint manifest {path}: {where!r}: {err['msg']}"
+        ) from None
+    if manifest.format != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.format!r}")
+    _expect_files(path, "sha256", manifest.sha256, manifest.shard_files())
+    if manifest.strategy_state_sha256:
+        extra = [f"extra{r}.safetensors" for r in range(manifest.world_size)]
+        _expect_files(path, "strategy_state_sha256", manifest.strategy_state_sha256, extra)
     return manifest
+
+
+def _unit_pieces(paths: list[Path], shards: list[dict], i: int, key: str) -> list[torch.Tensor]:
+    """`unit{i}/{key}` of every shard: all scalars, or all flat slices of one size."""
+    pieces = []
+    for path, shard in zip(paths, shards, strict=True):
+        piece = shard.get(f"unit{i}/{key}")
+        if piece is None:
+            raise CheckpointError(f"{path}: missing tensor unit{i}/{key}")
+        if piece.dim() > 1 or piece.shape != (pieces[0] if pieces else piece).shape:
+            raise CheckpointError(
+                f"{path}: tensor unit{i}/{key} has shape {list(piece.shape)}, expected a "
+                f"scalar or a flat slice of the shape of {paths[0].name}'s"
+            )
+        pieces.append(piece)
+    return pieces
 
 
 def read_full_state(directory: str | Path) -> tuple[dict, dict, int]:
     """Full per-parameter tensors: (params, optimizer state per parameter, step)."""
-    directory = Path(directory)
+    directory = _readable(Path(directory))
     manifest = read_manifest(directory)
-    shards = [_verified(directory / name, sha) for name, sha in manifest["sha256"].items()]
+    paths = [directory / name for name in manifest.shard_files()]  # in rank order
+    shards = [_verified(p, manifest.sha256[p.name]) for p in paths]
     params = {k.removeprefix("buffer/"): v for k, v in shards[0].items() if k.startswith("buffer/")}
     states: dict[str, dict[str, torch.Tensor]] = {}
-    for i, unit in enumerate(manifest["units"]):
-        keys = {k.split("/", 1)[1] for k in shards[0] if k.startswith(f"unit{i}/")}
+    for i, unit in enumerate(manifest.units):
+        keys = {k.split("/", 1)[1] for k in shards[0] if k.startswith(f"unit{i}/")} | {"param"}
         for key in sorted(keys):
-            pieces = [s[f"unit{i}/{key}"] for s in shards]
+            pieces = _unit_pieces(paths, shards, i, key)
             if pieces[0].dim() == 0:  # a scalar (Adam's step): the same on every shard
-                for name, _ in unit["params"]:
+                for name, _ in unit.params:
                     states.setdefault(name, {})[key] = pieces[0]
                 continue
             flat = torch.cat(pieces)
+            need = sum(math.prod(shape) for _, shape in unit.params)  # no int64 overflow
+            if flat.numel() < need:
+                raise CheckpointError(
+                    f"{paths[0]}: tensor unit{i}/{key} holds {flat.numel()} values on "
+                    f"{len(paths)} shard(s), the manifest's layout needs {need}"
+                )
             offset = 0
-            for name, shape in unit["params"]:
-                n = int(torch.Size(shape).numel())
+            for name, shape in unit.params:
+                n = math.prod(shape)
                 full = flat[offset : offset + n].view(shape).clone()
                 offset += n
                 if key == "param":
                     params[name] = full
                 else:
                     states.setdefault(name, {})[key] = full
-    return params, states, manifest["step"]
+    return params, states, manifest.step
 
 
 def load_checkpoint(
@@ -154,7 +307,7 @@ def load_checkpoint(
     """Load a sharded checkpoint saved at any world size; returns its step."""
     params, states, step = read_full_state(directory)
     model.load_full_state(optimizer, params, states)
-    _load_strategy_state(model, Path(directory))
+    _load_strategy_state(model, _readable(Path(directory)))
     return step
 
 
@@ -162,18 +315,16 @@ def _load_strategy_state(model: DistributedModel, directory: Path) -> None:
     """This rank's strategy state, where the same strategy saved it on as many ranks; it
     cannot be resharded (a codec's residual is one rank's), so elsewhere it starts afresh."""
     manifest = read_manifest(directory)
-    files = manifest.get("strategy_state_sha256", {})
+    files = manifest.strategy_state_sha256
     rt = model.runtime
-    same = (
-        manifest["strategy"] == model.checkpoint_name() and manifest["world_size"] == rt.world_size
-    )
+    same = manifest.strategy == model.checkpoint_name() and manifest.world_size == rt.world_size
     if files and same:
         name = f"extra{rt.rank}.safetensors"
         model.load_extra_state(_verified(directory / name, files[name]))
     elif files and rt.is_main:
         print(
-            f"shardwise: {directory}: strategy state of {manifest['strategy']} on "
-            f"{manifest['world_size']} ranks not restored here (it starts afresh)",
+            f"shardwise: {directory}: strategy state of {manifest.strategy} on "
+            f"{manifest.world_size} ranks not restored here (it starts afresh)",
             flush=True,
         )
 

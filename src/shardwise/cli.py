@@ -34,7 +34,7 @@ def _quiet_torch_elastic() -> None:
     # The agent logs every rendezvous step at INFO and a multi-screen report on failure;
     # our own one-line error says what failed.
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -126,6 +126,33 @@ class TrainConfig(Section):
         "RUN_DIR/checkpoints (0: only the final weights)",
     )
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints to keep")
+    async_checkpoint: bool = Field(
+        True,
+        description="write checkpoints from a background thread after copying the state "
+        "(training stalls only for the copy); false: write before the next step",
+    )
+    sample_ledger: bool = Field(
+        False,
+        description="write the dataset indices each rank trained on, per step, to "
+        "RUN_DIR/ledger/rank{r}.jsonl (proof that resumes skip or repeat no sample)",
+    )
+    skip_batches: list[int] = Field(
+        [],
+        description="global batches (1 = the run's first) to leave out, e.g. ones known to "
+        "produce non-finite values; the next batch takes their step",
+    )
+    nonfinite: Literal["skip", "stop", "rollback"] = Field(
+        "skip",
+        description="a non-finite loss or gradient on any rank: skip the update on every rank; "
+        "stop the run; or skip, and after max_bad_steps bad steps in a row roll back to the "
+        "last checkpoint and leave the offending batches out",
+    )
+    max_bad_steps: int = Field(
+        3,
+        ge=1,
+        description="consecutive non-finite steps before 'skip' stops the run or "
+        "'rollback' rolls back",
+    )
     delay_rotate: bool = Field(
         False,
         description="move the delays one rank on every step (transient stragglers: each rank "
@@ -145,6 +172,21 @@ class LaunchConfig(Section):
         300.0, gt=0, description="seconds before a stuck collective fails the job"
     )
     runs_dir: str = Field("runs", description="where run directories are created")
+    hang_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a collective unfinished this long ends every rank with a report naming "
+        "the ranks that never arrived, and where each rank is",
+    )
+    desync_check_every: int = Field(
+        100,
+        ge=0,
+        description="compare every rank's sequence of collectives through the store every N "
+        "steps (0: never); a difference names the first differing call on each rank",
+    )
+    desync_check_per_call: bool = Field(
+        False, description="debug: compare every collective before it is issued (slow)"
+    )
     max_restarts: int = Field(
         0,
         ge=0,
@@ -161,6 +203,19 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    faults: list[str] = Field(
+        [],
+        description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: shardwise.faults; "
+        "added to those of SHARDWISE_FAULT)",
+    )
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_parse(cls, faults: list[str]) -> list[str]:
+        from shardwise.faults import parse
+
+        parse(",".join(faults), source="")  # a one-line error when malformed
+        return faults
 
 
 def resolve_data_path(path: str) -> Path:
@@ -241,7 +296,7 @@ def validate(raw: dict[str, Any]) -> Config:
 def section_names(strategies: bool = False) -> list[str]:
     if strategies:
         return [section.model_fields["name"].default for section in SECTIONS]
-    return [name for name in Config.model_fields if name not in ("name", "strategy")]
+    return [name for name in Config.model_fields if name not in ("name", "strategy", "faults")]
 
 
 def describe_section(name: str) -> tuple[str, list[tuple[str, str, str, str]]]:

@@ -1,8 +1,10 @@
-"""Data loading for data parallel: each rank iterates over its own shard of the dataset.
+"""Data loading for data parallel: every step, a global batch cut into one slice per rank.
 
-`loader` uses torch's `DistributedSampler` (a permutation shared by all ranks through the seed,
-then every rank takes every world_size-th index) and advances the epoch automatically, so each
-epoch is shuffled differently yet identically on all ranks.
+Each epoch has one seeded order of the dataset, the same on every rank. A step takes the next
+`batch_size * replicas` samples of that order (the global batch) and rank i keeps the i-th
+slice. The loader's position is therefore one number for the whole job, the samples of this
+epoch's order already consumed, and it means the same on any number of ranks: a run saved on 4
+ranks resumes on 2 or 3 with every remaining sample of the epoch seen exactly once.
 """
 
 from __future__ import annotations
@@ -11,26 +13,95 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from shardwise import runtime
 
 
 class ShardedLoader:
-    """A DataLoader over this rank's shard; iterating it again starts the next epoch."""
+    """This rank's slices of the global batches; iterating again starts the next epoch.
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler) -> None:
-        self.loader = loader
-        self.sampler = sampler
+    `epoch` and `offset` (samples of the epoch's order consumed by all ranks together) are its
+    position: `state_dict()` saves them, and a loader with another number of replicas loaded
+    from them goes on with the same samples. `last_indices` are the dataset indices of the
+    batch it yielded last (for the sample ledger).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        replicas: int,
+        index: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        num_workers: int = 0,
+    ) -> None:
+        self.dataset, self.batch_size = dataset, batch_size
+        self.replicas, self.index = replicas, index
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.num_workers = num_workers
         self.epoch = 0
+        self.offset = 0
+        self.last_indices: list[int] = []
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.replicas
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's order of sample indices, the same on every rank."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(n, generator=generator).tolist()
+
+    def _my_batches(self, order: list[int], start: int) -> Iterator[tuple[list[int], int]]:
+        """(this rank's indices, samples the whole step consumes) from `start` to the end."""
+        n, size = len(order), self.global_batch
+        for begin in range(start, n, size):
+            batch = order[begin : begin + size]
+            if len(batch) == size:
+                mine = batch[self.index * self.batch_size : (self.index + 1) * self.batch_size]
+            elif self.drop_last:
+                return
+            else:  # the last, partial batch: as even a split as there is, every rank some
+                if len(batch) < self.replicas:  # wrap around, like torch's DistributedSampler
+                    batch = batch + order[: self.replicas - len(batch)]
+                mine = torch.tensor(batch).tensor_split(self.replicas)[self.index].tolist()
+            yield mine, min(size, n - begin)
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
+        order = self.order(self.epoch)
+        plan = list(self._my_batches(order, self.offset))
+        fetch = DataLoader(
+            self.dataset,
+            batch_sampler=[mine for mine, _ in plan],
+            num_workers=self.num_workers,
+            # Its own generator: each iterator draws a seed, and a draw from the global one
+            # would shift dropout's random numbers after a resume (which starts an iterator).
+            generator=torch.Generator().manual_seed(self.seed + self.epoch),
+        )
+        for (mine, consumed), batch in zip(plan, fetch, strict=True):
+            self.offset += consumed
+            self.last_indices = mine
+            yield batch
+        self.epoch, self.offset = self.epoch + 1, 0
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """Steps in a whole epoch."""
+        full, rest = divmod(len(self.dataset), self.global_batch)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"data position saved with seed {state['seed']}, not {self.seed}")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
 def loader(
@@ -42,12 +113,14 @@ def loader(
     num_workers: int = 0,
     shard: tuple[int, int] | None = None,
 ) -> ShardedLoader:
-    """A loader yielding `batch_size` samples per step from this rank's shard.
+    """A loader yielding `batch_size` samples per step from this rank's slice of each global
+    batch; the global batch per step is `batch_size * world_size`.
 
-    The global batch per step is `batch_size * world_size`. `drop_last` keeps every rank at the
-    same number of steps (a rank with one step more would wait forever in a collective).
-    `shard` = (replicas, index) overrides (world size, rank): ranks that split one model
-    (tensor or pipeline parallel) must read the same batches; `sw.data_shard(model)` says how.
+    `drop_last` keeps every rank at the same number of full steps (a rank with one step more
+    would wait forever in a collective); without it, the last partial global batch is split as
+    evenly as it goes. `shard` = (replicas, index) overrides (world size, rank): ranks that
+    split one model (tensor or pipeline parallel) must read the same batches;
+    `sw.data_shard(model)` says how.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -55,24 +128,6 @@ def loader(
         rt = runtime.init()  # the existing runtime, or a world of one
         shard = (rt.world_size, rt.rank)
     replicas, index = shard
-    sampler = DistributedSampler(
-        dataset,
-        num_replicas=replicas,
-        rank=index,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-    )
     return ShardedLoader(
-        DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            drop_last=drop_last,
-            num_workers=num_workers,
-            # Its own generator: each new iterator draws a seed, and from the global generator
-            # that draw would shift dropout's random numbers after a resume.
-            generator=torch.Generator().manual_seed(seed),
-        ),
-        sampler,
+        dataset, batch_size, replicas, index, shuffle, seed, drop_last, num_workers
     )

@@ -1,63 +1,135 @@
 """Fault injection for tests, demos and benchmarks.
 
-    SHARDWISE_FAULT="kill:rank=1:step=37"        (several: separated by commas)
+From the config (`faults: [...]`) or the environment, with one grammar (several: commas):
 
-`kill:rank=R:step=S`: rank R sends itself SIGKILL as step S begins. Each fault fires once per
-run: a marker under `RUN_DIR/faults/` records it, so a job that restarts and resumes does not
-kill itself again.
+    SHARDWISE_FAULT="kill:rank=1:step=37"
+
+- `kill:rank=R:step=S`: rank R sends itself SIGKILL as step S begins.
+- `hang:rank=R:step=S`: rank R stops issuing collectives at step S (it sleeps, alive).
+- `nan:rank=R:step=S`: rank R's loss, and so its gradient, is NaN at step S.
+- `slow:rank=R:factor=F`: rank R's forward and backward take F times as long (it sleeps).
+- `desync:rank=R:step=S`: rank R broadcasts where the others all-reduce the loss at step S.
+- `corrupt-checkpoint:step=S`: one file of step S's checkpoint is damaged after it is written.
+
+Each fault fires once per run: a marker under `RUN_DIR/faults/` records it (its time is when it
+fired), so a job that restarts and resumes does not fire it again.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
-KINDS = ("kill",)
+FIELDS = {  # kind -> the fields it needs
+    "kill": ("rank", "step"),
+    "hang": ("rank", "step"),
+    "nan": ("rank", "step"),
+    "desync": ("rank", "step"),
+    "slow": ("rank", "factor"),
+    "corrupt-checkpoint": ("step",),
+}
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    rank: int
-    step: int
+    rank: int | None = None
+    step: int | None = None
+    factor: float | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-rank{self.rank}-step{self.step}"
+        parts = [self.kind] + [
+            f"{key}{value}"
+            for key, value in (("rank", self.rank), ("step", self.step), ("factor", self.factor))
+            if value is not None
+        ]
+        return "-".join(parts)
 
 
-def parse(spec: str) -> list[Fault]:
-    """`kill:rank=1:step=37,kill:rank=0:step=5` -> faults; a one-line error when malformed."""
+def parse(spec: str, source: str = ENV) -> list[Fault]:
+    """`kill:rank=1:step=37,slow:rank=0:factor=3` -> faults; a one-line error when malformed."""
+    where = f"{source}: " if source else ""
     faults = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         kind, *fields = item.split(":")
+        if kind not in FIELDS:
+            raise ValueError(
+                f"{where}unknown fault {kind!r} in {item!r} (faults: {list(FIELDS)})"
+            )
         try:
             args = dict(field.split("=", 1) for field in fields)
-            fault = Fault(kind, int(args.pop("rank")), int(args.pop("step")))
-        except (ValueError, KeyError):
-            raise ValueError(f"{ENV}: expected KIND:rank=R:step=S, got {item!r}") from None
-        if kind not in KINDS or args:
-            raise ValueError(f"{ENV}: unknown fault or field in {item!r} (faults: {KINDS})")
+            if set(args) != set(FIELDS[kind]):
+                raise ValueError
+            fault = Fault(
+                kind,
+                rank=int(args["rank"]) if "rank" in args else None,
+                step=int(args["step"]) if "step" in args else None,
+                factor=float(args["factor"]) if "factor" in args else None,
+            )
+        except ValueError:
+            wanted = ":".join([kind] + [f"{f}=..." for f in FIELDS[kind]])
+            raise ValueError(f"{where}expected {wanted}, got {item!r}") from None
+        if (fault.factor is not None and fault.factor < 1) or (fault.step or 1) < 1:
+            raise ValueError(f"{where}step must be >= 1 and factor >= 1 in {item!r}")
         faults.append(fault)
     return faults
 
 
 class FaultInjector:
-    """This rank's faults of the run, fired at the steps they name."""
+    """This rank's faults of the run; the trainer asks at each point whether one fires."""
 
-    def __init__(self, rank: int, run_dir: Path, spec: str | None = None) -> None:
-        spec = os.environ.get(ENV, "") if spec is None else spec
-        self.faults = [f for f in parse(spec) if f.rank == rank]
+    def __init__(self, rank: int, run_dir: Path, configured: list[str] = ()) -> None:
+        spec = ",".join([*configured, os.environ.get(ENV, "")])
+        self.rank = rank
+        self.faults = [f for f in parse(spec) if f.rank in (None, rank)]
         self.fired_dir = Path(run_dir) / "faults"
 
-    def before_step(self, step: int) -> None:
+    def _fires(self, kind: str, step: int | None = None) -> bool:
+        """Whether a fault of `kind` fires (now: it is marked fired)."""
         for fault in self.faults:
+            if fault.kind != kind or (step is not None and fault.step != step):
+                continue
             marker = self.fired_dir / fault.name
-            if fault.step == step and not marker.exists():
-                self.fired_dir.mkdir(parents=True, exist_ok=True)
-                marker.write_text("fired\n")
-                print(f"shardwise: fault injected: {fault.name}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+            if marker.exists():
+                continue
+            self.fired_dir.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{time.time()}\n")
+            print(f"shardwise: fault injected on rank {self.rank}: {fault.name}", flush=True)
+            return True
+        return False
+
+    def before_step(self, step: int) -> None:
+        if self._fires("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fires("hang", step):
+            while True:  # alive, but never issues another collective
+                time.sleep(3600)
+
+    def poisons_loss(self, step: int) -> bool:
+        return self._fires("nan", step)
+
+    def desyncs(self, step: int) -> bool:
+        return self._fires("desync", step)
+
+    def slowdown(self) -> float:
+        """The factor this rank's compute is slowed by (1: not slowed); never marked fired."""
+        factors = [f.factor for f in self.faults if f.kind == "slow"]
+        return max(factors, default=1.0)
+
+    def corrupts_checkpoint(self, step: int) -> bool:
+        return self._fires("corrupt-checkpoint", step)
+
+
+def corrupt(directory: Path) -> Path:
+    """Flip bytes in the middle of a checkpoint's first tensor file; returns its path."""
+    target = sorted(Path(directory).glob("rank*.safetensors"))[0]
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    target.write_bytes(bytes(data))
+    return target

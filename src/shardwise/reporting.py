@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,8 @@ from rich.table import Table
 
 
 class MetricsFile:
-    """One JSON object per line; flushed so a crashed run keeps what it logged.
+    """One strict-JSON object per line (a NaN loss is null: see `strict_json`); flushed so a
+    crashed run keeps what it logged.
 
     `keep_steps`: a resumed run first drops the lines of steps after its checkpoint (they are
     about to be run again)."""
@@ -22,16 +24,49 @@ class MetricsFile:
     def __init__(self, path: Path, keep_steps: int | None = None) -> None:
         if keep_steps is not None and path.exists():
             lines = path.read_text(encoding="utf-8").splitlines()
-            kept = [line for line in lines if json.loads(line).get("step", 0) <= keep_steps]
+            kept = [line for line in lines if _step(line) <= keep_steps]
             path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(strict_json(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+def _step(line: str) -> float:
+    """A metrics line's step (null or absent: 0); a line cut short by a crash sorts last, so a
+    resume drops it."""
+    try:
+        return json.loads(line).get("step") or 0
+    except json.JSONDecodeError:
+        return math.inf
+
+
+def strict_json(record: dict[str, Any], **dumps_kwargs: Any) -> str:
+    """`record` as strict JSON (which has no NaN or infinity): a non-finite float anywhere in it
+    is written as null, and a top-level `"nonfinite"` map says what each was, keyed by its
+    dotted path: `{"loss": null, "nonfinite": {"loss": "nan"}}`."""
+    replaced: dict[str, str] = {}
+    clean = _finite(record, "", replaced)
+    if replaced:
+        clean["nonfinite"] = replaced
+    return json.dumps(clean, allow_nan=False, **dumps_kwargs)
+
+
+def _finite(value: Any, path: str, replaced: dict[str, str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        replaced[path] = str(value)  # "nan", "inf" or "-inf"
+        return None
+    if isinstance(value, dict):
+        return {
+            k: _finite(v, f"{path}.{k}" if path else str(k), replaced) for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, f"{path}.{i}", replaced) for i, v in enumerate(value)]
+    return value
 
 
 class ProgressReporter:
@@ -121,8 +156,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """`summary.json` in the run directory, and the table on the terminal."""
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    """`summary.json` in the run directory (strict JSON: see `strict_json`), and the table on
+    the terminal."""
+    (run_dir / "summary.json").write_text(strict_json(summary, indent=2))
     print_summary(summary)
 
 

@@ -1,18 +1,20 @@
-"""Checkpoints of a training run that resume it exactly, on the same ranks.
+"""Checkpoints of a training run that resume it exactly, on the same or another number of ranks.
 
 Every `train.checkpoint_every` steps each rank saves everything its next step depends on: its
 model's and optimizer's `state_dict()` (the strategy's whole training state: shards, moments,
-loss scale, codec residuals, counters), the LR scheduler, the step and its random generators
-(torch, CUDA, Python, NumPy). The data position follows from the step: each step consumes one
-batch of this rank's shard, in a seeded order.
+loss scale, codec residuals, counters), the LR scheduler, the step, its random generators
+(torch, CUDA, Python, NumPy) and the data position (epoch, seed, samples of the epoch consumed).
+Strategies whose state reshards also write it in `checkpoint.py`'s reshardable format, so that
+the run can resume on another number of ranks.
 
 Layout: `RUN_DIR/checkpoints/step-000000030/` with `rank{r}.safetensors` (tensors) and
-`rank{r}.json` (everything else) per rank, and `manifest.json` (step, world size, strategy,
-SHA-256 of every file). The files are written into a hidden temporary directory, fsynced, the
-manifest last, and the directory is renamed into place: a checkpoint directory either is
-complete or does not exist, and a kill during a save leaves the previous one intact. The newest
-`train.keep_checkpoints` are kept. Nothing is unpickled: tensors come from safetensors, the rest
-from JSON.
+`rank{r}.json` (everything else) per rank, `sharded/` (the reshardable part, with its own
+manifest) and `manifest.json` (step, world size, strategy, SHA-256 of every file). Saving
+copies the state (the only stall of training) and writes it from a background thread: into a
+hidden temporary directory, fsynced, the manifest last, and the directory is renamed into
+place. A checkpoint directory either is complete or does not exist, and a kill during a save
+leaves the previous one intact. The newest `train.keep_checkpoints` are kept. Nothing is
+unpickled: tensors come from safetensors, the rest from JSON.
 """
 
 from __future__ import annotations
@@ -21,19 +23,24 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from shardwise import comm
-from shardwise.checkpoint import sha256_file
+from shardwise.checkpoint import FORMAT as SHARDED_FORMAT
+from shardwise.checkpoint import CheckpointError, read_full_state, read_manifest, sha256_file
 from shardwise.strategies.base import DistributedModel
 
-FORMAT = "shardwise-run-checkpoint-v1"
+FORMAT = "shardwise-run-checkpoint-v2"
 PREFIX = "step-"
+SHARDED = "sharded"  # the subdirectory with the reshardable part, in checkpoint.py's format
 
 
 class RunCheckpointError(ValueError):
@@ -98,7 +105,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rank_state(model: DistributedModel, optimizer, scheduler, step: int) -> dict[str, Any]:
+def rank_state(
+    model: DistributedModel, optimizer, scheduler, step: int, data: dict[str, Any]
+) -> dict[str, Any]:
     numpy_state = list(np.random.get_state())
     numpy_state[1] = numpy_state[1].tolist()  # a uint32 array: JSON's list of ints
     rng = {**rng_state(), "numpy": numpy_state}
@@ -108,47 +117,168 @@ def rank_state(model: DistributedModel, optimizer, scheduler, step: int) -> dict
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": rng,
+        "data": data,
     }
 
 
 # ---- save ----------------------------------------------------------------------------------------
-def save(
-    run_dir: Path, step: int, model: DistributedModel, optimizer, scheduler, keep: int
-) -> Path:
-    """Collective: every rank writes its state, rank 0 the manifest, then renames into place."""
-    rt = model.runtime
-    root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"{PREFIX}{step:09d}", root / f".{PREFIX}{step:09d}.tmp"
-    if rt.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
-        tmp.mkdir(parents=True)
-    comm.barrier(rt.group)
+@dataclass
+class Snapshot:
+    """One rank's state at a step, copied to CPU: what a save writes while training goes on."""
+
+    step: int
+    strategy: str  # the model's checkpoint_name()
+    save_no: int  # the how-many-th save of this process: the same on every rank
+    meta: Any  # JSON of the exact state, tensors replaced by their keys
+    tensors: dict[str, torch.Tensor]
+    layout: dict[str, Any] | None  # the reshardable part (None: the strategy cannot reshard)
+    shard: dict[str, torch.Tensor] | None  # this rank's tensors of it (None: another rank's)
+
+
+def snapshot(
+    model: DistributedModel, optimizer, scheduler, step: int, save_no: int, data: dict[str, Any]
+) -> Snapshot:
     tensors: dict[str, torch.Tensor] = {}
-    meta = _split(rank_state(model, optimizer, scheduler, step), "s", tensors)
-    save_file(tensors, str(tmp / f"rank{rt.rank}.safetensors"))
-    (tmp / f"rank{rt.rank}.json").write_text(json.dumps(meta))
-    for name in (f"rank{rt.rank}.safetensors", f"rank{rt.rank}.json"):
-        _fsync_path(tmp / name)
-    comm.barrier(rt.group)
-    if rt.is_main:
-        files = [f"rank{r}.{ext}" for r in range(rt.world_size) for ext in ("safetensors", "json")]
+    meta = _split(rank_state(model, optimizer, scheduler, step, data), "s", tensors)
+    try:
+        layout, shard = model.checkpoint_shard(optimizer)
+    except NotImplementedError:  # model-parallel: resumes on the same ranks only
+        layout, shard = None, None
+    if shard is not None:
+        shard = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in shard.items()}
+    return Snapshot(step, model.checkpoint_name(), save_no, meta, tensors, layout, shard)
+
+
+class Saver:
+    """Writes this rank's snapshots from a background thread (or in the caller, `sync=True`).
+
+    Every rank writes its files into the same hidden directory and reports their checksums
+    through the job's store; rank 0 waits for all of them, writes the manifest, renames the
+    directory into place and drops old checkpoints. No collective runs in the thread, so the
+    training step's collectives go on undisturbed. One save is in flight at a time."""
+
+    def __init__(self, run_dir: Path, rt, keep: int, sync: bool = False) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.rt, self.keep, self.sync = rt, keep, sync
+        self.store = dist.distributed_c10d._get_default_store()
+        self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.saves = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.done: list[tuple[int, Path, float]] = []  # (step, directory, seconds to write)
+
+    def save(self, model: DistributedModel, optimizer, scheduler, step: int, data) -> Path:
+        """Copy the state now and write it (in the background unless `sync`); returns the
+        directory the checkpoint will have."""
+        self.wait()
+        snap = snapshot(model, optimizer, scheduler, step, self.saves, data)
+        self.saves += 1
+        if self.sync:
+            self._write(snap)
+            self._raise()
+        else:
+            self._thread = threading.Thread(target=self._write, args=(snap,), daemon=True)
+            self._thread.start()
+        return self.root / f"{PREFIX}{step:09d}"
+
+    def take_done(self) -> list[tuple[int, Path, float]]:
+        """The saves finished since the last call: (step, directory, seconds writing)."""
+        taken = []
+        while self.done:
+            taken.append(self.done.pop(0))
+        return taken
+
+    def wait(self) -> None:
+        """Until the save in flight is written (and, on rank 0, in place)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RunCheckpointError(f"saving a checkpoint failed: {error}") from error
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            started = time.perf_counter()
+            final = self._write_files(snap)
+            self.done.append((snap.step, final, time.perf_counter() - started))
+        except BaseException as e:  # reported by the next wait(): the thread cannot raise
+            self._error = e
+
+    def _write_files(self, snap: Snapshot) -> Path:
+        rank, world = self.rt.rank, self.rt.world_size
+        final = self.root / f"{PREFIX}{snap.step:09d}"
+        tmp = self.root / f".{PREFIX}{snap.step:09d}.tmp-{self.attempt}-{snap.save_no}"
+        (tmp / SHARDED).mkdir(parents=True, exist_ok=True)
+        written = {
+            f"rank{rank}.safetensors": lambda p: save_file(snap.tensors, str(p)),
+            f"rank{rank}.json": lambda p: p.write_text(json.dumps(snap.meta)),
+        }
+        if snap.shard is not None:
+            name = f"{SHARDED}/rank{rank}.safetensors"
+            written[name] = lambda p: save_file(snap.shard, str(p))
+        sums = {}
+        for name, write in written.items():
+            write(tmp / name)
+            _fsync_path(tmp / name)
+            sums[name] = sha256_file(tmp / name)
+        key = f"shardwise/checkpoint/{snap.save_no}"
+        self.store.set(f"{key}/rank{rank}", json.dumps(sums))
+        if rank != 0:
+            return final
+        keys = [f"{key}/rank{r}" for r in range(world)]
+        self.store.wait(keys, self.rt.timeout)
+        for r in range(1, world):
+            sums.update(json.loads(self.store.get(keys[r])))
+        exact = {n: s for n, s in sums.items() if not n.startswith(f"{SHARDED}/")}
         manifest = {
             "format": FORMAT,
-            "step": step,
-            "world_size": rt.world_size,
-            "strategy": model.checkpoint_name(),
-            "sha256": {name: sha256_file(tmp / name) for name in files},
+            "step": snap.step,
+            "world_size": world,
+            "strategy": snap.strategy,
+            "sha256": exact,
+            "reshardable": snap.layout is not None,
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest))
-        _fsync_path(tmp / "manifest.json")
+        if snap.layout is not None:
+            shards = {n.removeprefix(f"{SHARDED}/"): s for n, s in sums.items() if n not in exact}
+            _write_json(tmp / SHARDED / "manifest.json", sharded_manifest(snap, world, shards))
+        _fsync_path(tmp / SHARDED)
+        _write_json(tmp / "manifest.json", manifest)  # last: the directory is now complete
         _fsync_path(tmp)
         shutil.rmtree(final, ignore_errors=True)  # (a checkpoint of this step from a dead attempt)
         os.replace(tmp, final)
-        _fsync_path(root)
-        for old in complete(root)[:-keep]:
+        _fsync_path(self.root)
+        for old in complete(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-    comm.barrier(rt.group)
-    return final
+        return final
+
+
+def sharded_manifest(snap: Snapshot, world: int, shards: dict[str, str]) -> dict[str, Any]:
+    """The reshardable part's manifest, in `checkpoint.py`'s format (its reader loads it)."""
+    return {
+        "format": SHARDED_FORMAT,
+        "step": snap.step,
+        "world_size": world,
+        **snap.layout,
+        "sha256": dict(sorted(shards.items(), key=lambda kv: int(kv[0][4:].split(".")[0]))),
+        "strategy_state_sha256": {},
+    }
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value))
+    _fsync_path(path)
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Drop what killed saves left (hidden temporary directories); before a job's first save."""
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir():
+        for leftover in root.glob(f".{PREFIX}*.tmp*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---- find and load -------------------------------------------------------------------------------
@@ -162,46 +292,84 @@ def complete(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def _check(directory: Path, world_size: int, strategy: str) -> dict[str, Any]:
-    """The manifest, after every file's checksum and the run's shape were checked."""
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint this run can resume from."""
+
+    directory: Path
+    step: int
+    world_size: int  # the world it was saved on; another one means resharding
+
+
+def _check(directory: Path, world_size: int, strategy: str) -> Found:
+    """After every file's checksum and the run's shape were checked."""
+    path = directory / "manifest.json"
     try:
-        manifest = json.loads((directory / "manifest.json").read_text())
-        files, step = manifest["sha256"], int(manifest["step"])
-        saved_world, saved_strategy = int(manifest["world_size"]), manifest["strategy"]
+        manifest = json.loads(path.read_text())
+        files, step = manifest["sha256"], manifest["step"]
+        saved_world, saved_strategy = manifest["world_size"], manifest["strategy"]
+        reshardable = manifest["reshardable"]
     except (ValueError, KeyError, TypeError) as e:
-        raise RunCheckpointError(f"{directory / 'manifest.json'}: malformed ({e})") from None
+        raise RunCheckpointError(f"{path}: malformed ({e})") from None
     if manifest.get("format") != FORMAT or not isinstance(files, dict):
-        raise RunCheckpointError(f"{directory / 'manifest.json'}: not a run checkpoint")
-    if saved_world != world_size or saved_strategy != strategy:
+        raise RunCheckpointError(f"{path}: not a run checkpoint")
+    if not all(isinstance(v, int) and v >= 0 for v in (step, saved_world)):
+        raise RunCheckpointError(f"{path}: step and world_size must be whole numbers")
+    expected = {f"rank{r}.{ext}" for r in range(saved_world) for ext in ("safetensors", "json")}
+    if set(files) != expected:
+        raise RunCheckpointError(f"{path}: lists {sorted(files)}, expected {sorted(expected)}")
+    if saved_strategy != strategy:
+        raise RunCheckpointError(f"{directory}: saved by {saved_strategy}, this run is {strategy}")
+    if saved_world != world_size and not reshardable:
         raise RunCheckpointError(
-            f"{directory}: saved by {saved_strategy} on {saved_world} ranks, "
-            f"this run is {strategy} on {world_size}"
+            f"{directory}: saved on {saved_world} ranks by a strategy whose state does not "
+            f"reshard; this run has {world_size}"
         )
-    for name, expected in files.items():
-        path = directory / name
-        if Path(name).name != name or not path.is_file() or sha256_file(path) != expected:
-            raise RunCheckpointError(f"checkpoint file missing or corrupt (checksum): {path}")
-    return {"step": step}
+    for name, digest in files.items():
+        if sha256_file(directory / name) != digest:
+            raise RunCheckpointError(f"checkpoint file corrupt (checksum): {directory / name}")
+    if saved_world != world_size:
+        read_manifest(directory / SHARDED)  # its own files are checked when they are read
+    return Found(directory, step, saved_world)
 
 
-def newest(run_dir: Path, world_size: int, strategy: str) -> tuple[Path, int] | None:
+def newest(run_dir: Path, world_size: int, strategy: str, warn: bool = True) -> Found | None:
     """The newest checkpoint this run can resume from; broken ones are skipped, each with a
-    one-line warning naming the file."""
+    one-line warning naming the file (with `warn`)."""
     for directory in reversed(complete(Path(run_dir) / "checkpoints")):
         try:
-            return directory, _check(directory, world_size, strategy)["step"]
-        except RunCheckpointError as e:
-            print(f"shardwise: skipping a checkpoint: {e}", flush=True)
+            return _check(directory, world_size, strategy)
+        except (RunCheckpointError, CheckpointError, OSError) as e:
+            if warn:
+                print(f"shardwise: skipping a checkpoint: {e}", flush=True)
     return None
 
 
-def load(directory: Path, model: DistributedModel, optimizer, scheduler) -> int:
-    """Restore this rank's state from a checkpoint `newest` returned; returns its step."""
-    rank = model.runtime.rank
+def _rank_state(directory: Path, rank: int) -> dict[str, Any]:
     tensors = load_file(str(directory / f"rank{rank}.safetensors"))
-    state = _join(json.loads((directory / f"rank{rank}.json").read_text()), tensors)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    return _join(json.loads((directory / f"rank{rank}.json").read_text()), tensors)
+
+
+def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[str, Any]:
+    """Restore this rank's state; returns {"step", "data"} (the data position to go on from).
+
+    On the world it was saved on, everything is restored exactly. On another one, the model
+    and optimizer come from the reshardable part, the schedule, step and data position from
+    rank 0's state, and what belongs to one rank alone (codec residuals, random generators of
+    dropped ranks) starts afresh."""
+    rank = model.runtime.rank
+    if found.world_size == model.runtime.world_size:
+        state = _rank_state(found.directory, rank)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return {"step": int(state["step"]), "data": state["data"]}
+    state = _rank_state(found.directory, min(rank, found.world_size - 1))
+    params, states, _ = read_full_state(found.directory / SHARDED)
+    model.load_full_state(optimizer, params, states)
     scheduler.load_state_dict(state["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr  # the schedule's current value (the optimizer's groups were not saved)
     set_rng_state(state["rng"])
-    return int(state["step"])
+    return {"step": int(state["step"]), "data": state["data"]}

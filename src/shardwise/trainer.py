@@ -7,8 +7,9 @@ config, metrics.jsonl (one line per step), summary.json and the final checkpoint
 from __future__ import annotations
 
 import contextlib
-import itertools
+import math
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import comm, run_checkpoint
+from shardwise import comm, faults, ledger, run_checkpoint
 from shardwise.checkpoint import save_model
 from shardwise.config import Config, dump_config
 from shardwise.faults import FaultInjector
@@ -35,38 +36,63 @@ from shardwise.ps.worker import PSConfig
 from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
 from shardwise.runner import new_run_dir
 from shardwise.strategies.base import DistributedModel
+from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
 RUN_DIR_KEY = "shardwise/run_dir"  # where rank 0 tells the others the run directory
+EXIT_NONFINITE = 4  # every rank's exit code when the non-finite policy stops the run
 
 
 def agree_run_dir(cfg: Config, requested: str | None, rt: sw.Runtime) -> Path:
     """Rank 0 picks (and creates) the directory, a new one unless `requested`; the others
     read its path from the job's store (plain text: no object crosses the wire). Two jobs
-    never share one by accident."""
+    never share one by accident. What killed saves left there is removed first."""
     store = dist.distributed_c10d._get_default_store()
     if rt.is_main:
         path = new_run_dir(cfg, requested)
         (path / "config.yaml").write_text(dump_config(cfg))
+        run_checkpoint.remove_partial(path)
         store.set(RUN_DIR_KEY, str(path))
     return Path(store.get(RUN_DIR_KEY).decode())
 
 
-def _batches(loader: sw.data.ShardedLoader, consumed: int = 0):
-    """Endless iteration over epochs; each pass reshuffles (the sampler's epoch advances).
-    A resumed run has `consumed` batches behind it: the same order goes on from there."""
-    loader.epoch, skip = divmod(consumed, len(loader))
-    yield from itertools.islice(iter(loader), skip, None)
+def _endless(loader: sw.data.ShardedLoader) -> Iterator:
+    """Epoch after epoch, from the loader's position on."""
     while True:
         yield from loader
 
 
-def _global_mean(value: float, count: int, stop: bool, device) -> tuple[float, bool]:
-    """The loss averaged over the global batch, and whether any rank was asked to stop (one
-    message for both, so that every rank stops after the same step)."""
-    t = torch.tensor([value * count, count, float(stop)], dtype=torch.float64, device=device)
+def _agree(
+    run: Run, local_loss: torch.Tensor, count: int, grads_finite: bool, desync: bool
+) -> tuple[float, bool, dict[int, str]]:
+    """One tiny all-reduce for what every rank must agree on after backward: the loss averaged
+    over the global batch (of the ranks whose loss is finite), whether any rank was asked to
+    stop, and which ranks saw a non-finite loss or gradient (the step is then skipped).
+
+    A non-finite loss names the rank it came from; gradients already averaged carry one rank's
+    NaN to all, so a non-finite gradient with finite losses names every rank that holds one."""
+    value = local_loss.item()
+    finite = math.isfinite(value)
+    t = torch.zeros(3 + run.rt.world_size, dtype=torch.float64, device=run.rt.device)
+    t[0], t[1], t[2] = value * count if finite else 0.0, count if finite else 0, run.stop_requested
+    t[3 + run.rt.rank] = 2.0 if not finite else 0.0 if grads_finite else 1.0
+    if desync:  # an injected fault: this rank issues another collective than the others
+        comm.broadcast(t, src=0)
     comm.all_reduce(t)
-    return (t[0] / t[1]).item(), bool(t[2] > 0)
+    loss = (t[0] / t[1]).item() if t[1] > 0 else float("nan")
+    flags = t[3:].tolist()
+    bad = {r: "loss" for r, f in enumerate(flags) if f == 2}
+    if not bad:
+        bad = {r: "gradient" for r, f in enumerate(flags) if f == 1}
+    return loss, bool(t[2] > 0), bad
+
+
+def _grads_finite(model: DistributedModel) -> bool:
+    """Whether the gradients this rank holds are all finite (one norm per tensor)."""
+    grads = [g for g in model.local_grads() if g is not None]
+    if not grads:
+        return True
+    return bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads)])).all())
 
 
 @torch.no_grad()
@@ -110,20 +136,45 @@ class Run:
     opt: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     out: Path
-    batches: Iterator
+    loader: sw.data.ShardedLoader
     shard: tuple[int, int]  # (replicas, index) of this rank's data
     metrics: MetricsFile | None
     progress: ProgressReporter
+    saver: run_checkpoint.Saver
+    faults: FaultInjector
+    watchdog: Watchdog
     start_step: int = 0  # steps done before this process started (a resumed run)
+    drawn: int = 0  # global batches drawn so far, skipped ones included
+    skip: set[int] = field(default_factory=set)  # global batches (1-based) left out
     stop_requested: bool = False  # SIGTERM / SIGINT: checkpoint after this step and leave
     stopping: bool = False  # every rank agreed to stop
+    bad_streak: int = 0  # consecutive steps with a non-finite loss or gradient
+    skipped_steps: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     loss: float = float("nan")
     memory: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.batches = _endless(self.loader)
+
     @property
     def global_batch(self) -> int:
         return self.cfg.data.batch_size * self.shard[0]
+
+    def data_state(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict(), "drawn": self.drawn, "skip": sorted(self.skip)}
+
+    def restore(self, restored: dict[str, Any]) -> int:
+        """Go on from a loaded checkpoint (`run_checkpoint.load`); returns its step."""
+        data = restored["data"]
+        self.loader.load_state_dict(data["loader"])
+        self.batches = _endless(self.loader)
+        self.drawn, self.skip = int(data["drawn"]), self.skip | set(data["skip"])
+        return restored["step"]
+
+
+class NonFiniteStop(RuntimeError):
+    """Training stopped under the non-finite policy; the message is the report."""
 
 
 def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
@@ -132,6 +183,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     rt = sw.init(backend=cfg.launch.backend, timeout_s=cfg.launch.comm_timeout_s)
     if cfg.launch.threads_per_rank:
         torch.set_num_threads(cfg.launch.threads_per_rank)
+    comm.flight.recorder.reset()
     job = build_job(cfg)
     out = agree_run_dir(cfg, run_dir, rt)
     model, opt = sw.prepare(
@@ -141,57 +193,100 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
         **optimizer_kwargs(cfg.optim),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, cfg.train.steps))
-    start = _resume(out, model, opt, scheduler) if resume else 0
     shard = model.data_shard()
     loader = sw.data.loader(
         job.splits.train, cfg.data.batch_size, shuffle=True, seed=cfg.train.seed, shard=shard
     )
-    keep = start if resume else None
-    metrics = MetricsFile(out / "metrics.jsonl", keep_steps=keep) if rt.is_main else None
+    metrics = None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
-    batches = _batches(loader, consumed=start)
-    return Run(cfg, rt, job, model, opt, scheduler, out, batches, shard, metrics, progress, start)
+    saver = run_checkpoint.Saver(
+        out, rt, cfg.train.keep_checkpoints, sync=not cfg.train.async_checkpoint
+    )
+    injector = FaultInjector(rt.rank, out, cfg.faults)
+    watchdog = Watchdog(rt.rank, rt.world_size, cfg.launch.hang_timeout_s, out)
+    run = Run(
+        *(cfg, rt, job, model, opt, scheduler, out, loader, shard, metrics, progress),
+        *(saver, injector, watchdog),
+        skip=set(cfg.train.skip_batches),
+    )
+    if resume:
+        run.start_step = _resume(run)
+    if rt.is_main:
+        keep = run.start_step if resume else None
+        run.metrics = MetricsFile(out / "metrics.jsonl", keep_steps=keep)
+        if cfg.train.sample_ledger:
+            ledger.truncate(out, run.start_step)  # steps after the checkpoint run again
+    comm.barrier()  # (nobody writes its ledger before rank 0 cut it)
+    return run
 
 
-def _resume(out: Path, model: DistributedModel, opt, scheduler) -> int:
+def _resume(run: Run) -> int:
     """Load the newest complete checkpoint of the run; its step (0: none, start afresh)."""
-    rt = model.runtime
-    found = run_checkpoint.newest(out, rt.world_size, model.checkpoint_name())
+    rt = run.rt
+    found = run_checkpoint.newest(run.out, rt.world_size, run.model.checkpoint_name(), rt.is_main)
     if found is None:
         if rt.is_main:
-            print(f"shardwise: no checkpoint in {out}: starting from step 0", flush=True)
+            print(f"shardwise: no checkpoint in {run.out}: starting from step 0", flush=True)
         return 0
-    step = run_checkpoint.load(found[0], model, opt, scheduler)
+    step = run.restore(run_checkpoint.load(found, run.model, run.opt, run.scheduler))
     if rt.is_main:
-        print(f"shardwise: resumed from {found[0]} (step {step})", flush=True)
+        how = (
+            ""
+            if found.world_size == rt.world_size
+            else (f", resharded from {found.world_size} to {rt.world_size} ranks")
+        )
+        print(f"shardwise: resumed from {found.directory} (step {step}{how})", flush=True)
     return step
+
+
+def _next_batch(run: Run, step: int):
+    """The next global batch's slice for this rank, leaving out the batches to skip."""
+    while True:
+        batch = next(run.batches)
+        run.drawn += 1
+        if run.drawn not in run.skip:
+            break
+    if run.cfg.train.sample_ledger:
+        ledger.write(run.out, run.rt.rank, step, run.drawn, run.loader)
+    return batch
 
 
 def run_step(run: Run, step: int, loop_start: float) -> None:
     """One optimizer step, its globally averaged loss, and its line in metrics.jsonl."""
     cfg, model, opt = run.cfg, run.model, run.opt
-    x, y = (t.to(run.rt.device) for t in next(run.batches))
+    x, y = (t.to(run.rt.device) for t in _next_batch(run, step))
     t0 = time.perf_counter()
     # An emulated straggler computes slowly: the delay comes before its gradients exist
     # (after them, DDP's all-reduce, started during backward, would hide it).
     if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
         time.sleep(delay)
-    local_loss = sw.train_step(model, x, y, run.job.loss_fn)  # forward + backward
+    loss_fn = run.job.loss_fn
+    if run.faults.poisons_loss(step):
+        loss_fn = _poisoned(loss_fn)
+    local_loss = sw.train_step(model, x, y, loss_fn)  # forward + backward
+    if (factor := run.faults.slowdown()) > 1:
+        time.sleep((factor - 1) * (time.perf_counter() - t0))
     if step == cfg.train.steps:  # gradients present: the model state at its fullest
         run.memory = sw.memory_report(model, opt)
-    if cfg.train.clip_grad_norm:
-        model.clip_grad_norm_(cfg.train.clip_grad_norm)
-    opt.step()
-    opt.zero_grad()
-    lr = run.scheduler.get_last_lr()[0]
-    run.scheduler.step()
-    step_time = time.perf_counter() - t0
-    # The loss average is a (tiny) collective too: it is counted in this step's figures.
-    run.loss, run.stopping = _global_mean(
-        local_loss.item(), y.shape[0], run.stop_requested, run.rt.device
+    run.loss, run.stopping, bad_ranks = _agree(
+        run, local_loss, y.shape[0], _grads_finite(model), run.faults.desyncs(step)
     )
+    lr = run.scheduler.get_last_lr()[0]
+    if bad_ranks:
+        opt.zero_grad()  # the update is skipped everywhere; so is the schedule's step
+        _nonfinite(run, step, bad_ranks)
+    else:
+        run.bad_streak = 0
+        if cfg.train.clip_grad_norm:
+            model.clip_grad_norm_(cfg.train.clip_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        run.scheduler.step()
+    step_time = time.perf_counter() - t0
     step_comm = comm.stats.end_step()
     record = {}
+    if bad_ranks:
+        record = {"skipped": True, "nonfinite_ranks": list(bad_ranks), "batch": run.drawn}
     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
         record["eval_loss"], record["eval_accuracy"] = evaluate(
             model, run.job, cfg.train.eval_batch_size
@@ -200,6 +295,7 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     run.step_times.append(step_time)
     run.progress.update(step, run.loss, run.global_batch / step_time)
     if run.metrics:
+        _log_saves(run)
         run.metrics.write(
             {
                 "step": step,
@@ -214,6 +310,25 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
                 **record,
             }
         )
+
+
+def _poisoned(loss_fn):
+    """An injected fault: this rank's loss, and so every gradient it sends, is NaN."""
+    return lambda output, target: loss_fn(output, target) * float("nan")
+
+
+def _nonfinite(run: Run, step: int, bad_ranks: dict[int, str]) -> None:
+    """The non-finite policy, after a step every rank agreed to skip."""
+    cfg = run.cfg.train
+    run.bad_streak += 1
+    run.skipped_steps.append(step)
+    what = next(iter(bad_ranks.values()))
+    named = ("rank " if len(bad_ranks) == 1 else "ranks ") + ", ".join(map(str, bad_ranks))
+    report = f"shardwise: step {step}: non-finite {what} on {named} (global batch {run.drawn})"
+    if cfg.nonfinite == "stop" or (cfg.nonfinite == "skip" and run.bad_streak >= cfg.max_bad_steps):
+        raise NonFiniteStop(f"{report}; {run.bad_streak} bad step(s) in a row: stopping")
+    if run.rt.is_main:
+        print(f"{report}: update skipped on every rank", flush=True)
 
 
 def finish(run: Run, started: float) -> dict[str, Any]:
@@ -237,9 +352,12 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         "comm_bytes_total": train_comm.bytes,
         "comm_wait_s": train_comm.wait_s,
         "memory": run.memory,
+        "skipped_steps": run.skipped_steps,
         "run_dir": str(run.out),
     }
+    run.saver.wait()
     if rt.is_main:
+        _log_saves(run)
         meta = {"step": cfg.train.steps, "world_size": rt.world_size, "name": cfg.name}
         save_model(run.out / "checkpoint", state, meta)
         run.metrics.close()
@@ -262,33 +380,88 @@ def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict
         run_role(cfg, run_dir)
         return {}
     run = setup(cfg, run_dir, resume)
-    faults = FaultInjector(run.rt.rank, run.out)
+    if cfg.launch.desync_check_per_call:
+        comm.flight.recorder.check_call = run.watchdog.compare_each_call
+    run.watchdog.start()
+    try:
+        return _train(run, started)
+    except (NonFiniteStop, DesyncError) as e:
+        if run.rt.is_main or isinstance(e, DesyncError):
+            print(e, file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_NONFINITE if isinstance(e, NonFiniteStop) else EXIT_HUNG) from None
+    finally:
+        run.watchdog.stop()
+        comm.flight.recorder.check_call = None
+
+
+def _train(run: Run, started: float) -> dict[str, Any]:
+    cfg = run.cfg
     comm.stats.reset()
     loop_start = time.perf_counter()
+    step = run.start_step
     with _stop_on_signals(run):
-        for step in range(run.start_step + 1, cfg.train.steps + 1):
-            faults.before_step(step)
+        while step < cfg.train.steps:
+            step += 1
+            run.watchdog.step = step
+            run.faults.before_step(step)
             run_step(run, step, loop_start)
+            if cfg.train.nonfinite == "rollback" and run.bad_streak >= cfg.train.max_bad_steps:
+                step = _rollback(run, step)
+                continue
             every = cfg.train.checkpoint_every
             if run.stopping or (every and step % every == 0):
                 _checkpoint(run, step)
+            if cfg.launch.desync_check_every and step % cfg.launch.desync_check_every == 0:
+                run.watchdog.check_sequences()
             if run.stopping:
+                run.saver.wait()  # the checkpoint is complete before this rank leaves
                 if run.rt.is_main:
+                    _log_saves(run)
                     print(f"shardwise: stopped after step {step}; resume with --resume {run.out}")
                 run.model.close()
                 return {}
     return finish(run, started)
 
 
+def _rollback(run: Run, step: int) -> int:
+    """Back to the newest checkpoint, leaving out the batches of the bad steps; its step."""
+    run.saver.wait()
+    bad = set(range(run.drawn - run.bad_streak + 1, run.drawn + 1))
+    found = run_checkpoint.newest(run.out, run.rt.world_size, run.model.checkpoint_name())
+    if found is None:
+        raise NonFiniteStop(
+            f"shardwise: {run.bad_streak} non-finite steps in a row up to step {step}, and no "
+            "checkpoint to roll back to: stopping"
+        )
+    back_to = run.restore(run_checkpoint.load(found, run.model, run.opt, run.scheduler))
+    run.skip |= bad
+    run.bad_streak = 0
+    if run.cfg.train.sample_ledger:
+        ledger.truncate_rank(run.out, run.rt.rank, back_to)
+    if run.rt.is_main:
+        print(
+            f"shardwise: rolled back from step {step} to {found.directory} (step {back_to}); "
+            f"global batches {sorted(bad)} left out",
+            flush=True,
+        )
+        run.metrics.write({"step": step, "rollback_to": back_to, "batches_left_out": sorted(bad)})
+    return back_to
+
+
 def _checkpoint(run: Run, step: int) -> None:
     started = time.perf_counter()
-    path = run_checkpoint.save(
-        run.out, step, run.model, run.opt, run.scheduler, run.cfg.train.keep_checkpoints
-    )
-    if run.metrics:
-        stall = time.perf_counter() - started
+    path = run.saver.save(run.model, run.opt, run.scheduler, step, run.data_state())
+    stall = time.perf_counter() - started
+    if run.rt.is_main:
         run.metrics.write({"step": step, "checkpoint": str(path), "checkpoint_stall_s": stall})
-    comm.stats.end_step()  # the save's barriers are not the next step's messages
+        if run.faults.corrupts_checkpoint(step):
+            run.saver.wait()
+            print(f"shardwise: fault injected: corrupted {faults.corrupt(path)}", flush=True)
+
+
+def _log_saves(run: Run) -> None:
+    for saved_step, _, write_s in run.saver.take_done():
+        run.metrics.write({"step": saved_step, "checkpoint_write_s": write_s})
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """The communication layer: counted collectives, our all-reduce algorithms, and accounting."""
 
+from shardwise.comm import flight
 from shardwise.comm.accounting import CommSnapshot, CommStats, native_volume, stats
 from shardwise.comm.algorithms import make_all_reduce
 from shardwise.comm.collectives import (
@@ -34,6 +35,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "exchange",
+    "flight",
     "group_rank",
     "group_size",
     "hierarchical_all_reduce",

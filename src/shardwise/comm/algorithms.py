@@ -75,7 +75,7 @@ class ThreadedAllReduce(AllReduceAlgorithm):
             self._run(buffer)
 
     def start(self, buffer: torch.Tensor) -> Handle:
-        return Handle(self.op, self._thread.submit(self._run_in_background, buffer))
+        return Handle(self.op, self._thread.submit(self._run_in_background, buffer), None)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

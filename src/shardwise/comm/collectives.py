@@ -1,12 +1,14 @@
 """The collectives and point-to-point messages shardwise issues, each one counted.
 
 Strategies never call `torch.distributed` directly: they call these, so that bytes and waiting
-time are recorded in one place (`accounting.stats`). Asynchronous calls return a `Handle` whose
+time are recorded in one place (`accounting.stats`), and the flight recorder (`flight.recorder`)
+knows each call and which one this rank waits in. Asynchronous calls return a `Handle` whose
 `wait()` measures how long the caller was blocked.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.accounting import Timer, native_volume, stats
+from shardwise.comm.flight import Call, recorder
 
 ProcessGroup = dist.ProcessGroup
 
@@ -25,18 +28,20 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 class Handle:
     """An operation in flight: a backend `Work` or a `Future` from a communication thread."""
 
-    def __init__(self, op: str, pending: dist.Work | Future | None) -> None:
+    def __init__(self, op: str, pending: dist.Work | Future | None, call: Call | None) -> None:
         self.op = op
         self._pending = pending
+        self._call = call
 
     def wait(self) -> None:
         if self._pending is None:
             return
         timer = Timer()
-        if isinstance(self._pending, Future):
-            self._pending.result()
-        else:
-            self._pending.wait()
+        with _blocked(self._call):
+            if isinstance(self._pending, Future):
+                self._pending.result()
+            else:
+                self._pending.wait()
         self._pending = None
         stats.add_wait(self.op, timer.elapsed())
 
@@ -53,17 +58,30 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _issue(op: str, nbytes: int, call, async_op: bool) -> Handle:
+def _blocked(call: Call | None):
+    return recorder.blocked_in(call) if call is not None else contextlib.nullcontext()
+
+
+def _issue(
+    op: str,
+    nbytes: int,
+    call,
+    async_op: bool,
+    group: ProcessGroup | None = None,
+    tensor: torch.Tensor | None = None,
+) -> Handle:
     """Run a backend call, count it, and either wait (timing the wait) or hand back a Handle."""
+    recorded = recorder.issue(op, group, tensor)
     timer = Timer()
     work = call()
     if async_op:
         stats.record(op, nbytes, timer.elapsed())
-        return Handle(op, work)
+        return Handle(op, work, recorded)
     if work is not None:
-        work.wait()
+        with recorder.blocked_in(recorded):
+            work.wait()
     stats.record(op, nbytes, timer.elapsed())
-    return Handle(op, None)
+    return Handle(op, None, None)
 
 
 def all_reduce(
@@ -79,6 +97,8 @@ def all_reduce(
         volume,
         lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
         async_op,
+        group,
+        tensor,
     )
 
 
@@ -93,6 +113,8 @@ def broadcast(
         volume,
         lambda: dist.broadcast(tensor, group_src=src, group=group, async_op=True),
         async_op,
+        group,
+        tensor,
     )
 
 
@@ -107,6 +129,8 @@ def reduce(
         volume,
         lambda: dist.reduce(tensor, group_dst=dst, group=group, async_op=True),
         async_op,
+        group,
+        tensor,
     )
 
 
@@ -123,6 +147,8 @@ def all_gather_into_tensor(
         volume,
         lambda: _all_gather_flat(output, shard, group=group, async_op=True),
         async_op,
+        group,
+        output,
     )
 
 
@@ -139,6 +165,8 @@ def reduce_scatter_tensor(
         volume,
         lambda: _reduce_scatter_flat(shard, full, group=group, async_op=True),
         async_op,
+        group,
+        full,
     )
 
 
@@ -155,9 +183,11 @@ def exchange(
     """
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    recorded = recorder.issue("p2p", group, sends[0][0] if sends else None)
     timer = Timer()
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    with recorder.blocked_in(recorded):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     stats.record(op, sum(_nbytes(t) for t, _ in sends), timer.elapsed())
 
 
@@ -169,6 +199,7 @@ def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> H
         _nbytes(tensor),
         lambda: dist.isend(tensor, group=group, group_dst=dst),
         async_op=True,
+        tensor=tensor,
     )
 
 
@@ -177,27 +208,35 @@ def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> 
 
     Posting early lets the transfer happen while this rank computes: gloo moves a message
     only once its receive is posted."""
-    return _issue("recv", 0, lambda: dist.irecv(tensor, group=group, group_src=src), async_op=True)
+    return _issue(
+        "recv", 0, lambda: dist.irecv(tensor, group=group, group_src=src), True, tensor=tensor
+    )
 
 
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
     """Receive into `tensor` from group rank `src`, blocking (the wait is counted)."""
+    recorded = recorder.issue("recv", group, tensor)
     timer = Timer()
-    dist.irecv(tensor, group=group, group_src=src).wait()
+    with recorder.blocked_in(recorded):
+        dist.irecv(tensor, group=group, group_src=src).wait()
     stats.record("recv", 0, timer.elapsed())
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
+    recorded = recorder.issue("barrier", group)
     timer = Timer()
-    dist.barrier(group=group)
+    with recorder.blocked_in(recorded):
+        dist.barrier(group=group)
     stats.record("barrier", 0, timer.elapsed())
 
 
 def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = None) -> object:
     """Broadcast a small picklable object (configuration, paths); counted by call only."""
     box = [obj]
+    recorded = recorder.issue("broadcast_object", group)
     timer = Timer()
-    dist.broadcast_object_list(box, group_src=src, group=group)
+    with recorder.blocked_in(recorded):
+        dist.broadcast_object_list(box, group_src=src, group=group)
     stats.record("broadcast_object", 0, timer.elapsed())
     return box[0]
 
@@ -205,7 +244,9 @@ def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = Non
 def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
     """Every rank's picklable object, in group-rank order; counted by call only."""
     out: list = [None] * group_size(group)
+    recorded = recorder.issue("all_gather_object", group)
     timer = Timer()
-    dist.all_gather_object(out, obj, group=group)
+    with recorder.blocked_in(recorded):
+        dist.all_gather_object(out, obj, group=group)
     stats.record("all_gather_object", 0, timer.elapsed())
     return out

@@ -1,0 +1,256 @@
+"""Hangs and desyncs named in seconds, with one report, on every rank of the job.
+
+Each rank runs a watchdog thread. Every `INTERVAL` seconds it publishes a heartbeat in the
+job's c10d store (its step, how many collectives it issued per group, its last call and the
+call it waits in, from the flight recorder `comm.flight.recorder`). When this rank has waited
+in one collective for `hang_timeout_s`, it asks every rank to publish its Python stack, reads
+all heartbeats and writes the report: the ranks that never arrived at that collective, the
+ones that issued a different call in its place (a desync), where each rank is, and the stacks.
+Then every rank exits (code `EXIT_HUNG`), well before the backend's own timeout, which names
+nobody.
+
+Desyncs that do not hang are caught by `check_sequences`: every K steps the ranks compare the
+running hashes of their collectives through the store and, where they differ, name the first
+differing call on each rank. `compare_each_call` (a debug mode) compares every call before it
+is issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+from shardwise.comm.flight import P2P, Call, recorder
+
+INTERVAL = 0.5  # seconds between heartbeats (and checks)
+KEY = "shardwise/watchdog"
+EXIT_HUNG = 3  # exit code of every rank of a job the watchdog ended
+
+
+class DesyncError(RuntimeError):
+    """Ranks issued different collectives; the message names the first differing calls."""
+
+
+def _members(group: str, world_size: int) -> list[int]:
+    return list(range(world_size)) if group == "world" else [int(r) for r in group.split(",")]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _call(data: dict | None) -> Call | None:
+    return Call(**{**data, "shape": tuple(data["shape"])}) if data else None
+
+
+def hang_report(
+    call: Call, waited_s: float, beats: dict[int, dict], stacks: dict[int, str], world_size: int
+) -> str:
+    """The report of a hang in `call` (this rank's view), from every rank's heartbeat."""
+    members = _members(call.group, world_size)
+    waiting, missing, other, lines = [], [], {}, []
+    for rank in members:
+        beat = beats.get(rank)
+        if beat is None:
+            missing.append(rank)
+            lines.append(f"  rank {rank}: no heartbeat at all (never started, or died early)")
+            continue
+        theirs = _call(beat.get("waiting"))
+        issued = beat["seq"].get(call.group, 0)
+        where = _where(beat)
+        if theirs and theirs.group == call.group and theirs.seq == call.seq:
+            if theirs.signature() == call.signature():
+                waiting.append(rank)
+            else:
+                other.setdefault(theirs.describe(), []).append(rank)
+        elif issued < call.seq:
+            missing.append(rank)
+            lines.append(f"  rank {rank} never arrived: {where}")
+        else:
+            lines.append(f"  rank {rank} went past it: {where}")
+    if other:  # the ranks issued different calls as the group's call number `seq`
+        issued = {call.describe(): waiting, **other}
+        head = (
+            f"shardwise: desync: ranks issued different calls as call #{call.seq} of group "
+            f"{call.group} (stuck {waited_s:.1f} s): "
+            + "; ".join(
+                f"{_ranks(ranks)} issued {described}" for described, ranks in issued.items()
+            )
+        )
+    else:
+        verb = "waits" if len(waiting) == 1 else "wait"
+        head = (
+            f"shardwise: hang: {call.describe()} has not completed after {waited_s:.1f} s; "
+            f"{_ranks(waiting)} {verb} in it"
+        )
+    if missing:
+        head += f"; {_ranks(missing)} never arrived"
+    body = [head, *lines]
+    for rank in sorted(stacks):
+        if rank in missing or any(rank in r for r in other.values()):
+            body.append(f"  rank {rank} stack (main thread):")
+            body.extend(f"    {line}" for line in stacks[rank].rstrip().splitlines())
+    return "\n".join(body)
+
+
+def _where(beat: dict) -> str:
+    age = time.time() - beat["time"]
+    last = _call(beat.get("last"))
+    waiting = _call(beat.get("waiting"))
+    state = f"waits in {waiting.describe()}" if waiting else "not in a collective"
+    alive = "alive" if age < 4 * INTERVAL else f"silent for {age:.1f} s (dead?)"
+    last_text = last.describe() if last else "none"
+    return f"step {beat['step']}, {alive}, {state}; last call {last_text}"
+
+
+class Watchdog:
+    """This rank's watchdog thread; `step` is set by the training loop."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, report_dir: Path) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.report_path = Path(report_dir) / "hang_report.txt"
+        self.store = dist.distributed_c10d._get_default_store()
+        self.step = 0
+        self.checks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardwise-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    # ---- the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL):
+            try:
+                self._beat()
+                if self.store.check([f"{KEY}/abort"]):
+                    self._join_abort()
+                waited = recorder.longest_wait()
+                if waited is not None and waited[1] > self.timeout_s:
+                    self._declare_hang(*waited)
+            except Exception as e:  # the store is gone: the job is ending anyway
+                if not self._stop.is_set():
+                    print(f"shardwise: rank {self.rank}: watchdog stopped: {e}", file=sys.stderr)
+                return
+
+    def _beat(self) -> None:
+        waited = recorder.longest_wait()
+        last = recorder.last()
+        beat = {
+            "rank": self.rank,
+            "time": time.time(),
+            "step": self.step,
+            "seq": {g: n for g, n in dict(recorder.seq).items() if g != P2P},
+            "last": last.to_json() if last else None,
+            "waiting": waited[0].to_json() if waited else None,
+        }
+        self.store.set(f"{KEY}/beat/{self.rank}", json.dumps(beat))
+
+    def _publish_stack(self) -> None:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        stack = "".join(traceback.format_stack(frame)) if frame else "(no main thread)"
+        self.store.set(f"{KEY}/stack/{self.rank}", stack)
+
+    def _declare_hang(self, call: Call, waited_s: float) -> None:
+        reporter = self.store.compare_set(f"{KEY}/reporter", "", str(self.rank)).decode()
+        self.store.set(f"{KEY}/abort", "hang")
+        if reporter != str(self.rank):  # another rank reports
+            self._join_abort()
+        self._publish_stack()
+        deadline = time.monotonic() + 4 * INTERVAL
+        stack_keys = [f"{KEY}/stack/{r}" for r in range(self.world_size)]
+        while time.monotonic() < deadline and not self.store.check(stack_keys):
+            time.sleep(INTERVAL / 5)
+        beats, stacks = {}, {}
+        for r in range(self.world_size):
+            if self.store.check([f"{KEY}/beat/{r}"]):
+                beats[r] = json.loads(self.store.get(f"{KEY}/beat/{r}"))
+            if self.store.check([stack_keys[r]]):
+                stacks[r] = self.store.get(stack_keys[r]).decode()
+        report = hang_report(call, waited_s, beats, stacks, self.world_size)
+        print(report, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            self.report_path.write_text(report + "\n")
+        self.store.set(f"{KEY}/done", "1")
+        os._exit(EXIT_HUNG)
+
+    def _join_abort(self) -> None:
+        """Another rank declared a hang: give it this rank's stack, wait for its report, go."""
+        self._publish_stack()
+        deadline = time.monotonic() + 10 * INTERVAL
+        while time.monotonic() < deadline and not self.store.check([f"{KEY}/done"]):
+            time.sleep(INTERVAL / 5)
+        print(
+            f"shardwise: rank {self.rank}: ending: the job hangs (report: {self.report_path})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_HUNG)
+
+    # ---- desync checks (training thread) --------------------------------------------------------
+    def check_sequences(self) -> None:
+        """Collective through the store: every rank's sequence of calls compared; raises
+        `DesyncError` naming the first differing call where they differ."""
+        key = f"{KEY}/sequence/{self.checks}"
+        self.checks += 1
+        mine = {
+            "seq": {g: n for g, n in recorder.seq.items() if g != P2P},
+            "hash": {g: h for g, h in recorder.hash.items() if g != P2P},
+            "history": [c.to_json() for c in recorder.history if c.group != P2P],
+        }
+        self.store.set(f"{key}/{self.rank}", json.dumps(mine))
+        keys = [f"{key}/{r}" for r in range(self.world_size)]
+        self.store.wait(keys)
+        everyone = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)}
+        for group in mine["seq"]:
+            members = _members(group, self.world_size)
+            views = {r: everyone[r] for r in members}
+            sums = {(v["seq"].get(group), v["hash"].get(group)) for v in views.values()}
+            if len(sums) > 1:
+                raise DesyncError(first_difference(group, views))
+
+    def compare_each_call(self, call: Call, group) -> None:
+        """Debug mode: every rank of the group compares `call` with theirs before issuing."""
+        key = f"{KEY}/call/{call.group}/{call.seq}"
+        self.store.set(f"{key}/{self.rank}", json.dumps(call.to_json()))
+        members = _members(call.group, self.world_size)
+        self.store.wait([f"{key}/{r}" for r in members])
+        for r in members:
+            theirs = _call(json.loads(self.store.get(f"{key}/{r}")))
+            if theirs.signature() != call.signature():
+                raise DesyncError(
+                    f"shardwise: desync: rank {self.rank} issued {call.describe()} where "
+                    f"rank {r} issued {theirs.describe()}"
+                )
+
+
+def first_difference(group: str, views: dict[int, dict]) -> str:
+    """The first call of `group` whose signature differs between ranks, named on each."""
+    calls = {
+        r: {c["seq"]: _call(c) for c in v["history"] if c["group"] == group}
+        for r, v in views.items()
+    }
+    common = set.intersection(*(set(c) for c in calls.values()))
+    for seq in sorted(common):
+        signatures = {r: c[seq].signature() for r, c in calls.items()}
+        if len(set(signatures.values())) > 1:
+            described = "; ".join(f"rank {r} issued {c[seq].describe()}" for r, c in calls.items())
+            return f"shardwise: desync in group {group}: {described}"
+    counts = ", ".join(f"rank {r}: {v['seq'].get(group, 0)}" for r, v in views.items())
+    return (
+        f"shardwise: desync in group {group}: the ranks issued different numbers or kinds of "
+        f"calls ({counts} calls), before the last ones they remember"
+    )

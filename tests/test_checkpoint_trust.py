@@ -1,0 +1,319 @@
+"""Checkpoints we can trust: a re-save never leaves nothing loadable, a manifest is checked
+before anything it names is read (one `CheckpointError` line per problem), and the JSON a run
+leaves is strict even when a loss is NaN. Single process: shardwise runs in a world of one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import shardwise as sw
+from shardwise import checkpoint, runtime
+from shardwise.checkpoint import CheckpointError, read_full_state, sha256_file
+from shardwise.models import MLP
+from shardwise.reporting import MetricsFile, write_summary
+
+
+@pytest.fixture(autouse=True)
+def _alone():
+    yield
+    runtime.shutdown()  # leave no process group behind for the tests that follow
+
+
+def _prepared():
+    torch.manual_seed(0)
+    return sw.prepare(MLP([5, 4, 3]), sw.ZeRO(stage=1), lr=1e-2)
+
+
+def _train(model, opt, steps: int) -> dict[str, torch.Tensor]:
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in sw.full_state_dict(model).items()}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A checkpoint of step 2, and the model, optimizer and weights it was saved from."""
+    model, opt = _prepared()
+    weights = _train(model, opt, 2)
+    sw.save_checkpoint(model, opt, tmp_path / "ckpt", step=2)
+    return tmp_path / "ckpt", model, opt, weights
+
+
+def _edit_manifest(directory, edit) -> None:
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _one_line_error(directory, match: str) -> str:
+    with pytest.raises(CheckpointError, match=match) as info:
+        read_full_state(directory)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def _export(directory, out) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise", "export", str(directory), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# ---- file names in the manifest ------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["sha256", "strategy_state_sha256"])
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_file_names_outside_the_directory_are_refused(ckpt, tmp_path, monkeypatch, field, where):
+    directory = ckpt[0]
+    # A copy outside with the right checksum: only the name can give it away.
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(directory / "rank0.safetensors", outside)
+    name = "../outside.safetensors" if where == "relative" else str(outside)
+
+    def edit(manifest):
+        if field == "sha256":
+            manifest["sha256"] = {name: sha256_file(outside)}
+        else:
+            manifest["strategy_state_sha256"] = {name: sha256_file(outside)}
+
+    _edit_manifest(directory, edit)
+    read = []
+    monkeypatch.setattr(checkpoint, "load_file", lambda p: read.append(p) or load_file(p))
+    message = _one_line_error(directory, "unexpected file name")
+    assert repr(name) in message and f"{directory / 'manifest.json'}: {field}:" in message
+    assert read == []  # refused before any shard was opened
+    with pytest.raises(CheckpointError, match="unexpected file name"):
+        sw.export_checkpoint(directory, tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+# ---- every field of the manifest -----------------------------------------------------------------
+def _set(key, value):
+    return lambda m: m.__setitem__(key, value)
+
+
+MALFORMED = {
+    "missing units": (lambda m: m.pop("units"), r"'units': Field required"),
+    "missing sha256": (lambda m: m.pop("sha256"), r"'sha256': Field required"),
+    "step a string": (_set("step", "2"), r"'step': Input should be a valid integer"),
+    "step a float": (_set("step", 2.5), r"'step': Input should be a valid integer"),
+    "step a bool": (_set("step", True), r"'step': Input should be a valid integer"),
+    "world_size 0": (_set("world_size", 0), r"'world_size': Input should be greater than"),
+    "strategy a number": (_set("strategy", 3), r"'strategy': Input should be a valid string"),
+    "units a dict": (_set("units", {"params": []}), r"'units': Input should be a valid array"),
+    "shape a string": (
+        lambda m: m["units"][0].__setitem__("params", [["net.0.weight", "4x5"]]),
+        r"'units\.0\.params\.0\.1': Input should be a valid array",
+    ),
+    "negative dim": (
+        lambda m: m["units"][0].__setitem__("params", [["net.0.weight", [4, -5]]]),
+        r"'units\.0\.params\.0\.1\.1': Input should be greater than or equal to 0",
+    ),
+    "param without shape": (
+        lambda m: m["units"][0].__setitem__("params", [["net.0.weight"]]),
+        r"'units\.0\.params\.0\.1': Field required",
+    ),
+    "checksum a number": (
+        lambda m: m["sha256"].__setitem__("rank0.safetensors", 7),
+        r"'sha256\.rank0\.safetensors': Input should be a valid string",
+    ),
+    "more shards than files": (_set("num_shards", 2), r"sha256 lists 1 files, expected 2"),
+    "no shard files": (_set("sha256", {}), r"sha256 lists 0 files, expected 1"),
+    "a shard too many": (
+        lambda m: m["sha256"].__setitem__("rank1.safetensors", "0" * 64),
+        r"unexpected file name 'rank1\.safetensors'",
+    ),
+    "unknown format": (_set("format", "other-v9"), r"unknown checkpoint format 'other-v9'"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_each_malformed_manifest_field_is_one_error_line(ckpt, case):
+    directory = ckpt[0]
+    edit, match = MALFORMED[case]
+    _edit_manifest(directory, edit)
+    assert str(directory / "manifest.json") in _one_line_error(directory, match)
+
+
+@pytest.mark.parametrize("text", ["[]", "{", '{"format": NaN}', ""])
+def test_a_manifest_that_is_not_an_object_is_one_error_line(ckpt, text):
+    directory = ckpt[0]
+    (directory / "manifest.json").write_text(text)
+    _one_line_error(directory, "malformed checkpoint manifest .*manifest.json")
+
+
+@pytest.mark.parametrize("case", ["missing units", "outside name"])
+def test_cli_export_of_a_malformed_checkpoint_exits_2_with_one_line(ckpt, tmp_path, case):
+    directory = ckpt[0]
+    if case == "outside name":
+        _edit_manifest(directory, _set("sha256", {"../rank0.safetensors": "0" * 64}))
+    else:
+        _edit_manifest(directory, MALFORMED[case][0])
+    result = _export(directory, tmp_path / "w.safetensors")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("shardwise: ") and "manifest.json" in line
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+# ---- shard files that do not match the layout ----------------------------------------------------
+def _edit_shard(directory, edit) -> None:
+    """Change rank0.safetensors and give the manifest its new checksum, as a buggy or hostile
+    writer would: only the layout check can tell."""
+    path = directory / "rank0.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+    _edit_manifest(directory, lambda m: m["sha256"].__setitem__(path.name, sha256_file(path)))
+
+
+SHARD_EDITS = {
+    "missing param": (lambda t: t.pop("unit0/param"), r"missing tensor unit0/param"),
+    "too short": (
+        lambda t: t.__setitem__("unit0/param", t["unit0/param"][:3].clone()),
+        r"unit0/param holds 3 values on 1 shard\(s\), the manifest's layout needs \d+",
+    ),
+    "not flat": (
+        lambda t: t.__setitem__("unit0/exp_avg", torch.zeros(2, 20)),
+        r"unit0/exp_avg has shape \[2, 20\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SHARD_EDITS)
+def test_shard_tensors_that_do_not_match_the_layout_are_one_error_line(ckpt, case):
+    directory = ckpt[0]
+    edit, match = SHARD_EDITS[case]
+    _edit_shard(directory, edit)
+    assert str(directory / "rank0.safetensors") in _one_line_error(directory, match)
+
+
+# ---- re-saving into an existing checkpoint -------------------------------------------------------
+class Killed(Exception):
+    pass
+
+
+def _fail(*args, **kwargs):
+    raise Killed
+
+
+def _kill_between_renames(monkeypatch):
+    """The old checkpoint is moved aside, then the save dies before the new one is in place."""
+    real = os.replace
+
+    def replace(src, dst):
+        if str(src).endswith(".tmp") and os.path.isdir(src):
+            raise Killed
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+KILLS = {
+    "writing a shard": lambda mp: mp.setattr(checkpoint, "save_file", _fail),
+    "before the manifest": lambda mp: mp.setattr(checkpoint, "sha256_file", _fail),
+    "between the renames": _kill_between_renames,
+}
+
+
+@pytest.mark.parametrize("kill", KILLS)
+def test_an_interrupted_resave_leaves_the_previous_checkpoint_loadable(ckpt, monkeypatch, kill):
+    directory, model, opt, saved = ckpt
+    newer = _train(model, opt, 3)
+    assert any(not torch.equal(saved[k], newer[k]) for k in saved)
+    with monkeypatch.context() as mp:
+        KILLS[kill](mp)
+        with pytest.raises(Killed):
+            sw.save_checkpoint(model, opt, directory, step=5)
+
+    params, _, step = read_full_state(directory)
+    assert step == 2
+    assert all(torch.equal(params[k], saved[k]) for k in saved)
+    fresh, fresh_opt = _prepared()
+    assert sw.load_checkpoint(fresh, fresh_opt, directory) == 2
+    assert all(torch.equal(v, saved[k]) for k, v in sw.full_state_dict(fresh).items())
+
+    sw.save_checkpoint(model, opt, directory, step=5)  # the next save finishes the job
+    params, _, step = read_full_state(directory)
+    assert step == 5 and all(torch.equal(params[k], newer[k]) for k in newer)
+    assert sorted(p.name for p in directory.parent.iterdir()) == ["ckpt"]
+
+
+def test_the_next_save_removes_what_a_killed_save_left(ckpt):
+    directory, model, opt, _ = ckpt
+    for leftover in (".ckpt.tmp", ".ckpt.old"):
+        (directory.parent / leftover).mkdir()
+        (directory.parent / leftover / "rank0.safetensors").write_bytes(b"half written")
+    sw.save_checkpoint(model, opt, directory, step=3)
+    assert sorted(p.name for p in directory.parent.iterdir()) == ["ckpt"]
+    assert read_full_state(directory)[2] == 3
+
+
+def test_a_directory_holding_more_than_a_checkpoint_is_not_replaced(ckpt):
+    directory, model, opt, _ = ckpt
+    (directory / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"holds other files \('notes\.txt'\)"):
+        sw.save_checkpoint(model, opt, directory, step=3)
+    assert (directory / "notes.txt").read_text() == "mine" and read_full_state(directory)[2] == 2
+
+
+# ---- strict JSON ---------------------------------------------------------------------------------
+def _strict(text: str):
+    def refuse(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_summary_json_is_strict_with_null_for_nonfinite_values(tmp_path):
+    summary = {
+        "name": "nan-run",
+        "steps": 3,
+        "final_train_loss": math.nan,
+        "memory": {"peak": math.inf},
+        "losses": [1.5, -math.inf],
+    }
+    write_summary(tmp_path, summary)
+    written = _strict((tmp_path / "summary.json").read_text())
+    assert written["final_train_loss"] is None and written["memory"] == {"peak": None}
+    assert written["losses"] == [1.5, None] and written["steps"] == 3
+    assert written["nonfinite"] == {
+        "final_train_loss": "nan",
+        "memory.peak": "inf",
+        "losses.1": "-inf",
+    }
+    assert math.isnan(summary["final_train_loss"])  # the caller's dict is left as it was
+
+
+def test_metrics_lines_are_strict_and_read_back_with_nulls(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsFile(path)
+    for step, loss in ((1, 0.5), (2, math.nan), (3, math.inf)):
+        metrics.write({"step": step, "loss": loss})
+    metrics.close()
+    with path.open("a") as f:
+        f.write('{"step": 4, "lo')  # a line a crash cut short
+    rows = [_strict(line) for line in path.read_text().splitlines()[:3]]
+    assert rows[1] == {"step": 2, "loss": None, "nonfinite": {"loss": "nan"}}
+
+    MetricsFile(path, keep_steps=2).close()  # a resume from step 2
+    rows = [_strict(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] is None
