@@ -43,8 +43,8 @@ def test_default_job_trains_on_two_ranks_and_writes_a_run_directory(tmp_path):
     assert [r["step"] for r in lines] == list(range(1, 121))
     assert {"loss", "lr", "samples_per_s", "comm_bytes", "comm_wait_s"} <= lines[0].keys()
     # One 25 MiB bucket holds all 26,122 gradients: 4 bytes each, sent 2(n-1)/n = once at n=2,
-    # plus the 24-byte loss average (its sum, its count, and whether any rank must stop).
-    assert lines[0]["comm_bytes"] == 26_122 * 4 + 24
+    # plus the 40-byte agreement after backward (loss sum, count, stop, a flag per rank).
+    assert lines[0]["comm_bytes"] == 26_122 * 4 + 40
     weights = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
     model = MLP([64, 128, 128, 10])
     model.load_state_dict(weights)  # a plain model loads the checkpoint, no shardwise needed

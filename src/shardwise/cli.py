@@ -7,6 +7,7 @@
     shardwise bench ddp --world-size 2                            # ours vs torch DDP
     shardwise bench zero --world-size 2                           # DDP, ZeRO-1/2/3 vs FSDP2
     shardwise bench comm --models gpt --steps 60 --rate 100mbit   # codecs on an emulated network
+    shardwise bench faults                                        # recovery, stall, hang times
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
     bench.add_argument(
         "suite",
-        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps"],
+        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps", "faults"],
         help="what to benchmark",
     )
     bench.add_argument("--world-size", type=int, default=2, help="ranks")

@@ -58,9 +58,7 @@ def parse(spec: str, source: str = ENV) -> list[Fault]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         kind, *fields = item.split(":")
         if kind not in FIELDS:
-            raise ValueError(
-                f"{where}unknown fault {kind!r} in {item!r} (faults: {list(FIELDS)})"
-            )
+            raise ValueError(f"{where}unknown fault {kind!r} in {item!r} (faults: {list(FIELDS)})")
         try:
             args = dict(field.split("=", 1) for field in fields)
             if set(args) != set(FIELDS[kind]):

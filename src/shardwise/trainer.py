@@ -307,6 +307,7 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
                 "comm_calls": step_comm.calls,
                 "comm_wait_s": step_comm.wait_s,
                 "t": time.perf_counter() - loop_start,
+                "wall_time": time.time(),  # comparable across processes and restarts
                 **record,
             }
         )

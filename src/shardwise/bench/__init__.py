@@ -16,6 +16,7 @@ DEFAULTS = {
     "pipeline": (5, 4),
     "tp": (5, 3),
     "ps": (150, 1),
+    "faults": (60, 1),
 }
 
 
@@ -34,6 +35,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from shardwise.bench.ps import main
 
         return main(["--steps", str(args.steps), "--out", args.out or default_out("ps")])
+    if args.suite == "faults":  # it starts its own jobs, each with its fault
+        from shardwise.bench.faults import main as faults_main
+
+        return faults_main(["--steps", str(args.steps), "--out", args.out or default_out("faults")])
     module = f"shardwise.bench.{args.suite}"
     argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
     if args.suite in ("ddp", "zero"):

@@ -1,0 +1,215 @@
+"""Failures named in seconds and survived: a hung rank, ranks issuing different collectives, a
+NaN in one rank's gradient, and a kill in the middle of a checkpoint write. Each fault is
+injected into a real job; the evidence is what the job printed, its files, and its timing as
+seen from outside (the fault's marker time, the launcher's exit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardwise import faults, run_checkpoint
+from shardwise.watchdog import first_difference
+
+NAN_JOB = ["optim.schedule=constant", "optim.warmup_steps=0"]  # lr independent of step count
+
+
+def _job(run_dir: Path, *sets: str, nproc: int = 2, env: dict | None = None):
+    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", str(nproc)]
+    for kv in sets:
+        argv += ["--set", kv]
+    return subprocess.run(
+        [*argv, "--run-dir", str(run_dir)],
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _fired_at(run_dir: Path, name: str) -> float:
+    return float((run_dir / "faults" / name).read_text())
+
+
+def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
+    run = tmp_path / "run"
+    result = _job(
+        run,
+        "train.steps=40",
+        "launch.hang_timeout_s=10",
+        nproc=3,
+        env={"SHARDWISE_FAULT": "hang:rank=1:step=12"},
+    )
+    ended = time.time()  # the launcher returns once every rank has exited
+    assert result.returncode != 0
+    assert ended - _fired_at(run, "hang-rank1-step12") < 15
+    report = (run / "hang_report.txt").read_text()
+    head = report.splitlines()[0]
+    assert head.startswith("shardwise: hang: all_reduce #") and "(group world," in head
+    assert "ranks 0, 2 wait in it; rank 1 never arrived" in head
+    assert "rank 1 stack (main thread):" in report and "faults.py" in report  # where it sleeps
+    assert head in result.stderr
+
+
+def test_ranks_issuing_different_collectives_are_named_with_both_calls(tmp_path):
+    run = tmp_path / "run"
+    result = _job(
+        run,
+        "train.steps=40",
+        "launch.hang_timeout_s=5",
+        nproc=3,
+        env={"SHARDWISE_FAULT": "desync:rank=1:step=12"},
+    )
+    ended = time.time()
+    assert result.returncode != 0
+    assert ended - _fired_at(run, "desync-rank1-step12") < 15
+    head = (run / "hang_report.txt").read_text().splitlines()[0]
+    assert head.startswith("shardwise: desync: ranks issued different calls as call #")
+    assert "rank 1 issued broadcast #" in head and "ranks 0, 2 issued all_reduce #" in head
+
+
+def test_the_per_call_check_names_a_desync_before_it_hangs(tmp_path):
+    result = _job(
+        tmp_path / "run",
+        "train.steps=20",
+        "launch.desync_check_per_call=true",
+        "launch.hang_timeout_s=60",  # a hang would take a minute: the check must come first
+        env={"SHARDWISE_FAULT": "desync:rank=1:step=5"},
+    )
+    assert result.returncode != 0
+    line = next(x for x in result.stderr.splitlines() if x.startswith("shardwise: desync"))
+    assert "rank 1 issued broadcast #" in line and "rank 0 issued all_reduce #" in line
+
+
+def test_first_difference_names_the_first_differing_call():
+    def call(seq, op):
+        return {
+            "op": op,
+            "group": "world",
+            "seq": seq,
+            "shape": [4],
+            "dtype": "float32",
+            "site": "x",
+        }
+
+    views = {
+        0: {"seq": {"world": 3}, "history": [call(1, "all_reduce"), call(2, "all_reduce")]},
+        1: {"seq": {"world": 3}, "history": [call(1, "all_reduce"), call(2, "broadcast")]},
+    }
+    message = first_difference("world", views)
+    assert "rank 0 issued all_reduce #2" in message and "rank 1 issued broadcast #2" in message
+
+
+def test_a_nan_on_one_rank_skips_the_step_everywhere_and_names_the_rank(tmp_path):
+    faulty = _job(
+        tmp_path / "nan", "train.steps=20", *NAN_JOB, env={"SHARDWISE_FAULT": "nan:rank=1:step=5"}
+    )
+    assert faulty.returncode == 0, faulty.stderr[-2000:]
+    assert "step 5: non-finite loss on rank 1 (global batch 5)" in faulty.stdout
+    lines = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [x for x in lines if x.get("skipped")]
+    assert [(x["step"], x["nonfinite_ranks"]) for x in skipped] == [(5, [1])]
+    # the same job whose data leaves that batch out: one update fewer, the same updates
+    clean = _job(tmp_path / "clean", "train.steps=19", "train.skip_batches=[5]", *NAN_JOB)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    a = load_file(str(tmp_path / "nan" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "clean" / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_path):
+    bad = {"SHARDWISE_FAULT": "nan:rank=0:step=12,nan:rank=1:step=13"}
+    sets = ["train.steps=20", "train.checkpoint_every=10", *NAN_JOB]
+    rolled = _job(
+        tmp_path / "rolled", *sets, "train.nonfinite=rollback", "train.max_bad_steps=2", env=bad
+    )
+    assert rolled.returncode == 0, rolled.stderr[-2000:]
+    assert "rolled back from step 13 to" in rolled.stdout
+    assert "global batches [12, 13] left out" in rolled.stdout
+    clean = _job(tmp_path / "clean", *sets, "train.skip_batches=[12, 13]")
+    a = load_file(str(tmp_path / "rolled" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "clean" / "checkpoint" / "model.safetensors"))
+    assert clean.returncode == 0 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nonfinite_stop_ends_the_run_naming_the_rank(tmp_path):
+    result = _job(
+        tmp_path / "run",
+        "train.steps=20",
+        "train.nonfinite=stop",
+        env={"SHARDWISE_FAULT": "nan:rank=1:step=3"},
+    )
+    assert result.returncode != 0
+    assert (
+        "shardwise: step 3: non-finite loss on rank 1 (global batch 3); 1 bad step(s) in a "
+        "row: stopping" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+KILLED_WHILE_SAVING = """
+import os, signal, sys
+import torch
+import shardwise as sw
+from shardwise import run_checkpoint
+
+run_dir = sys.argv[1]
+rt = sw.init()
+torch.manual_seed(0)
+model, opt = sw.prepare(torch.nn.Linear(4, 2), sw.DDP(), optimizer=torch.optim.SGD, lr=0.1)
+schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+saver = run_checkpoint.Saver(run_dir, rt, keep=2)
+saver.save(model, opt, schedule, 10, data={})
+saver.wait()
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+write = run_checkpoint.save_file
+def write_then_die(tensors, path):  # the first file of step 20 is written, then the kill
+    write(tensors, path)
+    os.kill(os.getpid(), signal.SIGKILL)
+run_checkpoint.save_file = write_then_die
+saver.save(model, opt, schedule, 20, data={})
+saver.wait()
+"""
+
+
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tmp_path):
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent(KILLED_WHILE_SAVING))
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True)
+    assert result.returncode == -9, result.stderr.decode()[-2000:]
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in root.glob(".step-*")], "the killed save left its temporary files"
+    found = run_checkpoint.newest(tmp_path, 1, "ddp")
+    assert found.step == 10
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(4, 2).state_dict()  # the weights before the change
+    saved = load_file(str(found.directory / "rank0.safetensors"))
+    (weight,) = [v for k, v in saved.items() if k.startswith("s/model/") and k.endswith("weight")]
+    assert torch.equal(weight, expected["weight"])
+    run_checkpoint.remove_partial(tmp_path)
+    assert not list(root.glob(".step-*"))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("kill:rank=1", "expected kill:rank=...:step=..."),
+        ("boom:rank=1:step=2", "unknown fault 'boom'"),
+        ("slow:rank=0:factor=0.5", "factor >= 1"),
+        ("nan:rank=x:step=2", "expected nan:rank=...:step=..."),
+    ],
+)
+def test_malformed_faults_are_one_line(spec, message):
+    with pytest.raises(ValueError, match=message):
+        faults.parse(spec)
