@@ -86,6 +86,10 @@ class FaultInjector:
         self.rank = rank
         self.faults = [f for f in parse(spec) if f.rank in (None, rank)]
         self.fired_dir = Path(run_dir) / "faults"
+        if (factor := self.slowdown()) > 1:
+            print(
+                f"shardwise: fault injected on rank {rank}: compute {factor:g}x slower", flush=True
+            )
 
     def _fires(self, kind: str, step: int | None = None) -> bool:
         """Whether a fault of `kind` fires (now: it is marked fired)."""
