@@ -76,6 +76,11 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[Any]:
         order = self.order(self.epoch)
         plan = list(self._my_batches(order, self.offset))
+        if not plan and self.offset == 0:
+            raise ValueError(
+                f"a dataset of {len(order)} samples does not fill one global batch of "
+                f"{self.global_batch} ({self.batch_size} per rank x {self.replicas})"
+            )
         fetch = DataLoader(
             self.dataset,
             batch_sampler=[mine for mine, _ in plan],

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from shardwise.checkpoint import FORMAT as SHARDED_FORMAT
 from shardwise.checkpoint import CheckpointError, read_full_state, read_manifest, sha256_file
+from shardwise.comm.store import wait_for
 from shardwise.strategies.base import DistributedModel
 
 FORMAT = "shardwise-run-checkpoint-v2"
@@ -230,7 +231,7 @@ class Saver:
         if rank != 0:
             return final
         keys = [f"{key}/rank{r}" for r in range(world)]
-        self.store.wait(keys, self.rt.timeout)
+        wait_for(self.store, keys, self.rt.timeout.total_seconds())
         for r in range(1, world):
             sums.update(json.loads(self.store.get(keys[r])))
         exact = {n: s for n, s in sums.items() if not n.startswith(f"{SHARDED}/")}
@@ -371,5 +372,11 @@ def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[st
     scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr  # the schedule's current value (the optimizer's groups were not saved)
-    set_rng_state(state["rng"])
+    if rank < found.world_size:
+        set_rng_state(state["rng"])
+    else:  # a rank the saved run did not have: generators of its own, not a copy of another's
+        seed = 1_000_003 * int(state["step"]) + rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
     return {"step": int(state["step"]), "data": state["data"]}

@@ -7,6 +7,7 @@ config, metrics.jsonl (one line per step), summary.json and the final checkpoint
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import sys
@@ -88,11 +89,11 @@ def _agree(
 
 
 def _grads_finite(model: DistributedModel) -> bool:
-    """Whether the gradients this rank holds are all finite (one norm per tensor)."""
+    """Whether the gradients this rank holds are all finite (a norm could overflow: no norm)."""
     grads = [g for g in model.local_grads() if g is not None]
     if not grads:
         return True
-    return bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads)])).all())
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
 @torch.no_grad()
@@ -149,6 +150,9 @@ class Run:
     stop_requested: bool = False  # SIGTERM / SIGINT: checkpoint after this step and leave
     stopping: bool = False  # every rank agreed to stop
     bad_streak: int = 0  # consecutive steps with a non-finite loss or gradient
+    bad_batches: list[int] = field(default_factory=list)  # the global batches of those steps
+    rolled_back_to: int | None = None  # the step of the last rollback
+    loads: int = 0  # checkpoints loaded (each one agreed through the store)
     skipped_steps: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     loss: float = float("nan")
@@ -220,10 +224,35 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     return run
 
 
+def _agree_checkpoint(run: Run, fresh_start_ok: bool) -> run_checkpoint.Found | None:
+    """The checkpoint to load, chosen by rank 0 (after its saves are in place) and read by the
+    others from the store: every rank loads the same one, and only rank 0 checks the files."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"shardwise/load/{run.loads}"
+    run.loads += 1
+    if run.rt.is_main:
+        name = run.model.checkpoint_name()
+        found = run_checkpoint.newest(run.out, run.rt.world_size, name)
+        choice: Any = (
+            None if found is None else [str(found.directory), found.step, found.world_size]
+        )
+        existing = run_checkpoint.complete(run.out / "checkpoints")
+        if found is None and existing and not fresh_start_ok:
+            choice = {
+                "error": f"none of the {len(existing)} checkpoints in {run.out} can be "
+                "resumed from (see above); move them away to start afresh"
+            }
+        store.set(key, json.dumps(choice))
+    choice = json.loads(comm.store.get(store, key, run.rt.timeout.total_seconds()))
+    if isinstance(choice, dict):
+        raise run_checkpoint.RunCheckpointError(choice["error"])
+    return None if choice is None else run_checkpoint.Found(Path(choice[0]), *choice[1:])
+
+
 def _resume(run: Run) -> int:
     """Load the newest complete checkpoint of the run; its step (0: none, start afresh)."""
     rt = run.rt
-    found = run_checkpoint.newest(run.out, rt.world_size, run.model.checkpoint_name(), rt.is_main)
+    found = _agree_checkpoint(run, fresh_start_ok=False)
     if found is None:
         if rt.is_main:
             print(f"shardwise: no checkpoint in {run.out}: starting from step 0", flush=True)
@@ -272,11 +301,13 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
         run, local_loss, y.shape[0], _grads_finite(model), run.faults.desyncs(step)
     )
     lr = run.scheduler.get_last_lr()[0]
+    if bad_ranks and model.scales_loss() and "loss" not in bad_ranks.values():
+        bad_ranks = {}  # an fp16 overflow: the loss scaler skips the step and lowers the scale
     if bad_ranks:
         opt.zero_grad()  # the update is skipped everywhere; so is the schedule's step
         _nonfinite(run, step, bad_ranks)
     else:
-        run.bad_streak = 0
+        run.bad_streak, run.bad_batches = 0, []
         if cfg.train.clip_grad_norm:
             model.clip_grad_norm_(cfg.train.clip_grad_norm)
         opt.step()
@@ -322,6 +353,7 @@ def _nonfinite(run: Run, step: int, bad_ranks: dict[int, str]) -> None:
     """The non-finite policy, after a step every rank agreed to skip."""
     cfg = run.cfg.train
     run.bad_streak += 1
+    run.bad_batches.append(run.drawn)
     run.skipped_steps.append(step)
     what = next(iter(bad_ranks.values()))
     named = ("rank " if len(bad_ranks) == 1 else "ranks ") + ", ".join(map(str, bad_ranks))
@@ -339,7 +371,7 @@ def finish(run: Run, started: float) -> dict[str, Any]:
     train_comm = comm.stats.total()
     eval_loss, accuracy = evaluate(run.model, run.job, cfg.train.eval_batch_size)
     state = sw.full_state_dict(run.model)
-    timed = run.step_times[WARMUP_STEPS_EXCLUDED:] or run.step_times
+    timed = run.step_times[WARMUP_STEPS_EXCLUDED:] or run.step_times or [float("nan")]
     summary = {
         "name": cfg.name,
         "strategy": cfg.strategy.describe(),
@@ -357,6 +389,9 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         "run_dir": str(run.out),
     }
     run.saver.wait()
+    # From here rank 0 works alone (the final weights, the summary) while the others wait in
+    # the last barrier: however long that takes, it is not a hang.
+    run.watchdog.stop()
     if rt.is_main:
         _log_saves(run)
         meta = {"step": cfg.train.steps, "world_size": rt.world_size, "name": cfg.name}
@@ -389,6 +424,8 @@ def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict
     except (NonFiniteStop, DesyncError) as e:
         if run.rt.is_main or isinstance(e, DesyncError):
             print(e, file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            run.saver.wait()  # a checkpoint being written is finished, not torn
         raise SystemExit(EXIT_NONFINITE if isinstance(e, NonFiniteStop) else EXIT_HUNG) from None
     finally:
         run.watchdog.stop()
@@ -427,16 +464,18 @@ def _train(run: Run, started: float) -> dict[str, Any]:
 def _rollback(run: Run, step: int) -> int:
     """Back to the newest checkpoint, leaving out the batches of the bad steps; its step."""
     run.saver.wait()
-    bad = set(range(run.drawn - run.bad_streak + 1, run.drawn + 1))
-    found = run_checkpoint.newest(run.out, run.rt.world_size, run.model.checkpoint_name())
-    if found is None:
+    bad = set(run.bad_batches)
+    found = _agree_checkpoint(run, fresh_start_ok=True)
+    if found is None or found.step == run.rolled_back_to:
+        why = "no checkpoint" if found is None else "only the checkpoint rolled back to before"
         raise NonFiniteStop(
-            f"shardwise: {run.bad_streak} non-finite steps in a row up to step {step}, and no "
-            "checkpoint to roll back to: stopping"
+            f"shardwise: {run.bad_streak} non-finite steps in a row up to step {step}, and {why} "
+            "to roll back to: stopping"
         )
     back_to = run.restore(run_checkpoint.load(found, run.model, run.opt, run.scheduler))
+    run.rolled_back_to = back_to
     run.skip |= bad
-    run.bad_streak = 0
+    run.bad_streak, run.bad_batches = 0, []
     if run.cfg.train.sample_ledger:
         ledger.truncate_rank(run.out, run.rt.rank, back_to)
     if run.rt.is_main:

@@ -29,18 +29,26 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardwise.comm.flight import P2P, Call, recorder
+from shardwise.comm.store import wait_for
 
 INTERVAL = 0.5  # seconds between heartbeats (and checks)
 KEY = "shardwise/watchdog"
 EXIT_HUNG = 3  # exit code of every rank of a job the watchdog ended
+STORE = "store"  # the "group" of a wait for other ranks' keys in the store
+STORE_TIMEOUT_S = 24 * 3600.0  # such waits end by the watchdog's hang timeout, not their own
 
 
 class DesyncError(RuntimeError):
     """Ranks issued different collectives; the message names the first differing calls."""
 
 
-def _members(group: str, world_size: int) -> list[int]:
-    return list(range(world_size)) if group == "world" else [int(r) for r in group.split(",")]
+def _members(group: str, world_size: int) -> list[int] | None:
+    """The global ranks of a group's name; None for point-to-point traffic and store waits."""
+    if group == "world":
+        return list(range(world_size))
+    if group.replace(",", "").isdigit():
+        return [int(r) for r in group.split(",")]
+    return None
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -56,6 +64,15 @@ def hang_report(
 ) -> str:
     """The report of a hang in `call` (this rank's view), from every rank's heartbeat."""
     members = _members(call.group, world_size)
+    if members is None:  # a message or a store wait: no group to compare; where everyone is
+        lines = [f"shardwise: hang: {call.describe()} has not completed after {waited_s:.1f} s"]
+        for rank in range(world_size):
+            beat = beats.get(rank)
+            lines.append(f"  rank {rank}: {_where(beat) if beat else 'no heartbeat at all'}")
+        for rank in sorted(stacks):
+            lines.append(f"  rank {rank} stack (main thread):")
+            lines.extend(f"    {line}" for line in stacks[rank].rstrip().splitlines())
+        return "\n".join(lines)
     waiting, missing, other, lines = [], [], {}, []
     for rank in members:
         beat = beats.get(rank)
@@ -169,6 +186,14 @@ class Watchdog:
         self.store.set(f"{KEY}/abort", "hang")
         if reporter != str(self.rank):  # another rank reports
             self._join_abort()
+        try:
+            self._report(call, waited_s)
+        finally:  # whatever happened, the others are told and this rank goes
+            with contextlib.suppress(Exception):
+                self.store.set(f"{KEY}/done", "1")
+            os._exit(EXIT_HUNG)
+
+    def _report(self, call: Call, waited_s: float) -> None:
         self._publish_stack()
         deadline = time.monotonic() + 4 * INTERVAL
         stack_keys = [f"{KEY}/stack/{r}" for r in range(self.world_size)]
@@ -184,8 +209,6 @@ class Watchdog:
         print(report, file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
             self.report_path.write_text(report + "\n")
-        self.store.set(f"{KEY}/done", "1")
-        os._exit(EXIT_HUNG)
 
     def _join_abort(self) -> None:
         """Another rank declared a hang: give it this rank's stack, wait for its report, go."""
@@ -213,10 +236,13 @@ class Watchdog:
         }
         self.store.set(f"{key}/{self.rank}", json.dumps(mine))
         keys = [f"{key}/{r}" for r in range(self.world_size)]
-        self.store.wait(keys)
+        check = Call("sequence_check", STORE, self.checks, (), "-", "watchdog.check_sequences")
+        with recorder.blocked_in(check):  # a rank that never comes is a hang like any other
+            wait_for(self.store, keys, STORE_TIMEOUT_S)
         everyone = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)}
-        for group in mine["seq"]:
-            members = _members(group, self.world_size)
+        groups = sorted({g for view in everyone.values() for g in view["seq"]})
+        for group in groups:  # every rank checks every group: all raise, or none does
+            members = _members(group, self.world_size) or []
             views = {r: everyone[r] for r in members}
             sums = {(v["seq"].get(group), v["hash"].get(group)) for v in views.values()}
             if len(sums) > 1:
@@ -226,8 +252,10 @@ class Watchdog:
         """Debug mode: every rank of the group compares `call` with theirs before issuing."""
         key = f"{KEY}/call/{call.group}/{call.seq}"
         self.store.set(f"{key}/{self.rank}", json.dumps(call.to_json()))
-        members = _members(call.group, self.world_size)
-        self.store.wait([f"{key}/{r}" for r in members])
+        members = _members(call.group, self.world_size) or [self.rank]
+        waiting = Call("call_check", STORE, call.seq, (), "-", "watchdog.compare_each_call")
+        with recorder.blocked_in(waiting):
+            wait_for(self.store, [f"{key}/{r}" for r in members], STORE_TIMEOUT_S)
         for r in members:
             theirs = _call(json.loads(self.store.get(f"{key}/{r}")))
             if theirs.signature() != call.signature():

@@ -1,6 +1,6 @@
 """The communication layer: counted collectives, our all-reduce algorithms, and accounting."""
 
-from shardwise.comm import flight
+from shardwise.comm import flight, store
 from shardwise.comm.accounting import CommSnapshot, CommStats, native_volume, stats
 from shardwise.comm.algorithms import make_all_reduce
 from shardwise.comm.collectives import (
@@ -48,4 +48,5 @@ __all__ = [
     "ring_all_reduce",
     "send",
     "stats",
+    "store",
 ]

@@ -76,6 +76,12 @@ def start_receivers(
         threading.Thread(target=receive, args=(rank,), daemon=True, name=name).start()
 
 
-def check_hello(signature: list, payload: torch.Tensor) -> str | None:
-    """None if the newcomer's model (its HELLO's payload) is ours, else what differs."""
-    return describe_mismatch(signature, protocol.unpack(payload))
+def check_hello(signature: list, payload: torch.Tensor | None) -> str | None:
+    """None if the newcomer's model (its HELLO's payload) is ours, else what differs (or what
+    is malformed about it)."""
+    try:
+        got = protocol.unpack(payload)
+        theirs = [(str(name), tuple(int(d) for d in shape)) for name, shape in got]
+    except (protocol.ProtocolError, TypeError, ValueError) as e:
+        return f"malformed HELLO: {e}"
+    return describe_mismatch(signature, theirs)

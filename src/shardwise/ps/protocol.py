@@ -3,12 +3,13 @@
 Everything travels as tensors over c10d point-to-point messages (`comm.messages`). The header
 is 8 int64 values: kind, then up to 6 integers whose meaning depends on the kind, then the
 payload's element count (0: no payload). Objects that are not tensors (a model's signature, an
-error message) are pickled into a uint8 payload.
+error message) travel as UTF-8 JSON in a uint8 payload: nothing received is ever executed. A
+header's length is checked against the kind's bound before it sizes anything.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 from datetime import timedelta
 from enum import IntEnum
 
@@ -52,6 +53,13 @@ def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, 
         h.wait()
 
 
+class ProtocolError(ValueError):
+    """A malformed message: unknown kind, a length out of bounds, a payload that is not JSON."""
+
+
+MAX_TEXT = 1 << 20  # bytes of a JSON payload (a model's signature, an error message)
+MAX_INDICES = 1 << 24  # a batch's sample indices, a round's member ranks
+
 PAYLOAD_DTYPE = {
     Kind.HELLO: torch.uint8,
     Kind.PUSH: torch.float32,
@@ -61,27 +69,52 @@ PAYLOAD_DTYPE = {
 }
 
 
+PAYLOAD_LIMIT = {
+    Kind.HELLO: MAX_TEXT,
+    Kind.ERROR: MAX_TEXT,
+    Kind.BATCH: MAX_INDICES,
+    Kind.ROUND: MAX_INDICES,
+}
+
+
 def recv(
-    src: int, dtype: torch.dtype | None = None, group=None
+    src: int, dtype: torch.dtype | None = None, group=None, max_numel: int = 1 << 31
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A header and its payload from rank `src` of `group` (blocking); the payload's dtype is
-    `dtype`, or the one its kind implies."""
+    `dtype`, or the one its kind implies. `ProtocolError` for an unknown kind or a length out
+    of bounds (`max_numel` for tensors of parameters or gradients): the stream from that rank
+    can no longer be trusted to be in step."""
     h = messages.recv_header(src, group)
+    try:
+        kind = Kind(int(h[0]))
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {int(h[0])} from rank {src}") from None
     numel = int(h[-1])
+    limit = PAYLOAD_LIMIT.get(kind, max_numel)
+    if not 0 <= numel <= limit:
+        raise ProtocolError(
+            f"{kind.name} from rank {src} announces {numel} values (at most {limit})"
+        )
     if numel == 0:
         return h, None
-    kind = Kind(int(h[0]))
     out = torch.empty(numel, dtype=PAYLOAD_DTYPE.get(kind, dtype or torch.float32))
     comm.recv(out, src, group)
     return h, out
 
 
 def pack(obj: object) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    """JSON of plain data (lists, dicts, strings, numbers) as a uint8 payload."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
 
 
-def unpack(payload: torch.Tensor) -> object:
-    return pickle.loads(payload.numpy().tobytes())
+def unpack(payload: torch.Tensor | None) -> object:
+    """The plain data of a `pack`ed payload; `ProtocolError` if it is not JSON."""
+    if payload is None or payload.dtype != torch.uint8 or payload.numel() > MAX_TEXT:
+        raise ProtocolError("expected a JSON payload")
+    try:
+        return json.loads(payload.numpy().tobytes().decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"payload is not JSON: {e}") from None
 
 
 def make_group() -> dist.ProcessGroup:

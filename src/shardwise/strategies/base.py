@@ -175,6 +175,11 @@ class DistributedModel(nn.Module):
     def checkpoint_name(self) -> str:
         return type(self).__name__.removesuffix("Model").lower()
 
+    def scales_loss(self) -> bool:
+        """Whether an overflowing gradient is this model's own business: an fp16 loss scaler
+        skips that step itself and lowers the scale (the trainer must let it)."""
+        return False
+
     @torch.no_grad()
     def load_full_state(
         self,

@@ -228,6 +228,9 @@ class ZeroStage1(DistributedModel):
     def checkpoint_name(self) -> str:
         return f"zero-{self.stage}"
 
+    def scales_loss(self) -> bool:
+        return getattr(self.masters, "scaler", None) is not None
+
     def checkpoint_shard(
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
