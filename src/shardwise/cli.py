@@ -48,7 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if _in_worker():  # a rank of the job (under our launcher, or torchrun on any machine)
         import shardwise as sw
         from shardwise.trainer import train
+        from shardwise.worker import die_with_parent
 
+        die_with_parent()
         try:
             train(cfg, args.run_dir, resume=args.resume is not None)
         finally:

@@ -55,10 +55,10 @@ def launch(
 def launch_script(
     script: str, args: list[str], nproc: int, threads_per_rank: int | None = None
 ) -> None:
-    """Run `python <script> <args...>` on `nproc` local ranks."""
+    """Run `python <script> <args...>` on `nproc` local ranks (each dies with the launcher)."""
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script}")
-    _launch([script, *args], nproc, threads_per_rank)
+    _launch(["-m", "shardwise.worker", script, *args], nproc, threads_per_rank)
 
 
 def _launch(

@@ -11,7 +11,9 @@ go on without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +22,8 @@ from pathlib import Path
 
 from shardwise.config import Config
 from shardwise.launcher import worker_environment
+
+GRACE_S = 3.0  # seconds the job's processes get to leave after SIGTERM, before SIGKILL
 
 
 def _free_port() -> int:
@@ -37,18 +41,56 @@ def _start(argv: list[str], nproc: int, threads: int | None, attempt: int) -> li
         LOCAL_WORLD_SIZE=str(nproc),
         SHARDWISE_PS_ATTEMPT=str(attempt),
     )
-    return [
-        subprocess.Popen([sys.executable, *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-        for r in range(nproc)
-    ]
+    # One process group for the job's processes (its leader the first): a signal to the
+    # supervisor is passed on to all of them at once.
+    procs: list[subprocess.Popen] = []
+    for r in range(nproc):
+        group = procs[0].pid if procs else 0
+        env_r = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env_r, process_group=group))
+    return procs
+
+
+@contextlib.contextmanager
+def _ending_children_on_signals(running: list[subprocess.Popen]):
+    """SIGTERM / SIGINT to the supervisor: its processes get SIGTERM, then SIGKILL after a
+    grace period, and the supervisor exits 128 + signal (no orphan keeps training)."""
+
+    def stop(signum, frame) -> None:
+        for p in running:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        deadline = time.monotonic() + GRACE_S
+        for p in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if p.poll() is None:
+                p.kill()
+        name = signal.Signals(signum).name
+        print(f"shardwise: parameter-server job stopped by {name}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def supervise(argv: list[str], servers: int, nproc: int, threads: int | None, restarts: int):
     """Run the processes (ranks below `servers` serve); returns (succeeded, {rank: exit code}
     of processes that failed)."""
     failures: dict[int, int] = {}
+    running: list[subprocess.Popen] = []
+    with _ending_children_on_signals(running):
+        return _supervise(argv, servers, nproc, threads, restarts, failures, running)
+
+
+def _supervise(argv, servers, nproc, threads, restarts, failures, running):
     for attempt in range(restarts + 1):
         procs = _start(argv, nproc, threads, attempt)
+        running[:] = procs
         server_failed = False
         while any(p.poll() is None for p in procs):
             for rank, p in enumerate(procs):
@@ -92,6 +134,11 @@ def run_ps_job(cfg: Config, argv: list[str], run_dir: Path) -> int:
     ok, failures = supervise(argv, serving, cfg.launch.nproc, cfg.launch.threads_per_rank, restarts)
     if not ok:
         print(f"shardwise: the parameter-server job failed ({failures})", file=sys.stderr)
+        return 1
+    workers = [r for r in failures if r >= serving]
+    if len(workers) == cfg.launch.nproc - serving:  # a job whose every worker died did not train
+        roles = ", ".join(f"worker rank {r} (exit code {failures[r]})" for r in sorted(workers))
+        print(f"shardwise: every parameter-server worker failed: {roles}", file=sys.stderr)
         return 1
     summarise(cfg, run_dir, time.perf_counter() - started, failures)
     return 0

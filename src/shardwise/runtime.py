@@ -7,6 +7,7 @@ strategy runs the same code path in a single process.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import time
@@ -90,6 +91,9 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
             dist.init_process_group(
                 backend, store=store, rank=0, world_size=1, timeout=timeout, **bound
             )
+        # A script that forgets `shutdown()` still leaves cleanly (gloo aborts a process that
+        # exits with its group alive).
+        atexit.register(shutdown)
     world_size = dist.get_world_size()
     _runtime = Runtime(
         rank=dist.get_rank(),

@@ -1,0 +1,100 @@
+"""No process of a job outlives it: SIGKILL or SIGTERM to `shardwise train` (torchrun's agent
+runs in it) or to the parameter-server supervisor leaves nothing running after 5 s, counted
+from /proc; and a script that forgets `sw.shutdown()` still exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LONG = ["--set", "train.steps=100000"]
+PS = ["--set", "strategy.name=ps", "--set", "strategy.servers=1", "--set", "strategy.workers=2"]
+
+
+def _processes_of(run_dir: Path) -> list[int]:
+    """Pids whose command line names the run directory (every process of the job does)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if str(run_dir) in cmdline and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "shardwise", "train", "digits", *LONG, *args]
+    return subprocess.Popen(
+        [*argv, "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_until_training(run_dir: Path, job: subprocess.Popen, ranks: int) -> None:
+    deadline = time.monotonic() + 120
+    while len(_processes_of(run_dir)) < ranks + 1 or not (run_dir / "config.yaml").exists():
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(3)  # the process group is up and the ranks are stepping
+
+
+@pytest.mark.parametrize(
+    "kind, sig",
+    [
+        ("train", signal.SIGKILL),
+        ("train", signal.SIGTERM),
+        ("ps", signal.SIGKILL),
+        ("ps", signal.SIGTERM),
+    ],
+    ids=["train-sigkill", "train-sigterm", "ps-sigkill", "ps-sigterm"],
+)
+def test_no_process_of_the_job_outlives_a_signal_to_its_launcher(tmp_path, kind, sig):
+    run_dir = tmp_path / "run"
+    job = _start(run_dir, *(PS if kind == "ps" else []))
+    try:
+        _wait_until_training(run_dir, job, ranks=3 if kind == "ps" else 2)
+        job.send_signal(sig)
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while _processes_of(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_of(run_dir) == [], "processes of the job still running after 5 s"
+        if sig == signal.SIGTERM:
+            assert job.returncode == 128 + signal.SIGTERM
+            assert "Traceback" not in job.stderr.read()
+    finally:
+        job.kill()
+        for pid in _processes_of(run_dir):  # (never leave them to the next test)
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_script_without_shutdown_exits_cleanly(tmp_path):
+    script = tmp_path / "forgets_shutdown.py"
+    script.write_text(
+        "import torch\n"
+        "import shardwise as sw\n"
+        "rt = sw.init()\n"
+        "t = torch.ones(4)\n"
+        "sw.comm.all_reduce(t)\n"
+        "assert t[0].item() == rt.world_size\n"
+    )
+    for _ in range(3):  # the abort at exit it replaces came at random
+        result = subprocess.run(
+            [sys.executable, "-m", "shardwise", "run", "--nproc", "2", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
