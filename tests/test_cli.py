@@ -279,3 +279,12 @@ def test_ps_job_survives_a_killed_worker_and_restarts_after_a_killed_server(tmp_
     assert summary["resumed_from"] >= 10 and summary["resumed_from"] % 10 == 0
     assert summary["updates"] == 60 - summary["resumed_from"]  # the rest of the job, no more
     assert summary["eval_accuracy"] > 0.8
+
+
+def test_jobs_started_in_the_same_second_never_share_a_run_directory(tmp_path):
+    from shardwise.config import load_config
+    from shardwise.runner import new_run_dir
+
+    cfg = load_config("digits", [f"launch.runs_dir={tmp_path}"])
+    made = [new_run_dir(cfg) for _ in range(5)]  # well within one second
+    assert len(set(made)) == 5 and all(p.parent == tmp_path for p in made)

@@ -49,6 +49,7 @@ def _sync_run(
     kill_server_at: int | None = None,
     snap=None,
     relays: int = 0,
+    lr: float = 1e-2,
 ):
     """Sync PS; worker w trains on slice w of global batch `clock` (so a resumed job picks up
     exactly where the snapshot left it)."""
@@ -74,13 +75,13 @@ def _sync_run(
                     os.kill(os.getpid(), signal.SIGKILL)
 
             sw.ps.server.Server.apply = dying_apply
-        report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=1e-2)
+        report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=lr)
         return {
             "resumed_from": report.resumed_from,
             "updates": report.updates,
             "pushes": report.pushes_received,
         }
-    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
+    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=lr)
     client, index = model.client, rank - servers - relays
     try:
         while client.clock < steps:
@@ -277,6 +278,15 @@ def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
     straight = run(_sync_run, 3, 1, STEPS)
     for state, resumed in zip(straight[1:], second[1:], strict=True):
         assert all(torch.equal(state[k], resumed[k]) for k in state)
+
+
+def test_a_snapshot_of_another_job_is_refused(tmp_path):
+    """The same snapshot directory, another learning rate: the server refuses to resume (it
+    used to resume silently, do no update and report the old job's figures)."""
+    snap = str(tmp_path / "snapshots")
+    run(_sync_run, 3, 1, 10, None, snap)
+    with pytest.raises(Exception, match="a snapshot of another job"):
+        run(_sync_run, 3, 1, 10, None, snap, 0, 2e-2, timeout_s=60)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -16,10 +16,23 @@ from shardwise.ps.worker import PSConfig
 
 
 def new_run_dir(cfg: Config, requested: str | Path | None = None) -> Path:
+    """`requested` (created if needed), or a new `runs/<name>-<time>[-k]`: two jobs started in
+    the same second never share one (the directory is created exclusively)."""
+    if requested:
+        run_dir = Path(requested).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(requested or Path(cfg.launch.runs_dir) / f"{cfg.name}-{stamp}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    base = Path(cfg.launch.runs_dir).resolve() / f"{cfg.name}-{stamp}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 10_000):
+        run_dir = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run directory name beside {base}")
 
 
 def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:

@@ -17,7 +17,9 @@ behalf (the worker's rank travels in the message, and the answer goes back throu
 
 from __future__ import annotations
 
+import json
 import queue
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +72,18 @@ class Server:
         self.o, self.rank, self.work = options, rank, work
         self._make_shard(model, optimizer_cls, optimizer_kwargs)
         self.signature = signature(model)
+        # What a snapshot must have been written by to be resumed from: the same model, shard,
+        # optimizer and training options (not only a directory that happens to be the same).
+        self.identity = json.dumps(
+            {
+                "model": [[n, list(s)] for n, s in self.signature],
+                "bounds": list(self.bounds),
+                "optimizer": [optimizer_cls.__name__, repr(sorted(optimizer_kwargs.items()))],
+                "mode": [options.mode, options.staleness, options.servers],
+                "work": None if work is None else zlib.crc32(json.dumps(list(work.queue)).encode()),
+            },
+            sort_keys=True,
+        )
         self.version = 0
         self.peers = Peers(clients, options.timeout_s, options.heartbeat_s)
         self.clock = dict.fromkeys(clients, 0)
@@ -302,6 +316,7 @@ class Server:
         self.snapshots.save(
             {
                 "version": self.version,
+                "identity": self.identity,
                 "bounds": list(self.bounds),
                 "params": [p.detach().clone() for p in self.params],
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -316,8 +331,11 @@ class Server:
         if found is None:
             return
         path, state = found
-        if tuple(state["bounds"]) != tuple(self.bounds):
-            raise ValueError(f"{path}: a snapshot of another shard of the parameters")
+        if state.get("identity") != self.identity:
+            raise ValueError(
+                f"{path}: a snapshot of another job (model, optimizer, options or data differ): "
+                "refusing to resume from it"
+            )
         for p, value in zip(self.params, state["params"], strict=True):
             p.copy_(value)
         if self.optimizer and state["optimizer"]:
