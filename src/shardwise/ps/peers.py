@@ -53,18 +53,26 @@ class Peers:
 
 
 def start_receivers(
-    ranks: list[int], group, inbox: queue.Queue, until_done: set[int] | None = None
+    ranks: list[int],
+    group,
+    inbox: queue.Queue,
+    until_done: set[int] | None = None,
+    max_numel: int = 1 << 31,
 ) -> None:
-    """A thread per peer: (rank, header, payload) into `inbox` for each message, and
-    (rank, None, None) once its connection closes. Threads of the ranks in `until_done` (all
-    when None) end after that peer's DONE."""
+    """A thread per peer: (rank, header, payload) into `inbox` for each message; (rank, None,
+    ProtocolError) for a header refused before its payload was read (the peer may go on);
+    and (rank, None, reason) once its connection closes or breaks, when the thread ends.
+    Threads of the ranks in `until_done` (all when None) end after that peer's DONE."""
 
     def receive(rank: int) -> None:
         while True:
             try:
-                h, payload = protocol.recv(rank, group=group)
-            except Exception:  # its connection closed: the heartbeats will tell
-                inbox.put((rank, None, None))
+                h, payload = protocol.recv(rank, group=group, max_numel=max_numel)
+            except protocol.ProtocolError as e:
+                inbox.put((rank, None, e))
+                continue
+            except Exception as e:  # its connection closed or broke
+                inbox.put((rank, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
                 return
             inbox.put((rank, h, payload))
             ends = until_done is None or rank in until_done

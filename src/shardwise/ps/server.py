@@ -30,11 +30,15 @@ from torch import nn
 from shardwise.comm.flat import flatten
 from shardwise.ps import protocol
 from shardwise.ps.consistency import mode_for
+from shardwise.ps.outbox import Outbox
 from shardwise.ps.peers import Peers, check_hello, start_receivers
 from shardwise.ps.protocol import COORDINATOR, Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
 from shardwise.ps.snapshots import ShardSnapshots
+from shardwise.ps.validation import Rules, check
 from shardwise.ps.work_queue import WorkQueue
+
+LOG_PER_CLIENT = 5  # lines logged about one client's refused messages before only every 1000th
 
 
 @dataclass
@@ -50,6 +54,7 @@ class ServerReport:
     consumed: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
     pushes_received: int = 0  # push messages (one per worker, or one per relay and clock)
+    refused: int = 0  # messages refused (malformed, out of turn, from a client no longer served)
     rounds: list[list[int]] = field(default_factory=list)  # sync: the clients of each update
     resumed_from: int | None = None
     final: torch.Tensor | None = field(default=None, repr=False)  # this shard, at the end
@@ -93,6 +98,11 @@ class Server:
         self.report = ServerReport(rank=rank, updates=0)
         self.group = protocol.make_group()
         self.inbox: queue.Queue = queue.Queue()
+        self.outbox = Outbox(self.group, self.inbox)
+        self.workers = workers or len(clients)
+        self.greeted: set[int] = set()
+        self.refused: dict[int, str] = {}  # client -> the first problem it was refused for
+        self.logged: dict[int, int] = {}  # client -> lines logged about it
         self.handlers = {
             Kind.HELLO: self._on_hello,
             Kind.PULL: self._on_pull,
@@ -129,7 +139,18 @@ class Server:
     # ---- the loop
     def serve(self) -> ServerReport:
         senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
-        start_receivers(senders, self.group, self.inbox)
+        self.rules = Rules(
+            server=self.rank,
+            world_size=dist.get_world_size(),
+            clients=frozenset(self.peers.live),
+            relays=bool(self.o.relays),
+            deals=self.work is not None,
+            hears_rounds=self.mode.hears_rounds,
+            shard_numel=sum(self.numels),
+            workers=self.workers,
+        )
+        # (every receive thread reads on after a DONE: what a client sends after it is refused)
+        start_receivers(senders, self.group, self.inbox, set(), max_numel=sum(self.numels))
         while self.peers.serving():
             for client, silent_s in self.peers.silent():
                 self._declare_dead(client, silent_s)
@@ -137,12 +158,16 @@ class Server:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
                 continue
-            handler = self.handlers.get(Kind(int(h[0]))) if h is not None else None
-            if handler and (client in self.peers.live or client == COORDINATOR):
-                handler(client, h, payload)
+            if h is None:
+                self._not_a_message(client, payload)
+            elif problem := self._problem(client, h, payload):
+                self._refuse(client, problem)
+            else:
+                self.handlers[Kind(int(h[0]))](client, h, payload)
                 self._answer_pulls()
             for lost, silent_s in self.peers.lost_undeclared():  # a send to it failed
                 self._declare_dead(lost, silent_s)
+        self.outbox.close()
         self.report.clocks = dict(self.clock)
         self.report.final = torch.cat(
             [p.detach().reshape(-1) for p in self.params] or [torch.zeros(0)]
@@ -152,11 +177,47 @@ class Server:
         return self.report
 
     def _send(self, dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None):
-        try:
-            protocol.send(dst, kind, *ints, payload=payload, group=self.group)
-        except RuntimeError:  # the client's connection is gone: it died between ask and answer
-            self.peers.lost.add(dst)
-            self.peers.live.discard(dst)
+        """Queued for `dst`'s sending thread: one slow or stopped client never blocks the loop
+        (a failed send comes back through the inbox and marks the client lost)."""
+        self.outbox.send(dst, kind, *ints, payload=payload)
+
+    # ---- what is not handled: broken connections and refused messages
+    def _problem(self, src: int, h: torch.Tensor, payload) -> str | None:
+        """What is wrong with the message (its form first, then whether its sender is served)."""
+        greeted = src in self.greeted
+        if problem := check(self.rules, src, h, payload, greeted):
+            return problem
+        if src not in self.peers.live and src != COORDINATOR:
+            why = self.refused.get(src, "it was declared dead")
+            return f"rank {src} is no longer served ({why})"
+        if Kind(int(h[0])) == Kind.HELLO:
+            self.greeted.add(src)
+        return None
+
+    def _not_a_message(self, src: int, reason) -> None:
+        if isinstance(reason, protocol.ProtocolError):  # a header refused: the peer may go on
+            self._refuse(src, str(reason))
+            return
+        if src in self.peers.live and src not in self.peers.done:
+            self._log(src, f"its messages ended ({reason}); marked lost")
+            self.peers.lost.add(src)
+
+    def _refuse(self, src: int, problem: str) -> None:
+        """ERROR to the sender, one line in the log; a client that broke the protocol is lost
+        (and gets ERROR for whatever it sends after)."""
+        self.report.refused += 1
+        self._log(src, f"refused: {problem}")
+        self.outbox.send(src, Kind.ERROR, payload=protocol.pack(problem))
+        if src in self.peers.live:
+            self.refused.setdefault(src, problem)
+            self.peers.lost.add(src)
+
+    def _log(self, src: int, text: str) -> None:
+        count = self.logged.get(src, 0) + 1
+        self.logged[src] = count
+        if count <= LOG_PER_CLIENT or count % 1000 == 0:  # a flood is summed up, not repeated
+            more = f" ({count} so far)" if count > LOG_PER_CLIENT else ""
+            print(f"shardwise: ps server {self.rank}: rank {src}: {text}{more}", flush=True)
 
     # ---- the handlers, one per kind of message
     def _on_hello(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:
@@ -245,9 +306,7 @@ class Server:
 
     # ---- updates
     def announce_round(self, follower: int, members: list[int]) -> None:
-        protocol.send(
-            follower, Kind.ROUND, self.version + 1, payload=torch.tensor(members), group=self.group
-        )
+        self.outbox.send(follower, Kind.ROUND, self.version + 1, payload=torch.tensor(members))
 
     def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
         """A sync round: the mean over the workers behind `pushes` ((sum, count) per client)."""
