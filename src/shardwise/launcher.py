@@ -10,6 +10,7 @@ each step makes step times swing by ~30%).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 import uuid
@@ -17,6 +18,8 @@ import uuid
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shardwise.runtime import TOKEN_ENV
 
 # Keep freed memory in the process: large gradient buffers are reallocated every step.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -39,6 +42,7 @@ class Stopped(LaunchError):
 def worker_environment(nproc: int, threads_per_rank: int | None) -> dict[str, str]:
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env[TOKEN_ENV] = secrets.token_hex(16)  # the job's keys in the c10d store sit below it
     for key, value in MALLOC_ENV.items():
         env[key] = os.environ.get(key, value)
     return env

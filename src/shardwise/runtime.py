@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+TOKEN_ENV = "SHARDWISE_JOB_TOKEN"  # set by `shardwise train` / `run` and the PS supervisor
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,10 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
             # torchrun's agent keeps its store when it restarts the ranks after a failure: the
             # keys of each attempt (gloo's addresses among them) must not meet the last one's.
             attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-            store = dist.PrefixStore(f"shardwise/attempt-{attempt}", store)
+            # Under our launchers, every key lives below the job's random token: a process that
+            # reaches the store but was not given the token cannot name (or forge) any of them.
+            token = env.get(TOKEN_ENV, "")
+            store = dist.PrefixStore(f"shardwise/{token}/attempt-{attempt}", store)
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
             )
