@@ -206,14 +206,21 @@ def test_a_worker_with_another_model_is_refused_and_the_others_go_on():
     assert list(rejected) == [2]
 
 
-def _digits_run(mode: str, die_at: int | None, relays: int = 0, servers: int = 1):
+def _digits_run(
+    mode: str, die_at: int | None, relays: int = 0, servers: int = 1, hang: bool = False
+):
     """Workers take batches from server 0's work queue (EPOCHS passes over the digits training set);
-    one may SIGKILL itself mid-run."""
+    one may SIGKILL itself mid-run, or (`hang`) stop training while its process lives on."""
     from shardwise.datasets import digits
 
     splits = digits()
     strategy = sw.ParameterServer(
-        servers=servers, mode=mode, staleness=2, timeout_s=2.0, relays=relays
+        servers=servers,
+        mode=mode,
+        staleness=2,
+        timeout_s=2.0,
+        relays=relays,
+        progress_timeout_s=3.0,
     )
     rank = dist.get_rank()
     size = len(splits.train)
@@ -233,6 +240,9 @@ def _digits_run(mode: str, die_at: int | None, relays: int = 0, servers: int = 1
     steps = 0
     while (indices := model.client.next_batch()) is not None:
         if rank == die_at and steps == 5:
+            if hang:  # its heartbeats go on: only its progress says it is stuck
+                while True:
+                    time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = splits.train[indices]
         F.cross_entropy(model(x), y).backward()
@@ -260,6 +270,14 @@ def test_a_killed_worker_is_declared_dead_and_its_data_is_consumed_by_the_others
     assert list(server["dead"]) == [1] and server["dead"][1] <= 2.0 + 1.0  # timeout + a check
     batches = server["size"] // 32
     assert len(server["consumed"]) == EPOCHS * batches * 32  # nothing lost with the dead worker
+    assert alive["accuracy"] >= 0.85
+
+
+def test_a_worker_whose_training_hangs_is_declared_stuck_and_its_batch_trained_by_another():
+    server, _, alive = run(_digits_run, 3, "ssp", 1, 0, 1, True, timeout_s=180, dies=(1,))
+    assert list(server["dead"]) == [1] and 3.0 < server["dead"][1] <= 3.0 + 2.0
+    batches = server["size"] // 32
+    assert len(server["consumed"]) == EPOCHS * batches * 32  # its batch was trained again
     assert alive["accuracy"] >= 0.85
 
 

@@ -81,9 +81,11 @@ def parse(spec: str, source: str = ENV) -> list[Fault]:
 class FaultInjector:
     """This rank's faults of the run; the trainer asks at each point whether one fires."""
 
-    def __init__(self, rank: int, run_dir: Path, configured: list[str] = ()) -> None:
+    def __init__(
+        self, rank: int, run_dir: Path, configured: list[str] = (), role: str = ""
+    ) -> None:
         spec = ",".join([*configured, os.environ.get(ENV, "")])
-        self.rank = rank
+        self.rank, self.where = rank, f"{role} rank {rank}" if role else f"rank {rank}"
         self.faults = [f for f in parse(spec) if f.rank in (None, rank)]
         self.fired_dir = Path(run_dir) / "faults"
         if (factor := self.slowdown()) > 1:
@@ -101,7 +103,7 @@ class FaultInjector:
                 continue
             self.fired_dir.mkdir(parents=True, exist_ok=True)
             marker.write_text(f"{time.time()}\n")
-            print(f"shardwise: fault injected on rank {self.rank}: {fault.name}", flush=True)
+            print(f"shardwise: fault injected on {self.where}: {fault.name}", flush=True)
             return True
         return False
 

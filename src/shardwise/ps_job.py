@@ -28,6 +28,7 @@ from torch.utils.data import default_collate
 import shardwise as sw
 from shardwise.checkpoint import save_model
 from shardwise.config import Config
+from shardwise.faults import FaultInjector
 from shardwise.jobs import OPTIMIZERS, Job, build_job, straggler_delay
 from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
 from shardwise.ps.sharding import trainable
@@ -120,13 +121,17 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
     index = rt.rank - strategy.servers - strategy.relays
     model, opt = sw.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
     metrics = MetricsFile(out / f"worker{rt.rank}.jsonl")
+    faults = FaultInjector(rt.rank, out.parent, cfg.faults, role="worker")
     start, step = time.perf_counter(), 0
     while (indices := model.client.next_batch()) is not None:
+        faults.before_step(step + 1)  # (kill, or hang with the heartbeats going on)
         x, y = default_collate([job.splits.train[i] for i in indices])
         t0 = time.perf_counter()
         if delay := straggler_delay(cfg.train, index, cfg.strategy.workers, step):
             time.sleep(delay)  # a straggler: it computes slowly
         loss = sw.train_step(model, x, y, job.loss_fn)
+        if (factor := faults.slowdown()) > 1:
+            time.sleep((factor - 1) * (time.perf_counter() - t0))
         opt.step()
         opt.zero_grad()
         step += 1

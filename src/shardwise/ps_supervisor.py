@@ -111,6 +111,7 @@ def _supervise(argv, servers, nproc, threads, restarts, failures, running):
                 for p in procs:
                     p.kill()
                 break
+            _stop_workers_left_behind(procs, servers, failures)
             time.sleep(0.1)
         for p in procs:
             p.wait()
@@ -121,6 +122,29 @@ def _supervise(argv, servers, nproc, threads, restarts, failures, running):
             print("shardwise: restarting the job; servers resume from their snapshots", flush=True)
             failures = {}
     return False, failures
+
+
+def _stop_workers_left_behind(procs: list, servers: int, failures: dict[int, int]) -> None:
+    """Once every server (and relay) has finished, a worker still running was declared dead or
+    stuck by them (its training hung, its process lives on): after a grace period, stop it and
+    name it, so that the job ends."""
+    if any(p.poll() != 0 for p in procs[:servers]):
+        return
+    now = time.monotonic()
+    for rank, p in enumerate(procs[servers:], start=servers):
+        if p.poll() is not None:
+            continue
+        since = getattr(p, "servers_done_at", None)
+        if since is None:
+            p.servers_done_at = now
+        elif now - since > GRACE_S:
+            p.kill()
+            failures[rank] = p.wait()
+            print(
+                f"shardwise: ps worker rank {rank} still running {GRACE_S:.0f} s after the servers "
+                "finished (declared dead or stuck by them): stopped",
+                flush=True,
+            )
 
 
 def run_ps_job(cfg: Config, argv: list[str], run_dir: Path) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 
@@ -26,6 +27,8 @@ class Peers:
         self.live, self.done, self.idle, self.lost = set(ranks), set(), set(), set()
         self.dead: dict[int, float] = {}  # rank -> seconds of silence when declared dead
         self.heartbeats = HeartbeatWatch(ranks, timeout_s, heartbeat_s / 2)
+        now = time.monotonic()
+        self.progress = {r: (0, now) for r in ranks}  # rank -> (clock, when it last moved)
 
     def active(self) -> set[int]:
         """Those others may wait for: alive, not finished, not waiting for work."""
@@ -37,6 +40,24 @@ class Peers:
     def silent(self) -> list[tuple[int, float]]:
         """Peers whose heartbeats stopped for longer than the timeout, with their silence."""
         return self.heartbeats.dead(self.live - self.done - self.lost)
+
+    def note_clock(self, rank: int, clock: int) -> None:
+        if clock != self.progress[rank][0]:
+            self.progress[rank] = (clock, time.monotonic())
+
+    def stuck(self, timeout_s: float) -> list[tuple[int, int, float]]:
+        """(rank, clock, seconds without progress) of active peers whose clock has not moved
+        for `timeout_s` while another active one is ahead: alive, but their training stalled
+        (peers waiting for work, or all waiting together, are not stuck)."""
+        active = self.active() - self.lost
+        now = time.monotonic()
+        lead = max((self.progress[r][0] for r in active), default=0)
+        return [
+            (r, clock, now - since)
+            for r in sorted(active)
+            for clock, since in [self.progress[r]]
+            if now - since > timeout_s and clock < lead
+        ]
 
     def lost_undeclared(self) -> list[tuple[int, float]]:
         """Peers whose connection broke while we answered them, not declared dead yet."""

@@ -144,7 +144,7 @@ class Server:
             world_size=dist.get_world_size(),
             clients=frozenset(self.peers.live),
             relays=bool(self.o.relays),
-            deals=self.work is not None,
+            coordinates=self.rank == COORDINATOR,
             hears_rounds=self.mode.hears_rounds,
             shard_numel=sum(self.numels),
             workers=self.workers,
@@ -154,6 +154,8 @@ class Server:
         while self.peers.serving():
             for client, silent_s in self.peers.silent():
                 self._declare_dead(client, silent_s)
+            for client, clock, still_s in self.peers.stuck(self.o.progress_timeout_s):
+                self._declare_dead(client, still_s, f"stuck at clock {clock} (alive, no progress)")
             try:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
@@ -238,6 +240,7 @@ class Server:
         self.peers.idle.discard(src)
         self.report.pushes_received += 1
         self.clock[src] = int(h[1]) + 1
+        self.peers.note_clock(src, self.clock[src])
         self.mode.push(self, src, version_used=int(h[2]), value=payload, count=max(1, int(h[3])))
 
     def _on_idle(self, src: int, h: torch.Tensor, payload) -> None:
@@ -351,7 +354,7 @@ class Server:
         self.waiting_pulls = still
 
     # ---- liveness
-    def _declare_dead(self, client: int, silent_s: float) -> None:
+    def _declare_dead(self, client: int, silent_s: float, why: str = "") -> None:
         """Nobody waits for it any more; a dead worker's unfinished batch goes back to the
         queue (a dead relay's workers stop with it: the supervisor restarts the job)."""
         self.peers.mark_dead(client, silent_s)
@@ -362,8 +365,9 @@ class Server:
             self.work.give_back(client)
             self._deal()
         role = "relay" if self.o.relays else "worker"
+        why = why or "silent"
         print(
-            f"shardwise: ps server {self.rank}: {role} rank {client} silent for "
+            f"shardwise: ps server {self.rank}: {role} rank {client} {why} for "
             f"{silent_s:.1f} s, declared dead",
             flush=True,
         )

@@ -22,7 +22,7 @@ class Rules:
     world_size: int
     clients: frozenset[int]  # the ranks that push and pull: workers, or relays
     relays: bool  # the clients are relays (they report their workers' ends, ask on their behalf)
-    deals: bool  # this server deals out batches (server 0 with a work queue)
+    coordinates: bool  # this is server 0: it deals batches (if there is a queue) and hears ends
     hears_rounds: bool  # server 0 announces this server's sync rounds to it
     shard_numel: int  # a PUSH's payload length
     workers: int  # workers in the job: at most this many behind one push
@@ -81,8 +81,8 @@ def check(
             return f"{kind.name} {problem}"
         return f"PULL with clock {a}" if kind == Kind.PULL and a < 0 else None
     if kind in (Kind.NEXT, Kind.LOST, Kind.FINISHED):
-        if not rules.deals:
-            return f"{kind.name} to a server that deals no batches"
+        if not rules.coordinates:
+            return f"{kind.name} to a server other than server 0"
         if kind != Kind.NEXT and not rules.relays:
             return f"{kind.name} from a worker (only relays report their workers)"
         if problem := _payload(payload, None, None):

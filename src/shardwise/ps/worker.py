@@ -51,6 +51,8 @@ class ParameterServer(Strategy):
         step locally and push parameters; the server keeps beta * server + (1 - beta) * worker).
     staleness_lr: scale each update's learning rate by 1 / (1 + its staleness).
     heartbeat_s / timeout_s: how often workers prove they live; silence that declares one dead.
+    progress_timeout_s: a worker alive but whose clock has not moved for this long while another
+        is ahead of it is stuck (its training thread hangs): declared dead like a silent one.
     snapshot_every: servers save their shard every K updates (0: never) to `snapshot_dir`
         (required then; `shardwise train` uses the run directory), and resume from it when
         they start again.
@@ -67,6 +69,7 @@ class ParameterServer(Strategy):
     staleness_lr: bool = False
     heartbeat_s: float = 0.5
     timeout_s: float = 10.0
+    progress_timeout_s: float = 60.0
     snapshot_every: int = 0
     snapshot_dir: str | None = None
     relays: int = 0
@@ -80,6 +83,8 @@ class ParameterServer(Strategy):
             raise ValueError("ps needs servers >= 1, staleness >= 0 and 0 <= beta <= 1")
         if self.timeout_s <= self.heartbeat_s:
             raise ValueError("ps timeout_s must exceed heartbeat_s")
+        if self.progress_timeout_s <= 0:
+            raise ValueError("ps progress_timeout_s must be > 0")
         if self.snapshot_every and self.snapshot_dir is None:
             raise ValueError("ps snapshot_every needs a snapshot_dir to write to")
         if self.relays < 0:
@@ -283,6 +288,12 @@ class PSConfig(StrategySection):
     staleness_lr: bool = Field(False, description="scale each update's lr by 1/(1+staleness)")
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between worker heartbeats")
     timeout_s: float = Field(10.0, gt=0, description="silence that declares a worker dead")
+    progress_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a live worker whose clock has not moved for this long while another is "
+        "ahead is stuck: declared dead, its batch dealt again",
+    )
     snapshot_every: int = Field(0, ge=0, description="servers save their shard every K updates")
     relays: int = Field(
         0, ge=0, description="two-level: relays between workers and servers (sync/async)"
