@@ -13,6 +13,8 @@ import time
 
 import torch.distributed as dist
 
+GIVE_UP_AFTER = 20  # consecutive failed beats: the store went away with the job
+
 
 def _key(rank: int) -> str:
     return f"shardwise/ps/heartbeat/{rank}"
@@ -29,11 +31,15 @@ class HeartbeatSender:
         self._thread.start()
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self._period):
             try:
                 self._store.add(self._key, 1)
-            except Exception:  # the store went away with the job: nothing left to prove
-                return
+                failures = 0
+            except Exception:  # a transient error is retried; a store gone for good is not
+                failures += 1
+                if failures >= GIVE_UP_AFTER:
+                    return
 
     def stop(self) -> None:
         self._stop.set()
