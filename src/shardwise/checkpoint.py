@@ -46,11 +46,11 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Write to a temporary sibling, fsync, then rename: a reader never sees a partial file."""
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file, or a directory's entries (what renames and new files changed), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -126,8 +126,8 @@ def save_checkpoint(
             "strategy_state_sha256": {name: sha256_file(tmp / name) for name in extra_files},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest))
-        _fsync(tmp / "manifest.json")
-        _fsync(tmp)
+        fsync_path(tmp / "manifest.json")
+        fsync_path(tmp)
         _move_into_place(tmp, directory)
     comm.barrier(rt.group)
 
@@ -158,7 +158,7 @@ def _move_into_place(tmp: Path, directory: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)  # a killed save's, whose new one is in place
         os.replace(directory, old)
     os.replace(tmp, directory)
-    _fsync(directory.parent)
+    fsync_path(directory.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -174,7 +174,7 @@ def _readable(directory: Path) -> Path:
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_file(cpu, str(path))
-    _fsync(path)
+    fsync_path(path)
 
 
 def _verified(path: Path, expected: str) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from shardwise.config import Config
 from shardwise.launcher import worker_environment
+from shardwise.signals import handling_stop_signals
 
 GRACE_S = 3.0  # seconds the job's processes get to leave after SIGTERM, before SIGKILL
 
@@ -70,12 +71,8 @@ def _ending_children_on_signals(running: list[subprocess.Popen]):
         print(f"shardwise: parameter-server job stopped by {name}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handling_stop_signals(stop):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def supervise(argv: list[str], servers: int, nproc: int, threads: int | None, restarts: int):

@@ -35,7 +35,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from shardwise.checkpoint import FORMAT as SHARDED_FORMAT
-from shardwise.checkpoint import CheckpointError, read_full_state, read_manifest, sha256_file
+from shardwise.checkpoint import (
+    CheckpointError,
+    fsync_path,
+    read_full_state,
+    read_manifest,
+    sha256_file,
+)
 from shardwise.comm.store import wait_for
 from shardwise.strategies.base import DistributedModel
 
@@ -46,14 +52,6 @@ SHARDED = "sharded"  # the subdirectory with the reshardable part, in checkpoint
 
 class RunCheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- one rank's state as tensors + JSON ----------------------------------------------------------
@@ -224,7 +222,7 @@ class Saver:
         sums = {}
         for name, write in written.items():
             write(tmp / name)
-            _fsync_path(tmp / name)
+            fsync_path(tmp / name)
             sums[name] = sha256_file(tmp / name)
         key = f"shardwise/checkpoint/{snap.save_no}"
         self.store.set(f"{key}/rank{rank}", json.dumps(sums))
@@ -246,12 +244,12 @@ class Saver:
         if snap.layout is not None:
             shards = {n.removeprefix(f"{SHARDED}/"): s for n, s in sums.items() if n not in exact}
             _write_json(tmp / SHARDED / "manifest.json", sharded_manifest(snap, world, shards))
-        _fsync_path(tmp / SHARDED)
+        fsync_path(tmp / SHARDED)
         _write_json(tmp / "manifest.json", manifest)  # last: the directory is now complete
-        _fsync_path(tmp)
+        fsync_path(tmp)
         shutil.rmtree(final, ignore_errors=True)  # (a checkpoint of this step from a dead attempt)
         os.replace(tmp, final)
-        _fsync_path(self.root)
+        fsync_path(self.root)
         for old in complete(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -271,7 +269,7 @@ def sharded_manifest(snap: Snapshot, world: int, shards: dict[str, str]) -> dict
 
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value))
-    _fsync_path(path)
+    fsync_path(path)
 
 
 def remove_partial(run_dir: Path) -> None:

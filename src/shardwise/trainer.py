@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from shardwise.jobs import (
 from shardwise.ps.worker import PSConfig
 from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
 from shardwise.runner import new_run_dir
+from shardwise.signals import handling_stop_signals
 from shardwise.strategies.base import DistributedModel
 from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog
 
@@ -512,9 +512,5 @@ def _stop_on_signals(run: Run):
     def ask_to_stop(signum, frame) -> None:
         run.stop_requested = True
 
-    previous = {s: signal.signal(s, ask_to_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handling_stop_signals(ask_to_stop):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
