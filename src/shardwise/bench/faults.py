@@ -6,6 +6,8 @@
   group, loading), and steps of work lost (done before the kill, after the checkpoint resumed).
 - Checkpoint stall: the tiny GPT (2 ranks) saving every 5 steps, asynchronously and
   synchronously; the training loop's stall per save (the state copy, against the whole write).
+  Then the rival on one state, interleaved: our saver against torch's Distributed Checkpoint
+  (`dcp.async_save`, `dcp.save`), the tiny GPT under our DDP on 2 ranks (`checkpoint_stall.py`).
 - Hang detection: a rank that stops issuing collectives in a 3-rank job, with
   `launch.hang_timeout_s`; seconds from the hang until every rank has exited with the report.
 
@@ -95,6 +97,16 @@ def checkpoint_stall(out: Path, sync: bool, steps: int) -> dict:
     }
 
 
+def stall_against_dcp(out: Path) -> dict:
+    """Medians of our save and torch DCP's, async and sync, on one state (2 ranks)."""
+    from shardwise.launcher import launch
+
+    where = out / "stall-vs-dcp"
+    shutil.rmtree(where, ignore_errors=True)
+    launch(["shardwise.bench.checkpoint_stall", "--out", str(where)], 2)
+    return json.loads((where / "result.json").read_text())
+
+
 def hang_detection(out: Path, timeout_s: float) -> dict:
     run_dir = out / "hang"
     sets = ["train.steps=200", f"launch.hang_timeout_s={timeout_s}"]
@@ -126,8 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         for every in args.intervals.split(",")
     ]
     stalls = [checkpoint_stall(out, sync, args.stall_steps) for sync in (False, True)]
+    rival = stall_against_dcp(out)
     hang = hang_detection(out, args.hang_timeout)
-    result = {"bench": "faults", "kill_restart": kills, "checkpoint_stall": stalls, "hang": hang}
+    result = {
+        "bench": "faults",
+        "kill_restart": kills,
+        "checkpoint_stall": stalls,
+        "stall_vs_dcp_s": rival,
+        "hang": hang,
+    }
     if all("error" not in s for s in stalls):
         result["async_stall_over_sync_save"] = (
             stalls[0]["stall_s_median"] / stalls[1]["stall_s_median"]
@@ -174,6 +193,16 @@ def _print_tables(result: dict) -> None:
             f"{1000 * s['step_s_median']:.1f} ms",
         )
     console.print(stalls)
+    rival = Table(title="the same state, ours vs torch DCP (tiny GPT, our DDP, 2 ranks, medians)")
+    for col in ("save", "ours", "torch DCP", "ours / DCP"):
+        rival.add_column(col, justify="right")
+    r = result["stall_vs_dcp_s"]
+    for mode in ("async", "sync"):
+        ours, dcp = r[f"ours_{mode}"], r[f"dcp_{mode}"]
+        rival.add_row(
+            f"{mode} stall", f"{1000 * ours:.1f} ms", f"{1000 * dcp:.1f} ms", f"{ours / dcp:.2f}"
+        )
+    console.print(rival)
     if "async_stall_over_sync_save" in result:
         console.print(f"async stall / sync save: {result['async_stall_over_sync_save']:.3f}")
     hang = result["hang"]
