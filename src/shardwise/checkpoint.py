@@ -73,6 +73,24 @@ def load_model(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(directory) / "model.safetensors"))
 
 
+def make_manifest(
+    step: int,
+    world_size: int,
+    layout: dict[str, Any],
+    shards: dict[str, str],
+    strategy_state: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A sharded checkpoint's manifest: its layout and every file's SHA-256."""
+    return {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        **layout,
+        "sha256": shards,
+        "strategy_state_sha256": strategy_state or {},
+    }
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -117,14 +135,13 @@ def save_checkpoint(
     if rt.is_main:
         files = [f"rank{r}.safetensors" for r in range(layout["num_shards"])]
         extra_files = [f"extra{r}.safetensors" for r in range(rt.world_size)] if extra else []
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": rt.world_size,
-            **layout,
-            "sha256": {name: sha256_file(tmp / name) for name in files},
-            "strategy_state_sha256": {name: sha256_file(tmp / name) for name in extra_files},
-        }
+        manifest = make_manifest(
+            step,
+            rt.world_size,
+            layout,
+            {name: sha256_file(tmp / name) for name in files},
+            {name: sha256_file(tmp / name) for name in extra_files},
+        )
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         fsync_path(tmp / "manifest.json")
         fsync_path(tmp)

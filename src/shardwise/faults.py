@@ -88,9 +88,12 @@ class FaultInjector:
         self.rank, self.where = rank, f"{role} rank {rank}" if role else f"rank {rank}"
         self.faults = [f for f in parse(spec) if f.rank in (None, rank)]
         self.fired_dir = Path(run_dir) / "faults"
-        if (factor := self.slowdown()) > 1:
+        # the factor this rank's compute is slowed by (1: not slowed); never marked fired
+        self.slow_factor = max((f.factor for f in self.faults if f.kind == "slow"), default=1.0)
+        if self.slow_factor > 1:
             print(
-                f"shardwise: fault injected on rank {rank}: compute {factor:g}x slower", flush=True
+                f"shardwise: fault injected on {self.where}: compute {self.slow_factor:g}x slower",
+                flush=True,
             )
 
     def _fires(self, kind: str, step: int | None = None) -> bool:
@@ -119,11 +122,6 @@ class FaultInjector:
 
     def desyncs(self, step: int) -> bool:
         return self._fires("desync", step)
-
-    def slowdown(self) -> float:
-        """The factor this rank's compute is slowed by (1: not slowed); never marked fired."""
-        factors = [f.factor for f in self.faults if f.kind == "slow"]
-        return max(factors, default=1.0)
 
     def corrupts_checkpoint(self, step: int) -> bool:
         return self._fires("corrupt-checkpoint", step)

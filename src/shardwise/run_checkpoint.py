@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from shardwise.checkpoint import FORMAT as SHARDED_FORMAT
 from shardwise.checkpoint import (
     CheckpointError,
     fsync_path,
+    make_manifest,
     read_full_state,
     read_manifest,
     sha256_file,
@@ -243,7 +243,8 @@ class Saver:
         }
         if snap.layout is not None:
             shards = {n.removeprefix(f"{SHARDED}/"): s for n, s in sums.items() if n not in exact}
-            _write_json(tmp / SHARDED / "manifest.json", sharded_manifest(snap, world, shards))
+            sharded = make_manifest(snap.step, world, snap.layout, shards)
+            _write_json(tmp / SHARDED / "manifest.json", sharded)
         fsync_path(tmp / SHARDED)
         _write_json(tmp / "manifest.json", manifest)  # last: the directory is now complete
         fsync_path(tmp)
@@ -253,18 +254,6 @@ class Saver:
         for old in complete(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
-
-
-def sharded_manifest(snap: Snapshot, world: int, shards: dict[str, str]) -> dict[str, Any]:
-    """The reshardable part's manifest, in `checkpoint.py`'s format (its reader loads it)."""
-    return {
-        "format": SHARDED_FORMAT,
-        "step": snap.step,
-        "world_size": world,
-        **snap.layout,
-        "sha256": dict(sorted(shards.items(), key=lambda kv: int(kv[0][4:].split(".")[0]))),
-        "strategy_state_sha256": {},
-    }
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -293,16 +293,17 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     if run.faults.poisons_loss(step):
         loss_fn = _poisoned(loss_fn)
     local_loss = sw.train_step(model, x, y, loss_fn)  # forward + backward
-    if (factor := run.faults.slowdown()) > 1:
-        time.sleep((factor - 1) * (time.perf_counter() - t0))
+    if run.faults.slow_factor > 1:
+        time.sleep((run.faults.slow_factor - 1) * (time.perf_counter() - t0))
     if step == cfg.train.steps:  # gradients present: the model state at its fullest
         run.memory = sw.memory_report(model, opt)
+    # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
+    # lowers the scale); only the loss is ours to check then.
+    grads_finite = model.scales_loss() or _grads_finite(model)
     run.loss, run.stopping, bad_ranks = _agree(
-        run, local_loss, y.shape[0], _grads_finite(model), run.faults.desyncs(step)
+        run, local_loss, y.shape[0], grads_finite, run.faults.desyncs(step)
     )
     lr = run.scheduler.get_last_lr()[0]
-    if bad_ranks and model.scales_loss() and "loss" not in bad_ranks.values():
-        bad_ranks = {}  # an fp16 overflow: the loss scaler skips the step and lowers the scale
     if bad_ranks:
         opt.zero_grad()  # the update is skipped everywhere; so is the schedule's step
         _nonfinite(run, step, bad_ranks)
