@@ -17,7 +17,7 @@ LONG = ["--set", "train.steps=100000"]
 PS = ["--set", "strategy.name=ps", "--set", "strategy.servers=1", "--set", "strategy.workers=2"]
 
 
-def _processes_of(run_dir: Path) -> list[int]:
+def processes_of(run_dir: Path) -> list[int]:
     """Pids whose command line names the run directory (every process of the job does)."""
     found = []
     for entry in Path("/proc").iterdir():
@@ -44,7 +44,7 @@ def _start(run_dir: Path, *args: str) -> subprocess.Popen:
 
 def _wait_until_training(run_dir: Path, job: subprocess.Popen, ranks: int) -> None:
     deadline = time.monotonic() + 120
-    while len(_processes_of(run_dir)) < ranks + 1 or not (run_dir / "config.yaml").exists():
+    while len(processes_of(run_dir)) < ranks + 1 or not (run_dir / "config.yaml").exists():
         assert job.poll() is None and time.monotonic() < deadline
         time.sleep(0.2)
     time.sleep(3)  # the process group is up and the ranks are stepping
@@ -68,15 +68,15 @@ def test_no_process_of_the_job_outlives_a_signal_to_its_launcher(tmp_path, kind,
         job.send_signal(sig)
         job.wait(timeout=30)
         deadline = time.monotonic() + 5
-        while _processes_of(run_dir) and time.monotonic() < deadline:
+        while processes_of(run_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _processes_of(run_dir) == [], "processes of the job still running after 5 s"
+        assert processes_of(run_dir) == [], "processes of the job still running after 5 s"
         if sig == signal.SIGTERM:
             assert job.returncode == 128 + signal.SIGTERM
             assert "Traceback" not in job.stderr.read()
     finally:
         job.kill()
-        for pid in _processes_of(run_dir):  # (never leave them to the next test)
+        for pid in processes_of(run_dir):  # (never leave them to the next test)
             os.kill(pid, signal.SIGKILL)
 
 

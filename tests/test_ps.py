@@ -307,13 +307,18 @@ def test_a_snapshot_of_another_job_is_refused(tmp_path):
         run(_sync_run, 3, 1, 10, None, snap, 0, 2e-2, timeout_s=60)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_two_level_survives_a_killed_worker_behind_a_relay(mode):
-    """1 server, relays 1 and 2 over workers 3, 4 and 5; worker 3 dies: its relay reports it,
-    server 0 deals its batch again, and the others finish every batch of every epoch (in sync
-    mode through the end of the queue, where workers wait for the dead one's batch)."""
-    server, relay_a, relay_b, _, *alive = run(_digits_run, 6, mode, 3, 2, timeout_s=180, dies=(3,))
-    assert list(relay_a["dead"]) == [3] and relay_a["dead"][3] <= 2.0 + 1.0
+@pytest.mark.parametrize("mode, hang", [("async", False), ("sync", True)], ids=["kill", "hang"])
+def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(mode, hang):
+    """1 server, relays 1 and 2 over workers 3, 4 and 5; worker 3 dies (async), or its training
+    hangs while it keeps beating (sync): its relay declares it dead (silent) or stuck (its clock
+    still while worker 4's moves on), server 0 deals its batch again, and the others finish
+    every batch of every epoch (in sync mode through the end of the queue, where workers wait
+    for the lost one's batch)."""
+    args = (mode, 3, 2, 1, hang)
+    server, relay_a, relay_b, _, *alive = run(_digits_run, 6, *args, timeout_s=180, dies=(3,))
+    silence = relay_a["dead"][3]
+    assert list(relay_a["dead"]) == [3]
+    assert 3.0 < silence <= 3.0 + 2.0 if hang else silence <= 2.0 + 1.0
     assert not relay_b["dead"] and not server["dead"]
     assert len(server["consumed"]) == EPOCHS * (server["size"] // 32) * 32
     assert all(w["accuracy"] >= 0.85 for w in alive), alive
@@ -331,3 +336,17 @@ def test_sync_servers_apply_the_same_rounds_when_a_worker_dies():
     assert [3, 4] in server0["rounds"]  # and without the dead worker after it
     assert len(server0["consumed"]) == EPOCHS * (server0["size"] // 32) * 32
     assert all(w["accuracy"] >= 0.85 for w in alive), alive
+
+
+def test_the_work_queue_holds_exactly_the_batches_asked_for():
+    """4000 batches of 32 from 1437 samples: an epoch holds 44 full batches (its last partial
+    one dropped), so 91 epochs are needed, not ceil(4000 * 32 / 1437) = 90 (a job of 4000 steps
+    used to do 3960)."""
+    work = sw.ps.WorkQueue.for_batches(4000, size=1437, batch=32, seed=0)
+    batches = list(work.queue)
+    assert len(batches) == 4000 and all(len(indices) == 32 for _, indices in batches)
+    for epoch in {e for e, _ in batches}:
+        seen = [i for e, indices in batches if e == epoch for i in indices]
+        assert len(seen) == len(set(seen)) and all(0 <= i < 1437 for i in seen)
+    with pytest.raises(ValueError, match="holds no batch"):
+        sw.ps.WorkQueue.for_batches(10, size=20, batch=32, seed=0)

@@ -11,6 +11,10 @@ From the config (`faults: [...]`) or the environment, with one grammar (several:
 - `desync:rank=R:step=S`: rank R broadcasts where the others all-reduce the loss at step S.
 - `corrupt-checkpoint:step=S`: one file of step S's checkpoint is damaged after it is written.
 
+In a parameter-server job, `kill`, `hang` and `slow` apply to every role by rank, and `step`
+counts what that role does: a worker's steps, a server's updates, a relay's forwarded pushes
+(a hung server or relay keeps beating: the others must tell that it is stuck, not dead).
+
 Each fault fires once per run: a marker under `RUN_DIR/faults/` records it (its time is when it
 fired), so a job that restarts and resumes does not fire it again.
 """

@@ -14,18 +14,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
 import shardwise as sw
+from shardwise import runtime
 from shardwise.checkpoint import save_model
 from shardwise.config import Config
 from shardwise.faults import FaultInjector
@@ -50,23 +49,25 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid{rt.rank}").write_text(str(os.getpid()))  # for operators (and failure tests)
     opt_cls, opt_kwargs = OPTIMIZERS[cfg.optim.name], make_optimizer_kwargs(cfg.optim)
+    role = "relay" if strategy.is_relay() else "server" if strategy.is_server() else "worker"
+    faults = FaultInjector(rt.rank, run_dir, cfg.faults, role=role)
     if strategy.is_relay():
-        report = sw.ps.relay(job.model, strategy)
+        report = sw.ps.relay(job.model, strategy, faults)
         (out / f"relay{rt.rank}.json").write_text(json.dumps(dataclasses.asdict(report)))
     elif strategy.is_server():
         work = None
         if rt.rank == 0:
             total = cfg.train.steps * cfg.strategy.workers
-            size, batch = len(job.splits.train), cfg.data.batch_size
-            epochs = math.ceil(total * batch / size)
-            work = WorkQueue(size, batch, epochs, cfg.train.seed, limit=total)
-        report = sw.ps.serve(job.model, strategy, opt_cls, work=work, **opt_kwargs)
+            work = WorkQueue.for_batches(
+                total, len(job.splits.train), cfg.data.batch_size, cfg.train.seed
+            )
+        report = sw.ps.serve(job.model, strategy, opt_cls, work=work, faults=faults, **opt_kwargs)
         fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
         fields.pop("final")  # the shard itself goes to safetensors
         (out / f"server{rt.rank}.json").write_text(json.dumps(fields))
         save_file({"flat": report.final.contiguous()}, str(out / f"server{rt.rank}.safetensors"))
     else:
-        _work(cfg, job, strategy, rt, out, opt_cls, opt_kwargs)
+        _work(cfg, job, strategy, rt, out, opt_cls, opt_kwargs, faults)
     if strategy.is_server() or strategy.is_relay():
         _report_written(cfg, strategy, rt.rank, run_dir, started)
     # Roles finish at different times. Tearing down gloo groups whose peers have already gone
@@ -79,12 +80,11 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
 
 
 def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: float) -> None:
-    """Servers and relays count themselves done in the store. Rank 0 hosts the store, so it
-    leaves last (another server may still be watching heartbeats through it). Under our
+    """Servers and relays count themselves done in the store. Under our
     supervisor, the supervisor writes the summary; under torchrun (several machines, say),
     server 0 does, once all have written (their files must be visible here: one machine, or a
     shared run directory)."""
-    store = dist.distributed_c10d._get_default_store()
+    store = runtime.store()
     store.add("shardwise/ps/written", 1)
     if rank != 0:
         return
@@ -117,11 +117,10 @@ def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: fl
     summarise(cfg, run_dir, time.perf_counter() - started, {})
 
 
-def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs) -> None:
+def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -> None:
     index = rt.rank - strategy.servers - strategy.relays
     model, opt = sw.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
     metrics = MetricsFile(out / f"worker{rt.rank}.jsonl")
-    faults = FaultInjector(rt.rank, out.parent, cfg.faults, role="worker")
     start, step = time.perf_counter(), 0
     while (indices := model.client.next_batch()) is not None:
         faults.before_step(step + 1)  # (kill, or hang with the heartbeats going on)

@@ -2,11 +2,13 @@
 
 torchrun's agent ends every process when one fails: right for lock-step strategies, wrong here,
 where surviving a dead worker is the point. So this supervisor starts the processes itself (the
-environment torchrun would set, a c10d store on 127.0.0.1), reports a worker that dies and lets
-the others go on (the servers notice through the heartbeats), and when a server dies it stops
-the rest and starts the job again once: the servers resume from their snapshots and the workers
-from the servers' version. A relay (two-level job) counts as a server here: its workers cannot
-go on without it.
+environment torchrun would set), hosts the job's c10d store on 127.0.0.1 as torchrun's agent
+does (so a frozen server cannot take everyone's heartbeats with it), reports a worker that dies
+and lets the others go on (the servers notice through the heartbeats), and when a server dies,
+goes silent (SIGSTOPped, say: its heartbeats stop) or stays stuck once every worker has given
+up on it, it stops the rest and starts the job again once: the servers resume from their
+snapshots and the workers from the servers' version. A relay (two-level job) counts as a server
+here: its workers cannot go on without it.
 """
 
 from __future__ import annotations
@@ -14,33 +16,80 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+
+import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.launcher import worker_environment
+from shardwise.ps.liveness import HeartbeatWatch
+from shardwise.runtime import TOKEN_ENV, key_prefix
 from shardwise.signals import handling_stop_signals
 
 GRACE_S = 3.0  # seconds the job's processes get to leave after SIGTERM, before SIGKILL
+WORKERS_NOTICE_S = 1.5  # seconds the workers get to notice a failed server themselves
+STARTUP_S = 120.0  # a server's first heartbeat may take this long (imports, data, snapshots)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Layout:
+    """Who is who in the job (ranks: servers, then relays, then workers) and how the serving
+    ranks prove they live (the job's `strategy.heartbeat_s` and `timeout_s`)."""
+
+    servers: int
+    relays: int = 0
+    heartbeat_s: float = 0.5
+    timeout_s: float = 10.0
+
+    @property
+    def serving(self) -> int:
+        return self.servers + self.relays
+
+    def role(self, rank: int) -> str:
+        kind = "server" if rank < self.servers else "relay" if rank < self.serving else "worker"
+        return f"{kind} rank {rank}"
 
 
-def _start(argv: list[str], nproc: int, threads: int | None, attempt: int) -> list:
+@dataclass
+class Attempt:
+    """One start of the job's processes, with the store they meet in (hosted here)."""
+
+    procs: list[subprocess.Popen]
+    store: dist.TCPStore
+    watch: HeartbeatWatch
+    failures: dict[int, int] = field(default_factory=dict)  # rank -> exit code
+
+
+def _start(
+    argv: list[str], nproc: int, threads: int | None, attempt: int, layout: Layout
+) -> Attempt:
+    # The store lives in the supervisor, as torchrun's agent hosts it: every rank is a client
+    # (TORCHELASTIC_USE_AGENT_STORE), and a rank that freezes freezes nobody's store requests.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     env = {**os.environ, **worker_environment(nproc, threads)}
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(store.port),
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT=str(attempt),
         SHARDWISE_PS_ATTEMPT=str(attempt),
+    )
+    keys = dist.PrefixStore(key_prefix(env[TOKEN_ENV], attempt), store)
+    watch = HeartbeatWatch(
+        list(range(layout.serving)),
+        layout.timeout_s,
+        layout.heartbeat_s / 2,
+        store=keys,
+        startup_s=STARTUP_S,
     )
     # One process group for the job's processes (its leader the first): a signal to the
     # supervisor is passed on to all of them at once.
@@ -49,7 +98,7 @@ def _start(argv: list[str], nproc: int, threads: int | None, attempt: int) -> li
         group = procs[0].pid if procs else 0
         env_r = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
         procs.append(subprocess.Popen([sys.executable, *argv], env=env_r, process_group=group))
-    return procs
+    return Attempt(procs, store, watch)
 
 
 @contextlib.contextmanager
@@ -75,50 +124,93 @@ def _ending_children_on_signals(running: list[subprocess.Popen]):
         yield
 
 
-def supervise(argv: list[str], servers: int, nproc: int, threads: int | None, restarts: int):
-    """Run the processes (ranks below `servers` serve); returns (succeeded, {rank: exit code}
+def supervise(
+    argv: list[str], layout: Layout, nproc: int, threads: int | None, restarts: int
+) -> tuple[bool, dict[int, int]]:
+    """Run the processes; returns (whether the servers and relays finished, {rank: exit code}
     of processes that failed)."""
-    failures: dict[int, int] = {}
     running: list[subprocess.Popen] = []
     with _ending_children_on_signals(running):
-        return _supervise(argv, servers, nproc, threads, restarts, failures, running)
+        for attempt in range(restarts + 1):
+            job = _start(argv, nproc, threads, attempt, layout)
+            running[:] = job.procs
+            if _watch(job, layout):
+                serving = job.procs[: layout.serving]
+                return all(p.returncode == 0 for p in serving), job.failures
+            if attempt < restarts:
+                print(
+                    "shardwise: restarting the job; servers resume from their snapshots",
+                    flush=True,
+                )
+        return False, job.failures
 
 
-def _supervise(argv, servers, nproc, threads, restarts, failures, running):
-    for attempt in range(restarts + 1):
-        procs = _start(argv, nproc, threads, attempt)
-        running[:] = procs
+def _watch(job: Attempt, layout: Layout) -> bool:
+    """Until every process has ended; False if a server failed (died, went silent, or was
+    left stuck by every worker), after stopping the others."""
+    procs, failures, servers = job.procs, job.failures, layout.serving
+    while any(p.poll() is None for p in procs):
         server_failed = False
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                code = p.poll()
-                if code in (None, 0) or rank in failures:
-                    continue
-                failures[rank] = code
-                if rank < servers:
-                    server_failed = True
-                    print(f"shardwise: ps server rank {rank} exited with code {code}", flush=True)
-                else:
-                    print(
-                        f"shardwise: ps worker rank {rank} exited with code {code}; "
-                        "the others go on",
-                        flush=True,
-                    )
-            if server_failed:
-                for p in procs:
-                    p.kill()
-                break
-            _stop_workers_left_behind(procs, servers, failures)
-            time.sleep(0.1)
-        for p in procs:
-            p.wait()
-        if not server_failed:
-            ok = all(p.returncode == 0 for p in procs[:servers])
-            return ok, failures
-        if attempt < restarts:
-            print("shardwise: restarting the job; servers resume from their snapshots", flush=True)
-            failures = {}
-    return False, failures
+        for rank, p in enumerate(procs):
+            code = p.poll()
+            if code in (None, 0) or rank in failures:
+                continue
+            failures[rank] = code
+            if rank < servers:
+                server_failed = True
+                print(f"shardwise: ps {layout.role(rank)} exited with code {code}", flush=True)
+            else:
+                print(
+                    f"shardwise: ps worker rank {rank} exited with code {code}; the others go on",
+                    flush=True,
+                )
+        running = [r for r in range(servers) if procs[r].poll() is None]
+        for rank, silent_s in job.watch.dead(set(running)):
+            print(
+                f"shardwise: ps {layout.role(rank)} silent for {silent_s:.1f} s (no heartbeat: "
+                "frozen or unreachable); stopping the job",
+                flush=True,
+            )
+            failures[rank], server_failed = -signal.SIGKILL, True
+        server_failed = server_failed or _server_left_stuck(procs, layout, failures)
+        if server_failed:
+            # Its workers notice it too (the same timeout): give them a moment to say so and
+            # leave on their own, before the rest is stopped.
+            deadline = time.monotonic() + WORKERS_NOTICE_S
+            while any(p.poll() is None for p in procs[servers:]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.wait()
+            return False
+        _stop_workers_left_behind(procs, servers, failures)
+        time.sleep(0.1)
+    return True
+
+
+def _server_left_stuck(procs: list, layout: Layout, failures: dict[int, int]) -> bool:
+    """Every worker has ended, not all of them well, and a server still runs `timeout_s` later:
+    the workers gave up on it (they name it: silent, or stuck), and nothing will end it."""
+    workers = procs[layout.serving :]
+    if any(p.poll() is None for p in workers) or all(p.poll() == 0 for p in workers):
+        return False
+    now = time.monotonic()
+    for rank, p in enumerate(procs[: layout.serving]):
+        if p.poll() is not None:
+            continue
+        since = getattr(p, "workers_gone_at", None)
+        if since is None:
+            p.workers_gone_at = now
+        elif now - since > layout.timeout_s:
+            print(
+                f"shardwise: ps {layout.role(rank)} still running {now - since:.0f} s after "
+                "every worker ended (the workers gave up on it); stopping the job",
+                flush=True,
+            )
+            failures[rank] = -signal.SIGKILL
+            return True
+    return False
 
 
 def _stop_workers_left_behind(procs: list, servers: int, failures: dict[int, int]) -> None:
@@ -145,21 +237,32 @@ def _stop_workers_left_behind(procs: list, servers: int, failures: dict[int, int
 
 
 def run_ps_job(cfg: Config, argv: list[str], run_dir: Path) -> int:
-    """Run the roles (`argv`: `shardwise train CONFIG --run-dir RUN_DIR`), then summarise."""
+    """Run the roles (`argv`: `shardwise train CONFIG --run-dir RUN_DIR`), then summarise; 1 if
+    a server failed for good, or fewer workers finished than `strategy.min_workers` (all by
+    default: the summary is still written, and each failed role named)."""
     from shardwise.ps_job import summarise
 
-    argv = ["-m", *argv]
-    restarts = 1 if cfg.strategy.snapshot_every else 0
+    s = cfg.strategy
+    layout = Layout(s.servers, s.relays, s.heartbeat_s, s.timeout_s)
+    restarts = 1 if s.snapshot_every else 0
     started = time.perf_counter()
-    serving = cfg.strategy.servers + cfg.strategy.relays
-    ok, failures = supervise(argv, serving, cfg.launch.nproc, cfg.launch.threads_per_rank, restarts)
+    argv = ["-m", *argv]
+    ok, failures = supervise(argv, layout, cfg.launch.nproc, cfg.launch.threads_per_rank, restarts)
+    failed = ", ".join(
+        f"{layout.role(r)} (exit code {code})" for r, code in sorted(failures.items())
+    )
     if not ok:
-        print(f"shardwise: the parameter-server job failed ({failures})", file=sys.stderr)
+        print(f"shardwise: the parameter-server job failed: {failed}", file=sys.stderr)
         return 1
-    workers = [r for r in failures if r >= serving]
-    if len(workers) == cfg.launch.nproc - serving:  # a job whose every worker died did not train
-        roles = ", ".join(f"worker rank {r} (exit code {failures[r]})" for r in sorted(workers))
-        print(f"shardwise: every parameter-server worker failed: {roles}", file=sys.stderr)
+    finished = s.workers - sum(r >= layout.serving for r in failures)
+    if finished:  # a job whose every worker died did not train: nothing to sum up
+        summarise(cfg, run_dir, time.perf_counter() - started, failures)
+    needed = s.min_workers if s.min_workers is not None else s.workers
+    if finished < needed:
+        print(
+            f"shardwise: {finished} of {s.workers} parameter-server workers finished "
+            f"(strategy.min_workers: {needed}); failed: {failed}",
+            file=sys.stderr,
+        )
         return 1
-    summarise(cfg, run_dir, time.perf_counter() - started, failures)
     return 0

@@ -46,6 +46,12 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+_store: dist.Store | None = None  # the job's keys: below its token and attempt
+
+
+def key_prefix(token: str, attempt: int) -> str:
+    """Where a job's keys live in the c10d store (for a launcher that reads them too)."""
+    return f"shardwise/{token}/attempt-{attempt}"
 
 
 def _pick_backend(backend: str | None) -> str:
@@ -62,7 +68,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
     `timeout_s` bounds every collective: a peer that dies or hangs ends the job with an error
     after that long instead of a silent hang. Calling `init` again returns the same runtime.
     """
-    global _runtime
+    global _runtime, _store
     if _runtime is not None:
         return _runtime
     if timeout_s <= 0:
@@ -86,7 +92,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
             # Under our launchers, every key lives below the job's random token: a process that
             # reaches the store but was not given the token cannot name (or forge) any of them.
             token = env.get(TOKEN_ENV, "")
-            store = dist.PrefixStore(f"shardwise/{token}/attempt-{attempt}", store)
+            store = dist.PrefixStore(key_prefix(token, attempt), store)
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
             )
@@ -95,6 +101,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
             dist.init_process_group(
                 backend, store=store, rank=0, world_size=1, timeout=timeout, **bound
             )
+        _store = store
         # A script that forgets `shutdown()` still leaves cleanly (gloo aborts a process that
         # exits with its group alive).
         atexit.register(shutdown)
@@ -127,13 +134,21 @@ def current_or_alone() -> Runtime:
     return Runtime(0, 1, 0, 1, device, backend="none", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
 
 
+def store() -> dist.Store:
+    """The job's c10d store (its keys below the job's token): what ranks tell each other
+    outside collectives (heartbeats, checkpoint sums), and what a launcher can read."""
+    if _store is None:
+        return dist.distributed_c10d._get_default_store()  # a group someone else made
+    return _store
+
+
 def shutdown() -> None:
     """Leave the process group. Safe to call twice."""
-    global _runtime
+    global _runtime, _store
     if dist.is_initialized():
         _quiesce()
         dist.destroy_process_group()
-    _runtime = None
+    _runtime = _store = None
 
 
 def _quiesce(timeout_s: float = 5.0) -> None:

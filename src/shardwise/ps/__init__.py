@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shardwise import runtime
+from shardwise.faults import FaultInjector
 from shardwise.ps.relay import Relay, RelayReport
 from shardwise.ps.server import Server, ServerReport
 from shardwise.ps.sharding import ShardPlan, plan_shards
@@ -32,12 +33,14 @@ def serve(
     strategy: ParameterServer,
     optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
     work: WorkQueue | None = None,
+    faults: FaultInjector | None = None,
     **optimizer_kwargs: Any,
 ) -> ServerReport:
     """Run this rank's server until every worker is done or dead; return what it saw.
 
     `model` gives the parameter names, shapes and initial values (build it with the same seed
-    on every rank). Server 0 deals out `work` (batches of indices) when given one.
+    on every rank). Server 0 deals out `work` (batches of indices) when given one. `faults`
+    (tests, demos): kill, hang or slow this server at an update.
     """
     rt = runtime.init()
     if not strategy.is_server(rt.rank):
@@ -56,16 +59,20 @@ def serve(
         clients,
         work if rt.rank == 0 else None,
         workers=len(workers),
+        faults=faults,
     )
     return server.serve()
 
 
-def relay(model: nn.Module, strategy: ParameterServer) -> RelayReport:
-    """Run this rank's relay (a two-level job) until its workers are done or dead."""
+def relay(
+    model: nn.Module, strategy: ParameterServer, faults: FaultInjector | None = None
+) -> RelayReport:
+    """Run this rank's relay (a two-level job) until its workers are done or dead; `faults`:
+    kill, hang or slow it at a forwarded push."""
     rt = runtime.init()
     if not strategy.is_relay(rt.rank):
         raise ValueError(f"rank {rt.rank} is not a relay of this job")
-    return Relay(model, strategy, rt).serve()
+    return Relay(model, strategy, rt, faults).serve()
 
 
 __all__ = [

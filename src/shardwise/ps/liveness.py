@@ -1,22 +1,29 @@
-"""Heartbeats through the c10d store: a thread that proves this process lives, and a watch that
-notices who has gone silent.
+"""Heartbeats through the c10d store: a thread that proves this process lives, a watch that
+notices who has gone silent, and a guard that ends a process waiting on a server that went
+silent (or stopped answering).
 
 A counter per rank in the store, bumped every `period_s`, costs one tiny store request and needs
-no connection of its own; a rank whose counter has not moved for `timeout_s` is dead (a hung
-process looks the same as a killed one, which is what a training job cares about).
+no connection of its own; a rank whose counter has not moved for `timeout_s` is dead (a frozen
+process looks the same as a killed one, which is what a training job cares about). Every role
+beats: workers and relays for their servers, servers for their clients and the supervisor (which
+hosts the store, so a frozen server cannot take the heartbeats of the others with it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 import time
 
-import torch.distributed as dist
+from shardwise import runtime
 
 GIVE_UP_AFTER = 20  # consecutive failed beats: the store went away with the job
+EXIT_SERVER_LOST = 3  # exit code of a process that gave up on a silent or stuck server
 
 
-def _key(rank: int) -> str:
+def heartbeat_key(rank: int) -> str:
     return f"shardwise/ps/heartbeat/{rank}"
 
 
@@ -24,8 +31,8 @@ class HeartbeatSender:
     """Bump this rank's counter every `period_s` until `stop()`."""
 
     def __init__(self, rank: int, period_s: float) -> None:
-        self._store = dist.distributed_c10d._get_default_store()
-        self._key, self._period = _key(rank), period_s
+        self._store = runtime.store()
+        self._key, self._period = heartbeat_key(rank), period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ps-heartbeat")
         self._thread.start()
@@ -49,10 +56,20 @@ class HeartbeatSender:
 class HeartbeatWatch:
     """The last time each watched rank's counter moved."""
 
-    def __init__(self, ranks: list[int], timeout_s: float, check_every_s: float) -> None:
-        self._store = dist.distributed_c10d._get_default_store()
+    def __init__(
+        self,
+        ranks: list[int],
+        timeout_s: float,
+        check_every_s: float,
+        store=None,
+        startup_s: float | None = None,
+    ) -> None:
+        """`startup_s` (default: `timeout_s`): the silence allowed before a rank's first beat
+        (a process still starting: imports, data, snapshots)."""
+        self._store = store if store is not None else runtime.store()
         self.timeout_s, self.check_every_s = timeout_s, check_every_s
-        self._seen = {r: (-1, time.monotonic()) for r in ranks}
+        self.startup_s = timeout_s if startup_s is None else startup_s
+        self._seen = {r: (0, time.monotonic()) for r in ranks}
         self._next_check = 0.0
 
     def silent_for(self, rank: int) -> float:
@@ -67,10 +84,81 @@ class HeartbeatWatch:
         self._next_check = now + self.check_every_s
         out = []
         for rank in sorted(ranks):
-            beats = self._store.add(_key(rank), 0)
+            beats = self._store.add(heartbeat_key(rank), 0)
             last, since = self._seen[rank]
             if beats != last:
                 self._seen[rank] = (beats, now)
-            elif now - since > self.timeout_s:
+            elif now - since > (self.timeout_s if beats else self.startup_s):
                 out.append((rank, now - since))
         return out
+
+
+class UpstreamGuard:
+    """Ends this process, naming the culprit, when it waits on an upstream rank (a server, or a
+    worker's relay) that went silent for `timeout_s`, or that has not answered one request for
+    `stuck_after_s` although it beats (alive, but its loop is stuck: a healthy server answers
+    within the progress timeout that unblocks it from a stuck peer, plus a heartbeat check).
+
+    Only while the owner waits (inside `waiting()`): the blocked thread cannot be woken, so the
+    guard's thread exits the process; between waits nothing is done to it (a script that is
+    computing, or already leaving, is not killed under it)."""
+
+    def __init__(
+        self,
+        me: str,
+        upstream: dict[int, str],  # rank -> its role ("server", "relay")
+        timeout_s: float,
+        stuck_after_s: float,
+        heartbeat_s: float,
+    ) -> None:
+        self.me, self.upstream, self.stuck_after_s = me, upstream, stuck_after_s
+        # (a server beats before it answers anything: its first beat is no long wait)
+        self._watch = HeartbeatWatch(list(upstream), timeout_s, heartbeat_s / 2)
+        self._since: float | None = None  # when the current wait began
+        self._on: int | None = None  # whose answer the current wait is for
+        self._stop = threading.Event()
+        self._period = heartbeat_s / 2
+        self._store_failed_since: float | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ps-guard")
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def waiting(self, on: int | None = None):
+        """Around a blocking wait for upstream rank `on`'s answer; `on=None` for a wait with no
+        bound on its length (a relay's whole serving loop: only silence ends it)."""
+        self._on, self._since = on, time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                silent = self._watch.dead(set(self.upstream))
+                self._store_failed_since = None
+            except Exception:  # the store (hosted by the launcher) is unreachable
+                silent = []
+                self._store_failed_since = self._store_failed_since or time.monotonic()
+            since = self._since
+            if since is None:
+                continue
+            now = time.monotonic()
+            if silent:
+                rank, silent_s = silent[0]
+                self._give_up(f"{self.upstream[rank]} rank {rank} silent for {silent_s:.1f} s")
+            elif (on := self._on) is not None and now - since > self.stuck_after_s:
+                role, waited = self.upstream[on], now - since
+                self._give_up(
+                    f"{role} rank {on} has not answered for {waited:.1f} s (alive: stuck)"
+                )
+            elif (failed := self._store_failed_since) and now - failed > self._watch.timeout_s:
+                self._give_up("the job's store (hosted by its launcher) unreachable")
+
+    def _give_up(self, what: str) -> None:
+        print(f"shardwise: ps {self.me}: {what}; ending this process", file=sys.stderr, flush=True)
+        os._exit(EXIT_SERVER_LOST)

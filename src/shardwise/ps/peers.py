@@ -47,16 +47,19 @@ class Peers:
 
     def stuck(self, timeout_s: float) -> list[tuple[int, int, float]]:
         """(rank, clock, seconds without progress) of active peers whose clock has not moved
-        for `timeout_s` while another active one is ahead: alive, but their training stalled
-        (peers waiting for work, or all waiting together, are not stuck)."""
+        for `timeout_s` while another waits on them: one ahead of them, or one idle (at the
+        end of the queue, waiting for a batch that a stuck peer holds). Alive, but their
+        training stalled; peers all waiting together are not stuck."""
         active = self.active() - self.lost
+        others = self.live - self.done - self.lost
+        idle = bool(others & self.idle)
         now = time.monotonic()
-        lead = max((self.progress[r][0] for r in active), default=0)
+        lead = max((self.progress[r][0] for r in others), default=0)
         return [
             (r, clock, now - since)
             for r in sorted(active)
             for clock, since in [self.progress[r]]
-            if now - since > timeout_s and clock < lead
+            if now - since > timeout_s and (clock < lead or idle)
         ]
 
     def lost_undeclared(self) -> list[tuple[int, float]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import queue
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -47,8 +48,8 @@ class RelayReport:
 
 
 class Relay:
-    def __init__(self, model: nn.Module, options: ParameterServer, rt: Runtime) -> None:
-        self.o, self.rank = options, rt.rank
+    def __init__(self, model: nn.Module, options: ParameterServer, rt: Runtime, faults=None):
+        self.o, self.rank, self.faults = options, rt.rank, faults
         self.workers = options.relay_groups(rt.world_size)[rt.rank]
         self.servers = list(range(options.servers))
         self.signature = signature(model)
@@ -68,10 +69,18 @@ class Relay:
         self.report = RelayReport(rank=rt.rank, workers=list(self.workers))
 
     def serve(self) -> RelayReport:
+        # All along, the relay waits on its servers: one that goes silent ends it (its workers
+        # then see it silent, and the supervisor restarts the job or ends it).
+        with self.up.guard.waiting():
+            return self._serve()
+
+    def _serve(self) -> RelayReport:
         start_receivers([*self.workers, *self.servers], self.group, self.inbox, set(self.workers))
         while self.peers.serving():
             for worker, silent_s in self.peers.silent():
                 self._declare_dead(worker, silent_s)
+            for worker, clock, still_s in self.peers.stuck(self.o.progress_timeout_s):
+                self._declare_dead(worker, still_s, f"stuck at clock {clock} (alive, no progress)")
             try:
                 src, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
@@ -109,6 +118,7 @@ class Relay:
             self.waiting_pulls.append((w, int(h[1])))
         elif kind == Kind.PUSH:
             self.peers.idle.discard(w)
+            self.peers.note_clock(w, int(h[1]) + 1)
             self.report.pushes_received += 1
             if self.o.mode == "sync":
                 self.pending[w] = payload
@@ -145,6 +155,9 @@ class Relay:
 
     def _push_up(self, flat: torch.Tensor, version_used: int, count: int) -> None:
         """Push to every server its slice, then ask for the parameters after it."""
+        started = time.perf_counter()
+        if self.faults is not None:  # (kill, or hang with the heartbeats going on)
+            self.faults.before_step(self.clock + 1)
         for server, piece in zip(self.servers, self.up.plan.split(flat), strict=True):
             protocol.send(
                 server,
@@ -161,6 +174,8 @@ class Relay:
         self.pulls_sent += 1
         self.report.pushes_forwarded += 1
         self.told_idle = False
+        if self.faults is not None and self.faults.slow_factor > 1:  # forwarding, slowed
+            time.sleep((self.faults.slow_factor - 1) * (time.perf_counter() - started))
 
     def _answer_pulls(self) -> None:
         still = []
@@ -203,13 +218,13 @@ class Relay:
         elif kind == Kind.ERROR:
             raise RuntimeError(f"parameter server {s}: {protocol.unpack(payload)}")
 
-    def _declare_dead(self, worker: int, silent_s: float) -> None:
+    def _declare_dead(self, worker: int, silent_s: float, why: str = "silent") -> None:
         self.peers.mark_dead(worker, silent_s)
         self.pending.pop(worker, None)
         self.report.dead_workers[worker] = silent_s
         protocol.send(COORDINATOR, Kind.LOST, worker, group=self.group)
         print(
-            f"shardwise: ps relay {self.rank}: worker rank {worker} silent for "
+            f"shardwise: ps relay {self.rank}: worker rank {worker} {why} for "
             f"{silent_s:.1f} s, declared dead",
             flush=True,
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from torch import nn
 from shardwise.comm.flat import flatten
 from shardwise.ps import protocol
 from shardwise.ps.consistency import mode_for
+from shardwise.ps.liveness import HeartbeatSender
 from shardwise.ps.outbox import Outbox
 from shardwise.ps.peers import Peers, check_hello, start_receivers
 from shardwise.ps.protocol import COORDINATOR, Kind
@@ -71,10 +73,13 @@ class Server:
         clients: list[int],
         work: WorkQueue | None = None,
         workers: int | None = None,
+        faults=None,  # a FaultInjector: kill, hang or slow this server by rank (step: update)
     ) -> None:
         """`clients`: the ranks that push and pull (workers, or relays); `workers`: how many
         workers there are in all (the batches one sync update consumes)."""
-        self.o, self.rank, self.work = options, rank, work
+        self.o, self.rank, self.work, self.faults = options, rank, work, faults
+        # Beating from the start: the clients and the supervisor tell a frozen server by this.
+        self._beats = HeartbeatSender(rank, options.heartbeat_s)
         self._make_shard(model, optimizer_cls, optimizer_kwargs)
         self.signature = signature(model)
         # What a snapshot must have been written by to be resumed from: the same model, shard,
@@ -91,6 +96,10 @@ class Server:
         )
         self.version = 0
         self.peers = Peers(clients, options.timeout_s, options.heartbeat_s)
+        # A relay stalls while it waits for a stuck worker of its own, until it declares that
+        # one (after progress_timeout_s): it is stuck itself only if it stalls longer.
+        relay_s = options.timeout_s if options.relays else 0.0
+        self.stuck_after_s = options.progress_timeout_s + relay_s
         self.clock = dict.fromkeys(clients, 0)
         self.mode = mode_for(options.mode, options.staleness, rank, options.servers)
         self.waiting_pulls: list[tuple[int, int]] = []  # (client, clock)
@@ -154,7 +163,7 @@ class Server:
         while self.peers.serving():
             for client, silent_s in self.peers.silent():
                 self._declare_dead(client, silent_s)
-            for client, clock, still_s in self.peers.stuck(self.o.progress_timeout_s):
+            for client, clock, still_s in self.peers.stuck(self.stuck_after_s):
                 self._declare_dead(client, still_s, f"stuck at clock {clock} (alive, no progress)")
             try:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
@@ -170,6 +179,7 @@ class Server:
             for lost, silent_s in self.peers.lost_undeclared():  # a send to it failed
                 self._declare_dead(lost, silent_s)
         self.outbox.close()
+        self._beats.stop()
         self.report.clocks = dict(self.clock)
         self.report.final = torch.cat(
             [p.detach().reshape(-1) for p in self.params] or [torch.zeros(0)]
@@ -322,6 +332,14 @@ class Server:
 
     @torch.no_grad()
     def apply(self, flat: torch.Tensor, staleness: int) -> None:
+        started = time.perf_counter()
+        self._apply(flat, staleness)
+        if self.faults is not None:
+            if self.faults.slow_factor > 1:
+                time.sleep((self.faults.slow_factor - 1) * (time.perf_counter() - started))
+            self.faults.before_step(self.version)  # (kill, or hang with the heartbeats going on)
+
+    def _apply(self, flat: torch.Tensor, staleness: int) -> None:
         self.report.staleness.append(staleness)
         pieces = flat.split(self.numels)
         if self.o.rule == "average":

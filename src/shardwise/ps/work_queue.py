@@ -28,6 +28,15 @@ class WorkQueue:
         self.outstanding: dict[int, tuple[int, list[int]]] = {}
         self.consumed: list[int] = []
 
+    @classmethod
+    def for_batches(cls, batches: int, size: int, batch: int, seed: int) -> WorkQueue:
+        """Exactly `batches` full batches: as many epochs as that takes (each epoch drops its
+        last partial batch, so an epoch holds size // batch of them, not size / batch)."""
+        per_epoch = size // batch
+        if per_epoch < 1:
+            raise ValueError(f"a dataset of {size} samples holds no batch of {batch}")
+        return cls(size, batch, -(-batches // per_epoch), seed, limit=batches)
+
     def next(self, worker: int) -> tuple[int, list[int]] | None:
         """The worker finished its previous batch (if any) and wants another."""
         if worker in self.outstanding:

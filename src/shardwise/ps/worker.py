@@ -26,7 +26,7 @@ from torch import nn
 from shardwise import runtime
 from shardwise.comm.flat import split_bounds, unflatten
 from shardwise.ps import protocol
-from shardwise.ps.liveness import HeartbeatSender
+from shardwise.ps.liveness import HeartbeatSender, UpstreamGuard
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
 from shardwise.runtime import Runtime
@@ -50,9 +50,12 @@ class ParameterServer(Strategy):
     rule: 'gradient' (server-side optimizer steps on pushed gradients) or 'average' (workers
         step locally and push parameters; the server keeps beta * server + (1 - beta) * worker).
     staleness_lr: scale each update's learning rate by 1 / (1 + its staleness).
-    heartbeat_s / timeout_s: how often workers prove they live; silence that declares one dead.
+    heartbeat_s / timeout_s: how often every role proves it lives; the silence that declares one
+        dead (a worker, by its servers; a server, by its workers, relays and the supervisor,
+        which then end the job or restart it from snapshots).
     progress_timeout_s: a worker alive but whose clock has not moved for this long while another
-        is ahead of it is stuck (its training thread hangs): declared dead like a silent one.
+        is ahead of it is stuck (its training thread hangs): declared dead like a silent one. A
+        server that leaves a request unanswered for progress_timeout_s + timeout_s is stuck.
     snapshot_every: servers save their shard every K updates (0: never) to `snapshot_dir`
         (required then; `shardwise train` uses the run directory), and resume from it when
         they start again.
@@ -160,28 +163,53 @@ class PSClient:
         self.version = 0
         self.group = protocol.make_group()
         self._beats = HeartbeatSender(rt.rank, options.heartbeat_s)
+        role = "relay" if options.relays and servers is None else "server"
+        me = f"{'relay' if servers is not None else 'worker'} rank {rt.rank}"
+        # A healthy server answers within the progress timeout after which it gives up on a
+        # stuck peer (one more level of it behind a relay), plus a check: past that, it is stuck.
+        levels = 2 if role == "relay" else 1
+        stuck_after_s = options.progress_timeout_s + levels * options.timeout_s
+        upstream = dict.fromkeys(self.servers, role)
+        self.guard = UpstreamGuard(
+            me, upstream, options.timeout_s, stuck_after_s, options.heartbeat_s
+        )
         sig = protocol.pack(signature(model))
         clocks = []
         for server in self.servers:
-            protocol.send(server, Kind.HELLO, payload=sig, group=self.group)
-            h, payload = protocol.recv(server, group=self.group)
-            if Kind(int(h[0])) == Kind.ERROR:
+            self._send(server, Kind.HELLO, payload=sig)
+            try:
+                h, _ = self._recv(server)
+            except PSError:
                 self.close(say_done=False)
-                raise PSError(
-                    f"parameter server {server} refused this worker: {protocol.unpack(payload)}"
-                )
+                raise
             clocks.append(int(h[1]))
         self.clock = clocks[0]  # a resumed server: go on from its version
         self.pull()
+
+    def _send(self, server: int, kind: Kind, *ints: int, payload=None) -> None:
+        """(a send blocks too, once a frozen server's socket buffer is full: guarded alike)"""
+        with self.guard.waiting(on=server):
+            protocol.send(server, kind, *ints, payload=payload, group=self.group)
+
+    def _recv(self, server: int, dtype: torch.dtype | None = None):
+        """The next message from `server`, given up on (the process ends, naming it) if the
+        server goes silent or leaves it unanswered past the bound."""
+        with self.guard.waiting(on=server):
+            h, payload = protocol.recv(server, dtype, group=self.group)
+        if Kind(int(h[0])) == Kind.ERROR:  # (e.g. declared stuck, its late messages refused)
+            raise PSError(
+                f"parameter server {server} refused this worker: {protocol.unpack(payload)}"
+            )
+        return h, payload
 
     @torch.no_grad()
     def pull(self) -> None:
         """The parameters, each range from its server (waiting as the mode says)."""
         for server in self.servers:
-            protocol.send(server, Kind.PULL, self.clock, group=self.group)
+            self._send(server, Kind.PULL, self.clock)
         pieces = []
         for server in self.servers:
-            h, piece = protocol.recv(server, torch.float32, group=self.group)
+            h, piece = self._recv(server, torch.float32)
             self.version = int(h[1])
             pieces.append(piece if piece is not None else torch.zeros(0))
         flat = torch.cat(pieces)
@@ -192,32 +220,27 @@ class PSClient:
         """One value per parameter (gradients, or parameters under the averaging rule)."""
         flat = flat_values(tensors)
         for server, piece in zip(self.servers, self.plan.split(flat), strict=True):
-            protocol.send(
-                server,
-                Kind.PUSH,
-                self.clock,
-                self.version,
-                payload=piece if piece.numel() else None,
-                group=self.group,
-            )
+            payload = piece if piece.numel() else None
+            self._send(server, Kind.PUSH, self.clock, self.version, payload=payload)
         self.clock += 1
 
     def next_batch(self) -> list[int] | None:
         """Indices of the next batch from the work queue on server 0 (None: no more); through
         the relay in a two-level job."""
         dealer = self.servers[0]
-        protocol.send(dealer, Kind.NEXT, group=self.group)
-        h, indices = protocol.recv(dealer, torch.int64, group=self.group)
+        self._send(dealer, Kind.NEXT)
+        h, indices = self._recv(dealer, torch.int64)
         if Kind(int(h[0])) == Kind.WAIT:  # none now: the other servers must not wait for us
             for server in self.servers[1:]:
-                protocol.send(server, Kind.IDLE, group=self.group)
-            h, indices = protocol.recv(dealer, torch.int64, group=self.group)
+                self._send(server, Kind.IDLE)
+            h, indices = self._recv(dealer, torch.int64)
         return None if Kind(int(h[0])) == Kind.END else indices.tolist()
 
     def close(self, say_done: bool = True) -> None:
         if say_done:
             for server in self.servers:
-                protocol.send(server, Kind.DONE, group=self.group)
+                self._send(server, Kind.DONE)
+        self.guard.stop()
         self._beats.stop()
 
 
@@ -295,6 +318,12 @@ class PSConfig(StrategySection):
         "ahead is stuck: declared dead, its batch dealt again",
     )
     snapshot_every: int = Field(0, ge=0, description="servers save their shard every K updates")
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        description="the job fails (exit 1, naming the failed roles) if fewer workers finish "
+        "(default: all)",
+    )
     relays: int = Field(
         0, ge=0, description="two-level: relays between workers and servers (sync/async)"
     )
@@ -305,11 +334,14 @@ class PSConfig(StrategySection):
             raise ValueError("ps relays work with mode sync or async, not ssp")
         if self.relays > self.workers:
             raise ValueError(f"{self.relays} relays need at least as many workers")
+        if self.min_workers is not None and self.min_workers > self.workers:
+            raise ValueError(f"min_workers {self.min_workers} exceeds workers {self.workers}")
         return self
 
     def build(self, world_size: int, run_dir: Path) -> ParameterServer:
         snapshots = str(run_dir / "ps-snapshots")
-        return ParameterServer(**self.options(exclude={"workers"}), snapshot_dir=snapshots)
+        options = self.options(exclude={"workers", "min_workers"})
+        return ParameterServer(**options, snapshot_dir=snapshots)
 
     def ranks_needed(self) -> int | None:
         return self.servers + self.relays + self.workers

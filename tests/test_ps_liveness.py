@@ -1,0 +1,123 @@
+"""A parameter-server job whose server freezes or hangs never hangs itself: its workers and the
+supervisor name the server within its timeouts (timed here, from the job's output as it comes,
+against the moment the server was stopped), and the job restarts from snapshots or fails.
+Nothing of the job is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from test_processes import processes_of
+
+HEARTBEAT_S, TIMEOUT_S, PROGRESS_S = 0.2, 2.0, 2.0
+BASE = [
+    "strategy.name=ps",
+    "strategy.servers=1",
+    "strategy.workers=2",
+    "strategy.mode=sync",
+    f"strategy.heartbeat_s={HEARTBEAT_S}",
+    f"strategy.timeout_s={TIMEOUT_S}",
+    f"strategy.progress_timeout_s={PROGRESS_S}",
+]
+
+
+class Job:
+    """`shardwise train digits` as a parameter-server job, its output lines timestamped (wall
+    clock) as they arrive."""
+
+    def __init__(self, run_dir: Path, *sets: str, env: dict[str, str] | None = None) -> None:
+        args = [arg for kv in [*BASE, *sets] for arg in ("--set", kv)]
+        argv = [sys.executable, "-m", "shardwise", "train", "digits", *args]
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(
+            [*argv, "--run-dir", str(run_dir)],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line.rstrip()))
+
+    def wait(self, timeout_s: float = 180) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=10)
+        return code
+
+    def first(self, text: str) -> float:
+        """When the first line containing `text` arrived."""
+        found = [t for t, line in self.lines if text in line]
+        assert found, f"no line with {text!r} in:\n" + "\n".join(x for _, x in self.lines[-40:])
+        return found[0]
+
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def kill_all(self) -> None:
+        self.proc.kill()
+        for pid in processes_of(self.run_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _nothing_left_running(run_dir: Path) -> None:
+    deadline = time.monotonic() + 5
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_of(run_dir) == [], "processes of the job still running after 5 s"
+
+
+def test_a_sigstopped_server_is_named_in_time_and_the_job_resumes_from_its_snapshot(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job(run_dir, "train.steps=150", "strategy.snapshot_every=10")
+    try:
+        snapshots = run_dir / "ps-snapshots"
+        deadline = time.monotonic() + 120
+        while not list(snapshots.glob("server0-v*.pt")):
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.output()
+            time.sleep(0.05)
+        os.kill(int((run_dir / "ps" / "pid0").read_text()), signal.SIGSTOP)
+        stopped = time.time()
+        assert job.wait() == 0, job.output()[-3000:]
+        bound = stopped + TIMEOUT_S + 2
+        for worker in (1, 2):  # each worker, blocked on the frozen server, names it
+            assert job.first(f"ps worker rank {worker}: server rank 0 silent for") <= bound
+        assert job.first("shardwise: ps server rank 0 silent for") <= bound  # the supervisor
+        assert job.first("restarting the job; servers resume from their snapshots") <= bound + 1
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["resumed_from"] >= 10 and summary["resumed_from"] % 10 == 0
+        assert summary["updates"] == 150 - summary["resumed_from"]  # the rest, no more
+        _nothing_left_running(run_dir)
+    finally:
+        job.kill_all()
+
+
+def test_a_hung_server_is_named_stuck_by_its_workers_and_the_job_fails(tmp_path):
+    """The server's loop hangs at its 20th update while its heartbeats go on: alive, so not
+    silent, but its workers' requests go unanswered past progress_timeout_s + timeout_s."""
+    run_dir = tmp_path / "run"
+    job = Job(run_dir, "train.steps=150", env={"SHARDWISE_FAULT": "hang:rank=0:step=20"})
+    try:
+        assert job.wait() == 1, job.output()[-3000:]
+        fired = float((run_dir / "faults" / "hang-rank0-step20").read_text())
+        stuck_after = PROGRESS_S + TIMEOUT_S  # (their pulls went out just before it hung)
+        bound = fired + stuck_after + 2
+        for worker in (1, 2):
+            said = job.first(f"ps worker rank {worker}: server rank 0 has not answered for")
+            assert fired + stuck_after - 0.5 <= said <= bound
+        assert job.first("shardwise: ps server rank 0 still running") <= bound + TIMEOUT_S + 1
+        assert "the parameter-server job failed: server rank 0" in job.output()
+        _nothing_left_running(run_dir)
+    finally:
+        job.kill_all()
