@@ -292,3 +292,23 @@ def test_jobs_started_in_the_same_second_never_share_a_run_directory(tmp_path):
     cfg = load_config("digits", [f"launch.runs_dir={tmp_path}"])
     made = [new_run_dir(cfg) for _ in range(5)]  # well within one second
     assert len(set(made)) == 5 and all(p.parent == tmp_path for p in made)
+
+
+def test_two_ps_jobs_one_after_the_other_share_no_snapshot_nor_log(tmp_path):
+    """Without --run-dir, each job gets its own run directory (snapshots and logs in it): the
+    second, with another learning rate, trains from scratch (it once resumed the first one's
+    snapshot, did 0 updates and reported the old job's accuracy)."""
+    sets = ["strategy.name=ps", "strategy.snapshot_every=10", "train.steps=30"]
+    runs = []
+    for lr in ("1e-3", "2e-3"):
+        more = [f"optim.lr={lr}", f"launch.runs_dir={tmp_path}"]
+        args = [arg for kv in [*sets, *more] for arg in ("--set", kv)]
+        result = shardwise("train", "digits", *args, cwd=tmp_path, timeout=180)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        (new,) = set(tmp_path.iterdir()) - set(runs)
+        runs.append(new)
+    for run_dir in runs:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["resumed_from"] is None and summary["updates"] == 30
+        assert len(list((run_dir / "ps-snapshots").glob("server0-v*.pt"))) == 2
+        assert len((run_dir / "ps" / "worker1.jsonl").read_text().splitlines()) == 30

@@ -1,9 +1,11 @@
 """No process of a job outlives it: SIGKILL or SIGTERM to `shardwise train` (torchrun's agent
 runs in it) or to the parameter-server supervisor leaves nothing running after 5 s, counted
-from /proc; and a script that forgets `sw.shutdown()` still exits cleanly."""
+from /proc; a single-machine job listens on 127.0.0.1 only (its sockets, read from /proc/net);
+and a script that forgets `sw.shutdown()` still exits cleanly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -30,6 +32,29 @@ def processes_of(run_dir: Path) -> list[int]:
         if str(run_dir) in cmdline and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """The local addresses (IPv4 or IPv6, hex as in /proc/net) that these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):  # (gone meanwhile)
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                found.add(local.split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
 def _start(run_dir: Path, *args: str) -> subprocess.Popen:
@@ -65,6 +90,8 @@ def test_no_process_of_the_job_outlives_a_signal_to_its_launcher(tmp_path, kind,
     job = _start(run_dir, *(PS if kind == "ps" else []))
     try:
         _wait_until_training(run_dir, job, ranks=3 if kind == "ps" else 2)
+        listening = listening_addresses([job.pid, *processes_of(run_dir)])
+        assert listening and listening <= LOOPBACK, listening  # the store and gloo's sockets
         job.send_signal(sig)
         job.wait(timeout=30)
         deadline = time.monotonic() + 5

@@ -121,3 +121,25 @@ def test_a_hung_server_is_named_stuck_by_its_workers_and_the_job_fails(tmp_path)
         _nothing_left_running(run_dir)
     finally:
         job.kill_all()
+
+
+def test_a_worker_whose_training_hangs_is_named_stuck_and_the_job_fails_naming_it(tmp_path):
+    """Worker 2's training thread blocks at its 10th step while its process (and heartbeats)
+    live on: server 0 declares it stuck within progress_timeout_s + 2 s, worker 1 trains its
+    batch and every other, and the job ends, naming it (all workers must finish by default)."""
+    run_dir = tmp_path / "run"
+    job = Job(run_dir, "train.steps=60", env={"SHARDWISE_FAULT": "hang:rank=2:step=10"})
+    try:
+        assert job.wait() == 1, job.output()[-3000:]
+        fired = float((run_dir / "faults" / "hang-rank2-step10").read_text())
+        said = job.first("ps server 0: worker rank 2 stuck at clock")
+        assert said <= fired + PROGRESS_S + 2
+        assert job.first("ps worker rank 2 still running") > said  # stopped by the supervisor
+        assert "failed: worker rank 2 (exit code -9)" in job.output()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["consumed_samples"] == 60 * 2 * 32  # its batch was trained by worker 1
+        rows = (run_dir / "ps" / "worker1.jsonl").read_text().splitlines()
+        assert sum(json.loads(r)["samples"] for r in rows) == 60 * 2 * 32 - 9 * 32
+        _nothing_left_running(run_dir)
+    finally:
+        job.kill_all()

@@ -1,8 +1,9 @@
 """Start N local worker processes with torchrun's own machinery (the elastic agent).
 
-`launch` is what `torchrun --standalone --nproc-per-node N` does: a c10d rendezvous on
-127.0.0.1, one agent supervising the workers, and if any worker fails the agent stops the rest
-and reports it. Workers inherit the environment set here: threads per rank (more threads than
+`launch` is what `torchrun --standalone --nproc-per-node N` does: one agent supervising the
+workers, and if any worker fails the agent stops the rest and reports it. Its rendezvous is
+`loopback.py`'s: the job's c10d store listens on 127.0.0.1 only (torchrun's listens on every
+interface). Workers inherit the environment set here: threads per rank (more threads than
 cores is several times slower) and glibc malloc thresholds (returning memory to the OS after
 each step makes step times swing by ~30%).
 """
@@ -19,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardwise import loopback
 from shardwise.runtime import TOKEN_ENV
 
 # Keep freed memory in the process: large gradient buffers are reallocated every step.
@@ -76,8 +78,7 @@ def _launch(
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # port 0: the agent picks a free port and hosts the store
+        rdzv_backend=loopback.BACKEND,  # the agent hosts the store, on 127.0.0.1 only
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",

@@ -2,9 +2,9 @@
 
 torchrun's agent ends every process when one fails: right for lock-step strategies, wrong here,
 where surviving a dead worker is the point. So this supervisor starts the processes itself (the
-environment torchrun would set), hosts the job's c10d store on 127.0.0.1 as torchrun's agent
-does (so a frozen server cannot take everyone's heartbeats with it), reports a worker that dies
-and lets the others go on (the servers notice through the heartbeats), and when a server dies,
+environment torchrun would set), hosts the job's c10d store (on 127.0.0.1 only) as torchrun's
+agent does (so a frozen server cannot take everyone's heartbeats with it), reports a worker that
+dies and lets the others go on (the servers notice through the heartbeats), and when a server dies,
 goes silent (SIGSTOPped, say: its heartbeats stop) or stays stuck once every worker has given
 up on it, it stops the rest and starts the job again once: the servers resume from their
 snapshots and the workers from the servers' version. A relay (two-level job) counts as a server
@@ -20,14 +20,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.launcher import worker_environment
-from shardwise.ps.liveness import HeartbeatWatch
+from shardwise.loopback import loopback_store
+from shardwise.ps.liveness import EXIT_SERVER_LOST, HeartbeatWatch
 from shardwise.runtime import TOKEN_ENV, key_prefix
 from shardwise.signals import handling_stop_signals
 
@@ -70,9 +70,7 @@ def _start(
 ) -> Attempt:
     # The store lives in the supervisor, as torchrun's agent hosts it: every rank is a client
     # (TORCHELASTIC_USE_AGENT_STORE), and a rank that freezes freezes nobody's store requests.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    store = loopback_store()
     env = {**os.environ, **worker_environment(nproc, threads)}
     env.update(
         MASTER_ADDR="127.0.0.1",
@@ -159,6 +157,12 @@ def _watch(job: Attempt, layout: Layout) -> bool:
             if rank < servers:
                 server_failed = True
                 print(f"shardwise: ps {layout.role(rank)} exited with code {code}", flush=True)
+            elif code == EXIT_SERVER_LOST:
+                print(
+                    f"shardwise: ps {layout.role(rank)} exited with code {code} (it gave up on a "
+                    "silent or stuck server or relay)",
+                    flush=True,
+                )
             else:
                 print(
                     f"shardwise: ps worker rank {rank} exited with code {code}; the others go on",
