@@ -27,13 +27,12 @@ import torch.distributed as dist
 from shardwise.config import Config
 from shardwise.launcher import worker_environment
 from shardwise.loopback import loopback_store
-from shardwise.ps.liveness import EXIT_SERVER_LOST, HeartbeatWatch
+from shardwise.ps.liveness import EXIT_SERVER_LOST, FIRST_BEAT_S, HeartbeatWatch, gave_up_key
 from shardwise.runtime import TOKEN_ENV, key_prefix
 from shardwise.signals import handling_stop_signals
 
 GRACE_S = 3.0  # seconds the job's processes get to leave after SIGTERM, before SIGKILL
 WORKERS_NOTICE_S = 1.5  # seconds the workers get to notice a failed server themselves
-STARTUP_S = 120.0  # a server's first heartbeat may take this long (imports, data, snapshots)
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,13 @@ class Attempt:
 
     procs: list[subprocess.Popen]
     store: dist.TCPStore
-    watch: HeartbeatWatch
+    keys: dist.Store  # the store below the job's token and attempt: what the ranks write
+    watch: HeartbeatWatch  # the serving ranks' heartbeats
     failures: dict[int, int] = field(default_factory=dict)  # rank -> exit code
+    servers_done_at: float | None = None  # when every serving rank had finished well
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
 
 
 def _start(
@@ -87,7 +91,7 @@ def _start(
         layout.timeout_s,
         layout.heartbeat_s / 2,
         store=keys,
-        startup_s=STARTUP_S,
+        startup_s=FIRST_BEAT_S,
     )
     # One process group for the job's processes (its leader the first): a signal to the
     # supervisor is passed on to all of them at once.
@@ -96,7 +100,7 @@ def _start(
         group = procs[0].pid if procs else 0
         env_r = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
         procs.append(subprocess.Popen([sys.executable, *argv], env=env_r, process_group=group))
-    return Attempt(procs, store, watch)
+    return Attempt(procs, store, keys, watch)
 
 
 @contextlib.contextmanager
@@ -144,98 +148,99 @@ def supervise(
 
 
 def _watch(job: Attempt, layout: Layout) -> bool:
-    """Until every process has ended; False if a server failed (died, went silent, or was
-    left stuck by every worker), after stopping the others."""
-    procs, failures, servers = job.procs, job.failures, layout.serving
-    while any(p.poll() is None for p in procs):
-        server_failed = False
-        for rank, p in enumerate(procs):
-            code = p.poll()
-            if code in (None, 0) or rank in failures:
-                continue
-            failures[rank] = code
-            if rank < servers:
-                server_failed = True
-                print(f"shardwise: ps {layout.role(rank)} exited with code {code}", flush=True)
-            elif code == EXIT_SERVER_LOST:
-                print(
-                    f"shardwise: ps {layout.role(rank)} exited with code {code} (it gave up on a "
-                    "silent or stuck server or relay)",
-                    flush=True,
-                )
-            else:
-                print(
-                    f"shardwise: ps worker rank {rank} exited with code {code}; the others go on",
-                    flush=True,
-                )
-        running = [r for r in range(servers) if procs[r].poll() is None]
-        for rank, silent_s in job.watch.dead(set(running)):
+    """Until every process has ended; False if a server or relay failed (died, went silent, or
+    was given up on by a rank waiting on it), after stopping the others."""
+    while True:
+        running = job.running()  # (before the exits are noted: the last one is noted too)
+        failed = _note_exits(job, layout)
+        for rank, silent_s in job.watch.dead(_running_serving(job, layout)):
             print(
                 f"shardwise: ps {layout.role(rank)} silent for {silent_s:.1f} s (no heartbeat: "
                 "frozen or unreachable); stopping the job",
                 flush=True,
             )
-            failures[rank], server_failed = -signal.SIGKILL, True
-        server_failed = server_failed or _server_left_stuck(procs, layout, failures)
-        if server_failed:
+            job.failures[rank], failed = -signal.SIGKILL, True
+        if failed:
             # Its workers notice it too (the same timeout): give them a moment to say so and
             # leave on their own, before the rest is stopped.
             deadline = time.monotonic() + WORKERS_NOTICE_S
-            while any(p.poll() is None for p in procs[servers:]) and time.monotonic() < deadline:
+            while job.running() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            for p in procs:
+            for p in job.procs:
                 p.kill()
-            for p in procs:
+            for p in job.procs:
                 p.wait()
             return False
-        _stop_workers_left_behind(procs, servers, failures)
+        if not running:
+            return True
+        _stop_workers_left_behind(job, layout)
         time.sleep(0.1)
-    return True
 
 
-def _server_left_stuck(procs: list, layout: Layout, failures: dict[int, int]) -> bool:
-    """Every worker has ended, not all of them well, and a server still runs `timeout_s` later:
-    the workers gave up on it (they name it: silent, or stuck), and nothing will end it."""
-    workers = procs[layout.serving :]
-    if any(p.poll() is None for p in workers) or all(p.poll() == 0 for p in workers):
-        return False
-    now = time.monotonic()
-    for rank, p in enumerate(procs[: layout.serving]):
-        if p.poll() is not None:
+def _running_serving(job: Attempt, layout: Layout) -> set[int]:
+    return {r for r in range(layout.serving) if job.procs[r].poll() is None}
+
+
+def _note_exits(job: Attempt, layout: Layout) -> bool:
+    """Report each process that ended badly, once; True if the job cannot go on: a server or
+    relay failed, or a rank gave up on one (it names it in the store) that still runs."""
+    failed = False
+    for rank, p in enumerate(job.procs):
+        code = p.poll()
+        if code in (None, 0) or rank in job.failures:
             continue
-        since = getattr(p, "workers_gone_at", None)
-        if since is None:
-            p.workers_gone_at = now
-        elif now - since > layout.timeout_s:
+        job.failures[rank] = code
+        culprit = _given_up_on(job, rank) if code == EXIT_SERVER_LOST else None
+        if culprit is not None:
             print(
-                f"shardwise: ps {layout.role(rank)} still running {now - since:.0f} s after "
-                "every worker ended (the workers gave up on it); stopping the job",
+                f"shardwise: ps {layout.role(rank)} gave up on {layout.role(culprit)} (silent "
+                "or stuck; its own line says which)",
                 flush=True,
             )
-            failures[rank] = -signal.SIGKILL
-            return True
-    return False
+            if culprit in _running_serving(job, layout):
+                print(f"shardwise: stopping the job: {layout.role(culprit)} failed", flush=True)
+                job.failures.setdefault(culprit, -signal.SIGKILL)
+                failed = True
+        elif rank < layout.serving:
+            print(f"shardwise: ps {layout.role(rank)} exited with code {code}", flush=True)
+        else:
+            print(
+                f"shardwise: ps {layout.role(rank)} exited with code {code}; the others go on",
+                flush=True,
+            )
+        failed = failed or rank < layout.serving
+    return failed
 
 
-def _stop_workers_left_behind(procs: list, servers: int, failures: dict[int, int]) -> None:
+def _given_up_on(job: Attempt, rank: int) -> int | None:
+    """The upstream rank that `rank` gave up on, from the key its guard left (None if none)."""
+    key = gave_up_key(rank)
+    if not job.keys.check([key]):
+        return None
+    try:
+        return int(job.keys.get(key))
+    except ValueError:
+        return None
+
+
+def _stop_workers_left_behind(job: Attempt, layout: Layout) -> None:
     """Once every server (and relay) has finished, a worker still running was declared dead or
     stuck by them (its training hung, its process lives on): after a grace period, stop it and
     name it, so that the job ends."""
-    if any(p.poll() != 0 for p in procs[:servers]):
+    if any(p.poll() != 0 for p in job.procs[: layout.serving]):
         return
     now = time.monotonic()
-    for rank, p in enumerate(procs[servers:], start=servers):
-        if p.poll() is not None:
-            continue
-        since = getattr(p, "servers_done_at", None)
-        if since is None:
-            p.servers_done_at = now
-        elif now - since > GRACE_S:
+    if job.servers_done_at is None:
+        job.servers_done_at = now
+    if now - job.servers_done_at <= GRACE_S:
+        return
+    for rank, p in enumerate(job.procs[layout.serving :], start=layout.serving):
+        if p.poll() is None:
             p.kill()
-            failures[rank] = p.wait()
+            job.failures[rank] = p.wait()
             print(
-                f"shardwise: ps worker rank {rank} still running {GRACE_S:.0f} s after the servers "
-                "finished (declared dead or stuck by them): stopped",
+                f"shardwise: ps {layout.role(rank)} still running {GRACE_S:.0f} s after the "
+                "servers finished (declared dead or stuck by them): stopped",
                 flush=True,
             )
 

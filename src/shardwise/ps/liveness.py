@@ -21,17 +21,28 @@ from shardwise import runtime
 
 GIVE_UP_AFTER = 20  # consecutive failed beats: the store went away with the job
 EXIT_SERVER_LOST = 3  # exit code of a process that gave up on a silent or stuck server
+FIRST_BEAT_S = 120.0  # silence allowed before a rank's first beat (imports, data, snapshots)
 
 
 def heartbeat_key(rank: int) -> str:
     return f"shardwise/ps/heartbeat/{rank}"
 
 
+def finished_key(rank: int) -> str:
+    """Set when a rank stops beating because it is done (not silent: nobody waits for it)."""
+    return f"shardwise/ps/finished/{rank}"
+
+
+def gave_up_key(rank: int) -> str:
+    """Set by a rank that gave up on an upstream one: the culprit's rank, for the supervisor."""
+    return f"shardwise/ps/gave-up/{rank}"
+
+
 class HeartbeatSender:
-    """Bump this rank's counter every `period_s` until `stop()`."""
+    """Bump this rank's counter every `period_s` until `stop()` (which marks it finished)."""
 
     def __init__(self, rank: int, period_s: float) -> None:
-        self._store = runtime.store()
+        self._store, self.rank = runtime.store(), rank
         self._key, self._period = heartbeat_key(rank), period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ps-heartbeat")
@@ -51,6 +62,8 @@ class HeartbeatSender:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        with contextlib.suppress(Exception):  # (a store already gone: nobody is watching)
+            self._store.set(finished_key(self.rank), "1")
 
 
 class HeartbeatWatch:
@@ -65,8 +78,9 @@ class HeartbeatWatch:
         startup_s: float | None = None,
     ) -> None:
         """`startup_s` (default: `timeout_s`): the silence allowed before a rank's first beat
-        (a process still starting: imports, data, snapshots)."""
-        self._store = store if store is not None else runtime.store()
+        (a process still starting: imports, data, snapshots). A rank that stopped beating
+        because it finished is never silent."""
+        self.store = store if store is not None else runtime.store()
         self.timeout_s, self.check_every_s = timeout_s, check_every_s
         self.startup_s = timeout_s if startup_s is None else startup_s
         self._seen = {r: (0, time.monotonic()) for r in ranks}
@@ -84,11 +98,13 @@ class HeartbeatWatch:
         self._next_check = now + self.check_every_s
         out = []
         for rank in sorted(ranks):
-            beats = self._store.add(heartbeat_key(rank), 0)
+            beats = self.store.add(heartbeat_key(rank), 0)
             last, since = self._seen[rank]
             if beats != last:
                 self._seen[rank] = (beats, now)
-            elif now - since > (self.timeout_s if beats else self.startup_s):
+                continue
+            quiet = now - since > (self.timeout_s if beats else self.startup_s)
+            if quiet and not self.store.check([finished_key(rank)]):  # (finished: not silent)
                 out.append((rank, now - since))
         return out
 
@@ -105,15 +121,18 @@ class UpstreamGuard:
 
     def __init__(
         self,
-        me: str,
+        rank: int,
+        role: str,
         upstream: dict[int, str],  # rank -> its role ("server", "relay")
         timeout_s: float,
         stuck_after_s: float,
         heartbeat_s: float,
     ) -> None:
-        self.me, self.upstream, self.stuck_after_s = me, upstream, stuck_after_s
-        # (a server beats before it answers anything: its first beat is no long wait)
-        self._watch = HeartbeatWatch(list(upstream), timeout_s, heartbeat_s / 2)
+        self.rank, self.me = rank, f"{role} rank {rank}"
+        self.upstream, self.stuck_after_s = upstream, stuck_after_s
+        self._watch = HeartbeatWatch(
+            list(upstream), timeout_s, heartbeat_s / 2, startup_s=FIRST_BEAT_S
+        )
         self._since: float | None = None  # when the current wait began
         self._on: int | None = None  # whose answer the current wait is for
         self._stop = threading.Event()
@@ -150,15 +169,16 @@ class UpstreamGuard:
             now = time.monotonic()
             if silent:
                 rank, silent_s = silent[0]
-                self._give_up(f"{self.upstream[rank]} rank {rank} silent for {silent_s:.1f} s")
+                self._give_up(rank, f"silent for {silent_s:.1f} s")
             elif (on := self._on) is not None and now - since > self.stuck_after_s:
-                role, waited = self.upstream[on], now - since
-                self._give_up(
-                    f"{role} rank {on} has not answered for {waited:.1f} s (alive: stuck)"
-                )
+                self._give_up(on, f"has not answered for {now - since:.1f} s (alive: stuck)")
             elif (failed := self._store_failed_since) and now - failed > self._watch.timeout_s:
-                self._give_up("the job's store (hosted by its launcher) unreachable")
+                self._give_up(None, "the job's store (hosted by its launcher) unreachable")
 
-    def _give_up(self, what: str) -> None:
+    def _give_up(self, culprit: int | None, what: str) -> None:
+        if culprit is not None:
+            what = f"{self.upstream[culprit]} rank {culprit} {what}"
+            with contextlib.suppress(Exception):  # (the supervisor names it from this key)
+                self._watch.store.set(gave_up_key(self.rank), str(culprit))
         print(f"shardwise: ps {self.me}: {what}; ending this process", file=sys.stderr, flush=True)
         os._exit(EXIT_SERVER_LOST)

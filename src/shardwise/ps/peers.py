@@ -45,12 +45,19 @@ class Peers:
         if clock != self.progress[rank][0]:
             self.progress[rank] = (clock, time.monotonic())
 
-    def stuck(self, timeout_s: float) -> list[tuple[int, int, float]]:
+    def note_served(self, rank: int) -> None:
+        """It was given something to do (parameters it waited for, a batch): its time to show
+        progress starts now, not at its last push (it may have waited long, through no fault
+        of its own)."""
+        self.progress[rank] = (self.progress[rank][0], time.monotonic())
+
+    def stuck(self, timeout_s: float, waiting_on_us: set[int]) -> list[tuple[int, int, float]]:
         """(rank, clock, seconds without progress) of active peers whose clock has not moved
         for `timeout_s` while another waits on them: one ahead of them, or one idle (at the
         end of the queue, waiting for a batch that a stuck peer holds). Alive, but their
-        training stalled; peers all waiting together are not stuck."""
-        active = self.active() - self.lost
+        training stalled; peers all waiting together, or waiting for our answer
+        (`waiting_on_us`: a pull held for a sync round, say), are not stuck."""
+        active = self.active() - self.lost - waiting_on_us
         others = self.live - self.done - self.lost
         idle = bool(others & self.idle)
         now = time.monotonic()

@@ -54,7 +54,7 @@ class Relay:
         self.servers = list(range(options.servers))
         self.signature = signature(model)
         # Upward, the relay is a client like a worker: hello, first pull, heartbeats.
-        self.up = PSClient(model, options, rt, servers=self.servers)
+        self.up = PSClient(model, options, rt, servers=self.servers, role="relay")
         self.group = self.up.group
         self.flat = flat_values(self.up.params)
         self.version, self.clock = self.up.version, self.up.clock
@@ -79,7 +79,8 @@ class Relay:
         while self.peers.serving():
             for worker, silent_s in self.peers.silent():
                 self._declare_dead(worker, silent_s)
-            for worker, clock, still_s in self.peers.stuck(self.o.progress_timeout_s):
+            held = {worker for worker, _ in self.waiting_pulls}
+            for worker, clock, still_s in self.peers.stuck(self.o.progress_timeout_s, held):
                 self._declare_dead(worker, still_s, f"stuck at clock {clock} (alive, no progress)")
             try:
                 src, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
@@ -189,6 +190,7 @@ class Relay:
                 ready = self.replies >= self.reply_needed.get(w, 0)
             if ready:
                 self._send(w, Kind.OK, self.version, payload=self.flat)
+                self.peers.note_served(w)
             else:
                 still.append((w, clock))
         self.waiting_pulls = still
@@ -210,6 +212,7 @@ class Relay:
                 self.peers.idle.discard(worker)
                 self.told_idle = False  # server 0 counts on us again: say so if all idle again
                 self._send(worker, Kind.BATCH, int(h[1]), worker, payload=payload)
+                self.peers.note_served(worker)
             else:
                 self._send(worker, kind, worker)
                 if kind == Kind.WAIT:  # do not wait for it: it has nothing to push

@@ -148,9 +148,12 @@ class Server:
     # ---- the loop
     def serve(self) -> ServerReport:
         senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
+        world_size = dist.get_world_size()
+        # relay -> its workers (their batches are dealt through it)
+        self.groups = self.o.relay_groups(world_size) if self.o.relays else {}
         self.rules = Rules(
             server=self.rank,
-            world_size=dist.get_world_size(),
+            world_size=world_size,
             clients=frozenset(self.peers.live),
             relays=bool(self.o.relays),
             coordinates=self.rank == COORDINATOR,
@@ -163,7 +166,8 @@ class Server:
         while self.peers.serving():
             for client, silent_s in self.peers.silent():
                 self._declare_dead(client, silent_s)
-            for client, clock, still_s in self.peers.stuck(self.stuck_after_s):
+            held = {client for client, _ in self.waiting_pulls}
+            for client, clock, still_s in self.peers.stuck(self.stuck_after_s, held):
                 self._declare_dead(client, still_s, f"stuck at clock {clock} (alive, no progress)")
             try:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
@@ -263,6 +267,7 @@ class Server:
         batch = self.work.next(worker) if self.work is not None else None
         if batch is not None:
             self._send(src, Kind.BATCH, batch[0], worker, payload=torch.tensor(batch[1]))
+            self.peers.note_served(src)
         elif self.work is not None and self.work.outstanding:
             self.waiting_batch[worker] = src  # held: another worker's batch may come back
             if worker == src:  # a relay says IDLE itself once its whole group waits
@@ -310,6 +315,7 @@ class Server:
             batch = self.work.next(worker) if self.work is not None else None
             if batch is not None:
                 self._send(client, Kind.BATCH, batch[0], worker, payload=torch.tensor(batch[1]))
+                self.peers.note_served(client)
             elif self.work is None or not self.work.outstanding:
                 self._send(client, Kind.END, worker)
             else:
@@ -367,6 +373,7 @@ class Server:
                 continue
             if self.mode.may_answer(self, client, clock):
                 self._send(client, Kind.OK, self.version, payload=flatten(self.params))
+                self.peers.note_served(client)
             else:
                 still.append((client, clock))
         self.waiting_pulls = still
@@ -374,13 +381,16 @@ class Server:
     # ---- liveness
     def _declare_dead(self, client: int, silent_s: float, why: str = "") -> None:
         """Nobody waits for it any more; a dead worker's unfinished batch goes back to the
-        queue (a dead relay's workers stop with it: the supervisor restarts the job)."""
+        queue, and so do those of a dead relay's workers (they stop with it: the supervisor
+        restarts the job)."""
         self.peers.mark_dead(client, silent_s)
         self.report.dead_workers[client] = silent_s
         self.mode.forget(client)
-        self.waiting_batch.pop(client, None)
+        for worker in self.groups.get(client, [client]):
+            self.waiting_batch.pop(worker, None)
+            if self.work is not None:
+                self.work.give_back(worker)
         if self.work is not None:
-            self.work.give_back(client)
             self._deal()
         role = "relay" if self.o.relays else "worker"
         why = why or "silent"

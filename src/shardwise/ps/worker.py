@@ -154,7 +154,10 @@ class PSClient:
         options: ParameterServer,
         rt: Runtime,
         servers: list[int] | None = None,
+        role: str = "worker",
     ) -> None:
+        """`servers`: whom to talk to (default: this worker's servers, or its relay); `role`:
+        what this process is ("worker", or "relay" for a relay's connection upward)."""
         self.o, self.model = options, model
         self.servers = servers if servers is not None else options.upstream(rt.rank, rt.world_size)
         self.plan = plan_shards(model, len(self.servers))
@@ -163,15 +166,19 @@ class PSClient:
         self.version = 0
         self.group = protocol.make_group()
         self._beats = HeartbeatSender(rt.rank, options.heartbeat_s)
-        role = "relay" if options.relays and servers is None else "server"
-        me = f"{'relay' if servers is not None else 'worker'} rank {rt.rank}"
+        # A worker of a two-level job talks to its relay; everyone else to the servers.
+        upstream_role = "relay" if role == "worker" and options.relays else "server"
         # A healthy server answers within the progress timeout after which it gives up on a
         # stuck peer (one more level of it behind a relay), plus a check: past that, it is stuck.
-        levels = 2 if role == "relay" else 1
+        levels = 2 if upstream_role == "relay" else 1
         stuck_after_s = options.progress_timeout_s + levels * options.timeout_s
-        upstream = dict.fromkeys(self.servers, role)
         self.guard = UpstreamGuard(
-            me, upstream, options.timeout_s, stuck_after_s, options.heartbeat_s
+            rt.rank,
+            role,
+            dict.fromkeys(self.servers, upstream_role),
+            options.timeout_s,
+            stuck_after_s,
+            options.heartbeat_s,
         )
         sig = protocol.pack(signature(model))
         clocks = []
