@@ -166,6 +166,7 @@ def _watch(job: Attempt, layout: Layout) -> bool:
             deadline = time.monotonic() + WORKERS_NOTICE_S
             while job.running() and time.monotonic() < deadline:
                 time.sleep(0.05)
+            _note_exits(job, layout)  # (those who left on their own, before the rest is stopped)
             for p in job.procs:
                 p.kill()
             for p in job.procs:
