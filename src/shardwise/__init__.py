@@ -6,7 +6,7 @@ model, opt = sw.prepare(MyModel(), sw.DDP(), optimizer=torch.optim.AdamW, lr=1e-
 loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
 """
 
-from shardwise import comm, data, ps
+from shardwise import comm, data, partition, ps
 from shardwise.api import (
     clip_grad_norm_,
     data_shard,
@@ -64,6 +64,7 @@ __all__ = [
     "load_checkpoint",
     "memory_report",
     "parallel_loss",
+    "partition",
     "predict",
     "prepare",
     "ps",

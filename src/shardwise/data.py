@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardwise import runtime
+from shardwise.partition import Partitioner
 
 
 class ShardedLoader:
@@ -109,15 +110,90 @@ class ShardedLoader:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
+class PartitionedLoader:
+    """This rank's part of each epoch (a `Partitioner` decides whose samples are whose), in
+    batches of `batch_sizes[index]`; iterating again starts the next epoch.
+
+    Every rank takes the same number of steps (a rank with one step more would wait forever in
+    a collective): as many as the part with the fewest full batches holds, the rest of each part
+    being left for the epoch (give parts proportional to the batch sizes, `Weighted`, and
+    nothing is left but remainders). Its position is (epoch, step), for this number of parts.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_sizes: list[int],
+        index: int,
+        partition: Partitioner,
+        seed: int,
+        num_workers: int = 0,
+    ) -> None:
+        if any(b < 1 for b in batch_sizes):
+            raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+        self.dataset, self.batch_sizes, self.index = dataset, list(batch_sizes), index
+        self.partition, self.seed, self.num_workers = partition, seed, num_workers
+        self.epoch = self.step = 0
+        self.last_indices: list[int] = []
+
+    @property
+    def replicas(self) -> int:
+        return len(self.batch_sizes)
+
+    def parts(self, epoch: int) -> list[list[int]]:
+        return self.partition.split(len(self.dataset), self.replicas, self.seed, epoch)
+
+    def steps(self, parts: list[list[int]]) -> int:
+        return min(len(part) // b for part, b in zip(parts, self.batch_sizes, strict=True))
+
+    def __iter__(self) -> Iterator[Any]:
+        parts = self.parts(self.epoch)
+        steps, size = self.steps(parts), self.batch_sizes[self.index]
+        if steps == 0:
+            raise ValueError(
+                f"a part of {min(len(p) for p in parts)} samples does not fill one batch "
+                f"(batch sizes {self.batch_sizes})"
+            )
+        mine = parts[self.index]
+        plan = [mine[s * size : (s + 1) * size] for s in range(self.step, steps)]
+        fetch = DataLoader(
+            self.dataset,
+            batch_sampler=plan,
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.seed + self.epoch),
+        )
+        for indices, batch in zip(plan, fetch, strict=True):
+            self.step += 1
+            self.last_indices = indices
+            yield batch
+        self.epoch, self.step = self.epoch + 1, 0
+
+    def __len__(self) -> int:
+        return self.steps(self.parts(self.epoch))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "parts": self.replicas}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed or state["parts"] != self.replicas:
+            raise ValueError(
+                f"data position saved with seed {state['seed']} over {state['parts']} parts, "
+                f"not seed {self.seed} over {self.replicas} (a partitioned loader's position "
+                "holds for its own number of ranks)"
+            )
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
 def loader(
     dataset: Dataset,
-    batch_size: int,
+    batch_size: int | list[int],
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = True,
     num_workers: int = 0,
     shard: tuple[int, int] | None = None,
-) -> ShardedLoader:
+    partition: Partitioner | None = None,
+) -> ShardedLoader | PartitionedLoader:
     """A loader yielding `batch_size` samples per step from this rank's slice of each global
     batch; the global batch per step is `batch_size * world_size`.
 
@@ -126,13 +202,24 @@ def loader(
     evenly as it goes. `shard` = (replicas, index) overrides (world size, rank): ranks that
     split one model (tensor or pipeline parallel) must read the same batches;
     `sw.data_shard(model)` says how.
+
+    With `partition` (`shardwise.partition`: contiguous, strided, hashed, stratified,
+    weighted), each rank reads its own part of the epoch instead, and `batch_size` may be one
+    size per rank (e.g. [3, 9] with `Weighted([1, 3])`).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if shard is None:
         rt = runtime.init()  # the existing runtime, or a world of one
         shard = (rt.world_size, rt.rank)
     replicas, index = shard
+    if partition is not None:
+        sizes = batch_size if isinstance(batch_size, list) else [batch_size] * replicas
+        if len(sizes) != replicas:
+            raise ValueError(f"{len(sizes)} batch sizes for {replicas} ranks")
+        return PartitionedLoader(dataset, sizes, index, partition, seed, num_workers)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"batch_size must be an int >= 1, got {batch_size!r} (per-rank sizes need a partition)"
+        )
     return ShardedLoader(
         dataset, batch_size, replicas, index, shuffle, seed, drop_last, num_workers
     )
