@@ -19,6 +19,14 @@ from shardwise import runtime
 from shardwise.partition import Partitioner
 
 
+def _fetch(dataset: Dataset, plan: list[list[int]], num_workers: int, seed: int) -> DataLoader:
+    """The batches of `plan` (lists of indices), read by torch's DataLoader."""
+    # Its own generator: each iterator draws a seed, and a draw from the global one would
+    # shift dropout's random numbers after a resume (which starts an iterator).
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_sampler=plan, num_workers=num_workers, generator=generator)
+
+
 class ShardedLoader:
     """This rank's slices of the global batches; iterating again starts the next epoch.
 
@@ -82,13 +90,8 @@ class ShardedLoader:
                 f"a dataset of {len(order)} samples does not fill one global batch of "
                 f"{self.global_batch} ({self.batch_size} per rank x {self.replicas})"
             )
-        fetch = DataLoader(
-            self.dataset,
-            batch_sampler=[mine for mine, _ in plan],
-            num_workers=self.num_workers,
-            # Its own generator: each iterator draws a seed, and a draw from the global one
-            # would shift dropout's random numbers after a resume (which starts an iterator).
-            generator=torch.Generator().manual_seed(self.seed + self.epoch),
+        fetch = _fetch(
+            self.dataset, [mine for mine, _ in plan], self.num_workers, self.seed + self.epoch
         )
         for (mine, consumed), batch in zip(plan, fetch, strict=True):
             self.offset += consumed
@@ -156,12 +159,7 @@ class PartitionedLoader:
             )
         mine = parts[self.index]
         plan = [mine[s * size : (s + 1) * size] for s in range(self.step, steps)]
-        fetch = DataLoader(
-            self.dataset,
-            batch_sampler=plan,
-            num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed + self.epoch),
-        )
+        fetch = _fetch(self.dataset, plan, self.num_workers, self.seed + self.epoch)
         for indices, batch in zip(plan, fetch, strict=True):
             self.step += 1
             self.last_indices = indices

@@ -121,6 +121,12 @@ class FaultInjector:
             while True:  # alive, but never issues another collective
                 time.sleep(3600)
 
+    def slow_down(self, started: float) -> None:
+        """Under a `slow` fault, sleep so that the work begun at `started` (perf_counter) took
+        `slow_factor` times as long."""
+        if self.slow_factor > 1:
+            time.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
+
     def poisons_loss(self, step: int) -> bool:
         return self._fires("nan", step)
 

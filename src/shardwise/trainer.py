@@ -293,8 +293,7 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     if run.faults.poisons_loss(step):
         loss_fn = _poisoned(loss_fn)
     local_loss = sw.train_step(model, x, y, loss_fn)  # forward + backward
-    if run.faults.slow_factor > 1:
-        time.sleep((run.faults.slow_factor - 1) * (time.perf_counter() - t0))
+    run.faults.slow_down(t0)
     if step == cfg.train.steps:  # gradients present: the model state at its fullest
         run.memory = sw.memory_report(model, opt)
     # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and

@@ -175,8 +175,8 @@ class Relay:
         self.pulls_sent += 1
         self.report.pushes_forwarded += 1
         self.told_idle = False
-        if self.faults is not None and self.faults.slow_factor > 1:  # forwarding, slowed
-            time.sleep((self.faults.slow_factor - 1) * (time.perf_counter() - started))
+        if self.faults is not None:  # (forwarding, slowed)
+            self.faults.slow_down(started)
 
     def _answer_pulls(self) -> None:
         still = []
