@@ -208,8 +208,27 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tmp_path):
         ("boom:rank=1:step=2", "unknown fault 'boom'"),
         ("slow:rank=0:factor=0.5", "factor >= 1"),
         ("nan:rank=x:step=2", "expected nan:rank=...:step=..."),
+        ("slow:rank=1:step=3", "expected slow:rank=...:factor=..."),
+        ("kill:rank=1:step=2:factor=3", "expected kill:rank=...:step=..."),
     ],
 )
 def test_malformed_faults_are_one_line(spec, message):
     with pytest.raises(ValueError, match=message):
         faults.parse(spec)
+
+
+def test_a_later_slow_fault_replaces_an_earlier_one_from_its_step(tmp_path):
+    injector = faults.FaultInjector(
+        1, tmp_path, ["slow:rank=1:factor=2,slow:rank=1:factor=4:step=5"]
+    )
+    assert [injector.slow_factor(s) for s in (1, 4, 5, 9)] == [2, 2, 4, 4]
+    assert faults.FaultInjector(0, tmp_path, ["slow:rank=1:factor=2"]).slow_factor(3) == 1
+
+
+def test_per_sample_cost_is_the_slope_not_the_fixed_cost():
+    cost = faults.PerSampleCost()
+    # work = 5 ms fixed + 0.1 ms per sample; after the warm-up steps, sizes vary
+    times = [(64, 1.0), (64, 1.0)] + [(n, 0.005 + 1e-4 * n) for n in (64, 32, 48, 64, 40)]
+    estimates = [cost.observe(n, t) for n, t in times]
+    assert estimates[2] == pytest.approx((0.005 + 64e-4) / 64)  # one size seen: work / n
+    assert estimates[-1] == pytest.approx(1e-4)

@@ -46,20 +46,26 @@ def _reference(steps: int = STEPS) -> tuple[dict, list[float]]:
     return model.state_dict(), losses
 
 
-def _train(strategy: sw.Strategy, steps: int = STEPS) -> tuple[dict, list[float]]:
-    """Train with `strategy`; each rank reads its data-parallel share of the global batch."""
+def _train(
+    strategy: sw.Strategy, steps: int = STEPS, sizes: list[int] | None = None
+) -> tuple[dict, list[float]]:
+    """Train with `strategy`; each rank reads its data-parallel share of the global batch,
+    `sizes[i]` samples for replica i (default: equal shares)."""
     model, opt = sw.prepare(_gpt(), strategy, lr=1e-3)
     replicas, index = sw.data_shard(model)
-    share = BATCH // replicas
+    sizes = sizes or [BATCH // replicas] * replicas
+    begin, size = sum(sizes[:index]), sizes[index]
     losses = []
     for step in range(steps):
-        x, y = (t[index * share : (index + 1) * share] for t in _batch(step))
+        x, y = (t[begin : begin + size] for t in _batch(step))
         loss = sw.train_step(model, x, y, lm_loss)
         opt.step()
         opt.zero_grad()
-        mean = loss.reshape(1).clone()
+        # The global batch's loss: weighted by each replica's samples (and counted once for
+        # each of the world / replicas ranks that share a replica's batch).
+        mean = loss.reshape(1) * size
         dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+        losses.append(mean.item() * replicas / dist.get_world_size() / BATCH)
     state = sw.full_state_dict(model)
     model.close()
     return state, losses
@@ -287,7 +293,8 @@ def _mesh_run():
         ),
     }
     for name, strategy in variants.items():
-        got, losses = _train(strategy)
+        # Uneven batches along the data axis where the micro-batches allow (2 + 6 samples).
+        got, losses = _train(strategy, sizes=None if "gpipe" in name else [2, 6])
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
         out[name] = (_diff(got, expected), loss_diff)
     try:

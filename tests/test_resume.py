@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils.data import default_collate
 
+from ledger_replay import replay_ledger
 from shardwise import ledger, run_checkpoint
 from shardwise.config import load_config
-from shardwise.jobs import OPTIMIZERS, build_job, lr_multiplier, optimizer_kwargs
+from shardwise.jobs import build_job
 
 STEPS = 60
 
@@ -132,30 +132,6 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):
     assert run_checkpoint.newest(tmp_path / "run", 2, "zero-2") is None  # another strategy
 
 
-def _reference(run_dir: Path, sets: list[str]) -> dict[str, torch.Tensor]:
-    """Plain single-process training on the global batches the ledger says the ranks used:
-    each step's batch is every rank's indices of that step, in rank order."""
-    cfg = load_config("digits", [f"train.steps={STEPS}", *sets])
-    job = build_job(cfg)
-    model = job.model
-    opt = OPTIMIZERS[cfg.optim.name](model.parameters(), **optimizer_kwargs(cfg.optim))
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, STEPS))
-    by_step: dict[int, dict[int, list[int]]] = {}
-    for rank, lines in ledger.read(run_dir).items():
-        for line in lines:
-            by_step.setdefault(line["step"], {})[rank] = line["indices"]
-    assert sorted(by_step) == list(range(1, STEPS + 1))
-    data = job.splits.train
-    for step in range(1, STEPS + 1):
-        indices = [i for rank in sorted(by_step[step]) for i in by_step[step][rank]]
-        x, y = default_collate([data[i] for i in indices])
-        opt.zero_grad()
-        job.loss_fn(model(x), y).backward()
-        opt.step()
-        schedule.step()
-    return model.state_dict()
-
-
 # Batch sizes such that the resumed part crosses the end of the first epoch.
 @pytest.mark.parametrize("before, after, batch", [(4, 2, 8), (2, 3, 12)], ids=["4to2", "2to3"])
 def test_resume_on_another_number_of_ranks_sees_every_sample_once(tmp_path, before, after, batch):
@@ -174,7 +150,7 @@ def test_resume_on_another_number_of_ranks_sees_every_sample_once(tmp_path, befo
     size = len(build_job(load_config("digits")).splits.train)
     assert size - batch * after < len(first_epoch) <= size
     assert any(line["epoch"] == 1 for line in lines)  # (the run went past the epoch's end)
-    expected = _reference(run, sets)
+    expected = replay_ledger(run, [f"train.steps={STEPS}", *sets], STEPS)
     final = load_file(str(run / "checkpoint" / "model.safetensors"))
     for name, value in expected.items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=1e-5)

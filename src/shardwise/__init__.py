@@ -10,6 +10,7 @@ from shardwise import comm, data, partition, ps
 from shardwise.api import (
     clip_grad_norm_,
     data_shard,
+    declare_batch,
     full_state_dict,
     parallel_loss,
     predict,
@@ -58,6 +59,7 @@ __all__ = [
     "convert_sync_batchnorm",
     "data",
     "data_shard",
+    "declare_batch",
     "export_checkpoint",
     "full_state_dict",
     "init",

@@ -43,14 +43,34 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return _distributed(model).full_state_dict()
 
 
-def train_step(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
+def train_step(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable,
+    samples: int | None = None,
+    total: int | None = None,
+) -> torch.Tensor:
     """Forward, loss and backward of one batch, whatever the strategy; returns the loss.
 
     For most strategies this is `loss_fn(model(inputs), targets).backward()`. A pipeline runs
     its whole schedule (every micro-batch through every stage); tensor parallel computes the
     loss from vocabulary-sharded logits. The loss returned is the batch's, on every rank.
+
+    Batches may differ in size between ranks: data parallel weighs each rank's gradient by its
+    share of the step's samples, so the update is the mean over the global batch. `samples`
+    defaults to the batch's first dimension (pass a token count for a per-token loss over
+    sequences of unequal length); `total`, the step's samples over all replicas, is summed by a
+    small collective when not given (a loader that plans every rank's batch knows it).
     """
-    return _distributed(model).train_step(inputs, targets, loss_fn)
+    return _distributed(model).train_step(inputs, targets, loss_fn, samples, total)
+
+
+def declare_batch(model: nn.Module, samples: int, total: int | None = None) -> None:
+    """For loops that call `loss.backward()` themselves: this rank's batch holds `samples` of
+    the step's `total` (None: summed over the replicas). Call it on every rank before the
+    backward that synchronises gradients; `sw.train_step` does it for you."""
+    _distributed(model).declare_batch(samples, total)
 
 
 def parallel_loss(model: nn.Module, loss_fn: Callable) -> Callable:

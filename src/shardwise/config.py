@@ -40,7 +40,20 @@ class DataConfig(Section):
         "directory, then from shardwise's bundled datasets",
     )
     seq_len: int = Field(128, ge=2, description="characters per training sequence (text)")
-    batch_size: int = Field(32, ge=1, description="samples per rank per step")
+    batch_size: int = Field(
+        32, ge=1, description="samples per rank per step (the global batch: this x ranks)"
+    )
+    rank_weights: list[float] | None = Field(
+        None,
+        description="per-rank shares of the global batch, proportional to each rank's capacity "
+        "(e.g. [1, 3]); gradients are weighted so the update stays the global batch's mean",
+    )
+    balance: Literal["static", "dynamic"] = Field(
+        "static",
+        description="dynamic: re-plan per-rank batch sizes from measured throughput every "
+        "balance_every steps (starting from rank_weights, or equal shares)",
+    )
+    balance_every: int = Field(10, ge=1, description="dynamic balance: steps per window")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="share of data held out for eval")
 
     @field_validator("path")
@@ -49,6 +62,13 @@ class DataConfig(Section):
         if path is not None:
             resolve_data_path(path)  # raises a one-line error when missing
         return path
+
+    @field_validator("rank_weights")
+    @classmethod
+    def _weights_positive(cls, weights: list[float] | None) -> list[float] | None:
+        if weights is not None and (not weights or any(w <= 0 for w in weights)):
+            raise ValueError(f"rank weights must be > 0, one per rank, got {weights}")
+        return weights
 
     @model_validator(mode="after")
     def _text_needs_a_file(self) -> DataConfig:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardwise import runtime
-from shardwise.partition import Partitioner
+from shardwise.partition import Partitioner, proportional
 
 
 def _fetch(dataset: Dataset, plan: list[list[int]], num_workers: int, seed: int) -> DataLoader:
@@ -30,16 +30,18 @@ def _fetch(dataset: Dataset, plan: list[list[int]], num_workers: int, seed: int)
 class ShardedLoader:
     """This rank's slices of the global batches; iterating again starts the next epoch.
 
-    `epoch` and `offset` (samples of the epoch's order consumed by all ranks together) are its
-    position: `state_dict()` saves them, and a loader with another number of replicas loaded
-    from them goes on with the same samples. `last_indices` are the dataset indices of the
-    batch it yielded last (for the sample ledger).
+    `sizes[i]` is replica i's slice of every global batch (equal by default; weighted by
+    capacity, or re-planned from measured throughput with `resize`, which takes effect from the
+    next batch on). `epoch` and `offset` (samples of the epoch's order consumed by all ranks
+    together) are its position: `state_dict()` saves them, and a loader with another number of
+    replicas loaded from them goes on with the same samples. `last_indices` are the dataset
+    indices of the batch it yielded last (for the sample ledger).
     """
 
     def __init__(
         self,
         dataset: Dataset,
-        batch_size: int,
+        batch_size: int | list[int],
         replicas: int,
         index: int,
         shuffle: bool,
@@ -47,17 +49,36 @@ class ShardedLoader:
         drop_last: bool,
         num_workers: int = 0,
     ) -> None:
-        self.dataset, self.batch_size = dataset, batch_size
-        self.replicas, self.index = replicas, index
+        self.dataset, self.replicas, self.index = dataset, replicas, index
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.num_workers = num_workers
+        self.sizes = self._checked(
+            batch_size if isinstance(batch_size, list) else [batch_size] * replicas
+        )
+        self._resized = False
         self.epoch = 0
         self.offset = 0
         self.last_indices: list[int] = []
 
+    def _checked(self, sizes: list[int]) -> list[int]:
+        if len(sizes) != self.replicas:
+            raise ValueError(f"{len(sizes)} batch sizes for {self.replicas} ranks")
+        if any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"batch sizes must be ints >= 1, got {sizes}")
+        return list(sizes)
+
+    @property
+    def batch_size(self) -> int:
+        """This rank's samples per step."""
+        return self.sizes[self.index]
+
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.replicas
+        return sum(self.sizes)
+
+    def resize(self, sizes: list[int]) -> None:
+        """New per-replica batch sizes, from the next batch on (every rank must resize alike)."""
+        self.sizes, self._resized = self._checked(sizes), True
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's order of sample indices, the same on every rank."""
@@ -72,31 +93,39 @@ class ShardedLoader:
         n, size = len(order), self.global_batch
         for begin in range(start, n, size):
             batch = order[begin : begin + size]
-            if len(batch) == size:
-                mine = batch[self.index * self.batch_size : (self.index + 1) * self.batch_size]
-            elif self.drop_last:
+            if len(batch) < size and self.drop_last:
                 return
-            else:  # the last, partial batch: as even a split as there is, every rank some
+            sizes = self.sizes
+            if len(batch) < size:  # the last, partial batch: split alike, every rank some
                 if len(batch) < self.replicas:  # wrap around, like torch's DistributedSampler
                     batch = batch + order[: self.replicas - len(batch)]
-                mine = torch.tensor(batch).tensor_split(self.replicas)[self.index].tolist()
-            yield mine, min(size, n - begin)
+                sizes = proportional(len(batch), self.sizes, minimum=1)
+            first = sum(sizes[: self.index])
+            yield batch[first : first + sizes[self.index]], min(size, n - begin)
 
     def __iter__(self) -> Iterator[Any]:
         order = self.order(self.epoch)
-        plan = list(self._my_batches(order, self.offset))
-        if not plan and self.offset == 0:
+        if self.offset == 0 and len(order) < self.global_batch and self.drop_last:
             raise ValueError(
                 f"a dataset of {len(order)} samples does not fill one global batch of "
-                f"{self.global_batch} ({self.batch_size} per rank x {self.replicas})"
+                f"{self.global_batch} ({self.sizes} per rank)"
             )
-        fetch = _fetch(
-            self.dataset, [mine for mine, _ in plan], self.num_workers, self.seed + self.epoch
-        )
-        for (mine, consumed), batch in zip(plan, fetch, strict=True):
-            self.offset += consumed
-            self.last_indices = mine
-            yield batch
+        while self.offset < len(order):
+            self._resized = False
+            plan = list(self._my_batches(order, self.offset))
+            if not plan:
+                break
+            fetch = _fetch(
+                self.dataset, [mine for mine, _ in plan], self.num_workers, self.seed + self.epoch
+            )
+            for (mine, consumed), batch in zip(plan, fetch, strict=True):
+                self.offset += consumed
+                self.last_indices = mine
+                yield batch
+                if self._resized:  # plan the rest of the epoch with the new sizes
+                    break
+            else:
+                break
         self.epoch, self.offset = self.epoch + 1, 0
 
     def __len__(self) -> int:
@@ -104,10 +133,10 @@ class ShardedLoader:
         full, rest = divmod(len(self.dataset), self.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"data position saved with seed {state['seed']}, not {self.seed}")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
@@ -193,7 +222,9 @@ def loader(
     partition: Partitioner | None = None,
 ) -> ShardedLoader | PartitionedLoader:
     """A loader yielding `batch_size` samples per step from this rank's slice of each global
-    batch; the global batch per step is `batch_size * world_size`.
+    batch; the global batch per step is `batch_size * world_size`. `batch_size` may also be
+    one size per rank (e.g. [3, 9]: a rank three times as fast takes three times the
+    samples); `sw.train_step` weighs the gradients so the update stays the global batch's mean.
 
     `drop_last` keeps every rank at the same number of full steps (a rank with one step more
     would wait forever in a collective); without it, the last partial global batch is split as
@@ -214,10 +245,8 @@ def loader(
         if len(sizes) != replicas:
             raise ValueError(f"{len(sizes)} batch sizes for {replicas} ranks")
         return PartitionedLoader(dataset, sizes, index, partition, seed, num_workers)
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(
-            f"batch_size must be an int >= 1, got {batch_size!r} (per-rank sizes need a partition)"
-        )
+    if not isinstance(batch_size, (int, list)) or (isinstance(batch_size, int) and batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1 or one per rank, got {batch_size!r}")
     return ShardedLoader(
         dataset, batch_size, replicas, index, shuffle, seed, drop_last, num_workers
     )

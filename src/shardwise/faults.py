@@ -7,7 +7,13 @@ From the config (`faults: [...]`) or the environment, with one grammar (several:
 - `kill:rank=R:step=S`: rank R sends itself SIGKILL as step S begins.
 - `hang:rank=R:step=S`: rank R stops issuing collectives at step S (it sleeps, alive).
 - `nan:rank=R:step=S`: rank R's loss, and so its gradient, is NaN at step S.
-- `slow:rank=R:factor=F`: rank R's forward and backward take F times as long (it sleeps).
+- `slow:rank=R:factor=F[:step=S]`: rank R computes F times as slowly per sample: after its
+  forward and backward it sleeps F - 1 times their cost per sample (`PerSampleCost`, time
+  waiting in collectives excluded) times its samples, so the step's fixed costs are not slowed
+  and giving the rank fewer samples helps, as on slower hardware. From step S on, if given (a
+  later `slow` fault on the same rank replaces an earlier one:
+  `slow:rank=1:factor=2,slow:rank=1:factor=4:step=50`). Servers and relays, which have no
+  samples, sleep F - 1 times the whole work (an update, a forwarded push).
 - `desync:rank=R:step=S`: rank R broadcasts where the others all-reduce the loss at step S.
 - `corrupt-checkpoint:step=S`: one file of step S's checkpoint is damaged after it is written.
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +43,7 @@ FIELDS = {  # kind -> the fields it needs
     "slow": ("rank", "factor"),
     "corrupt-checkpoint": ("step",),
 }
+OPTIONAL = {"slow": ("step",)}  # kind -> the fields it may have
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ def parse(spec: str, source: str = ENV) -> list[Fault]:
             raise ValueError(f"{where}unknown fault {kind!r} in {item!r} (faults: {list(FIELDS)})")
         try:
             args = dict(field.split("=", 1) for field in fields)
-            if set(args) != set(FIELDS[kind]):
+            if not set(FIELDS[kind]) <= set(args) <= {*FIELDS[kind], *OPTIONAL.get(kind, ())}:
                 raise ValueError
             fault = Fault(
                 kind,
@@ -92,13 +100,10 @@ class FaultInjector:
         self.rank, self.where = rank, f"{role} rank {rank}" if role else f"rank {rank}"
         self.faults = [f for f in parse(spec) if f.rank in (None, rank)]
         self.fired_dir = Path(run_dir) / "faults"
-        # the factor this rank's compute is slowed by (1: not slowed); never marked fired
-        self.slow_factor = max((f.factor for f in self.faults if f.kind == "slow"), default=1.0)
-        if self.slow_factor > 1:
-            print(
-                f"shardwise: fault injected on {self.where}: compute {self.slow_factor:g}x slower",
-                flush=True,
-            )
+        # (first step, factor) this rank's work is slowed by from then on; never marked fired
+        self.slowdowns = sorted((f.step or 1, f.factor) for f in self.faults if f.kind == "slow")
+        self._announced_slowdown = 1.0
+        self.per_sample = PerSampleCost()
 
     def _fires(self, kind: str, step: int | None = None) -> bool:
         """Whether a fault of `kind` fires (now: it is marked fired)."""
@@ -121,11 +126,34 @@ class FaultInjector:
             while True:  # alive, but never issues another collective
                 time.sleep(3600)
 
-    def slow_down(self, started: float) -> None:
+    def slow_factor(self, step: int | None = None) -> float:
+        """How many times slower this rank works at `step` (None: the first step); 1: not."""
+        factor = 1.0
+        for first, f in self.slowdowns:
+            if first <= (step or 1):
+                factor = f
+        return factor
+
+    def slow_down(
+        self,
+        started: float,
+        waited: float = 0.0,
+        step: int | None = None,
+        samples: int | None = None,
+    ) -> None:
         """Under a `slow` fault, sleep so that the work begun at `started` (perf_counter) took
-        `slow_factor` times as long."""
-        if self.slow_factor > 1:
-            time.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
+        `slow_factor(step)` times as long; `waited`: seconds of it spent waiting for peers,
+        which are not work. With `samples`, only the part of the work that grows with the
+        batch is slowed (see `PerSampleCost`)."""
+        factor = self.slow_factor(step)
+        if factor != self._announced_slowdown:
+            self._announced_slowdown = factor
+            print(f"shardwise: fault injected on {self.where}: work {factor:g}x slower", flush=True)
+        if factor > 1:
+            work = max(0.0, time.perf_counter() - started - waited)
+            if samples is not None:
+                work = self.per_sample.observe(samples, work) * samples
+            time.sleep((factor - 1) * work)
 
     def poisons_loss(self, step: int) -> bool:
         return self._fires("nan", step)
@@ -135,6 +163,37 @@ class FaultInjector:
 
     def corrupts_checkpoint(self, step: int) -> bool:
         return self._fires("corrupt-checkpoint", step)
+
+
+class PerSampleCost:
+    """This rank's marginal seconds per sample: the slope of a least-squares line through
+    its recent (batch size, work time) pairs, so a step's fixed costs (launching kernels and
+    collectives, hooks) are not slowed. Until batch sizes have varied, work / samples (an upper
+    bound); afterwards the last slope holds while they stay put."""
+
+    WARM_UP = 2  # the first steps are slow for other reasons (allocations, lazy set-up)
+
+    def __init__(self, window: int = 64) -> None:
+        self.points: deque[tuple[int, float]] = deque(maxlen=window)
+        self.slope: float | None = None
+        self.seen = 0
+
+    def observe(self, samples: int, work_s: float) -> float:
+        self.seen += 1
+        if self.seen > self.WARM_UP:
+            self.points.append((samples, work_s))
+        if not self.points:
+            return work_s / max(samples, 1)
+        ns = [n for n, _ in self.points]
+        mean_n = sum(ns) / len(ns)
+        spread = sum((n - mean_n) ** 2 for n in ns)
+        if spread > 0 and max(ns) >= 1.1 * min(ns):
+            mean_t = sum(t for _, t in self.points) / len(ns)
+            slope = sum((n - mean_n) * (t - mean_t) for n, t in self.points) / spread
+            if slope > 0:
+                self.slope = slope
+        upper = work_s / max(samples, 1)
+        return upper if self.slope is None else min(self.slope, upper)
 
 
 def corrupt(directory: Path) -> Path:

@@ -128,6 +128,25 @@ class Stratified:
         return [dealt[r::parts] for r in range(parts)]
 
 
+def proportional(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
+    """`total` cut into integers proportional to `weights` (largest remainders get the
+    leftovers, ties to the first), each at least `minimum` (taken from the largest)."""
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
+    if total < minimum * len(weights):
+        raise ValueError(f"{total} cannot give each of {len(weights)} parts {minimum}")
+    exact = [total * w / sum(weights) for w in weights]
+    sizes = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda r: exact[r] - sizes[r], reverse=True)
+    for r in by_remainder[: total - sum(sizes)]:
+        sizes[r] += 1
+    for r in range(len(sizes)):
+        while sizes[r] < minimum:
+            sizes[max(range(len(sizes)), key=sizes.__getitem__)] -= 1
+            sizes[r] += 1
+    return sizes
+
+
 @dataclass(frozen=True)
 class Weighted:
     """Part r gets a share of the samples proportional to `weights[r]`."""
@@ -138,14 +157,7 @@ class Weighted:
     def sizes(self, size: int, parts: int) -> list[int]:
         if len(self.weights) != parts:
             raise ValueError(f"{len(self.weights)} weights for {parts} parts")
-        if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
-            raise ValueError(f"weights must be >= 0 with a positive sum, got {self.weights}")
-        exact = [size * w / sum(self.weights) for w in self.weights]
-        sizes = [int(x) for x in exact]
-        by_remainder = sorted(range(parts), key=lambda r: exact[r] - sizes[r], reverse=True)
-        for r in by_remainder[: size - sum(sizes)]:
-            sizes[r] += 1
-        return sizes
+        return proportional(size, self.weights)
 
     def split(self, size: int, parts: int, seed: int, epoch: int) -> list[list[int]]:
         _check(size, parts)

@@ -27,7 +27,7 @@ def _broadcastable(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, group):
+    def forward(ctx, x, weight, bias, eps, group, share):
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
         sums = torch.cat([_channel_sum(x), count])
         comm.all_reduce(sums, group=group)
@@ -40,7 +40,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         invstd = torch.rsqrt(var + eps)
         xhat = xmu * _broadcastable(invstd, x)
         ctx.save_for_backward(xhat, invstd, weight, total)
-        ctx.group = group
+        ctx.group, ctx.share = group, share
         ctx.mark_non_differentiable(mean, var, total)
         y = xhat
         if weight is not None:
@@ -53,7 +53,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # Sums over the *global* batch of dy and dy * xhat: the only coupling between ranks.
         sums = torch.cat([_channel_sum(dy), _channel_sum(dy * xhat)])
         local = sums.clone()
+        # Each rank's dy is of its own batch's mean loss. With uneven batches those are on
+        # different scales: weigh each by its share of the global batch (the global mean's
+        # dy), sum, and return to this rank's scale, as the gradient weighting expects.
+        share = ctx.share.uneven_weight() if ctx.share is not None else None
+        if share is not None:
+            sums.mul_(share)
         comm.all_reduce(sums, group=ctx.group)
+        if share is not None:
+            sums.div_(share)
         sum_dy, sum_dy_xhat = sums.chunk(2)
         scale = invstd if weight is None else invstd * weight
         dx = (
@@ -64,7 +72,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         local_dy, local_dy_xhat = local.chunk(2)
         dweight = local_dy_xhat if weight is not None else None
         dbias = local_dy if weight is not None else None
-        return dx, dweight, dbias, None, None
+        return dx, dweight, dbias, None, None, None
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -73,6 +81,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     def __init__(self, *args, group=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
+        # data parallel's BatchShare, set by the strategy: weighs uneven batches' gradients
+        self.batch_share = None
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -84,7 +94,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                 x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
             )
         y, mean, var, total = _SyncBatchNormFunction.apply(
-            x, self.weight, self.bias, self.eps, self.group
+            x, self.weight, self.bias, self.eps, self.group, self.batch_share
         )
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), total.item())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import comm, faults, ledger, run_checkpoint
+from shardwise.balance import ThroughputBalancer, weighted_sizes
 from shardwise.checkpoint import save_model
 from shardwise.config import Config, dump_config
 from shardwise.faults import FaultInjector
@@ -144,6 +145,7 @@ class Run:
     saver: run_checkpoint.Saver
     faults: FaultInjector
     watchdog: Watchdog
+    balancer: ThroughputBalancer | None
     start_step: int = 0  # steps done before this process started (a resumed run)
     drawn: int = 0  # global batches drawn so far, skipped ones included
     skip: set[int] = field(default_factory=set)  # global batches (1-based) left out
@@ -163,15 +165,23 @@ class Run:
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.data.batch_size * self.shard[0]
+        return self.loader.global_batch
 
     def data_state(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "drawn": self.drawn, "skip": sorted(self.skip)}
+        return {
+            "loader": self.loader.state_dict(),
+            "drawn": self.drawn,
+            "skip": sorted(self.skip),
+            "batch_sizes": self.loader.sizes,
+        }
 
     def restore(self, restored: dict[str, Any]) -> int:
         """Go on from a loaded checkpoint (`run_checkpoint.load`); returns its step."""
         data = restored["data"]
         self.loader.load_state_dict(data["loader"])
+        sizes = data.get("batch_sizes")
+        if self.balancer and sizes and len(sizes) == self.loader.replicas:
+            self.loader.resize([int(b) for b in sizes])  # where the balancing had got to
         self.batches = _endless(self.loader)
         self.drawn, self.skip = int(data["drawn"]), self.skip | set(data["skip"])
         return restored["step"]
@@ -199,8 +209,11 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, cfg.train.steps))
     shard = model.data_shard()
     loader = sw.data.loader(
-        job.splits.train, cfg.data.batch_size, shuffle=True, seed=cfg.train.seed, shard=shard
+        job.splits.train, batch_sizes(cfg, shard[0]), shuffle=True, seed=cfg.train.seed, shard=shard
     )
+    balancer = None
+    if cfg.data.balance == "dynamic":
+        balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt)
     metrics = None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
     saver = run_checkpoint.Saver(
@@ -210,7 +223,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     watchdog = Watchdog(rt.rank, rt.world_size, cfg.launch.hang_timeout_s, out)
     run = Run(
         *(cfg, rt, job, model, opt, scheduler, out, loader, shard, metrics, progress),
-        *(saver, injector, watchdog),
+        *(saver, injector, watchdog, balancer),
         skip=set(cfg.train.skip_batches),
     )
     if resume:
@@ -280,11 +293,23 @@ def _next_batch(run: Run, step: int):
     return batch
 
 
+def batch_sizes(cfg: Config, replicas: int) -> int | list[int]:
+    """The loader's batch size: the same for every replica, or shares by `data.rank_weights`."""
+    if cfg.data.rank_weights is None:
+        return cfg.data.batch_size
+    if len(cfg.data.rank_weights) != replicas:
+        raise ValueError(
+            f"data.rank_weights has {len(cfg.data.rank_weights)} weights for {replicas} "
+            "data-parallel ranks"
+        )
+    return weighted_sizes(cfg.data.batch_size * replicas, cfg.data.rank_weights)
+
+
 def run_step(run: Run, step: int, loop_start: float) -> None:
     """One optimizer step, its globally averaged loss, and its line in metrics.jsonl."""
     cfg, model, opt = run.cfg, run.model, run.opt
     x, y = (t.to(run.rt.device) for t in _next_batch(run, step))
-    t0 = time.perf_counter()
+    t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
     # An emulated straggler computes slowly: the delay comes before its gradients exist
     # (after them, DDP's all-reduce, started during backward, would hide it).
     if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
@@ -292,8 +317,13 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     loss_fn = run.job.loss_fn
     if run.faults.poisons_loss(step):
         loss_fn = _poisoned(loss_fn)
-    local_loss = sw.train_step(model, x, y, loss_fn)  # forward + backward
-    run.faults.slow_down(t0)
+    # forward + backward; the loader planned every rank's batch, so it knows the global one
+    local_loss = sw.train_step(model, x, y, loss_fn, total=run.loader.global_batch)
+    run.faults.slow_down(
+        t0, waited=comm.stats.step_wait_s() - waited0, step=step, samples=y.shape[0]
+    )
+    # The part of the step that grows with the batch, less the time spent waiting for peers.
+    work_s = time.perf_counter() - t0 - (comm.stats.step_wait_s() - waited0)
     if step == cfg.train.steps:  # gradients present: the model state at its fullest
         run.memory = sw.memory_report(model, opt)
     # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
@@ -315,7 +345,14 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
         run.scheduler.step()
     step_time = time.perf_counter() - t0
     step_comm = comm.stats.end_step()
-    record = {}
+    record: dict[str, Any] = {}
+    if run.balancer or cfg.data.rank_weights:
+        record["batch_sizes"] = run.loader.sizes
+    if run.balancer:
+        run.balancer.observe(y.shape[0], work_s)
+        if (sizes := run.balancer.rebalance()) is not None and run.rt.is_main:
+            rates = ", ".join(f"{r:.0f}" for r in run.balancer.rates)
+            print(f"shardwise: step {step}: samples/s per rank [{rates}] -> batch sizes {sizes}")
     if bad_ranks:
         record = {"skipped": True, "nonfinite_ranks": list(bad_ranks), "batch": run.drawn}
     if cfg.train.eval_every and step % cfg.train.eval_every == 0:

@@ -101,6 +101,11 @@ class CommStats:
         finally:
             self._local.background = False
 
+    def step_wait_s(self) -> float:
+        """Seconds the training thread has waited on communication in this step so far."""
+        with self._lock:
+            return sum(t.wait_s for t in self._step.values())
+
     def end_step(self) -> CommSnapshot:
         """Return the counters since the previous call and start a new step window."""
         with self._lock:

@@ -176,7 +176,7 @@ class Relay:
         self.report.pushes_forwarded += 1
         self.told_idle = False
         if self.faults is not None:  # (forwarding, slowed)
-            self.faults.slow_down(started)
+            self.faults.slow_down(started, step=self.report.pushes_forwarded)
 
     def _answer_pulls(self) -> None:
         still = []

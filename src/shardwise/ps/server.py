@@ -341,7 +341,7 @@ class Server:
         started = time.perf_counter()
         self._apply(flat, staleness)
         if self.faults is not None:
-            self.faults.slow_down(started)
+            self.faults.slow_down(started, step=self.version)
             self.faults.before_step(self.version)  # (kill, or hang with the heartbeats going on)
 
     def _apply(self, flat: torch.Tensor, staleness: int) -> None:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from shardwise.runtime import Runtime
+from shardwise.strategies.batch_share import batch_samples
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 EXTRA = "_shardwise."  # state-dict keys of strategy state that is not a module tensor
@@ -58,12 +59,28 @@ class DistributedModel(nn.Module):
         return self.module(*args, **kwargs)
 
     # ---- the training loop's hooks: what changes when the model itself is split -------------
-    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        samples: int | None = None,
+        total: int | None = None,
+    ) -> torch.Tensor:
         """Forward, loss and backward for one batch; returns the (detached) loss. A pipeline
-        runs its whole schedule here."""
+        runs its whole schedule here. `samples` (default: the batch's first dimension) and
+        `total` go to `declare_batch`."""
+        self.declare_batch(batch_samples(inputs) if samples is None else samples, total)
         loss = self.adapt_loss(loss_fn)(self(inputs), targets)
         loss.backward()
         return loss.detach()
+
+    def declare_batch(self, samples: int, total: int | None = None) -> None:
+        """This rank holds `samples` of the step's `total` (None: summed over the replicas);
+        data parallel weighs its gradient by samples / total, so the update is the mean over
+        the global batch however unevenly it is split (`batch_share.py`). Call it before the
+        backward that synchronises, on every replica. Nothing to weigh here (one replica, or
+        a strategy that averages parameters rather than gradients)."""
 
     def adapt_loss(self, loss_fn: LossFn) -> LossFn:
         """The loss to use on this model's outputs (tensor parallel: from vocabulary slices)."""

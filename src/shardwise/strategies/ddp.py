@@ -34,8 +34,9 @@ from shardwise.comm.flat import flatten, unflatten
 from shardwise.runtime import Runtime
 from shardwise.section import StrategySection
 from shardwise.strategies.base import DistributedModel, Strategy, prefixed, unprefixed
+from shardwise.strategies.batch_share import BatchShare
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
-from shardwise.sync_batchnorm import convert_sync_batchnorm
+from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 
 @dataclass
@@ -81,12 +82,12 @@ class GradientReducer:
         self,
         named_params: list[tuple[str, nn.Parameter]],
         all_reduce,
-        world_size: int,
+        share: BatchShare,
         bucket_bytes: int,
         find_unused_parameters: bool,
     ) -> None:
         self.all_reduce = all_reduce
-        self.world_size = world_size
+        self.share = share
         params = [p for _, p in reversed(named_params)]
         self.buckets = [_make_bucket(ps) for ps in assign_buckets(params, bucket_bytes)]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
@@ -113,14 +114,16 @@ class GradientReducer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        # Divide before summing (as torch DDP does) so fp16 sums do not overflow.
-        bucket.buffer.div_(self.world_size)
+        # Weigh (divide by the world, for equal batches) before summing, as torch DDP does, so
+        # fp16 sums do not overflow.
+        self.share.weigh(bucket.buffer)
         bucket.handle = self.all_reduce.start(bucket.buffer)
 
     def _wait(self) -> None:
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle = None
+        self.share.done()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. With `set_to_none` (the default) nothing is written: autograd hands
@@ -151,6 +154,9 @@ class DataParallelModel(DistributedModel):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""
         return self.reducer.no_sync()
+
+    def declare_batch(self, samples: int, total: int | None = None) -> None:
+        self.reducer.share.declare(samples, total)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Gradients stay views into the buckets instead of being freed.
@@ -216,11 +222,15 @@ class DDP(Strategy):
             all_reduce = make_all_reduce(
                 self.algorithm, self.group_size or runtime.local_world_size, runtime.timeout
             )
+        share = BatchShare(runtime)
+        for module in model.modules():
+            if isinstance(module, SyncBatchNorm):
+                module.batch_share = share  # its backward weighs uneven batches too
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         reducer = GradientReducer(
             named,
             all_reduce,
-            runtime.world_size,
+            share,
             int(self.bucket_mb * 2**20),
             self.find_unused_parameters,
         )

@@ -28,6 +28,7 @@ from shardwise.mesh import DeviceMesh, build_mesh
 from shardwise.runtime import Runtime
 from shardwise.section import StrategySection
 from shardwise.strategies.base import DistributedModel, LossFn, Strategy, UnsplitCheckpointsOnly
+from shardwise.strategies.batch_share import batch_samples
 from shardwise.strategies.ddp import DDP
 from shardwise.strategies.pipeline import Pipeline
 from shardwise.strategies.tensor_parallel import TensorParallel
@@ -52,10 +53,23 @@ class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
         # Plain references (not submodules): both already sit inside `outer`.
         self.__dict__.update(split=split, data=data)
 
-    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        samples: int | None = None,
+        total: int | None = None,
+    ) -> torch.Tensor:
         if self.split is None:
-            return super().train_step(inputs, targets, loss_fn)
+            return super().train_step(inputs, targets, loss_fn, samples, total)
+        # A pipeline's middle stages may be handed no inputs: count the targets then.
+        counted = inputs if inputs is not None else targets
+        self.declare_batch(batch_samples(counted) if samples is None else samples, total)
         return self.split.train_step(inputs, targets, loss_fn)
+
+    def declare_batch(self, samples: int, total: int | None = None) -> None:
+        self.data.declare_batch(samples, total)  # the weights are along the data axis
 
     def adapt_loss(self, loss_fn: LossFn) -> LossFn:
         return loss_fn if self.split is None else self.split.adapt_loss(loss_fn)

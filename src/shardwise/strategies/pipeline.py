@@ -191,7 +191,15 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         self._sends.clear()
 
     # ---- training
-    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        samples: int | None = None,
+        total: int | None = None,
+    ) -> torch.Tensor:
+        # samples / total: one pipeline is one replica; a mesh declares them along its data axis.
         m = self.microbatches
         if self.is_first and inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} does not split into {m} micro-batches")

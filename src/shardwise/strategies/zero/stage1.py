@@ -33,6 +33,7 @@ from shardwise.strategies.base import (
     square_sum,
     unprefixed,
 )
+from shardwise.strategies.batch_share import BatchShare
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
 from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
@@ -75,6 +76,7 @@ class ZeroStage1(DistributedModel):
             ),
             find_unused_parameters=False,
         )
+        self.batch_share = BatchShare(runtime)
         self.hooks: list = []  # module hooks the strategy added, removed by close()
         self.prepare_units()
         self.hooks += masters.install(module)
@@ -103,7 +105,7 @@ class ZeroStage1(DistributedModel):
 
     def _launch(self, index: int) -> None:
         unit = self.units[index]
-        unit.grad_full.div_(self.runtime.world_size)  # average, before summing (fp16-safe)
+        self.batch_share.weigh(unit.grad_full)  # the mean, before summing (fp16-safe)
         unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
         unit.handle = comm.reduce_scatter_tensor(
             unit.reduced, unit.grad_full, group=self.runtime.group, async_op=True
@@ -116,6 +118,10 @@ class ZeroStage1(DistributedModel):
             self.masters.take_grad(unit, shard, keep_full=self.keeps_full_grads)
             self.release_full_grad(unit)
             unit.reduced = None
+        self.batch_share.done()
+
+    def declare_batch(self, samples: int, total: int | None = None) -> None:
+        self.batch_share.declare(samples, total)
 
     def release_full_grad(self, unit: FlatUnit) -> None:
         """Stage 1 keeps the unit's full gradient buffer (the parameters' .grad live in it)."""

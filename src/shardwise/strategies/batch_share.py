@@ -1,0 +1,94 @@
+"""Each rank's share of the global batch, so that data parallel averages over samples, not ranks.
+
+Data parallel sums the ranks' gradients, each multiplied by a weight. With equal local batches
+the weight is 1/replicas and the sum is the mean gradient of the global batch. When rank r's
+batch holds n_r of the global batch's N samples (per-rank batch sizes weighted by capacity, the
+last partial batch of an epoch), its gradient is the mean over its n_r samples, and the global
+batch's mean gradient is Σ_r (n_r / N) g_r: the weight must be n_r / N. Any mean-reduced loss
+(per sample, or per token with a token count declared instead of samples) stays exact.
+
+A rank declares n_r before its backward (`sw.train_step` does, from the batch's first
+dimension). N is either declared too (a loader that plans every rank's batch size knows it:
+free) or summed over the data-parallel group by one small asynchronous all-reduce started at
+once, so it travels while the forward pass runs and is waited for only when the first gradient
+bucket is about to be reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardwise import comm
+from shardwise.runtime import Runtime
+
+
+def batch_samples(inputs: Any) -> int:
+    """Samples in a batch: the first dimension of its (first) tensor."""
+    if isinstance(inputs, torch.Tensor):
+        if inputs.dim() == 0:
+            raise ValueError("cannot count the samples of a 0-dimensional input")
+        return inputs.shape[0]
+    if isinstance(inputs, dict):
+        inputs = list(inputs.values())
+    if isinstance(inputs, (list, tuple)) and inputs:
+        return batch_samples(inputs[0])
+    raise ValueError(
+        f"cannot count the samples of a {type(inputs).__name__}: pass samples= explicitly"
+    )
+
+
+class BatchShare:
+    """The weight of this rank's gradient in the sum over its data-parallel group."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.local: int | None = None
+        self.total: int | None = None
+        self._count: torch.Tensor | None = None
+        self._handle: comm.Handle | None = None
+
+    def declare(self, samples: int, total: int | None = None) -> None:
+        """This rank's samples for the next synchronised backward, and the group's (None: sum
+        them over the group now, asynchronously). Every rank of the group must declare."""
+        if not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        if total is not None and (not isinstance(total, int) or total < max(samples, 1)):
+            raise ValueError(f"total samples must be an int >= samples ({samples}), got {total!r}")
+        self.local, self.total = samples, total
+        if total is None and self.runtime.world_size > 1:
+            self._count = torch.tensor([samples], dtype=torch.float64, device=self.runtime.device)
+            self._handle = comm.all_reduce(self._count, group=self.runtime.group, async_op=True)
+        elif total is None:
+            self.total = samples
+
+    def _resolve(self) -> None:
+        if self._handle is not None:
+            self._handle.wait()
+            self.total = int(self._count.item())
+            self._handle = self._count = None
+        if self.total == 0:
+            raise ValueError("no rank declared any samples for this step")
+
+    def weigh(self, grad: torch.Tensor) -> None:
+        """Multiply `grad` (this rank's local mean gradient) by its weight, in place."""
+        weight = self.uneven_weight()
+        if weight is None:
+            grad.div_(self.runtime.world_size)  # equal after all: the same rounding as ever
+        else:
+            grad.mul_(weight)
+
+    def uneven_weight(self) -> float | None:
+        """samples / total when this rank's share is not 1/replicas; else None."""
+        if self.local is None:
+            return None
+        self._resolve()
+        if self.local * self.runtime.world_size == self.total:
+            return None
+        return self.local / self.total
+
+    def done(self) -> None:
+        """The synchronised backward finished: the next one needs its own declaration."""
+        self._resolve()
+        self.local = self.total = None
