@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 import shardwise as sw
 from shardwise.partition import Contiguous, Hashed, Stratified, Strided, Weighted
+from shardwise.skew import format_report, skew_report
 
 SIZE_FOR_LABELS = 1001
 LABELS = [i * 7 % 5 for i in range(SIZE_FOR_LABELS)]  # five labels, mixed through the dataset
@@ -112,3 +113,24 @@ def test_the_partitioned_loader_reads_exactly_its_part_in_its_batch_size():
     with pytest.raises(ValueError, match="holds for its own number of ranks"):
         other = sw.data.loader(data, 4, seed=5, shard=(3, 0), partition=Strided())
         other.load_state_dict(loader.state_dict())
+
+
+def test_skew_report_counts_samples_tokens_and_label_mix():
+    labels = torch.arange(6).repeat_interleave(20)  # 120 samples, sorted by label
+    classes = TensorDataset(torch.zeros(120, 2), labels)
+    # Unshuffled contiguous parts of sorted data: rank 0 sees labels 0-2 only, rank 1 3-5.
+    cut = skew_report(classes, Contiguous(shuffle=False).split(120, 2, 0, 0))
+    dealt = skew_report(classes, Stratified(labels.tolist()).split(120, 2, 0, 0))
+    assert [r["labels"] for r in cut["ranks"]] == [
+        {"0": 20, "1": 20, "2": 20},
+        {"3": 20, "4": 20, "5": 20},
+    ]
+    assert cut["max_label_tv_distance"] == pytest.approx(0.5)
+    assert dealt["max_label_tv_distance"] == pytest.approx(0.0)
+    # Sequences: tokens and Σ L² per rank, and the heaviest rank against the mean.
+    lengths = [1, 2, 3, 4]
+    sequences = [(torch.zeros(n), torch.zeros(n, dtype=torch.long)) for n in lengths]
+    report = skew_report(sequences, [[0, 3], [1, 2]])
+    assert [(r["tokens"], r["attention_cost"]) for r in report["ranks"]] == [(5, 17), (5, 13)]
+    assert report["max_over_mean"]["attention_cost"] == pytest.approx(17 / 15)
+    assert "rank 1:" in format_report(report)

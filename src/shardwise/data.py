@@ -9,6 +9,7 @@ ranks resumes on 2 or 3 with every remaining sample of the epoch seen exactly on
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,8 +89,8 @@ class ShardedLoader:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(n, generator=generator).tolist()
 
-    def _my_batches(self, order: list[int], start: int) -> Iterator[tuple[list[int], int]]:
-        """(this rank's indices, samples the whole step consumes) from `start` to the end."""
+    def _steps(self, order: list[int], start: int) -> Iterator[tuple[list[list[int]], int]]:
+        """(every replica's indices, samples the whole step consumes) from `start` on."""
         n, size = len(order), self.global_batch
         for begin in range(start, n, size):
             batch = order[begin : begin + size]
@@ -100,8 +101,20 @@ class ShardedLoader:
                 if len(batch) < self.replicas:  # wrap around, like torch's DistributedSampler
                     batch = batch + order[: self.replicas - len(batch)]
                 sizes = proportional(len(batch), self.sizes, minimum=1)
-            first = sum(sizes[: self.index])
-            yield batch[first : first + sizes[self.index]], min(size, n - begin)
+            bounds = [sum(sizes[:r]) for r in range(self.replicas + 1)]
+            yield [batch[a:b] for a, b in itertools.pairwise(bounds)], min(size, n - begin)
+
+    def _my_batches(self, order: list[int], start: int) -> Iterator[tuple[list[int], int]]:
+        for slices, consumed in self._steps(order, start):
+            yield slices[self.index], consumed
+
+    def parts(self, epoch: int) -> list[list[int]]:
+        """Every replica's samples of `epoch` at the present sizes (for the skew report)."""
+        parts: list[list[int]] = [[] for _ in range(self.replicas)]
+        for slices, _ in self._steps(self.order(epoch), 0):
+            for part, mine in zip(parts, slices, strict=True):
+                part.extend(mine)
+        return parts
 
     def __iter__(self) -> Iterator[Any]:
         order = self.order(self.epoch)

@@ -37,6 +37,7 @@ from shardwise.ps.worker import PSConfig
 from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
 from shardwise.runner import new_run_dir
 from shardwise.signals import handling_stop_signals
+from shardwise.skew import format_report, skew_report
 from shardwise.strategies.base import DistributedModel
 from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog
 
@@ -211,6 +212,10 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     loader = sw.data.loader(
         job.splits.train, batch_sizes(cfg, shard[0]), shuffle=True, seed=cfg.train.seed, shard=shard
     )
+    if rt.is_main and not resume:
+        report = skew_report(job.splits.train, loader.parts(0))
+        (out / "data_skew.json").write_text(json.dumps(report, indent=1))
+        print(f"shardwise: {format_report(report)}", flush=True)
     balancer = None
     if cfg.data.balance == "dynamic":
         balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt)
