@@ -20,6 +20,14 @@ from shardwise import runtime
 from shardwise.partition import Partitioner, proportional
 
 
+def _checked_sizes(sizes: list[int], replicas: int) -> list[int]:
+    if len(sizes) != replicas:
+        raise ValueError(f"{len(sizes)} batch sizes for {replicas} ranks")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"batch sizes must be ints >= 1, got {sizes}")
+    return list(sizes)
+
+
 def _fetch(dataset: Dataset, plan: list[list[int]], num_workers: int, seed: int) -> DataLoader:
     """The batches of `plan` (lists of indices), read by torch's DataLoader."""
     # Its own generator: each iterator draws a seed, and a draw from the global one would
@@ -42,7 +50,7 @@ class ShardedLoader:
     def __init__(
         self,
         dataset: Dataset,
-        batch_size: int | list[int],
+        sizes: list[int],
         replicas: int,
         index: int,
         shuffle: bool,
@@ -53,20 +61,11 @@ class ShardedLoader:
         self.dataset, self.replicas, self.index = dataset, replicas, index
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.num_workers = num_workers
-        self.sizes = self._checked(
-            batch_size if isinstance(batch_size, list) else [batch_size] * replicas
-        )
+        self.sizes = _checked_sizes(sizes, replicas)
         self._resized = False
         self.epoch = 0
         self.offset = 0
         self.last_indices: list[int] = []
-
-    def _checked(self, sizes: list[int]) -> list[int]:
-        if len(sizes) != self.replicas:
-            raise ValueError(f"{len(sizes)} batch sizes for {self.replicas} ranks")
-        if any(not isinstance(b, int) or b < 1 for b in sizes):
-            raise ValueError(f"batch sizes must be ints >= 1, got {sizes}")
-        return list(sizes)
 
     @property
     def batch_size(self) -> int:
@@ -79,7 +78,7 @@ class ShardedLoader:
 
     def resize(self, sizes: list[int]) -> None:
         """New per-replica batch sizes, from the next batch on (every rank must resize alike)."""
-        self.sizes, self._resized = self._checked(sizes), True
+        self.sizes, self._resized = _checked_sizes(sizes, self.replicas), True
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's order of sample indices, the same on every rank."""
@@ -123,11 +122,10 @@ class ShardedLoader:
                 f"a dataset of {len(order)} samples does not fill one global batch of "
                 f"{self.global_batch} ({self.sizes} per rank)"
             )
-        while self.offset < len(order):
+        self._resized = True
+        while self._resized:  # (re)plan the rest of the epoch with the present sizes
             self._resized = False
             plan = list(self._my_batches(order, self.offset))
-            if not plan:
-                break
             fetch = _fetch(
                 self.dataset, [mine for mine, _ in plan], self.num_workers, self.seed + self.epoch
             )
@@ -135,10 +133,8 @@ class ShardedLoader:
                 self.offset += consumed
                 self.last_indices = mine
                 yield batch
-                if self._resized:  # plan the rest of the epoch with the new sizes
+                if self._resized:
                     break
-            else:
-                break
         self.epoch, self.offset = self.epoch + 1, 0
 
     def __len__(self) -> int:
@@ -174,8 +170,6 @@ class PartitionedLoader:
         seed: int,
         num_workers: int = 0,
     ) -> None:
-        if any(b < 1 for b in batch_sizes):
-            raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
         self.dataset, self.batch_sizes, self.index = dataset, list(batch_sizes), index
         self.partition, self.seed, self.num_workers = partition, seed, num_workers
         self.epoch = self.step = 0
@@ -253,13 +247,8 @@ def loader(
         rt = runtime.init()  # the existing runtime, or a world of one
         shard = (rt.world_size, rt.rank)
     replicas, index = shard
+    sizes = batch_size if isinstance(batch_size, list) else [batch_size] * replicas
+    sizes = _checked_sizes(sizes, replicas)
     if partition is not None:
-        sizes = batch_size if isinstance(batch_size, list) else [batch_size] * replicas
-        if len(sizes) != replicas:
-            raise ValueError(f"{len(sizes)} batch sizes for {replicas} ranks")
         return PartitionedLoader(dataset, sizes, index, partition, seed, num_workers)
-    if not isinstance(batch_size, (int, list)) or (isinstance(batch_size, int) and batch_size < 1):
-        raise ValueError(f"batch_size must be an int >= 1 or one per rank, got {batch_size!r}")
-    return ShardedLoader(
-        dataset, batch_size, replicas, index, shuffle, seed, drop_last, num_workers
-    )
+    return ShardedLoader(dataset, sizes, replicas, index, shuffle, seed, drop_last, num_workers)

@@ -324,11 +324,10 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
         loss_fn = _poisoned(loss_fn)
     # forward + backward; the loader planned every rank's batch, so it knows the global one
     local_loss = sw.train_step(model, x, y, loss_fn, total=run.loader.global_batch)
-    run.faults.slow_down(
-        t0, waited=comm.stats.step_wait_s() - waited0, step=step, samples=y.shape[0]
-    )
-    # The part of the step that grows with the batch, less the time spent waiting for peers.
-    work_s = time.perf_counter() - t0 - (comm.stats.step_wait_s() - waited0)
+    waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
+    run.faults.slow_down(t0, waited=waited, step=step, samples=y.shape[0])
+    # The part of the step that grows with the batch (a slowed rank's sleep included).
+    work_s = time.perf_counter() - t0 - waited
     if step == cfg.train.steps:  # gradients present: the model state at its fullest
         run.memory = sw.memory_report(model, opt)
     # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and

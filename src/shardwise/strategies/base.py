@@ -70,7 +70,7 @@ class DistributedModel(nn.Module):
         """Forward, loss and backward for one batch; returns the (detached) loss. A pipeline
         runs its whole schedule here. `samples` (default: the batch's first dimension) and
         `total` go to `declare_batch`."""
-        self.declare_batch(batch_samples(inputs) if samples is None else samples, total)
+        self.declare_batch_of(inputs, targets, samples, total)
         loss = self.adapt_loss(loss_fn)(self(inputs), targets)
         loss.backward()
         return loss.detach()
@@ -81,6 +81,15 @@ class DistributedModel(nn.Module):
         the global batch however unevenly it is split (`batch_share.py`). Call it before the
         backward that synchronises, on every replica. Nothing to weigh here (one replica, or
         a strategy that averages parameters rather than gradients)."""
+
+    def declare_batch_of(
+        self, inputs: Any, targets: Any, samples: int | None, total: int | None
+    ) -> None:
+        """`declare_batch` for `train_step`: samples counted from the batch unless given (from
+        the targets where a pipeline's middle stage is handed no inputs)."""
+        if samples is None:
+            samples = batch_samples(inputs if inputs is not None else targets)
+        self.declare_batch(samples, total)
 
     def adapt_loss(self, loss_fn: LossFn) -> LossFn:
         """The loss to use on this model's outputs (tensor parallel: from vocabulary slices)."""

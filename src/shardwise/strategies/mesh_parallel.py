@@ -28,7 +28,6 @@ from shardwise.mesh import DeviceMesh, build_mesh
 from shardwise.runtime import Runtime
 from shardwise.section import StrategySection
 from shardwise.strategies.base import DistributedModel, LossFn, Strategy, UnsplitCheckpointsOnly
-from shardwise.strategies.batch_share import batch_samples
 from shardwise.strategies.ddp import DDP
 from shardwise.strategies.pipeline import Pipeline
 from shardwise.strategies.tensor_parallel import TensorParallel
@@ -63,9 +62,7 @@ class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
     ) -> torch.Tensor:
         if self.split is None:
             return super().train_step(inputs, targets, loss_fn, samples, total)
-        # A pipeline's middle stages may be handed no inputs: count the targets then.
-        counted = inputs if inputs is not None else targets
-        self.declare_batch(batch_samples(counted) if samples is None else samples, total)
+        self.declare_batch_of(inputs, targets, samples, total)
         return self.split.train_step(inputs, targets, loss_fn)
 
     def declare_batch(self, samples: int, total: int | None = None) -> None:
