@@ -1,5 +1,6 @@
 """Throughput-adaptive per-rank batches: the shares follow a slowed rank's speed, and training
-stays exactly the mean over the global batch. Evidence: the sample ledger of every rank."""
+stays exactly the mean over the global batch. Evidence: the sizes each rank saw, and the sample
+ledger of every rank."""
 
 from __future__ import annotations
 
@@ -7,14 +8,65 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils.data import TensorDataset
 
+import shardwise as sw
 from ledger_replay import replay_ledger
-from shardwise import ledger
-from shardwise.balance import weighted_sizes
+from shardwise import comm, ledger
+from shardwise.balance import ThroughputBalancer, weighted_sizes
+from spawn import run as spawn
+
+WINDOW = 5  # steps per rebalancing window
+
+
+def _emulated_training(seconds_per_sample: list[list[float]], change: int, steps: int):
+    """Ranks whose work takes a known time per sample (sleep: emulated hardware, exact to
+    ~0.1 ms), from `seconds_per_sample[0]` and, from step `change`, `[1]`; each step ends in an
+    all-reduce, as data parallel's does. Returns the batch size this rank got at each step."""
+    rt = sw.runtime.init()
+    world = rt.world_size
+    loader = sw.data.loader(TensorDataset(torch.arange(100_000)), 64, seed=1)
+    balancer = ThroughputBalancer(loader, WINDOW, rt)
+    sizes, batches = [], iter(loader)
+    for step in range(1, steps + 1):
+        (batch,) = next(batches)
+        started = time.perf_counter()
+        time.sleep(seconds_per_sample[step >= change][rt.rank] * len(batch))
+        busy = time.perf_counter() - started
+        comm.all_reduce(torch.zeros(world))  # the others wait here for the slowest
+        balancer.observe(len(batch), busy)
+        balancer.rebalance()
+        sizes.append(len(batch))
+    return sizes
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ([1, 2], [1, 4]),  # world 2: the second rank 2x slower, then 4x
+        ([1, 1, 2], [2, 1, 1]),  # world 3: one of three 2x slower, then another one
+    ],
+)
+def test_dynamic_shares_settle_within_three_windows_to_the_speed_ratio(before, after):
+    """Starting from equal shares and again after the speeds change, after at most 3 windows
+    each rank's share is within 10% of its speed's share (speed = 1 / time per sample)."""
+    change, steps = 5 * WINDOW + 1, 10 * WINDOW
+    per_sample = [[1.5e-4 * f for f in before], [1.5e-4 * f for f in after]]
+    sizes = spawn(_emulated_training, len(before), per_sample, change, steps)
+    for factors, first in ((before, 3 * WINDOW + 1), (after, change + 3 * WINDOW)):
+        ideal = [(1 / f) / sum(1 / g for g in factors) for f in factors]
+        for step in range(first, first + WINDOW):
+            got = [rank_sizes[step - 1] for rank_sizes in sizes]
+            shares = [n / sum(got) for n in got]
+            off = [abs(s - i) / i for s, i in zip(shares, ideal, strict=True)]
+            assert max(off) <= 0.1, (step, got, ideal)
+
 
 STEPS, EVERY, CHANGE = 45, 5, 21  # slowed 2x from the start, 4x from step CHANGE
 SETS = [
@@ -55,9 +107,11 @@ def test_dynamic_balance_follows_the_slow_rank_and_stays_exact(tmp_path):
     samples = [r["samples"] for r in skew["ranks"]]
     assert samples[1] / sum(samples) == weighted_sizes(256, [1, 2])[1] / 256
     # Slowed F times per sample, the rank should get 1 / (1 + F) of the samples after at most
-    # 3 windows, from a wrong guess and after its speed changes. Within 25%, not the 10% #14
-    # asks: the emulated per-sample cost is itself fitted from timings, which on 2 shared cores
-    # scatter by some 15% from run to run (see PerSampleCost). An equal split is 50% off.
+    # 3 windows, from a wrong guess and after its speed changes. Within 25% here (the 10% of
+    # #14 is asserted above, on ranks whose time per sample is known): the real CNN's speed per
+    # sample varies with the batch size (caches), and the slow fault's per-sample cost is fitted
+    # from timings on 2 shared cores, which scatter by some 15% from run to run (see
+    # PerSampleCost). An equal split is 50% off.
     for first, factor, tolerance in ((3 * EVERY + 1, 2, 0.25), (CHANGE + 3 * EVERY, 4, 0.25)):
         ideal = 1 / (1 + factor)
         shares = _slow_share(lines, range(first, first + EVERY))

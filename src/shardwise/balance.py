@@ -7,12 +7,16 @@ with `sw.train_step`'s weighting the update, stay the same.
 
 `ThroughputBalancer` measures each rank's throughput over a window of `every` steps: samples
 it trained on divided by its busy time (the step's wall time minus the time it spent blocked in
-collectives, i.e. waiting for the others), sums the figures over the ranks in one small
-all-reduce at the end of the window, and gives the loader new sizes proportional to them. A
-rank whose speed changes is followed within a window or two.
+collectives, i.e. waiting for the others), takes the window's median step (a step slowed by
+another process on a shared machine does not move the shares), sums the figures over the ranks
+in one small all-reduce at the end of the window, and gives the loader new sizes proportional
+to them. The first step at new sizes is not measured: it pays once for them (new tensor
+shapes, a new loader iterator). A rank whose speed changes is followed within a window or two.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 
@@ -38,16 +42,18 @@ class ThroughputBalancer:
         self.loader, self.every, self.runtime = loader, every, runtime
         # ranks that share one replica's batch (tensor or pipeline parallel) count as one
         self.ranks_per_replica = runtime.world_size // loader.replicas
-        self.samples = 0
-        self.busy_s = 0.0
+        self.rates_seen: list[float] = []  # samples/s of this window's measured steps
         self.steps = 0
+        self.first_at_new_sizes = True  # the run's first step pays for lazy set-up
         self.rates: list[float] = []  # samples/s per replica over the last window
 
     def observe(self, samples: int, busy_s: float) -> None:
         """One step of this rank: samples trained on, seconds of it not spent waiting."""
-        self.samples += samples
-        self.busy_s += max(busy_s, 1e-9)
         self.steps += 1
+        if self.first_at_new_sizes and self.every > 1:
+            self.first_at_new_sizes = False
+            return
+        self.rates_seen.append(samples / max(busy_s, 1e-9))
 
     def rebalance(self) -> list[int] | None:
         """At the end of a window (every rank calls this after every step): the new sizes,
@@ -55,14 +61,13 @@ class ThroughputBalancer:
         if self.steps < self.every:
             return None
         replicas, index = self.loader.replicas, self.loader.index
-        totals = torch.zeros(2 * replicas, dtype=torch.float64, device=self.runtime.device)
-        totals[index] = self.samples / self.ranks_per_replica
-        totals[replicas + index] = self.busy_s / self.ranks_per_replica
-        comm.all_reduce(totals)
-        samples, busy = totals[:replicas].tolist(), totals[replicas:].tolist()
-        self.rates = [n / t for n, t in zip(samples, busy, strict=True)]
-        self.samples, self.busy_s, self.steps = 0, 0.0, 0
+        rates = torch.zeros(replicas, dtype=torch.float64, device=self.runtime.device)
+        rates[index] = statistics.median(self.rates_seen) / self.ranks_per_replica
+        comm.all_reduce(rates)
+        self.rates = rates.tolist()
+        self.rates_seen, self.steps = [], 0
         sizes = proportional(self.loader.global_batch, self.rates, minimum=1)
         if sizes != self.loader.sizes:
             self.loader.resize(sizes)
+            self.first_at_new_sizes = True
         return sizes
