@@ -8,6 +8,7 @@
     shardwise bench zero --world-size 2                           # DDP, ZeRO-1/2/3 vs FSDP2
     shardwise bench comm --models gpt --steps 60 --rate 100mbit   # codecs on an emulated network
     shardwise bench faults                                        # recovery, stall, hang times
+    shardwise bench balance                                       # per-rank batches, slow rank
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
     bench.add_argument(
         "suite",
-        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps", "faults"],
+        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance"],
         help="what to benchmark",
     )
     bench.add_argument("--world-size", type=int, default=2, help="ranks")
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="JSON result file (comm: output directory)")
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
+    bench.add_argument("--variants", help="balance: comma-separated of equal, weighted, dynamic")
     bench.set_defaults(func=cmd_bench)
 
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")

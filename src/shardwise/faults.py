@@ -7,11 +7,11 @@ From the config (`faults: [...]`) or the environment, with one grammar (several:
 - `kill:rank=R:step=S`: rank R sends itself SIGKILL as step S begins.
 - `hang:rank=R:step=S`: rank R stops issuing collectives at step S (it sleeps, alive).
 - `nan:rank=R:step=S`: rank R's loss, and so its gradient, is NaN at step S.
-- `slow:rank=R:factor=F[:step=S]`: rank R computes F times as slowly per sample: after its
-  forward and backward it sleeps F - 1 times their cost per sample (`PerSampleCost`, time
-  waiting in collectives excluded) times its samples, so the step's fixed costs are not slowed
-  and giving the rank fewer samples helps, as on slower hardware. From step S on, if given (a
-  later `slow` fault on the same rank replaces an earlier one:
+- `slow:rank=R:factor=F[:step=S]`: rank R computes F times as slowly per sample: before each
+  forward it sleeps F - 1 times its cost per sample so far (`PerSampleCost`, fitted from its
+  real work, time waiting in collectives excluded) times its samples, so the step's fixed costs
+  are not slowed and giving the rank fewer samples helps, as on slower hardware. From step S on,
+  if given (a later `slow` fault on the same rank replaces an earlier one:
   `slow:rank=1:factor=2,slow:rank=1:factor=4:step=50`). Servers and relays, which have no
   samples, sleep F - 1 times the whole work (an update, a forwarded push).
 - `desync:rank=R:step=S`: rank R broadcasts where the others all-reduce the loss at step S.
@@ -134,26 +134,38 @@ class FaultInjector:
                 factor = f
         return factor
 
-    def slow_down(
-        self,
-        started: float,
-        waited: float = 0.0,
-        step: int | None = None,
-        samples: int | None = None,
-    ) -> None:
-        """Under a `slow` fault, sleep so that the work begun at `started` (perf_counter) took
-        `slow_factor(step)` times as long; `waited`: seconds of it spent waiting for peers,
-        which are not work. With `samples`, only the part of the work that grows with the
-        batch is slowed (see `PerSampleCost`)."""
-        factor = self.slow_factor(step)
+    def _announce(self, factor: float) -> None:
         if factor != self._announced_slowdown:
             self._announced_slowdown = factor
             print(f"shardwise: fault injected on {self.where}: work {factor:g}x slower", flush=True)
+
+    def slow_down(self, started: float, waited: float = 0.0, step: int | None = None) -> None:
+        """Under a `slow` fault, sleep so that the work begun at `started` (perf_counter) took
+        `slow_factor(step)` times as long; `waited`: seconds of it spent waiting for peers,
+        which are not work. For work that is done by the sample, see `slow_ahead`."""
+        factor = self.slow_factor(step)
+        self._announce(factor)
         if factor > 1:
-            work = max(0.0, time.perf_counter() - started - waited)
-            if samples is not None:
-                work = self.per_sample.observe(samples, work) * samples
-            time.sleep((factor - 1) * work)
+            time.sleep((factor - 1) * max(0.0, time.perf_counter() - started - waited))
+
+    def slow_ahead(self, samples: int, step: int | None = None) -> float:
+        """Under a `slow` fault, sleep now, before the forward, F - 1 times what `samples`
+        cost this rank so far (`PerSampleCost`; tell it each step's real work with
+        `observe_work`); the seconds slept. Before the gradients exist, as on slow hardware:
+        a rank that slept after them would make the others wait twice in a synchronous step,
+        once in the gradient all-reduce for its real work and again for the sleep."""
+        factor = self.slow_factor(step)
+        self._announce(factor)
+        if factor == 1 or self.per_sample.last is None:
+            return 0.0
+        seconds = (factor - 1) * self.per_sample.last * samples
+        time.sleep(seconds)
+        return seconds
+
+    def observe_work(self, samples: int, work_s: float) -> None:
+        """One step's real work on `samples` (sleeps and waiting for peers excluded)."""
+        if self.slowdowns:
+            self.per_sample.observe(samples, work_s)
 
     def poisons_loss(self, step: int) -> bool:
         return self._fires("nan", step)
@@ -177,13 +189,15 @@ class PerSampleCost:
         self.points: deque[tuple[int, float]] = deque(maxlen=window)
         self.slope: float | None = None
         self.seen = 0
+        self.last: float | None = None  # the latest estimate
 
     def observe(self, samples: int, work_s: float) -> float:
         self.seen += 1
         if self.seen > self.WARM_UP:
             self.points.append((samples, work_s))
         if not self.points:
-            return work_s / max(samples, 1)
+            self.last = work_s / max(samples, 1)
+            return self.last
         ns = [n for n, _ in self.points]
         mean_n = sum(ns) / len(ns)
         spread = sum((n - mean_n) ** 2 for n in ns)
@@ -193,7 +207,8 @@ class PerSampleCost:
             if slope > 0:
                 self.slope = slope
         upper = work_s / max(samples, 1)
-        return upper if self.slope is None else min(self.slope, upper)
+        self.last = upper if self.slope is None else min(self.slope, upper)
+        return self.last
 
 
 def corrupt(directory: Path) -> Path:

@@ -129,7 +129,8 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
         if delay := straggler_delay(cfg.train, index, cfg.strategy.workers, step):
             time.sleep(delay)  # a straggler: it computes slowly
         loss = sw.train_step(model, x, y, job.loss_fn)
-        faults.slow_down(t0, step=step + 1, samples=len(indices))
+        faults.observe_work(len(indices), time.perf_counter() - t0)
+        faults.slow_ahead(len(indices), step=step + 1)
         opt.step()
         opt.zero_grad()
         step += 1

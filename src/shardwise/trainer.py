@@ -1,7 +1,8 @@
 """The training loop every strategy shares: one process of a job, from config to summary.
 
 Run by each worker (under our launcher or torchrun). Rank 0 owns the run directory: resolved
-config, metrics.jsonl (one line per step), summary.json and the final checkpoint.
+config, metrics.jsonl (one line per step), summary.json and the final checkpoint; every rank
+writes its own time per step (work, waiting) to timing/rank{r}.jsonl.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class Run:
     loader: sw.data.ShardedLoader
     shard: tuple[int, int]  # (replicas, index) of this rank's data
     metrics: MetricsFile | None
+    timing: MetricsFile | None  # this rank's own time per step (every rank writes one)
     progress: ProgressReporter
     saver: run_checkpoint.Saver
     faults: FaultInjector
@@ -219,7 +221,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     balancer = None
     if cfg.data.balance == "dynamic":
         balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt)
-    metrics = None
+    metrics = timing = None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
     saver = run_checkpoint.Saver(
         out, rt, cfg.train.keep_checkpoints, sync=not cfg.train.async_checkpoint
@@ -227,14 +229,16 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     injector = FaultInjector(rt.rank, out, cfg.faults)
     watchdog = Watchdog(rt.rank, rt.world_size, cfg.launch.hang_timeout_s, out)
     run = Run(
-        *(cfg, rt, job, model, opt, scheduler, out, loader, shard, metrics, progress),
+        *(cfg, rt, job, model, opt, scheduler, out, loader, shard, metrics, timing, progress),
         *(saver, injector, watchdog, balancer),
         skip=set(cfg.train.skip_batches),
     )
     if resume:
         run.start_step = _resume(run)
+    keep = run.start_step if resume else None
+    (out / "timing").mkdir(exist_ok=True)
+    run.timing = MetricsFile(out / "timing" / f"rank{rt.rank}.jsonl", keep_steps=keep)
     if rt.is_main:
-        keep = run.start_step if resume else None
         run.metrics = MetricsFile(out / "metrics.jsonl", keep_steps=keep)
         if cfg.train.sample_ledger:
             ledger.truncate(out, run.start_step)  # steps after the checkpoint run again
@@ -317,17 +321,19 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
     # An emulated straggler computes slowly: the delay comes before its gradients exist
     # (after them, DDP's all-reduce, started during backward, would hide it).
-    if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
+    delay = straggler_delay(cfg.train, run.shard[1], run.shard[0], step)
+    if delay:
         time.sleep(delay)
     loss_fn = run.job.loss_fn
     if run.faults.poisons_loss(step):
         loss_fn = _poisoned(loss_fn)
     # forward + backward; the loader planned every rank's batch, so it knows the global one
+    slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
     local_loss = sw.train_step(model, x, y, loss_fn, total=run.loader.global_batch)
     waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
-    run.faults.slow_down(t0, waited=waited, step=step, samples=y.shape[0])
-    # The part of the step that grows with the batch (a slowed rank's sleep included).
+    # Forward and backward (a slowed rank's sleep included): what the balancer measures.
     work_s = time.perf_counter() - t0 - waited
+    run.faults.observe_work(y.shape[0], work_s - slept - delay)
     if step == cfg.train.steps:  # gradients present: the model state at its fullest
         run.memory = sw.memory_report(model, opt)
     # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
@@ -365,6 +371,16 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
         )
         comm.stats.end_step()  # evaluation's messages are not the training step's
     run.step_times.append(step_time)
+    run.timing.write(
+        {
+            "step": step,
+            "samples": y.shape[0],
+            "work_s": work_s,  # forward and backward (a slowed rank's sleep included)
+            "wait_s": step_comm.wait_s,  # blocked in collectives: waiting for the others
+            "step_s": step_time,
+            "wall_time": time.time(),
+        }
+    )
     run.progress.update(step, run.loss, run.global_batch / step_time)
     if run.metrics:
         _log_saves(run)
@@ -441,6 +457,7 @@ def finish(run: Run, started: float) -> dict[str, Any]:
     summary["wall_time_s"] = time.perf_counter() - started
     if rt.is_main:
         write_summary(run.out, summary)
+    run.timing.close()
     run.model.close()
     # Nobody leaves while rank 0 still writes: an early exit would look like a crash to it.
     comm.barrier()

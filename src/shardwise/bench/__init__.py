@@ -17,6 +17,7 @@ DEFAULTS = {
     "tp": (5, 3),
     "ps": (150, 1),
     "faults": (60, 1),
+    "balance": (60, 2),
 }
 
 
@@ -39,6 +40,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from shardwise.bench.faults import main as faults_main
 
         return faults_main(["--steps", str(args.steps), "--out", args.out or default_out("faults")])
+    if args.suite == "balance":  # it starts its own jobs (one per variant and world size)
+        from shardwise.bench.balance import main as balance_main
+
+        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
+        if args.variants:
+            argv += ["--variants", args.variants]
+        return balance_main([*argv, "--out", args.out or default_out("balance")])
     module = f"shardwise.bench.{args.suite}"
     argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
     if args.suite in ("ddp", "zero"):

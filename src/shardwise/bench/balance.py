@@ -1,0 +1,221 @@
+"""Benchmark: per-rank batches against a slow rank.
+
+One rank of 2 (then of 3) works 2x slower per sample (the `slow` fault). The same job (the CNN
+on the digits, 128 samples per rank per step, our DDP) runs with:
+
+- `equal`: every rank the same slice of the global batch (the others wait for the slow one);
+- `weighted`: static shares by declared capacity (`data.rank_weights`, the slow rank 0.5);
+- `dynamic`: shares re-planned from measured throughput every 5 steps, from equal.
+
+SyncBatchNorm is off: its all-reduces in the middle of the forward would make the emulated
+slow rank (which sleeps before its forward) wait for the fast ones there, which slow hardware
+does not do; one all-reduce of the gradients ends each step, as in most jobs.
+
+The variants run one after the other in rotating order, `--reps` times. Reported per variant:
+median step time, samples/s and its ratio to `equal` (ideal: 1.5x at 2 ranks, 1.29x at 3),
+each rank's share of time spent waiting for the others, and the training time until the test
+accuracy first reaches `--target`. Every figure comes from the ranks' own logs (rank 0's
+metrics.jsonl and each rank's timing/rank{r}.jsonl), written as they trained. A plot shows each
+rank's work per step over the run.
+
+Run: shardwise bench balance
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+WARMUP = 5  # steps left out of the timings (allocation, lazy set-up, the first window)
+JOB = [
+    "model.name=cnn",
+    "model.channels=[64, 128]",  # per-sample compute well above a step's fixed costs
+    "strategy.sync_batchnorm=false",  # one all-reduce a step (see the docstring)
+    "data.batch_size=128",
+    "optim.name=sgd",
+    "optim.lr=0.05",
+    "train.eval_every=10",
+    "train.eval_batch_size=512",
+]
+
+
+def variant_sets(name: str, world: int) -> list[str]:
+    """The config overrides of one variant at `world` ranks, the last rank slowed."""
+    if name == "equal":
+        return []
+    if name == "weighted":
+        return [f"data.rank_weights={[1.0] * (world - 1) + [0.5]}"]
+    if name == "dynamic":
+        return ["data.balance=dynamic", "data.balance_every=5"]
+    raise ValueError(f"unknown balance variant {name!r}")
+
+
+def run_job(out: Path, name: str, world: int, steps: int, rep: int) -> dict:
+    run_dir = out / f"w{world}-{name}-{rep}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = [*JOB, f"train.steps={steps}", f"faults=[slow:rank={world - 1}:factor=2]"]
+    sets += variant_sets(name, world)
+    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", str(world)]
+    argv += [x for kv in sets for x in ("--set", kv)] + ["--run-dir", str(run_dir)]
+    job = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    if job.returncode != 0:
+        return {"error": f"exit {job.returncode}", "output": (job.stdout + job.stderr)[-2000:]}
+    return measure(run_dir, world)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def measure(run_dir: Path, world: int, target: float = 0.95) -> dict:
+    """A finished run's figures, from its logs."""
+    metrics = [r for r in _lines(run_dir / "metrics.jsonl") if "loss" in r]
+    timed = metrics[WARMUP:]
+    samples = sum(r["samples_per_s"] * r["step_time_s"] for r in timed)  # global batches
+    seconds = sum(r["step_time_s"] for r in timed)
+    ranks = [_lines(run_dir / "timing" / f"rank{r}.jsonl") for r in range(world)]
+    reached = next((r["t"] for r in metrics if r.get("eval_accuracy", 0) >= target), None)
+    return {
+        "step_s": statistics.median(r["step_time_s"] for r in timed),
+        "samples_per_s": samples / seconds,
+        "wait_share": [
+            sum(s["wait_s"] for s in lines[WARMUP:]) / sum(s["step_s"] for s in lines[WARMUP:])
+            for lines in ranks
+        ],
+        "final_shares": [lines[-1]["samples"] for lines in ranks],
+        "time_to_target_s": reached,
+        "work_s": [[s["work_s"] for s in lines] for lines in ranks],
+    }
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Medians over the repetitions of each variant, and samples/s against `equal`."""
+    out: dict[str, dict] = {}
+    for name, reps in runs.items():
+        ok = [r for r in reps if "error" not in r]
+        if not ok:
+            out[name] = {"error": reps[0]["error"], "output": reps[0]["output"]}
+            continue
+        reached = [r["time_to_target_s"] for r in ok if r["time_to_target_s"] is not None]
+        out[name] = {
+            "step_s": statistics.median(r["step_s"] for r in ok),
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in ok),
+            "wait_share": [
+                statistics.median(w) for w in zip(*(r["wait_share"] for r in ok), strict=True)
+            ],
+            "final_batch_sizes": ok[-1]["final_shares"],
+            "time_to_target_s": statistics.median(reached) if reached else None,
+            "reps": len(ok),
+        }
+    base = out.get("equal", {}).get("samples_per_s")
+    for figures in out.values():
+        if base and "samples_per_s" in figures:
+            figures["vs_equal"] = figures["samples_per_s"] / base
+    return out
+
+
+def plot(runs: dict[int, dict[str, list[dict]]], path: Path) -> None:
+    """Each rank's work per step (forward and backward, a slowed rank's sleep included) over
+    the run, one panel per world size and variant, from each variant's last repetition."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds, names = sorted(runs), list(next(iter(runs.values())))
+    fig, axes = plt.subplots(
+        len(worlds), len(names), figsize=(3.6 * len(names), 2.8 * len(worlds)), squeeze=False
+    )
+    for row, world in zip(axes, worlds, strict=True):
+        for ax, name in zip(row, names, strict=True):
+            last = [r for r in runs[world][name] if "error" not in r]
+            ax.set_title(f"{name}, {world} ranks", fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.set_ylabel("work per step (ms)", fontsize=8)
+            if not last:
+                continue
+            for rank, work in enumerate(last[-1]["work_s"]):
+                slow = " (2x slower)" if rank == world - 1 else ""
+                ax.plot([1000 * w for w in work], label=f"rank {rank}{slow}", linewidth=0.9)
+            ax.legend(fontsize=7)
+            ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=130)
+    for world, variants in result["worlds"].items():
+        table = Table(title=f"{world} ranks, rank {int(world) - 1} 2x slower per sample")
+        columns = ("variant", "step", "samples/s", "vs equal", "waiting, per rank")
+        for col in (*columns, "final batch sizes", "time to target"):
+            table.add_column(col, justify="right")
+        for name, f in variants.items():
+            if "error" in f:
+                table.add_row(name, "-", "-", "-", f["error"], "-", "-")
+                continue
+            reached = f["time_to_target_s"]
+            table.add_row(
+                name,
+                f"{1000 * f['step_s']:.0f} ms",
+                f"{f['samples_per_s']:,.0f}",
+                f"{f.get('vs_equal', float('nan')):.2f}x",
+                " ".join(f"{100 * w:.0f}%" for w in f["wait_share"]),
+                str(f["final_batch_sizes"]),
+                "-" if reached is None else f"{reached:.1f} s",
+            )
+        console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="shardwise bench balance")
+    parser.add_argument("--worlds", default="2,3", help="world sizes, comma-separated")
+    parser.add_argument("--variants", default="equal,weighted,dynamic")
+    parser.add_argument("--steps", type=int, default=60, help="steps per job")
+    parser.add_argument("--reps", type=int, default=2, help="rotating repetitions")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.variants.split(",")
+    for name in names:
+        variant_sets(name, 2)  # an unknown name fails before any job runs
+    runs: dict[int, dict[str, list[dict]]] = {}
+    for world in (int(w) for w in args.worlds.split(",")):
+        runs[world] = {name: [] for name in names}
+        for rep in range(args.reps):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                runs[world][name].append(run_job(out, name, world, args.steps, rep))
+                print(f"shardwise: bench balance: {world} ranks, {name}, rep {rep + 1}", flush=True)
+    result = {
+        "bench": "balance",
+        "steps": args.steps,
+        "reps": args.reps,
+        "worlds": {str(w): summarise(v) for w, v in runs.items()},
+    }
+    plot(runs, out / "work_per_step.png")
+    _print_table(result)
+    print(json.dumps(result))
+    (out / "result.json").write_text(json.dumps(result) + "\n")
+    print(f"shardwise: plot in {out / 'work_per_step.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
