@@ -6,7 +6,7 @@ from shardwise.config import ConfigError, load_config, ranks_needed
 from shardwise.jobs import straggler_delay
 
 
-@pytest.mark.parametrize("name", ["digits", "tiny_gpt", "cnn_bn"])
+@pytest.mark.parametrize("name", ["digits", "tiny_gpt", "cnn_bn", "verses_gpt"])
 def test_builtin_configs_validate(name):
     cfg = load_config(name)
     assert cfg.name == name

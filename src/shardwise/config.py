@@ -31,15 +31,23 @@ class ConfigError(ValueError):
 
 
 class DataConfig(Section):
-    dataset: Literal["digits", "text"] = Field(
-        "digits", description="'digits': scikit-learn's 8x8 handwritten digits; 'text': a file"
+    dataset: Literal["digits", "text", "verses"] = Field(
+        "digits",
+        description="'digits': scikit-learn's 8x8 handwritten digits; 'text': a file, in "
+        "windows of seq_len characters; 'verses': a file cut into documents of varying length, "
+        "one per line (for the character GPT)",
     )
     path: str | None = Field(
         None,
-        description="text file for dataset=text; relative paths are tried from the working "
-        "directory, then from shardwise's bundled datasets",
+        description="text file for dataset=text or verses; relative paths are tried from the "
+        "working directory, then from shardwise's bundled datasets",
     )
-    seq_len: int = Field(128, ge=2, description="characters per training sequence (text)")
+    seq_len: int = Field(128, ge=2, description="characters per training sequence (text, verses)")
+    packing: Literal["none", "pack"] = Field(
+        "none",
+        description="verses: 'none' pads each document to its own row of seq_len; 'pack' puts "
+        "documents end to end in rows (bin packing), with attention kept inside each document",
+    )
     batch_size: int = Field(
         32, ge=1, description="samples per rank per step (the global batch: this x ranks)"
     )
@@ -72,8 +80,10 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _text_needs_a_file(self) -> DataConfig:
-        if self.dataset == "text" and self.path is None:
-            raise ValueError("dataset 'text' needs data.path")
+        if self.dataset in ("text", "verses") and self.path is None:
+            raise ValueError(f"dataset {self.dataset!r} needs data.path")
+        if self.packing != "none" and self.dataset != "verses":
+            raise ValueError(f"packing {self.packing!r} needs dataset 'verses'")
         return self
 
 
@@ -228,6 +238,18 @@ class Config(Section):
         description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: shardwise.faults; "
         "added to those of SHARDWISE_FAULT)",
     )
+
+    @model_validator(mode="after")
+    def _verses_on_whole_models(self) -> Config:
+        # The document mask does not travel between a pipeline's stages, and tensor parallel's
+        # vocabulary-sharded loss does not leave padded targets out.
+        s = self.strategy
+        split = s.name in ("tp", "pp") or (s.name == "mesh" and (s.tp > 1 or s.pp > 1))
+        if self.data.dataset == "verses" and split:
+            raise ValueError(
+                f"data.dataset 'verses' needs a data-parallel strategy, not {s.describe()}"
+            )
+        return self
 
     @field_validator("faults")
     @classmethod

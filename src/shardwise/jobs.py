@@ -26,22 +26,36 @@ class Job:
     model: nn.Module
     splits: datasets.Splits
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # The loss is a mean per target token over padded sequences of unequal real length: ranks
+    # are weighed by their real tokens, not their rows.
+    per_token: bool = False
+
+
+def build_splits(cfg: Config) -> datasets.Splits:
+    """The dataset named by `data.dataset`, split into training and test data."""
+    data = cfg.data
+    if data.dataset == "digits":
+        return datasets.digits(data.test_fraction, seed=cfg.train.seed)
+    path = resolve_data_path(data.path)
+    if data.dataset == "verses":
+        return datasets.verses(path, data.seq_len, data.test_fraction, data.packing, cfg.train.seed)
+    return datasets.text(path, data.seq_len, data.test_fraction)
 
 
 def build_job(cfg: Config) -> Job:
     """Data first (the model's sizes depend on it), then a model seeded by `train.seed`."""
-    if cfg.data.dataset == "digits":
-        splits = datasets.digits(cfg.data.test_fraction, seed=cfg.train.seed)
-    else:
-        path = resolve_data_path(cfg.data.path)
-        splits = datasets.text(path, cfg.data.seq_len, cfg.data.test_fraction)
+    splits = build_splits(cfg)
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
     if m.name == "gpt":
-        if cfg.data.dataset != "text":
-            raise ValueError("model 'gpt' needs data.dataset 'text'")
-        model = TinyGPT(splits.num_classes, cfg.data.seq_len, m.d_model, m.n_layer, m.n_head)
-        return Job(model, splits, lm_loss)
+        if cfg.data.dataset == "digits":
+            raise ValueError("model 'gpt' needs data.dataset 'text' or 'verses'")
+        # Packed rows need the document mask; a row of one document is plain causal attention.
+        bos = splits.bos_token if cfg.data.packing == "pack" else None
+        model = TinyGPT(
+            *(splits.num_classes, cfg.data.seq_len, m.d_model, m.n_layer, m.n_head), bos_token=bos
+        )
+        return Job(model, splits, lm_loss, per_token=cfg.data.dataset == "verses")
     if cfg.data.dataset != "digits":
         raise ValueError(f"model {m.name!r} needs data.dataset 'digits'")
     if m.name == "cnn":

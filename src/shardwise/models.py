@@ -59,7 +59,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention, or where `mask` (bool, True = may attend) allows it."""
         b, t, _ = x.shape
         # Widths come from qkv's output, not from x: under tensor parallel this rank computes
         # only its n_head heads (the plan divides n_head), and x still has the full width.
@@ -68,7 +69,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (
             z.view(b, t, self.n_head, width // self.n_head).transpose(1, 2) for z in (q, k, v)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, width))
 
 
@@ -82,13 +86,32 @@ class Block(nn.Module):
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
 
+def document_mask(idx: torch.Tensor, bos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions that restart at 0 at each `bos` token (batch, seq), and the attention mask
+    (batch, 1, seq, seq) that lets a token see only the earlier tokens of its own document."""
+    t = idx.shape[1]
+    starts = idx == bos
+    index = torch.arange(t, device=idx.device).expand_as(idx)
+    # Each token's document start: the last BOS at or before it (0 before the first BOS).
+    start = torch.where(starts, index, 0).cummax(dim=1).values
+    document = starts.cumsum(dim=1)
+    same = document.unsqueeze(2) == document.unsqueeze(1)
+    causal = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+    return index - start, (same & causal).unsqueeze(1)
+
+
 class TinyGPT(nn.Module):
-    """A decoder-only transformer over characters; returns logits (batch, seq, vocab)."""
+    """A decoder-only transformer over characters; returns logits (batch, seq, vocab).
+
+    With `bos_token`, a row may hold several documents, each starting with that token
+    (packed sequences): positions restart and attention stays inside each document, so every
+    document gets the logits it would get alone in its own row.
+    """
 
     # How `shardwise.TensorParallel` splits it (Megatron-style; see strategies/tensor_parallel):
     # q/k/v by heads and fc1 by output features (column), attention's and the MLP's output
@@ -110,9 +133,10 @@ class TinyGPT(nn.Module):
         d_model: int = 256,
         n_layer: int = 4,
         n_head: int = 4,
+        bos_token: int | None = None,
     ) -> None:
         super().__init__()
-        self.seq_len = seq_len
+        self.seq_len, self.bos_token = seq_len, bos_token
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
@@ -134,14 +158,19 @@ class TinyGPT(nn.Module):
         t = idx.shape[1]
         if t > self.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.seq_len}")
-        pos = torch.arange(t, device=idx.device)
+        if self.bos_token is None:
+            pos, mask = torch.arange(t, device=idx.device), None
+        else:
+            pos, mask = document_mask(idx, self.bos_token)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.ln_f(x))
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The model as a sequence of layers, each feeding the next (what a pipeline splits)."""
+        if self.bos_token is not None:  # the mask would have to travel between the stages
+            raise ValueError("a TinyGPT with bos_token (document masking) cannot be pipelined")
         return [
             GPTEmbedding(self.tok_emb, self.pos_emb),
             *self.blocks,
@@ -172,7 +201,8 @@ class GPTHead(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position."""
+    """Mean next-token cross-entropy over every position whose target is not -100 (padding:
+    F.cross_entropy's default ignore_index)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

@@ -7,6 +7,10 @@ attention cost Σ L² where samples are sequences, and the label histogram where
 classes, with the largest deviation from the mean and the total variation distance between a
 rank's label mix and the whole epoch's. `shardwise train` prints it at the start and writes it
 to `RUN_DIR/data_skew.json`.
+
+Padding is no token. A row that packs several documents costs Σ L² over its documents, the
+work of attention kept inside each; a dense attention mask (TinyGPT's) still does the whole
+row's, so this is the cost a kernel that skips masked blocks would pay.
 """
 
 from __future__ import annotations
@@ -18,13 +22,19 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from shardwise.datasets import PAD_TARGET
 
-def _describe(dataset: Dataset, index: int) -> tuple[int | None, int]:
-    """(class label or None, tokens) of one sample."""
+
+def _describe(dataset: Dataset, index: int) -> tuple[int | None, int, int]:
+    """(class label or None, tokens, attention cost) of one sample."""
     _, target = dataset[index]
-    if isinstance(target, torch.Tensor) and target.dim() > 0:
-        return None, int(target.numel())  # a sequence: one target per token
-    return int(target), 1
+    if not (isinstance(target, torch.Tensor) and target.dim() > 0):
+        return int(target), 1, 1
+    # A sequence: one token per target that counts (padding's do not); attention is quadratic
+    # in each document's length where a row packs several (`DocumentRows.document_lengths`).
+    lengths = getattr(dataset, "document_lengths", None)
+    lengths = lengths(index) if lengths else [int((target != PAD_TARGET).sum())]
+    return None, sum(lengths), sum(n * n for n in lengths)
 
 
 def skew_report(dataset: Dataset, parts: Sequence[Sequence[int]]) -> dict[str, Any]:
@@ -35,8 +45,8 @@ def skew_report(dataset: Dataset, parts: Sequence[Sequence[int]]) -> dict[str, A
         labels: Counter[int] = Counter()
         tokens = attention = 0
         for i in part:
-            label, n = _describe(dataset, i)
-            tokens, attention = tokens + n, attention + n * n
+            label, n, cost = _describe(dataset, i)
+            tokens, attention = tokens + n, attention + cost
             if label is not None:
                 labels[label] += 1
         overall.update(labels)

@@ -25,6 +25,7 @@ from shardwise import comm, faults, ledger, run_checkpoint
 from shardwise.balance import ThroughputBalancer, weighted_sizes
 from shardwise.checkpoint import save_model
 from shardwise.config import Config, dump_config
+from shardwise.datasets import PAD_TARGET
 from shardwise.faults import FaultInjector
 from shardwise.jobs import (
     OPTIMIZERS,
@@ -118,9 +119,10 @@ def evaluate(
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         logits = model(x)
-        sums[0] += loss_fn(logits, y).item() * y.numel()
+        count = (y != PAD_TARGET).sum().item()  # targets that count: padding's do not
+        sums[0] += loss_fn(logits, y).item() * count
         sums[1] += (sw.predict(model, logits) == y).sum().item()
-        sums[2] += y.numel()
+        sums[2] += count
     if everyone:
         # Ranks that split one model scored the same samples: every sample counts equally
         # often, so the world-wide sums still give the mean.
@@ -327,9 +329,12 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     loss_fn = run.job.loss_fn
     if run.faults.poisons_loss(step):
         loss_fn = _poisoned(loss_fn)
-    # forward + backward; the loader planned every rank's batch, so it knows the global one
     slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
-    local_loss = sw.train_step(model, x, y, loss_fn, total=run.loader.global_batch)
+    # Forward and backward. The loader planned every rank's batch, so it knows the global one
+    # (in samples); a per-token loss weighs real tokens, summed over the ranks by the strategy.
+    tokens = _tokens(run.job, y)
+    total = run.loader.global_batch if tokens is None else None
+    local_loss = sw.train_step(model, x, y, loss_fn, samples=tokens, total=total)
     waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
     # Forward and backward (a slowed rank's sleep included): what the balancer measures.
     work_s = time.perf_counter() - t0 - waited
@@ -339,8 +344,9 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
     # lowers the scale); only the loss is ours to check then.
     grads_finite = model.scales_loss() or _grads_finite(model)
+    count = y.shape[0] if tokens is None else tokens  # the logged loss: a mean over these
     run.loss, run.stopping, bad_ranks = _agree(
-        run, local_loss, y.shape[0], grads_finite, run.faults.desyncs(step)
+        run, local_loss, count, grads_finite, run.faults.desyncs(step)
     )
     lr = run.scheduler.get_last_lr()[0]
     if bad_ranks:
@@ -399,6 +405,12 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
                 **record,
             }
         )
+
+
+def _tokens(job: Job, y: torch.Tensor) -> int | None:
+    """This rank's real target tokens where the job's loss is a mean per token over padded
+    sequences (its share of the step is counted in them); None: its share is its samples."""
+    return int((y != PAD_TARGET).sum()) if job.per_token else None
 
 
 def _poisoned(loss_fn):

@@ -1,7 +1,7 @@
 """Real datasets that need no download: scikit-learn's digits and a committed public-domain text.
 
 `genesis_kjv.txt` is the Book of Genesis, King James Version (public domain), taken from
-Debian's bible-kjv-text package with the verse references removed.
+Debian's bible-kjv-text package with the verse references removed: one verse per line.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from shardwise.datasets.packing import PAD_TARGET, DocumentRows, documents, pack
+
+__all__ = ["PAD_TARGET", "CharSequences", "DocumentRows", "Splits", "digits", "text", "verses"]
+
 
 @dataclass
 class Splits:
@@ -19,6 +23,7 @@ class Splits:
     test: Dataset
     num_classes: int  # classes, or vocabulary size for text
     input_dim: int  # features per sample, or sequence length for text
+    bos_token: int | None = None  # text cut into documents: the token that starts each
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> Splits:
@@ -62,3 +67,23 @@ def text(path: Path, seq_len: int = 128, test_fraction: float = 0.1) -> Splits:
     train = CharSequences(tokens[:split], seq_len, stride)
     test = CharSequences(tokens[split:], seq_len, seq_len)
     return Splits(train, test, len(vocab), seq_len)
+
+
+def verses(
+    path: Path, seq_len: int = 256, test_fraction: float = 0.1, packing: str = "none", seed: int = 0
+) -> Splits:
+    """The text's lines as documents of varying length (`datasets.packing`): the vocabulary is
+    its characters plus a start-of-document token. The last `test_fraction` of the lines is held
+    out, one document per row; with `packing` 'pack' the training rows are packed."""
+    if packing not in ("none", "pack"):
+        raise ValueError(f"packing must be 'none' or 'pack', got {packing!r}")
+    content = Path(path).read_text(encoding="utf-8")
+    vocab = sorted(set(content))
+    index = {ch: i for i, ch in enumerate(vocab)}
+    bos = len(vocab)
+    lines = content.splitlines()
+    split = int(len(lines) * (1 - test_fraction))
+    train, test = (documents(part, index, bos, seq_len) for part in (lines[:split], lines[split:]))
+    rows = pack(train, seq_len, seed) if packing == "pack" else [[doc] for doc in train]
+    test_rows = DocumentRows([[doc] for doc in test], seq_len)
+    return Splits(DocumentRows(rows, seq_len), test_rows, len(vocab) + 1, seq_len, bos)
