@@ -172,7 +172,7 @@ def test_packing_benchmark_reports_both_variants_on_the_same_documents(tmp_path,
         bench_packing.main(["--rows", "1", "--steps", "1", "--reps", "1", "--out", str(out)]) == 0
     )
     line = json.loads(out.read_text())
-    assert line["suite"] == "packing"
+    assert line["bench"] == "packing"
     none, packed = line["results"]["none"], line["results"]["pack"]
     assert packed["padding_fraction"] <= 0.05 < 0.4 < none["padding_fraction"]
     assert packed["rows_per_step"] == 1 < none["rows_per_step"]

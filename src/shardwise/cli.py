@@ -9,6 +9,7 @@
     shardwise bench comm --models gpt --steps 60 --rate 100mbit   # codecs on an emulated network
     shardwise bench faults                                        # recovery, stall, hang times
     shardwise bench balance                                       # per-rank batches, slow rank
+    shardwise bench packing                                       # packed vs padded documents
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
     bench.add_argument(
         "suite",
-        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance"],
+        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance", "packing"],
         help="what to benchmark",
     )
     bench.add_argument("--world-size", type=int, default=2, help="ranks")

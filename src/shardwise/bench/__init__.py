@@ -18,6 +18,7 @@ DEFAULTS = {
     "ps": (150, 1),
     "faults": (60, 1),
     "balance": (60, 2),
+    "packing": (2, 4),
 }
 
 
@@ -40,6 +41,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from shardwise.bench.faults import main as faults_main
 
         return faults_main(["--steps", str(args.steps), "--out", args.out or default_out("faults")])
+    if args.suite == "packing":  # one process, both variants on the same documents
+        from shardwise.bench.packing import main as packing_main
+
+        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
+        return packing_main([*argv, "--out", args.out] if args.out else argv)
     if args.suite == "balance":  # it starts its own jobs (one per variant and world size)
         from shardwise.bench.balance import main as balance_main
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     _print_table(result, tokens)
     line = {
-        "suite": "packing",
+        "bench": "packing",
         "seq_len": SEQ_LEN,
         "model": {"d_model": 256, "n_layer": 4, "n_head": 4},
         "threads": torch.get_num_threads(),
