@@ -149,11 +149,11 @@ class FaultInjector:
             time.sleep((factor - 1) * max(0.0, time.perf_counter() - started - waited))
 
     def slow_ahead(self, samples: int, step: int | None = None) -> float:
-        """Under a `slow` fault, sleep now, before the forward, F - 1 times what `samples`
-        cost this rank so far (`PerSampleCost`; tell it each step's real work with
-        `observe_work`); the seconds slept. Before the gradients exist, as on slow hardware:
-        a rank that slept after them would make the others wait twice in a synchronous step,
-        once in the gradient all-reduce for its real work and again for the sleep."""
+        """Under a `slow` fault, sleep now F - 1 times what `samples` cost this rank so far
+        (`PerSampleCost`; tell it each step's real work with `observe_work`); the seconds
+        slept. A synchronous trainer calls it before the forward, as slow hardware is slow
+        before its gradients exist: a rank that slept after them would make the others wait
+        twice, in the gradient all-reduce for its real work and again for the sleep."""
         factor = self.slow_factor(step)
         self._announce(factor)
         if factor == 1 or self.per_sample.last is None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -26,6 +30,23 @@ def default_out(suite: str) -> str:
     """Where a suite that writes several files puts them unless told: under runs/."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return str(Path("runs") / f"bench-{suite}-{stamp}")
+
+
+def train_job(
+    run_dir: Path, config: str, sets: list[str], env: dict | None = None, extra=()
+) -> subprocess.CompletedProcess:
+    """`shardwise train CONFIG --set ... --run-dir RUN_DIR` (afresh) as a subprocess, for the
+    suites that measure whole jobs; its output is captured."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = [sys.executable, "-m", "shardwise", "train", config, *extra]
+    argv += [x for kv in sets for x in ("--set", kv)] + ["--run-dir", str(run_dir)]
+    return subprocess.run(
+        argv,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 def run_benchmark(args: argparse.Namespace) -> int:

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from shardwise.bench import train_job
 
 WARMUP = 5  # steps left out of the timings (allocation, lazy set-up, the first window)
 JOB = [
@@ -58,18 +57,9 @@ def variant_sets(name: str, world: int) -> list[str]:
 
 def run_job(out: Path, name: str, world: int, steps: int, rep: int) -> dict:
     run_dir = out / f"w{world}-{name}-{rep}"
-    shutil.rmtree(run_dir, ignore_errors=True)
     sets = [*JOB, f"train.steps={steps}", f"faults=[slow:rank={world - 1}:factor=2]"]
     sets += variant_sets(name, world)
-    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", str(world)]
-    argv += [x for kv in sets for x in ("--set", kv)] + ["--run-dir", str(run_dir)]
-    job = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    job = train_job(run_dir, "digits", sets, extra=["--nproc", str(world)])
     if job.returncode != 0:
         return {"error": f"exit {job.returncode}", "output": (job.stdout + job.stderr)[-2000:]}
     return measure(run_dir, world)

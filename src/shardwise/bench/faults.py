@@ -21,28 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from shardwise.bench import train_job
+
 
 def _job(run_dir: Path, config: str, sets: list[str], env: dict | None = None, extra=()) -> str:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    argv = [sys.executable, "-m", "shardwise", "train", config, *extra]
-    for kv in sets:
-        argv += ["--set", kv]
-    result = subprocess.run(
-        [*argv, "--run-dir", str(run_dir)],
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    result = train_job(run_dir, config, sets, env, extra)
     return result.stdout + result.stderr
 
 
