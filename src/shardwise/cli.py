@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="JSON result file (comm: output directory)")
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
-    bench.add_argument("--variants", help="balance: comma-separated of equal, weighted, dynamic")
+    bench.add_argument("--variants", help="balance: equal, weighted, dynamic, queue (commas)")
     bench.set_defaults(func=cmd_bench)
 
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")

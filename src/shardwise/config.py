@@ -62,6 +62,13 @@ class DataConfig(Section):
         "balance_every steps (starting from rank_weights, or equal shares)",
     )
     balance_every: int = Field(10, ge=1, description="dynamic balance: steps per window")
+    mode: Literal["split", "queue"] = Field(
+        "split",
+        description="split: each step's global batch cut into one slice per rank; queue: each "
+        "rank claims the next chunk of batch_size samples from the job's store when it is "
+        "ready, so faster ranks take more (local SGD, averaged every period x ranks chunks, "
+        "weighted by samples; a parameter server always deals its batches this way)",
+    )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="share of data held out for eval")
 
     @field_validator("path")
@@ -238,6 +245,19 @@ class Config(Section):
         description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: shardwise.faults; "
         "added to those of SHARDWISE_FAULT)",
     )
+
+    @model_validator(mode="after")
+    def _queue_needs_replicas_that_pull(self) -> Config:
+        if self.data.mode != "queue" or self.strategy.name == "ps":
+            return self
+        if self.strategy.name != "local_sgd" or self.strategy.warmup_steps:
+            raise ValueError(
+                "data.mode 'queue' needs strategy local_sgd (without warmup_steps) or ps: "
+                "ranks that pull their data take different numbers of steps"
+            )
+        if self.data.rank_weights is not None or self.data.balance != "static":
+            raise ValueError("data.mode 'queue' balances by itself: no rank_weights or balance")
+        return self
 
     @model_validator(mode="after")
     def _verses_on_whole_models(self) -> Config:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardwise import runtime
-from shardwise.partition import Partitioner, proportional
+from shardwise.partition import Partitioner, epoch_order, proportional
 
 
 def _checked_sizes(sizes: list[int], replicas: int) -> list[int]:
@@ -82,11 +82,7 @@ class ShardedLoader:
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's order of sample indices, the same on every rank."""
-        n = len(self.dataset)
-        if not self.shuffle:
-            return list(range(n))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(n, generator=generator).tolist()
+        return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
 
     def _steps(self, order: list[int], start: int) -> Iterator[tuple[list[list[int]], int]]:
         """(every replica's indices, samples the whole step consumes) from `start` on."""

@@ -35,7 +35,8 @@ class Partitioner(Protocol):
         ...
 
 
-def _order(size: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The epoch's order of sample indices (one seeded permutation), the same on every rank."""
     if not shuffle:
         return list(range(size))
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
@@ -62,7 +63,7 @@ class Contiguous:
         _check(size, parts)
         base, extra = divmod(size, parts)
         sizes = [base + (1 if r < extra else 0) for r in range(parts)]
-        return _cut(_order(size, seed, epoch, self.shuffle), sizes)
+        return _cut(epoch_order(size, seed, epoch, self.shuffle), sizes)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Strided:
 
     def split(self, size: int, parts: int, seed: int, epoch: int) -> list[list[int]]:
         _check(size, parts)
-        order = _order(size, seed, epoch, self.shuffle)
+        order = epoch_order(size, seed, epoch, self.shuffle)
         return [order[r::parts] for r in range(parts)]
 
 
@@ -105,7 +106,7 @@ class Hashed:
         _check(size, parts)
         owners = self.owners(size, parts)
         out: list[list[int]] = [[] for _ in range(parts)]
-        for i in _order(size, seed, epoch, self.shuffle):
+        for i in epoch_order(size, seed, epoch, self.shuffle):
             out[owners[i]].append(i)
         return out
 
@@ -120,7 +121,7 @@ class Stratified:
         _check(size, parts)
         if len(self.labels) != size:
             raise ValueError(f"{len(self.labels)} labels for a dataset of {size} samples")
-        order = _order(size, seed, epoch, shuffle=True)
+        order = epoch_order(size, seed, epoch, shuffle=True)
         by_label: dict[int, list[int]] = {}
         for i in order:
             by_label.setdefault(int(self.labels[i]), []).append(i)
@@ -161,4 +162,4 @@ class Weighted:
 
     def split(self, size: int, parts: int, seed: int, epoch: int) -> list[list[int]]:
         _check(size, parts)
-        return _cut(_order(size, seed, epoch, self.shuffle), self.sizes(size, parts))
+        return _cut(epoch_order(size, seed, epoch, self.shuffle), self.sizes(size, parts))

@@ -42,6 +42,7 @@ from shardwise.signals import handling_stop_signals
 from shardwise.skew import format_report, skew_report
 from shardwise.strategies.base import DistributedModel
 from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog
+from shardwise.work_queue import QueueLoader
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
 RUN_DIR_KEY = "shardwise/run_dir"  # where rank 0 tells the others the run directory
@@ -142,7 +143,7 @@ class Run:
     opt: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     out: Path
-    loader: sw.data.ShardedLoader
+    loader: sw.data.ShardedLoader | QueueLoader
     shard: tuple[int, int]  # (replicas, index) of this rank's data
     metrics: MetricsFile | None
     timing: MetricsFile | None  # this rank's own time per step (every rank writes one)
@@ -162,6 +163,7 @@ class Run:
     loads: int = 0  # checkpoints loaded (each one agreed through the store)
     skipped_steps: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    step_samples: list[int] = field(default_factory=list)  # the whole step's, every rank's
     loss: float = float("nan")
     memory: dict[str, int] = field(default_factory=dict)
 
@@ -177,7 +179,7 @@ class Run:
             "loader": self.loader.state_dict(),
             "drawn": self.drawn,
             "skip": sorted(self.skip),
-            "batch_sizes": self.loader.sizes,
+            "batch_sizes": getattr(self.loader, "sizes", None),  # a queue has none
         }
 
     def restore(self, restored: dict[str, Any]) -> int:
@@ -213,10 +215,10 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, cfg.train.steps))
     shard = model.data_shard()
-    loader = sw.data.loader(
-        job.splits.train, batch_sizes(cfg, shard[0]), shuffle=True, seed=cfg.train.seed, shard=shard
-    )
-    if rt.is_main and not resume:
+    loader = make_loader(cfg, job, model, shard)
+    if isinstance(loader, QueueLoader):
+        model.pace_by_rounds()
+    elif rt.is_main and not resume:
         report = skew_report(job.splits.train, loader.parts(0))
         (out / "data_skew.json").write_text(json.dumps(report, indent=1))
         print(f"shardwise: {format_report(report)}", flush=True)
@@ -304,6 +306,22 @@ def _next_batch(run: Run, step: int):
     return batch
 
 
+def make_loader(
+    cfg: Config, job: Job, model: DistributedModel, shard: tuple[int, int]
+) -> sw.data.ShardedLoader | QueueLoader:
+    """The training data: each step's global batch split over the replicas, or (`data.mode:
+    queue`) chunks each rank claims from the job's store, in rounds of `strategy.period`
+    chunks per rank."""
+    if cfg.data.mode == "queue":
+        store = dist.distributed_c10d._get_default_store()
+        return QueueLoader(
+            *(job.splits.train, cfg.data.batch_size, *shard[:1], cfg.strategy.period),
+            *(store, cfg.train.seed),
+        )
+    sizes = batch_sizes(cfg, shard[0])
+    return sw.data.loader(job.splits.train, sizes, shuffle=True, seed=cfg.train.seed, shard=shard)
+
+
 def batch_sizes(cfg: Config, replicas: int) -> int | list[int]:
     """The loader's batch size: the same for every replica, or shares by `data.rank_weights`."""
     if cfg.data.rank_weights is None:
@@ -371,23 +389,43 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
             print(f"shardwise: step {step}: samples/s per rank [{rates}] -> batch sizes {sizes}")
     if bad_ranks:
         record = {"skipped": True, "nonfinite_ranks": list(bad_ranks), "batch": run.drawn}
+    samples = (run.global_batch, y.shape[0])
+    _log_step(run, step, loop_start, lr, samples, work_s, (step_time, step_comm), record)
+
+
+def _log_step(
+    run: Run,
+    step: int,
+    loop_start: float,
+    lr: float,
+    samples: tuple[int, int],
+    work_s: float,
+    timed: tuple[float, comm.CommSnapshot],
+    record: dict[str, Any],
+) -> None:
+    """After a step (or a work-queue round): evaluation if due, this rank's timing line, the
+    progress bar and rank 0's metrics line. `samples`: (the whole step's, this rank's);
+    `timed`: the step's seconds and messages."""
+    step_time, step_comm = timed
+    cfg = run.cfg
     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
         record["eval_loss"], record["eval_accuracy"] = evaluate(
-            model, run.job, cfg.train.eval_batch_size
+            run.model, run.job, cfg.train.eval_batch_size
         )
         comm.stats.end_step()  # evaluation's messages are not the training step's
     run.step_times.append(step_time)
+    run.step_samples.append(samples[0])
     run.timing.write(
         {
             "step": step,
-            "samples": y.shape[0],
+            "samples": samples[1],
             "work_s": work_s,  # forward and backward (a slowed rank's sleep included)
             "wait_s": step_comm.wait_s,  # blocked in collectives: waiting for the others
             "step_s": step_time,
             "wall_time": time.time(),
         }
     )
-    run.progress.update(step, run.loss, run.global_batch / step_time)
+    run.progress.update(step, run.loss, samples[0] / step_time)
     if run.metrics:
         _log_saves(run)
         run.metrics.write(
@@ -396,7 +434,7 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
                 "loss": run.loss,
                 "lr": lr,
                 "step_time_s": step_time,
-                "samples_per_s": run.global_batch / step_time,
+                "samples_per_s": samples[0] / step_time,
                 "comm_bytes": step_comm.bytes,
                 "comm_calls": step_comm.calls,
                 "comm_wait_s": step_comm.wait_s,
@@ -405,6 +443,41 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
                 **record,
             }
         )
+
+
+def run_round(run: Run, step: int, loop_start: float) -> None:
+    """One work-queue round (`data.mode: queue`, local SGD): this rank trains the chunks it
+    claims, one local step each, as many as its speed allows, until the round's are gone;
+    then the replicas are averaged, each weighted by the samples it trained on, and the loss
+    is averaged over every sample of the round. The schedule steps once per round."""
+    model, opt, loader = run.model, run.opt, run.loader
+    t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
+    samples, loss_sum = 0, 0.0
+    for x, y in loader.round():
+        run.drawn += 1
+        if run.cfg.train.sample_ledger:
+            ledger.write(run.out, run.rt.rank, step, run.drawn, loader)
+        x, y = x.to(run.rt.device), y.to(run.rt.device)
+        started = time.perf_counter()
+        slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
+        loss = sw.train_step(model, x, y, run.job.loss_fn)
+        run.faults.observe_work(y.shape[0], time.perf_counter() - started - slept)
+        opt.step()
+        opt.zero_grad()
+        samples, loss_sum = samples + y.shape[0], loss_sum + loss.item() * y.shape[0]
+    work_s = time.perf_counter() - t0 - (comm.stats.step_wait_s() - waited0)
+    model.end_round(samples)
+    totals = torch.tensor(
+        [loss_sum, samples, run.stop_requested], dtype=torch.float64, device=run.rt.device
+    )
+    comm.all_reduce(totals)
+    run.loss, run.stopping = (totals[0] / totals[1]).item(), bool(totals[2] > 0)
+    if not math.isfinite(run.loss):
+        raise NonFiniteStop(f"shardwise: round {step}: non-finite loss: stopping")
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    timed = (time.perf_counter() - t0, comm.stats.end_step())
+    _log_step(run, step, loop_start, lr, (int(totals[1].item()), samples), work_s, timed, {})
 
 
 def _tokens(job: Job, y: torch.Tensor) -> int | None:
@@ -440,7 +513,8 @@ def finish(run: Run, started: float) -> dict[str, Any]:
     train_comm = comm.stats.total()
     eval_loss, accuracy = evaluate(run.model, run.job, cfg.train.eval_batch_size)
     state = sw.full_state_dict(run.model)
-    timed = run.step_times[WARMUP_STEPS_EXCLUDED:] or run.step_times or [float("nan")]
+    skip = WARMUP_STEPS_EXCLUDED if len(run.step_times) > WARMUP_STEPS_EXCLUDED else 0
+    timed = run.step_times[skip:] or [float("nan")]
     summary = {
         "name": cfg.name,
         "strategy": cfg.strategy.describe(),
@@ -449,7 +523,7 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         "final_train_loss": run.loss,
         "eval_loss": eval_loss,
         "eval_accuracy": accuracy,
-        "samples_per_s": run.global_batch * len(timed) / sum(timed),
+        "samples_per_s": sum(run.step_samples[skip:]) / sum(timed),
         "comm_bytes_per_step": train_comm.bytes / cfg.train.steps,
         "comm_bytes_total": train_comm.bytes,
         "comm_wait_s": train_comm.wait_s,
@@ -512,7 +586,10 @@ def _train(run: Run, started: float) -> dict[str, Any]:
             step += 1
             run.watchdog.step = step
             run.faults.before_step(step)
-            run_step(run, step, loop_start)
+            if isinstance(run.loader, QueueLoader):
+                run_round(run, step, loop_start)
+            else:
+                run_step(run, step, loop_start)
             if cfg.train.nonfinite == "rollback" and run.bad_streak >= cfg.train.max_bad_steps:
                 step = _rollback(run, step)
                 continue

@@ -5,7 +5,11 @@ on the digits, 128 samples per rank per step, our DDP) runs with:
 
 - `equal`: every rank the same slice of the global batch (the others wait for the slow one);
 - `weighted`: static shares by declared capacity (`data.rank_weights`, the slow rank 0.5);
-- `dynamic`: shares re-planned from measured throughput every 5 steps, from equal.
+- `dynamic`: shares re-planned from measured throughput every 5 steps, from equal;
+- `queue`: local SGD on the work queue (`data.mode: queue`): each rank claims the next chunk of
+  128 samples when it is ready, so the fast ones take more; the replicas are averaged, weighted
+  by samples, after every round of 2 chunks per rank (as many samples as 2 steps of the
+  others, whose figures a round's line is compared with).
 
 SyncBatchNorm is off: its all-reduces in the middle of the forward would make the emulated
 slow rank (which sleeps before its forward) wait for the fast ones there, which slow hardware
@@ -44,21 +48,32 @@ JOB = [
 ]
 
 
-def variant_sets(name: str, world: int) -> list[str]:
-    """The config overrides of one variant at `world` ranks, the last rank slowed."""
+QUEUE_PERIOD = 2  # chunks per rank per round: a round holds the samples of 2 steps
+
+
+def variant_sets(name: str, world: int, steps: int) -> list[str]:
+    """The config overrides of one variant of `steps` steps at `world` ranks."""
     if name == "equal":
         return []
     if name == "weighted":
         return [f"data.rank_weights={[1.0] * (world - 1) + [0.5]}"]
     if name == "dynamic":
         return ["data.balance=dynamic", "data.balance_every=5"]
+    if name == "queue":  # as many samples as the others train, in rounds of 2 steps' worth
+        return [
+            "strategy.name=local_sgd",
+            f"strategy.period={QUEUE_PERIOD}",
+            "data.mode=queue",
+            f"train.steps={steps // QUEUE_PERIOD}",
+            f"train.eval_every={10 // QUEUE_PERIOD}",
+        ]
     raise ValueError(f"unknown balance variant {name!r}")
 
 
 def run_job(out: Path, name: str, world: int, steps: int, rep: int) -> dict:
     run_dir = out / f"w{world}-{name}-{rep}"
     sets = [*JOB, f"train.steps={steps}", f"faults=[slow:rank={world - 1}:factor=2]"]
-    sets += variant_sets(name, world)
+    sets += variant_sets(name, world, steps)
     job = train_job(run_dir, "digits", sets, extra=["--nproc", str(world)])
     if job.returncode != 0:
         return {"error": f"exit {job.returncode}", "output": (job.stdout + job.stderr)[-2000:]}
@@ -176,7 +191,7 @@ def _print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="shardwise bench balance")
     parser.add_argument("--worlds", default="2,3", help="world sizes, comma-separated")
-    parser.add_argument("--variants", default="equal,weighted,dynamic")
+    parser.add_argument("--variants", default="equal,weighted,dynamic,queue")
     parser.add_argument("--steps", type=int, default=60, help="steps per job")
     parser.add_argument("--reps", type=int, default=2, help="rotating repetitions")
     parser.add_argument("--out", required=True, help="output directory")
@@ -185,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.variants.split(",")
     for name in names:
-        variant_sets(name, 2)  # an unknown name fails before any job runs
+        variant_sets(name, 2, args.steps)  # an unknown name fails before any job runs
     runs: dict[int, dict[str, list[dict]]] = {}
     for world in (int(w) for w in args.worlds.split(",")):
         runs[world] = {name: [] for name in names}

@@ -45,12 +45,20 @@ def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
         p.copy_(value)
 
 
-def average_params(model: nn.Module, runtime: Runtime, beta: float = 1.0) -> None:
-    """All ranks of `runtime`: x <- beta * mean_r(x_r) + (1 - beta) * x."""
+def average_params(
+    model: nn.Module, runtime: Runtime, beta: float = 1.0, weight: float | None = None
+) -> None:
+    """All ranks of `runtime`: x <- beta * mean_r(x_r) + (1 - beta) * x. With `weight`, the
+    mean weighs rank r by its weight (the weights travel in the same all-reduce)."""
     local = flat_params(model)
-    mean = local.clone()
-    comm.all_reduce(mean, group=runtime.group)
-    mean.div_(runtime.world_size)
+    if weight is None:
+        mean = local.clone()
+        comm.all_reduce(mean, group=runtime.group)
+        mean.div_(runtime.world_size)
+    else:
+        packed = torch.cat([local * weight, local.new_tensor([weight])])
+        comm.all_reduce(packed, group=runtime.group)
+        mean = packed[:-1] / packed[-1]
     set_flat_params(model, mean if beta == 1.0 else beta * mean + (1 - beta) * local)
 
 
@@ -80,8 +88,8 @@ class RelaxedModel(DistributedModel):
     def synchronise(self) -> None:
         raise NotImplementedError
 
-    def average(self, beta: float = 1.0) -> None:
-        average_params(self.module, self.runtime, beta)
+    def average(self, beta: float = 1.0, weight: float | None = None) -> None:
+        average_params(self.module, self.runtime, beta, weight)
         self.sync_steps.append(self.steps)
 
     def extra_state(self) -> dict[str, torch.Tensor]:
@@ -104,6 +112,7 @@ class LocalSGDModel(RelaxedModel):
     def __init__(self, module: nn.Module, runtime: Runtime, options: LocalSGD) -> None:
         super().__init__(module, runtime)
         self.options = options
+        self.paced_by_rounds = False
 
     def before_step(self) -> bool:
         if self.steps < self.options.warmup_steps:  # post-local SGD: synchronous at first
@@ -111,9 +120,25 @@ class LocalSGDModel(RelaxedModel):
         return True
 
     def synchronise(self) -> None:
+        if self.paced_by_rounds:  # the work queue's rounds decide: `end_round`
+            return
         since_warmup = self.steps - self.options.warmup_steps
         if since_warmup > 0 and since_warmup % self.options.period == 0:
             self.average(self.options.beta)
+
+    def pace_by_rounds(self) -> None:
+        """Average at the end of each work-queue round (`data.mode: queue`) instead of every
+        `period` steps: ranks that pull their data take as many local steps as their speed
+        allows, so their step counts differ."""
+        if self.options.warmup_steps:
+            raise ValueError("local SGD with a work queue has no synchronous warm-up steps")
+        self.paced_by_rounds = True
+
+    def end_round(self, samples: int) -> None:
+        """The end of a work-queue round: the replicas are averaged (with `beta`), each
+        weighted by the samples it trained on in the round, so a rank that took more chunks
+        counts for more and one that took none for nothing."""
+        self.average(self.options.beta, weight=float(samples))
 
 
 @dataclass(frozen=True)
