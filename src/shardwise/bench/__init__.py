@@ -21,7 +21,7 @@ DEFAULTS = {
     "tp": (5, 3),
     "ps": (150, 1),
     "faults": (60, 1),
-    "balance": (60, 2),
+    "balance": (60, 3),
     "packing": (2, 4),
 }
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -70,9 +71,24 @@ def variant_sets(name: str, world: int, steps: int) -> list[str]:
     raise ValueError(f"unknown balance variant {name!r}")
 
 
+def device_factor(world: int) -> int:
+    """How many times its CPU time each rank's work is made to take (sleeping the rest), so
+    that ranks do not compete for cores: 1 where every rank has a core of its own."""
+    return -(-world // (os.cpu_count() or 1))
+
+
+def emulated_speeds(world: int) -> list[str]:
+    """`slow` faults: the last rank 2x slower per sample than the others, every rank's work
+    stretched by `device_factor` (3 ranks on 2 cores: each computes half the time, as a rank
+    waiting on its own accelerator would)."""
+    base = device_factor(world)
+    factors = [base] * (world - 1) + [2 * base]
+    return [f"slow:rank={r}:factor={f}" for r, f in enumerate(factors) if f > 1]
+
+
 def run_job(out: Path, name: str, world: int, steps: int, rep: int) -> dict:
     run_dir = out / f"w{world}-{name}-{rep}"
-    sets = [*JOB, f"train.steps={steps}", f"faults=[slow:rank={world - 1}:factor=2]"]
+    sets = [*JOB, f"train.steps={steps}", f"faults={emulated_speeds(world)}"]
     sets += variant_sets(name, world, steps)
     job = train_job(run_dir, "digits", sets, extra=["--nproc", str(world)])
     if job.returncode != 0:
@@ -167,7 +183,9 @@ def _print_table(result: dict) -> None:
 
     console = Console(width=130)
     for world, variants in result["worlds"].items():
-        table = Table(title=f"{world} ranks, rank {int(world) - 1} 2x slower per sample")
+        device = result["device_factor"][world]
+        stretched = f", every rank's work {device}x its CPU time" if device > 1 else ""
+        table = Table(title=f"{world} ranks, rank {int(world) - 1} 2x slower per sample{stretched}")
         columns = ("variant", "step", "samples/s", "vs equal", "waiting, per rank")
         for col in (*columns, "final batch sizes", "time to target"):
             table.add_column(col, justify="right")
@@ -193,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,3", help="world sizes, comma-separated")
     parser.add_argument("--variants", default="equal,weighted,dynamic,queue")
     parser.add_argument("--steps", type=int, default=60, help="steps per job")
-    parser.add_argument("--reps", type=int, default=2, help="rotating repetitions")
+    parser.add_argument("--reps", type=int, default=3, help="rotating repetitions")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -213,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "reps": args.reps,
         "worlds": {str(w): summarise(v) for w, v in runs.items()},
+        "device_factor": {str(w): device_factor(w) for w in runs},
     }
     plot(runs, out / "work_per_step.png")
     _print_table(result)
