@@ -142,6 +142,8 @@ class ShardedLoader:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("queue"):
+            raise ValueError("the data position was saved by a work queue (data.mode: queue)")
         if state["seed"] != self.seed:
             raise ValueError(f"data position saved with seed {state['seed']}, not {self.seed}")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])

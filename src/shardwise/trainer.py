@@ -215,7 +215,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, cfg.train.steps))
     shard = model.data_shard()
-    loader = make_loader(cfg, job, model, shard)
+    loader = make_loader(cfg, job, shard)
     if isinstance(loader, QueueLoader):
         model.pace_by_rounds()
     elif rt.is_main and not resume:
@@ -307,16 +307,19 @@ def _next_batch(run: Run, step: int):
 
 
 def make_loader(
-    cfg: Config, job: Job, model: DistributedModel, shard: tuple[int, int]
+    cfg: Config, job: Job, shard: tuple[int, int]
 ) -> sw.data.ShardedLoader | QueueLoader:
     """The training data: each step's global batch split over the replicas, or (`data.mode:
     queue`) chunks each rank claims from the job's store, in rounds of `strategy.period`
     chunks per rank."""
     if cfg.data.mode == "queue":
-        store = dist.distributed_c10d._get_default_store()
         return QueueLoader(
-            *(job.splits.train, cfg.data.batch_size, *shard[:1], cfg.strategy.period),
-            *(store, cfg.train.seed),
+            job.splits.train,
+            cfg.data.batch_size,
+            replicas=shard[0],
+            period=cfg.strategy.period,
+            store=dist.distributed_c10d._get_default_store(),
+            seed=cfg.train.seed,
         )
     sizes = batch_sizes(cfg, shard[0])
     return sw.data.loader(job.splits.train, sizes, shuffle=True, seed=cfg.train.seed, shard=shard)
@@ -341,22 +344,21 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
     # An emulated straggler computes slowly: the delay comes before its gradients exist
     # (after them, DDP's all-reduce, started during backward, would hide it).
-    delay = straggler_delay(cfg.train, run.shard[1], run.shard[0], step)
-    if delay:
+    if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
         time.sleep(delay)
     loss_fn = run.job.loss_fn
     if run.faults.poisons_loss(step):
         loss_fn = _poisoned(loss_fn)
-    slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
     # Forward and backward. The loader planned every rank's batch, so it knows the global one
     # (in samples); a per-token loss weighs real tokens, summed over the ranks by the strategy.
     tokens = _tokens(run.job, y)
     total = run.loader.global_batch if tokens is None else None
+    slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
     local_loss = sw.train_step(model, x, y, loss_fn, samples=tokens, total=total)
     waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
     # Forward and backward (a slowed rank's sleep included): what the balancer measures.
     work_s = time.perf_counter() - t0 - waited
-    run.faults.observe_work(y.shape[0], work_s - slept - delay)
+    run.faults.observe_work(y.shape[0], work_s - slept - (delay or 0.0))
     if step == cfg.train.steps:  # gradients present: the model state at its fullest
         run.memory = sw.memory_report(model, opt)
     # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
@@ -462,6 +464,8 @@ def run_round(run: Run, step: int, loop_start: float) -> None:
         slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
         loss = sw.train_step(model, x, y, run.job.loss_fn)
         run.faults.observe_work(y.shape[0], time.perf_counter() - started - slept)
+        if run.cfg.train.clip_grad_norm:
+            model.clip_grad_norm_(run.cfg.train.clip_grad_norm)
         opt.step()
         opt.zero_grad()
         samples, loss_sum = samples + y.shape[0], loss_sum + loss.item() * y.shape[0]

@@ -86,10 +86,6 @@ class QueueLoader:
         if end == len(chunks):
             self.epoch, self.offset = self.epoch + 1, 0
 
-    @property
-    def rounds_per_epoch(self) -> int:
-        return -(-len(self.chunks(0)) // self.chunks_per_round)
-
     def state_dict(self) -> dict[str, int]:
         """The position between rounds (the same on every rank)."""
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "queue": 1}
