@@ -32,6 +32,7 @@ SETS = [
     "train.sample_ledger=true",
     "optim.warmup_steps=0",
     "optim.schedule=constant",
+    "model.hidden=[512, 512]",  # a chunk's compute well above a claim's round trip
 ]
 
 
@@ -79,7 +80,8 @@ def test_faster_rank_takes_more_and_every_sample_once_per_epoch(tmp_path):
     _train(run, "faults=[slow:rank=1:factor=4]")
     lines = ledger.read(run)
     chunks = {rank: len(rank_lines) for rank, rank_lines in lines.items()}
-    # rank 1 works 4x slower per sample: it must take clearly fewer chunks (equal would be 1:1)
+    # rank 1 works 4x slower per sample: it must take clearly fewer chunks (equal would be 1:1;
+    # a chunk's fixed costs, the claim and the batch's assembly, keep it from 4:1)
     assert chunks[0] >= 1.5 * chunks[1], chunks
     per_epoch = _per_epoch(lines)
     assert sorted(per_epoch) == list(range(ROUNDS // 4 + 1))
