@@ -9,7 +9,7 @@ from torch.utils.data import default_collate
 
 from shardwise import ledger
 from shardwise.config import load_config
-from shardwise.jobs import OPTIMIZERS, build_job, lr_multiplier, optimizer_kwargs
+from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs, schedule
 
 
 def replay_ledger(run_dir: Path, sets: list[str], steps: int) -> dict[str, torch.Tensor]:
@@ -19,7 +19,7 @@ def replay_ledger(run_dir: Path, sets: list[str], steps: int) -> dict[str, torch
     job = build_job(cfg)
     model = job.model
     opt = OPTIMIZERS[cfg.optim.name](model.parameters(), **optimizer_kwargs(cfg.optim))
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule(cfg.optim, steps))
     by_step: dict[int, dict[int, list[int]]] = {}
     for rank, lines in ledger.read(run_dir).items():
         for line in lines:
@@ -32,5 +32,5 @@ def replay_ledger(run_dir: Path, sets: list[str], steps: int) -> dict[str, torch
         opt.zero_grad()
         job.loss_fn(model(x), y).backward()
         opt.step()
-        schedule.step()
+        scheduler.step()
     return model.state_dict()

@@ -22,6 +22,7 @@ from shardwise.memory import memory_report
 from shardwise.mesh import DeviceMesh, build_mesh
 from shardwise.ps import ParameterServer
 from shardwise.runtime import Runtime, init, shutdown
+from shardwise.schedules import Schedule, lr_scheduler, scaled_lr
 from shardwise.strategies import (
     DDP,
     AdaptiveSync,
@@ -49,6 +50,7 @@ __all__ = [
     "ParameterServer",
     "Pipeline",
     "Runtime",
+    "Schedule",
     "Strategy",
     "SyncBatchNorm",
     "TensorParallel",
@@ -64,6 +66,7 @@ __all__ = [
     "full_state_dict",
     "init",
     "load_checkpoint",
+    "lr_scheduler",
     "memory_report",
     "parallel_loss",
     "partition",
@@ -71,6 +74,7 @@ __all__ = [
     "prepare",
     "ps",
     "save_checkpoint",
+    "scaled_lr",
     "shutdown",
     "train_step",
 ]

@@ -137,8 +137,31 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up steps")
-    schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="learning rate after warm-up"
+    schedule: Literal["constant", "step", "exponential", "cosine"] = Field(
+        "constant",
+        description="learning rate after warm-up: constant; step (x gamma every step_size "
+        "steps); exponential (x gamma every step); cosine (down to min_lr_ratio at the end)",
+    )
+    step_size: int = Field(100, ge=1, description="schedule 'step': steps between decays")
+    gamma: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="decay factor of 'step' (default 0.1) and 'exponential' (default 0.98)",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="schedule 'cosine': the final rate, a fraction of lr"
+    )
+    scale_lr: Literal["none", "linear"] = Field(
+        "none",
+        description="linear: lr * global batch / base_batch (the linear scaling rule: lr was "
+        "tuned for base_batch samples per step)",
+    )
+    base_batch: int | None = Field(
+        None,
+        ge=1,
+        description="scale_lr: the global batch lr was tuned for (default: "
+        "data.batch_size, one rank's batch)",
     )
 
 
@@ -151,6 +174,9 @@ class TrainConfig(Section):
         None, gt=0, description="clip gradients to this global L2 norm (any strategy)"
     )
     eval_every: int = Field(0, ge=0, description="evaluate every K steps too (0: at the end only)")
+    tensorboard: bool = Field(
+        True, description="write TensorBoard event files to RUN_DIR/tensorboard (rank 0)"
+    )
     delay_s: list[float] = Field(
         [],
         description="artificial seconds added to every step of data-parallel rank i "

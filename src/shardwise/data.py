@@ -44,7 +44,8 @@ class ShardedLoader:
     next batch on). `epoch` and `offset` (samples of the epoch's order consumed by all ranks
     together) are its position: `state_dict()` saves them, and a loader with another number of
     replicas loaded from them goes on with the same samples. `last_indices` are the dataset
-    indices of the batch it yielded last (for the sample ledger).
+    indices of the batch it yielded last (for the sample ledger); `last_repeats`, how many of
+    them at its end repeat earlier samples (a last batch smaller than the ranks wraps around).
     """
 
     def __init__(
@@ -66,6 +67,10 @@ class ShardedLoader:
         self.epoch = 0
         self.offset = 0
         self.last_indices: list[int] = []
+        # Of that batch, how many at its end repeat samples from the epoch's start: a last
+        # batch smaller than the ranks wraps around so that every rank has one (evaluation
+        # leaves them out, so every sample counts once).
+        self.last_repeats = 0
 
     @property
     def batch_size(self) -> int:
@@ -84,29 +89,34 @@ class ShardedLoader:
         """The epoch's order of sample indices, the same on every rank."""
         return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
 
-    def _steps(self, order: list[int], start: int) -> Iterator[tuple[list[list[int]], int]]:
-        """(every replica's indices, samples the whole step consumes) from `start` on."""
+    def _steps(self, order: list[int], start: int) -> Iterator[tuple[list[list[int]], int, int]]:
+        """(every replica's indices, samples the whole step consumes, and the real ones among
+        them: the rest are repeats at the end) from `start` on."""
         n, size = len(order), self.global_batch
         for begin in range(start, n, size):
             batch = order[begin : begin + size]
-            if len(batch) < size and self.drop_last:
+            real = len(batch)
+            if real < size and self.drop_last:
                 return
             sizes = self.sizes
-            if len(batch) < size:  # the last, partial batch: split alike, every rank some
-                if len(batch) < self.replicas:  # wrap around, like torch's DistributedSampler
-                    batch = batch + order[: self.replicas - len(batch)]
+            if real < size:  # the last, partial batch: split alike, every rank some
+                if real < self.replicas:  # wrap around, like torch's DistributedSampler
+                    batch = batch + order[: self.replicas - real]
                 sizes = proportional(len(batch), self.sizes, minimum=1)
             bounds = [sum(sizes[:r]) for r in range(self.replicas + 1)]
-            yield [batch[a:b] for a, b in itertools.pairwise(bounds)], min(size, n - begin)
+            yield [batch[a:b] for a, b in itertools.pairwise(bounds)], min(size, n - begin), real
 
-    def _my_batches(self, order: list[int], start: int) -> Iterator[tuple[list[int], int]]:
-        for slices, consumed in self._steps(order, start):
-            yield slices[self.index], consumed
+    def _my_batches(self, order: list[int], start: int) -> Iterator[tuple[list[int], int, int]]:
+        """(my indices, samples consumed, how many of mine at the end are repeats)."""
+        for slices, consumed, real in self._steps(order, start):
+            begin = sum(len(s) for s in slices[: self.index])
+            mine = slices[self.index]
+            yield mine, consumed, len(mine) - min(len(mine), max(0, real - begin))
 
     def parts(self, epoch: int) -> list[list[int]]:
         """Every replica's samples of `epoch` at the present sizes (for the skew report)."""
         parts: list[list[int]] = [[] for _ in range(self.replicas)]
-        for slices, _ in self._steps(self.order(epoch), 0):
+        for slices, _, _ in self._steps(self.order(epoch), 0):
             for part, mine in zip(parts, slices, strict=True):
                 part.extend(mine)
         return parts
@@ -122,12 +132,11 @@ class ShardedLoader:
         while self._resized:  # (re)plan the rest of the epoch with the present sizes
             self._resized = False
             plan = list(self._my_batches(order, self.offset))
-            fetch = _fetch(
-                self.dataset, [mine for mine, _ in plan], self.num_workers, self.seed + self.epoch
-            )
-            for (mine, consumed), batch in zip(plan, fetch, strict=True):
+            indices = [mine for mine, _, _ in plan]
+            fetch = _fetch(self.dataset, indices, self.num_workers, self.seed + self.epoch)
+            for (mine, consumed, repeats), batch in zip(plan, fetch, strict=True):
                 self.offset += consumed
-                self.last_indices = mine
+                self.last_indices, self.last_repeats = mine, repeats
                 yield batch
                 if self._resized:
                     break

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from torch import nn
 from shardwise import datasets
 from shardwise.config import Config, OptimConfig, TrainConfig, resolve_data_path
 from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
+from shardwise.schedules import Schedule, scaled_lr
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -72,18 +72,24 @@ def optimizer_kwargs(cfg: OptimConfig) -> dict:
     return kwargs
 
 
-def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """Linear warm-up, then constant or cosine decay to 10% (as in nanoGPT)."""
+def base_lr(cfg: OptimConfig, batch_size: int, replicas: int) -> float:
+    """`optim.lr`, or with `scale_lr: linear` the rate scaled from `base_batch` (default: one
+    rank's `batch_size`) to the global batch of `replicas` such batches."""
+    if cfg.scale_lr == "none":
+        return cfg.lr
+    return scaled_lr(cfg.lr, batch_size * replicas, cfg.base_batch or batch_size)
 
-    def multiplier(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    return multiplier
+def schedule(cfg: OptimConfig, total_steps: int) -> Schedule:
+    """The configured learning-rate multiplier per step (`shardwise.schedules`)."""
+    return Schedule(
+        cfg.schedule,
+        total_steps=total_steps,
+        warmup_steps=cfg.warmup_steps,
+        step_size=cfg.step_size,
+        gamma=cfg.gamma,
+        min_ratio=cfg.min_lr_ratio,
+    )
 
 
 def straggler_delay(train: TrainConfig, index: int, ranks: int, step: int) -> float:

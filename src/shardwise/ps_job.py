@@ -145,7 +145,7 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
         }
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
             batch = cfg.train.eval_batch_size
-            record["eval_accuracy"] = evaluate(model, job, batch, everyone=False)[1]
+            record["eval_accuracy"] = evaluate(model, job, batch, everyone=False).accuracy
         metrics.write(record)
     metrics.close()
     strategy.close(model)
@@ -168,7 +168,7 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
         params = trainable(job.model)
         for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.copy_(value.view_as(p))
-    eval_loss, accuracy = evaluate(job.model, job, cfg.train.eval_batch_size, everyone=False)
+    eval_loss, accuracy, _ = evaluate(job.model, job, cfg.train.eval_batch_size, everyone=False)
     save_model(run_dir / "checkpoint", job.model.state_dict(), {"name": cfg.name, "ps": True})
     workers = {}
     for path in sorted(out.glob("worker*.jsonl")):

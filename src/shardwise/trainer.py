@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import comm, faults, ledger, run_checkpoint
 from shardwise.balance import ThroughputBalancer, weighted_sizes
+from shardwise.board import Board
 from shardwise.checkpoint import save_model
 from shardwise.config import Config, dump_config
 from shardwise.datasets import PAD_TARGET
@@ -30,11 +31,14 @@ from shardwise.faults import FaultInjector
 from shardwise.jobs import (
     OPTIMIZERS,
     Job,
+    base_lr,
     build_job,
-    lr_multiplier,
     optimizer_kwargs,
+    schedule,
     straggler_delay,
 )
+from shardwise.memory import ActivationMeter
+from shardwise.phases import PhaseTimer
 from shardwise.ps.worker import PSConfig
 from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
 from shardwise.runner import new_run_dir
@@ -101,13 +105,20 @@ def _grads_finite(model: DistributedModel) -> bool:
     return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
+class Evaluation(NamedTuple):
+    loss: float  # mean over the scored targets
+    accuracy: float
+    targets: int  # scored: each test sample once (a token per target, for sequences)
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, job: Job, batch_size: int, everyone: bool = True
-) -> tuple[float, float]:
-    """Loss and accuracy over the whole test split. With `everyone`, each rank of the job
-    scores its data shard and the sums are added over the world; otherwise this process scores
-    all of it (a parameter-server worker, or the supervisor), with no message."""
+) -> Evaluation:
+    """Loss and accuracy over the whole test split, each sample scored exactly once. With
+    `everyone`, each rank of the job scores its data shard and the sums are added over the
+    world; otherwise this process scores all of it (a parameter-server worker, or the
+    supervisor), with no message."""
     shard = sw.data_shard(model) if everyone else (1, 0)
     loader = sw.data.loader(
         job.splits.test, batch_size, shuffle=False, drop_last=False, shard=shard
@@ -119,17 +130,24 @@ def evaluate(
     model.eval()
     for x, y in loader:
         x, y = x.to(device), y.to(device)
+        if loader.last_repeats:  # a last batch smaller than the ranks wrapped around: every
+            y = y.clone()  # rank still runs the forward (ZeRO-3 gathers in it), scoring none
+            y[y.shape[0] - loader.last_repeats :] = PAD_TARGET
         logits = model(x)
         count = (y != PAD_TARGET).sum().item()  # targets that count: padding's do not
-        sums[0] += loss_fn(logits, y).item() * count
+        if count:
+            sums[0] += loss_fn(logits, y).item() * count
         sums[1] += (sw.predict(model, logits) == y).sum().item()
         sums[2] += count
     if everyone:
-        # Ranks that split one model scored the same samples: every sample counts equally
-        # often, so the world-wide sums still give the mean.
+        # Ranks that split one model scored the same samples: every sample counts as often
+        # as the others, so the world-wide sums still give the mean.
         comm.all_reduce(sums)
     model.train(was_training)
-    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+    copies = dist.get_world_size() // shard[0] if everyone else 1  # ranks scoring each sample
+    return Evaluation(
+        (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item(), round(sums[2].item() / copies)
+    )
 
 
 @dataclass
@@ -146,12 +164,14 @@ class Run:
     loader: sw.data.ShardedLoader | QueueLoader
     shard: tuple[int, int]  # (replicas, index) of this rank's data
     metrics: MetricsFile | None
+    board: Board | None  # TensorBoard (rank 0)
     timing: MetricsFile | None  # this rank's own time per step (every rank writes one)
     progress: ProgressReporter
     saver: run_checkpoint.Saver
     faults: FaultInjector
     watchdog: Watchdog
     balancer: ThroughputBalancer | None
+    phases: PhaseTimer  # this rank's seconds per phase of the step
     start_step: int = 0  # steps done before this process started (a resumed run)
     drawn: int = 0  # global batches drawn so far, skipped ones included
     skip: set[int] = field(default_factory=set)  # global batches (1-based) left out
@@ -213,8 +233,10 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
         optimizer=OPTIMIZERS[cfg.optim.name],
         **optimizer_kwargs(cfg.optim),
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg.optim, cfg.train.steps))
     shard = model.data_shard()
+    for group in opt.param_groups:  # the linear scaling rule, once the replicas are known
+        group["lr"] = base_lr(cfg.optim, cfg.data.batch_size, shard[0])
+    scheduler = sw.lr_scheduler(opt, schedule(cfg.optim, cfg.train.steps))
     loader = make_loader(cfg, job, shard)
     if isinstance(loader, QueueLoader):
         model.pace_by_rounds()
@@ -225,7 +247,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     balancer = None
     if cfg.data.balance == "dynamic":
         balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt)
-    metrics = timing = None
+    metrics = timing = board = None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
     saver = run_checkpoint.Saver(
         out, rt, cfg.train.keep_checkpoints, sync=not cfg.train.async_checkpoint
@@ -233,8 +255,9 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     injector = FaultInjector(rt.rank, out, cfg.faults)
     watchdog = Watchdog(rt.rank, rt.world_size, cfg.launch.hang_timeout_s, out)
     run = Run(
-        *(cfg, rt, job, model, opt, scheduler, out, loader, shard, metrics, timing, progress),
-        *(saver, injector, watchdog, balancer),
+        *(cfg, rt, job, model, opt, scheduler, out, loader, shard, metrics, board, timing),
+        progress,
+        *(saver, injector, watchdog, balancer, PhaseTimer(model)),
         skip=set(cfg.train.skip_batches),
     )
     if resume:
@@ -244,6 +267,8 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     run.timing = MetricsFile(out / "timing" / f"rank{rt.rank}.jsonl", keep_steps=keep)
     if rt.is_main:
         run.metrics = MetricsFile(out / "metrics.jsonl", keep_steps=keep)
+        if cfg.train.tensorboard:
+            run.board = Board(out)
         if cfg.train.sample_ledger:
             ledger.truncate(out, run.start_step)  # steps after the checkpoint run again
     comm.barrier()  # (nobody writes its ledger before rank 0 cut it)
@@ -339,49 +364,62 @@ def batch_sizes(cfg: Config, replicas: int) -> int | list[int]:
 
 def run_step(run: Run, step: int, loop_start: float) -> None:
     """One optimizer step, its globally averaged loss, and its line in metrics.jsonl."""
-    cfg, model, opt = run.cfg, run.model, run.opt
-    x, y = (t.to(run.rt.device) for t in _next_batch(run, step))
+    cfg, model, opt, phases = run.cfg, run.model, run.opt, run.phases
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
-    # An emulated straggler computes slowly: the delay comes before its gradients exist
-    # (after them, DDP's all-reduce, started during backward, would hide it).
-    if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
-        time.sleep(delay)
-    loss_fn = run.job.loss_fn
-    if run.faults.poisons_loss(step):
-        loss_fn = _poisoned(loss_fn)
-    # Forward and backward. The loader planned every rank's batch, so it knows the global one
-    # (in samples); a per-token loss weighs real tokens, summed over the ranks by the strategy.
-    tokens = _tokens(run.job, y)
-    total = run.loader.global_batch if tokens is None else None
-    slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
-    local_loss = sw.train_step(model, x, y, loss_fn, samples=tokens, total=total)
-    waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
-    # Forward and backward (a slowed rank's sleep included): what the balancer measures.
-    work_s = time.perf_counter() - t0 - waited
-    run.faults.observe_work(y.shape[0], work_s - slept - (delay or 0.0))
-    if step == cfg.train.steps:  # gradients present: the model state at its fullest
-        run.memory = sw.memory_report(model, opt)
-    # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
-    # lowers the scale); only the loss is ours to check then.
-    grads_finite = model.scales_loss() or _grads_finite(model)
-    count = y.shape[0] if tokens is None else tokens  # the logged loss: a mean over these
-    run.loss, run.stopping, bad_ranks = _agree(
-        run, local_loss, count, grads_finite, run.faults.desyncs(step)
-    )
-    lr = run.scheduler.get_last_lr()[0]
-    if bad_ranks:
-        opt.zero_grad()  # the update is skipped everywhere; so is the schedule's step
-        _nonfinite(run, step, bad_ranks)
-    else:
-        run.bad_streak, run.bad_batches = 0, []
-        if cfg.train.clip_grad_norm:
-            model.clip_grad_norm_(cfg.train.clip_grad_norm)
-        opt.step()
-        opt.zero_grad()
-        run.scheduler.step()
+    with phases.phase("data"):
+        x, y = (t.to(run.rt.device) for t in _next_batch(run, step))
+    measure_memory = step == cfg.train.steps  # the model state at its fullest, activations too
+    meter = ActivationMeter() if measure_memory else contextlib.nullcontext()
+    with phases.phase("backward"):  # (and the forward calls, which PhaseTimer's hooks time)
+        started = time.perf_counter()
+        loss_fn = run.job.loss_fn
+        if run.faults.poisons_loss(step):
+            loss_fn = _poisoned(loss_fn)
+        # The loader planned every rank's batch, so it knows the global one (in samples); a
+        # per-token loss weighs real tokens, summed over the ranks by the strategy.
+        tokens = _tokens(run.job, y)
+        total = run.loader.global_batch if tokens is None else None
+        with meter:
+            # An emulated straggler computes slowly: the delay comes before its gradients
+            # exist (after them, DDP's all-reduce, started during backward, would hide it).
+            if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
+                time.sleep(delay)
+            slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
+            local_loss = sw.train_step(model, x, y, loss_fn, samples=tokens, total=total)
+        waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
+        # Forward and backward (a slowed rank's sleep included): what the balancer measures.
+        work_s = time.perf_counter() - started - waited
+        run.faults.observe_work(y.shape[0], work_s - slept - (delay or 0.0))
+        if measure_memory:  # gradients present: the model state at its fullest
+            run.memory = {**sw.memory_report(model, opt), "activations": meter.peak}
+    with phases.phase("sync"):
+        # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
+        # lowers the scale); only the loss is ours to check then.
+        grads_finite = model.scales_loss() or _grads_finite(model)
+        count = y.shape[0] if tokens is None else tokens  # the logged loss: a mean over these
+        run.loss, run.stopping, bad_ranks = _agree(
+            run, local_loss, count, grads_finite, run.faults.desyncs(step)
+        )
+        lr = run.scheduler.get_last_lr()[0]
+    record: dict[str, Any] = {}
+    with phases.phase("optimizer"):
+        if bad_ranks:
+            opt.zero_grad()  # the update is skipped everywhere; so is the schedule's step
+        else:
+            run.bad_streak, run.bad_batches = 0, []
+            if cfg.train.clip_grad_norm:
+                record["grad_norm"] = float(model.clip_grad_norm_(cfg.train.clip_grad_norm))
+            elif step % cfg.train.log_every == 0:  # every rank logs alike: a sharded norm's
+                record["grad_norm"] = model.grad_square_sum().sqrt().item()  # sum may meet
+            if model.scales_loss():
+                record["loss_scale"] = model.loss_scale()
+            opt.step()
+            opt.zero_grad()
+            run.scheduler.step()
+        if bad_ranks:
+            _nonfinite(run, step, bad_ranks)
     step_time = time.perf_counter() - t0
     step_comm = comm.stats.end_step()
-    record: dict[str, Any] = {}
     if run.balancer or cfg.data.rank_weights:
         record["batch_sizes"] = run.loader.sizes
     if run.balancer:
@@ -410,11 +448,12 @@ def _log_step(
     `timed`: the step's seconds and messages."""
     step_time, step_comm = timed
     cfg = run.cfg
+    phases = run.phases.take()
     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-        record["eval_loss"], record["eval_accuracy"] = evaluate(
-            run.model, run.job, cfg.train.eval_batch_size
-        )
+        scored = evaluate(run.model, run.job, cfg.train.eval_batch_size)
+        record["eval_loss"], record["eval_accuracy"] = scored.loss, scored.accuracy
         comm.stats.end_step()  # evaluation's messages are not the training step's
+        run.phases.take()  # nor its forward calls
     run.step_times.append(step_time)
     run.step_samples.append(samples[0])
     run.timing.write(
@@ -422,29 +461,33 @@ def _log_step(
             "step": step,
             "samples": samples[1],
             "work_s": work_s,  # forward and backward (a slowed rank's sleep included)
+            **{f"{phase}_s": seconds for phase, seconds in phases.items()},
             "wait_s": step_comm.wait_s,  # blocked in collectives: waiting for the others
             "step_s": step_time,
             "wall_time": time.time(),
+            "comm_bytes": {op: totals.bytes for op, totals in step_comm.by_op.items()},
+            **({"memory": run.memory} if step == cfg.train.steps and run.memory else {}),
         }
     )
     run.progress.update(step, run.loss, samples[0] / step_time)
     if run.metrics:
         _log_saves(run)
-        run.metrics.write(
-            {
-                "step": step,
-                "loss": run.loss,
-                "lr": lr,
-                "step_time_s": step_time,
-                "samples_per_s": samples[0] / step_time,
-                "comm_bytes": step_comm.bytes,
-                "comm_calls": step_comm.calls,
-                "comm_wait_s": step_comm.wait_s,
-                "t": time.perf_counter() - loop_start,
-                "wall_time": time.time(),  # comparable across processes and restarts
-                **record,
-            }
-        )
+        line = {
+            "step": step,
+            "loss": run.loss,
+            "lr": lr,
+            "step_time_s": step_time,
+            "samples_per_s": samples[0] / step_time,
+            "comm_bytes": step_comm.bytes,
+            "comm_calls": step_comm.calls,
+            "comm_wait_s": step_comm.wait_s,
+            "t": time.perf_counter() - loop_start,
+            "wall_time": time.time(),  # comparable across processes and restarts
+            **record,
+        }
+        run.metrics.write(line)
+        if run.board:
+            run.board.write(line)
 
 
 def run_round(run: Run, step: int, loop_start: float) -> None:
@@ -515,7 +558,7 @@ def finish(run: Run, started: float) -> dict[str, Any]:
     cfg, rt = run.cfg, run.rt
     run.progress.close()
     train_comm = comm.stats.total()
-    eval_loss, accuracy = evaluate(run.model, run.job, cfg.train.eval_batch_size)
+    scored = evaluate(run.model, run.job, cfg.train.eval_batch_size)
     state = sw.full_state_dict(run.model)
     skip = WARMUP_STEPS_EXCLUDED if len(run.step_times) > WARMUP_STEPS_EXCLUDED else 0
     timed = run.step_times[skip:] or [float("nan")]
@@ -525,8 +568,9 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         "world_size": rt.world_size,
         "steps": cfg.train.steps,
         "final_train_loss": run.loss,
-        "eval_loss": eval_loss,
-        "eval_accuracy": accuracy,
+        "eval_loss": scored.loss,
+        "eval_accuracy": scored.accuracy,
+        "eval_targets": scored.targets,
         "samples_per_s": sum(run.step_samples[skip:]) / sum(timed),
         "comm_bytes_per_step": train_comm.bytes / cfg.train.steps,
         "comm_bytes_total": train_comm.bytes,
@@ -544,6 +588,10 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         meta = {"step": cfg.train.steps, "world_size": rt.world_size, "name": cfg.name}
         save_model(run.out / "checkpoint", state, meta)
         run.metrics.close()
+        if run.board:
+            final = {"step": cfg.train.steps, "eval_loss": scored.loss}
+            run.board.write({**final, "eval_accuracy": scored.accuracy, "memory": run.memory})
+            run.board.close()
     summary["wall_time_s"] = time.perf_counter() - started
     if rt.is_main:
         write_summary(run.out, summary)
@@ -578,6 +626,8 @@ def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict
     finally:
         run.watchdog.stop()
         comm.flight.recorder.check_call = None
+        if run.board:
+            run.board.close()
 
 
 def _train(run: Run, started: float) -> dict[str, Any]:

@@ -21,7 +21,7 @@ DEFAULTS = {
     "tp": (5, 3),
     "ps": (150, 1),
     "faults": (60, 1),
-    "balance": (60, 3),
+    "balance": (60, 5),
     "packing": (2, 4),
 }
 

@@ -16,7 +16,8 @@ slow rank (which sleeps before its forward) wait for the fast ones there, which 
 does not do; one all-reduce of the gradients ends each step, as in most jobs.
 
 The variants run one after the other in rotating order, `--reps` times. Reported per variant:
-median step time, samples/s and its ratio to `equal` (ideal: 1.5x at 2 ranks, 1.29x at 3),
+median step time, samples/s, and the median over repetitions of its ratio to the `equal` run
+of the same rotation, with the lowest and highest (ideal: 1.5x at 2 ranks, 1.29x at 3),
 each rank's share of time spent waiting for the others, and the training time until the test
 accuracy first reaches `--target`. Every figure comes from the ranks' own logs (rank 0's
 metrics.jsonl and each rank's timing/rank{r}.jsonl), written as they trained. A plot shows each
@@ -140,10 +141,19 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "time_to_target_s": statistics.median(reached) if reached else None,
             "reps": len(ok),
         }
-    base = out.get("equal", {}).get("samples_per_s")
-    for figures in out.values():
-        if base and "samples_per_s" in figures:
-            figures["vs_equal"] = figures["samples_per_s"] / base
+    # Each repetition's ratio to the `equal` run of the same rotation, which ran minutes apart
+    # at most: the machine's speed drifts by 20% over a bench (other tenants, clocks), and a
+    # ratio of medians taken over the whole bench would carry that drift into the figure.
+    equal = runs.get("equal", [])
+    for name, figures in out.items():
+        pairs = [
+            run["samples_per_s"] / base["samples_per_s"]
+            for run, base in zip(runs[name], equal, strict=False)
+            if "error" not in run and "error" not in base
+        ]
+        if pairs:
+            figures["vs_equal"] = statistics.median(pairs)
+            figures["vs_equal_range"] = [min(pairs), max(pairs)]
     return out
 
 
@@ -177,6 +187,13 @@ def plot(runs: dict[int, dict[str, list[dict]]], path: Path) -> None:
     plt.close(fig)
 
 
+def _ratio(figures: dict) -> str:
+    if "vs_equal" not in figures:
+        return "-"
+    low, high = figures["vs_equal_range"]
+    return f"{figures['vs_equal']:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def _print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -186,7 +203,7 @@ def _print_table(result: dict) -> None:
         device = result["device_factor"][world]
         stretched = f", every rank's work {device}x its CPU time" if device > 1 else ""
         table = Table(title=f"{world} ranks, rank {int(world) - 1} 2x slower per sample{stretched}")
-        columns = ("variant", "step", "samples/s", "vs equal", "waiting, per rank")
+        columns = ("variant", "step", "samples/s", "vs equal (range)", "waiting, per rank")
         for col in (*columns, "final batch sizes", "time to target"):
             table.add_column(col, justify="right")
         for name, f in variants.items():
@@ -198,7 +215,7 @@ def _print_table(result: dict) -> None:
                 name,
                 f"{1000 * f['step_s']:.0f} ms",
                 f"{f['samples_per_s']:,.0f}",
-                f"{f.get('vs_equal', float('nan')):.2f}x",
+                _ratio(f),
                 " ".join(f"{100 * w:.0f}%" for w in f["wait_share"]),
                 str(f["final_batch_sizes"]),
                 "-" if reached is None else f"{reached:.1f} s",
@@ -211,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,3", help="world sizes, comma-separated")
     parser.add_argument("--variants", default="equal,weighted,dynamic,queue")
     parser.add_argument("--steps", type=int, default=60, help="steps per job")
-    parser.add_argument("--reps", type=int, default=3, help="rotating repetitions")
+    parser.add_argument("--reps", type=int, default=5, help="rotating repetitions")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)

@@ -126,6 +126,9 @@ def gather_from_parallel(x: torch.Tensor, split: Split, rank: int, group) -> tor
 
 
 # ---- loss and prediction from vocabulary-sharded logits ----------------------------------------
+IGNORE_INDEX = -100  # F.cross_entropy's default: a padded target costs no loss
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, group):
@@ -156,9 +159,12 @@ def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, start: int, group: ProcessGroup | None
 ) -> torch.Tensor:
     """Mean cross-entropy from this rank's vocabulary slice [start, start + V_local) of the
-    logits (any leading shape); equals `F.cross_entropy` on the gathered logits."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), start, group).mean()
+    logits (any leading shape); equals `F.cross_entropy` on the gathered logits, targets equal
+    to `IGNORE_INDEX` (padding) left out of the mean as there."""
+    flat, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    losses = _VocabParallelCrossEntropy.apply(flat, target, start, group)
+    counts = target != IGNORE_INDEX  # an ignored target lies in no rank's slice: loss log(sum)
+    return (losses * counts).sum() / counts.sum()
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, start: int, group) -> torch.Tensor:

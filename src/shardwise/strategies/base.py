@@ -206,6 +206,10 @@ class DistributedModel(nn.Module):
         skips that step itself and lowers the scale (the trainer must let it)."""
         return False
 
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scaler's present scale, where `scales_loss`."""
+        return None
+
     @torch.no_grad()
     def load_full_state(
         self,

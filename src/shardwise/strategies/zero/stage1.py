@@ -237,6 +237,10 @@ class ZeroStage1(DistributedModel):
     def scales_loss(self) -> bool:
         return getattr(self.masters, "scaler", None) is not None
 
+    def loss_scale(self) -> float | None:
+        scaler = getattr(self.masters, "scaler", None)
+        return None if scaler is None else scaler.scale
+
     def checkpoint_shard(
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -1,0 +1,79 @@
+"""What a run measures, end to end: the per-rank step breakdown, TensorBoard files, the LR."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.phases import breakdown
+
+STEPS, BATCH, LR = 30, 64, 0.01
+SETS = [
+    "model.hidden=[512, 512]",  # per-sample compute well above a step's fixed costs
+    f"data.batch_size={BATCH}",
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "optim.name=sgd",
+    f"optim.lr={LR}",
+    "optim.warmup_steps=5",
+    "optim.schedule=step",
+    "optim.step_size=10",
+    "optim.gamma=0.5",
+    "optim.scale_lr=linear",  # from one rank's batch to the global batch of two: lr x 2
+    "faults=['slow:rank=1:factor=2']",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("obs") / "run"
+    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", "2"]
+    argv += [x for kv in SETS for x in ("--set", kv)] + ["--run-dir", str(run)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    job = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    return run
+
+
+def _timing(run: Path, rank: int) -> list[dict]:
+    lines = (run / "timing" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines][5:]  # after allocation and lazy set-up
+
+
+def test_step_breakdown_adds_up_and_names_the_fast_ranks_wait_idle(run_dir):
+    fast, slow = breakdown([_timing(run_dir, 0), _timing(run_dir, 1)])
+    for rank in (fast, slow):  # the phases, each timed by its own clock, cover the step
+        parts = rank["compute"] + rank["exposed_comm"] + rank["idle"]
+        assert parts == pytest.approx(rank["step"], rel=0.05), rank
+    # Rank 1 computes twice as slowly: the fast rank spends the difference idle, waiting for
+    # it; the slow one hardly waits for anybody.
+    gap = slow["compute"] - fast["compute"]
+    assert gap > 0.3 * slow["compute"], (fast, slow)
+    assert fast["idle"] == pytest.approx(gap, rel=0.3), (fast, slow)
+    assert slow["idle"] < 0.15 * fast["idle"], (fast, slow)
+    assert fast["exposed_comm"] == slow["exposed_comm"]
+
+
+def test_tensorboard_files_load_and_show_the_scaled_step_schedule(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s"} <= tags
+    assert {"comm/bytes", "eval/accuracy", "memory/activations_mib"} <= tags
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, STEPS + 1))
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["loss"] for r in metrics if "loss" in r}
+    assert [e.value for e in loss] == pytest.approx([logged[e.step] for e in loss], rel=1e-6)
+    # Step s runs at 2 lr (the linear scaling rule) times the warm-up, then x0.5 every 10 steps.
+    for event in events.Scalars("train/lr"):
+        i = event.step - 1
+        expected = 2 * LR * ((i + 1) / 5 if i < 5 else 0.5 ** ((i - 5) // 10))
+        assert event.value == pytest.approx(expected, rel=1e-6)
