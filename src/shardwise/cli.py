@@ -10,6 +10,9 @@
     shardwise bench faults                                        # recovery, stall, hang times
     shardwise bench balance                                       # per-rank batches, slow rank
     shardwise bench packing                                       # packed vs padded documents
+    shardwise bench overhead                                      # cost of the measurements
+    shardwise bench all [--quick]                                 # every strategy, one report
+    shardwise report RUN_DIR [RUN_DIR ...] [-o report.html]       # one page comparing runs
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
@@ -84,6 +87,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_benchmark(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from shardwise.report import main as report_main
+
+    argv = [*args.runs, *(["--out", args.out] if args.out else [])]
+    return report_main(argv + (["--screenshot", args.screenshot] if args.screenshot else []))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from shardwise.checkpoint import export_checkpoint
 
@@ -148,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
     bench.add_argument(
         "suite",
-        choices=["ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance", "packing"],
+        choices=[
+            *("ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance", "packing"),
+            *("overhead", "all"),
+        ],
         help="what to benchmark",
     )
     bench.add_argument("--world-size", type=int, default=2, help="ranks")
@@ -159,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
     bench.add_argument("--variants", help="balance: equal, weighted, dynamic, queue (commas)")
+    bench.add_argument("--quick", action="store_true", help="all: fewer steps and strategies")
     bench.set_defaults(func=cmd_bench)
 
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")
@@ -167,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="a Python file that calls shardwise.init()")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(func=cmd_run)
+
+    report = sub.add_parser("report", help="one offline HTML page (and Markdown) comparing runs")
+    report.add_argument("runs", nargs="+", help="run directories")
+    report.add_argument("-o", "--out", help="HTML file (default: RUN_DIR/report.html, the first)")
+    report.add_argument("--screenshot", help="also a PNG of the page, by headless Chromium")
+    report.set_defaults(func=cmd_report)
 
     export = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file")
     export.add_argument("checkpoint", help="a checkpoint directory (sharded or final)")

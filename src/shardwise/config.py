@@ -177,6 +177,24 @@ class TrainConfig(Section):
     tensorboard: bool = Field(
         True, description="write TensorBoard event files to RUN_DIR/tensorboard (rank 0)"
     )
+    measure: bool = Field(
+        True,
+        description="per-phase timing, gradient norm, activation memory and TensorBoard "
+        "(false: only each step's time, waiting and bytes; what `bench overhead` compares)",
+    )
+    trace_steps: list[int] = Field(
+        [],
+        description="[a, b]: record every rank's phases and collectives from step a to step b "
+        "and merge them, clocks synchronised, into RUN_DIR/trace.json (Perfetto, chrome://tracing)",
+    )
+
+    @field_validator("trace_steps")
+    @classmethod
+    def _a_window(cls, steps: list[int]) -> list[int]:
+        if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"should be [first, last] with 1 <= first <= last, got {steps}")
+        return steps
+
     delay_s: list[float] = Field(
         [],
         description="artificial seconds added to every step of data-parallel rank i "

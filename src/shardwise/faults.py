@@ -16,6 +16,9 @@ From the config (`faults: [...]`) or the environment, with one grammar (several:
   samples, sleep F - 1 times the whole work (an update, a forwarded push).
 - `desync:rank=R:step=S`: rank R broadcasts where the others all-reduce the loss at step S.
 - `corrupt-checkpoint:step=S`: one file of step S's checkpoint is damaged after it is written.
+- `clock-skew:rank=R:seconds=X`: rank R's clock for the timeline (`train.trace_steps`) runs X
+  seconds ahead (negative: behind), as an unsynchronised host's would; the merged trace must
+  measure the offset and undo it.
 
 In a parameter-server job, `kill`, `hang` and `slow` apply to every role by rank, and `step`
 counts what that role does: a worker's steps, a server's updates, a relay's forwarded pushes
@@ -31,6 +34,7 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +46,7 @@ FIELDS = {  # kind -> the fields it needs
     "desync": ("rank", "step"),
     "slow": ("rank", "factor"),
     "corrupt-checkpoint": ("step",),
+    "clock-skew": ("rank", "seconds"),
 }
 OPTIONAL = {"slow": ("step",)}  # kind -> the fields it may have
 
@@ -52,12 +57,14 @@ class Fault:
     rank: int | None = None
     step: int | None = None
     factor: float | None = None
+    seconds: float | None = None
 
     @property
     def name(self) -> str:
+        fields = (("rank", self.rank), ("step", self.step), ("factor", self.factor))
         parts = [self.kind] + [
             f"{key}{value}"
-            for key, value in (("rank", self.rank), ("step", self.step), ("factor", self.factor))
+            for key, value in (*fields, ("seconds", self.seconds))
             if value is not None
         ]
         return "-".join(parts)
@@ -80,6 +87,7 @@ def parse(spec: str, source: str = ENV) -> list[Fault]:
                 rank=int(args["rank"]) if "rank" in args else None,
                 step=int(args["step"]) if "step" in args else None,
                 factor=float(args["factor"]) if "factor" in args else None,
+                seconds=float(args["seconds"]) if "seconds" in args else None,
             )
         except ValueError:
             wanted = ":".join([kind] + [f"{f}=..." for f in FIELDS[kind]])
@@ -125,6 +133,14 @@ class FaultInjector:
         if self._fires("hang", step):
             while True:  # alive, but never issues another collective
                 time.sleep(3600)
+
+    def clock(self) -> Callable[[], float]:
+        """This rank's wall clock for the timeline: `time.time`, or skewed by `clock-skew`."""
+        skew = sum(f.seconds for f in self.faults if f.kind == "clock-skew")
+        if not skew:
+            return time.time
+        print(f"shardwise: fault injected on {self.where}: clock {skew:+g} s", flush=True)
+        return lambda: time.time() + skew
 
     def slow_factor(self, step: int | None = None) -> float:
         """How many times slower this rank works at `step` (None: the first step); 1: not."""

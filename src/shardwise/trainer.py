@@ -25,6 +25,7 @@ from shardwise import comm, faults, ledger, run_checkpoint
 from shardwise.balance import ThroughputBalancer, weighted_sizes
 from shardwise.board import Board
 from shardwise.checkpoint import save_model
+from shardwise.clock import measure_offset
 from shardwise.config import Config, dump_config
 from shardwise.datasets import PAD_TARGET
 from shardwise.faults import FaultInjector
@@ -45,6 +46,7 @@ from shardwise.runner import new_run_dir
 from shardwise.signals import handling_stop_signals
 from shardwise.skew import format_report, skew_report
 from shardwise.strategies.base import DistributedModel
+from shardwise.timeline import Timeline, merge
 from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog
 from shardwise.work_queue import QueueLoader
 
@@ -172,6 +174,7 @@ class Run:
     watchdog: Watchdog
     balancer: ThroughputBalancer | None
     phases: PhaseTimer  # this rank's seconds per phase of the step
+    timeline: Timeline | None = None  # `train.trace_steps`: this rank's events
     start_step: int = 0  # steps done before this process started (a resumed run)
     drawn: int = 0  # global batches drawn so far, skipped ones included
     skip: set[int] = field(default_factory=set)  # global batches (1-based) left out
@@ -257,9 +260,12 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     run = Run(
         *(cfg, rt, job, model, opt, scheduler, out, loader, shard, metrics, board, timing),
         progress,
-        *(saver, injector, watchdog, balancer, PhaseTimer(model)),
+        *(saver, injector, watchdog, balancer),
+        PhaseTimer(model, cfg.train.measure, sample_every=cfg.train.log_every),
         skip=set(cfg.train.skip_batches),
     )
+    if cfg.train.trace_steps:
+        run.timeline = Timeline(rt.rank, injector.clock())
     if resume:
         run.start_step = _resume(run)
     keep = run.start_step if resume else None
@@ -267,7 +273,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     run.timing = MetricsFile(out / "timing" / f"rank{rt.rank}.jsonl", keep_steps=keep)
     if rt.is_main:
         run.metrics = MetricsFile(out / "metrics.jsonl", keep_steps=keep)
-        if cfg.train.tensorboard:
+        if cfg.train.tensorboard and cfg.train.measure:
             run.board = Board(out)
         if cfg.train.sample_ledger:
             ledger.truncate(out, run.start_step)  # steps after the checkpoint run again
@@ -365,11 +371,12 @@ def batch_sizes(cfg: Config, replicas: int) -> int | list[int]:
 def run_step(run: Run, step: int, loop_start: float) -> None:
     """One optimizer step, its globally averaged loss, and its line in metrics.jsonl."""
     cfg, model, opt, phases = run.cfg, run.model, run.opt, run.phases
+    phases.start_step(step)
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
     with phases.phase("data"):
         x, y = (t.to(run.rt.device) for t in _next_batch(run, step))
     measure_memory = step == cfg.train.steps  # the model state at its fullest, activations too
-    meter = ActivationMeter() if measure_memory else contextlib.nullcontext()
+    meter = ActivationMeter() if measure_memory and cfg.train.measure else contextlib.nullcontext()
     with phases.phase("backward"):  # (and the forward calls, which PhaseTimer's hooks time)
         started = time.perf_counter()
         loss_fn = run.job.loss_fn
@@ -391,7 +398,9 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
         work_s = time.perf_counter() - started - waited
         run.faults.observe_work(y.shape[0], work_s - slept - (delay or 0.0))
         if measure_memory:  # gradients present: the model state at its fullest
-            run.memory = {**sw.memory_report(model, opt), "activations": meter.peak}
+            run.memory = sw.memory_report(model, opt)
+            if isinstance(meter, ActivationMeter):
+                run.memory["activations"] = meter.peak
     with phases.phase("sync"):
         # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
         # lowers the scale); only the loss is ours to check then.
@@ -409,8 +418,8 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
             run.bad_streak, run.bad_batches = 0, []
             if cfg.train.clip_grad_norm:
                 record["grad_norm"] = float(model.clip_grad_norm_(cfg.train.clip_grad_norm))
-            elif step % cfg.train.log_every == 0:  # every rank logs alike: a sharded norm's
-                record["grad_norm"] = model.grad_square_sum().sqrt().item()  # sum may meet
+            elif cfg.train.measure and step % cfg.train.log_every == 0:  # every rank alike: a
+                record["grad_norm"] = model.grad_square_sum().sqrt().item()  # sharded sum meets
             if model.scales_loss():
                 record["loss_scale"] = model.loss_scale()
             opt.step()
@@ -450,10 +459,14 @@ def _log_step(
     cfg = run.cfg
     phases = run.phases.take()
     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+        started, measuring = time.perf_counter(), run.phases.active
+        run.phases.active = False  # evaluation's forward calls are not the step's
         scored = evaluate(run.model, run.job, cfg.train.eval_batch_size)
+        run.phases.active = measuring
         record["eval_loss"], record["eval_accuracy"] = scored.loss, scored.accuracy
-        comm.stats.end_step()  # evaluation's messages are not the training step's
-        run.phases.take()  # nor its forward calls
+        comm.stats.end_step()  # nor are its messages
+        if run.timeline:
+            run.timeline.span("eval", started, time.perf_counter())
     run.step_times.append(step_time)
     run.step_samples.append(samples[0])
     run.timing.write(
@@ -463,6 +476,7 @@ def _log_step(
             "work_s": work_s,  # forward and backward (a slowed rank's sleep included)
             **{f"{phase}_s": seconds for phase, seconds in phases.items()},
             "wait_s": step_comm.wait_s,  # blocked in collectives: waiting for the others
+            "overlap_s": step_comm.overlap_s,  # asynchronous ones in flight before their wait
             "step_s": step_time,
             "wall_time": time.time(),
             "comm_bytes": {op: totals.bytes for op, totals in step_comm.by_op.items()},
@@ -640,10 +654,15 @@ def _train(run: Run, started: float) -> dict[str, Any]:
             step += 1
             run.watchdog.step = step
             run.faults.before_step(step)
+            traced = cfg.train.trace_steps and run.timeline
+            if traced and step == cfg.train.trace_steps[0]:
+                _start_trace(run)
             if isinstance(run.loader, QueueLoader):
                 run_round(run, step, loop_start)
             else:
                 run_step(run, step, loop_start)
+            if traced and step == min(cfg.train.trace_steps[1], cfg.train.steps):
+                _end_trace(run)
             if cfg.train.nonfinite == "rollback" and run.bad_streak >= cfg.train.max_bad_steps:
                 step = _rollback(run, step)
                 continue
@@ -660,6 +679,35 @@ def _train(run: Run, started: float) -> dict[str, Any]:
                 run.model.close()
                 return {}
     return finish(run, started)
+
+
+def _start_trace(run: Run) -> None:
+    """Measure the clocks' offsets, then record every phase and collective (`timeline.py`)."""
+    timeline = run.timeline
+    timeline.offsets.append(measure_offset(run.rt.device, timeline.clock))
+    comm.stats.end_step()  # the clocks' messages are not the step's
+    timeline.recording = True
+    run.phases.timeline, comm.stats.listener = timeline, timeline.collective
+
+
+def _end_trace(run: Run) -> None:
+    """Stop recording, measure the offsets again (the clocks drift), write this rank's events;
+    rank 0 merges every rank's into RUN_DIR/trace.json."""
+    timeline = run.timeline
+    timeline.recording = False
+    run.phases.timeline = comm.stats.listener = None
+    timeline.offsets.append(measure_offset(run.rt.device, timeline.clock))
+    files = [run.out / "trace" / f"rank{r}.json" for r in range(run.rt.world_size)]
+    timeline.write(files[run.rt.rank])
+    comm.barrier()  # every rank's file is complete
+    comm.stats.end_step()
+    if run.rt.is_main:
+        merged = merge(files, run.out / "trace.json")
+        bounds = ", ".join(
+            f"rank {r}: {1e3 * o[0]['offset_s']:+.3f} ms +- {1e3 * o[0]['error_s']:.3f}"
+            for r, o in merged["otherData"]["offsets_to_rank0"].items()
+        )
+        print(f"shardwise: timeline in {run.out / 'trace.json'} (clock offsets {bounds})")
 
 
 def _rollback(run: Run, step: int) -> int:

@@ -23,6 +23,7 @@ DEFAULTS = {
     "faults": (60, 1),
     "balance": (60, 5),
     "packing": (2, 4),
+    "overhead": (150, 4),
 }
 
 
@@ -50,6 +51,12 @@ def train_job(
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
+    if args.suite == "all":  # every strategy, a scaling series, one report
+        from shardwise.bench.everything import main as everything_main
+
+        argv = ["--out", args.out or default_out("all")]
+        argv += ["--quick"] if args.quick else []
+        return everything_main(argv + (["--steps", str(args.steps)] if args.steps else []))
     steps, reps = DEFAULTS[args.suite]
     args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":
@@ -74,6 +81,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
         if args.variants:
             argv += ["--variants", args.variants]
         return balance_main([*argv, "--out", args.out or default_out("balance")])
+    if args.suite == "overhead":  # whole jobs, measured and not
+        from shardwise.bench.overhead import main as overhead_main
+
+        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
+        return overhead_main([*argv, "--out", args.out or default_out("overhead")])
     module = f"shardwise.bench.{args.suite}"
     argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
     if args.suite in ("ddp", "zero"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -45,11 +45,13 @@ class OpTotals:
     calls: int = 0
     bytes: int = 0
     wait_s: float = 0.0
+    overlap_s: float = 0.0  # asynchronous calls: issue to wait, the most they overlapped compute
 
     def add(self, other: OpTotals) -> None:
         self.calls += other.calls
         self.bytes += other.bytes
         self.wait_s += other.wait_s
+        self.overlap_s += other.overlap_s
 
 
 @dataclass
@@ -59,6 +61,7 @@ class CommSnapshot:
     calls: int = 0
     bytes: int = 0
     wait_s: float = 0.0
+    overlap_s: float = 0.0
     by_op: dict[str, OpTotals] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -78,6 +81,9 @@ class CommStats:
         self._step: dict[str, OpTotals] = {}
         self._total: dict[str, OpTotals] = {}
         self._local = threading.local()
+        # Told of every call that blocked the training thread (op, bytes, seconds blocked):
+        # the timeline, while it records.
+        self.listener: Callable[[str, int, float], None] | None = None
 
     def record(self, op: str, nbytes: int, wait_s: float = 0.0, calls: int = 1) -> None:
         """Count one call of `op` sending `nbytes`, which blocked the caller `wait_s` seconds."""
@@ -87,10 +93,20 @@ class CommStats:
         with self._lock:
             for table in (self._step, self._total):
                 table.setdefault(op, OpTotals()).add(delta)
+        if self.listener is not None and wait_s > 0:
+            self.listener(op, int(nbytes), wait_s)
 
     def add_wait(self, op: str, seconds: float) -> None:
         """Add time the training thread spent blocked on an asynchronous `op`."""
         self.record(op, 0, seconds, calls=0)
+
+    def add_overlap(self, op: str, seconds: float) -> None:
+        """Add the time an asynchronous `op` was in flight before its caller waited for it."""
+        if getattr(self._local, "background", False):
+            return
+        with self._lock:
+            for table in (self._step, self._total):
+                table.setdefault(op, OpTotals()).overlap_s += seconds
 
     @contextlib.contextmanager
     def background(self) -> Iterator[None]:
@@ -122,11 +138,14 @@ class CommStats:
 
 
 def _snapshot(table: dict[str, OpTotals]) -> CommSnapshot:
-    snap = CommSnapshot(by_op={k: OpTotals(v.calls, v.bytes, v.wait_s) for k, v in table.items()})
+    snap = CommSnapshot(
+        by_op={k: OpTotals(v.calls, v.bytes, v.wait_s, v.overlap_s) for k, v in table.items()}
+    )
     for v in table.values():
         snap.calls += v.calls
         snap.bytes += v.bytes
         snap.wait_s += v.wait_s
+        snap.overlap_s += v.overlap_s
     return snap
 
 

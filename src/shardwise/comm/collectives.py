@@ -32,10 +32,14 @@ class Handle:
         self.op = op
         self._pending = pending
         self._call = call
+        self._issued = Timer()
 
     def wait(self) -> None:
         if self._pending is None:
             return
+        # From the issue to this wait the operation could progress while the caller computed:
+        # that long, at most, it overlapped compute.
+        stats.add_overlap(self.op, self._issued.elapsed())
         timer = Timer()
         with _blocked(self._call):
             if isinstance(self._pending, Future):

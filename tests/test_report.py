@@ -1,0 +1,100 @@
+"""`shardwise report`: one page comparing runs of different strategies, every figure drawn."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from shardwise import report
+
+STRATEGIES = {
+    "ddp": ["strategy.name=ddp", "train.trace_steps=[4, 6]"],
+    "zero2": ["strategy.name=zero", "strategy.stage=2"],
+    "local_sgd": ["strategy.name=local_sgd", "strategy.period=4"],
+}
+COMMON = ["train.steps=16", "train.eval_every=8", "train.log_every=4", "optim.warmup_steps=4"]
+
+
+def _shardwise(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "shardwise", *args]
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("report")
+    dirs = []
+    for name, sets in STRATEGIES.items():
+        run = root / name
+        argv = ["train", "digits", "--nproc", "2", "--run-dir", str(run)]
+        job = _shardwise(*argv, *(x for kv in COMMON + sets for x in ("--set", kv)), cwd=root)
+        assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
+        dirs.append(run)
+    return dirs
+
+
+def _has_data(ax) -> bool:
+    """Whether an axes shows data: a line with points, a bar or bar segment of some width, a
+    scatter with points."""
+    lines = any(len(line.get_xdata()) for line in ax.get_lines())
+    bars = any(p.get_width() > 0 for p in ax.patches if hasattr(p, "get_width"))
+    collections = any(len(c.get_offsets()) or c.get_paths() for c in ax.collections)
+    return lines or bars or collections
+
+
+def test_every_figure_of_three_strategies_shows_data(runs):
+    loaded = [report.load_run(r) for r in runs]
+    assert len({run.label for run in loaded}) == 3
+    for title, make in report.FIGURES.items():
+        fig = make(loaded)
+        for ax in fig.axes:
+            if ax.get_visible() and ax.get_label() != "<colorbar>":
+                assert _has_data(ax), f"{title}: empty axes {ax.get_title()!r}"
+
+
+def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
+    out = tmp_path / "report.html"
+    result = _shardwise("report", *map(str, runs), "-o", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    page = out.read_text()
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == len(report.FIGURES)  # one run traced: the timeline is drawn too
+    for image in images:
+        pixels = matplotlib.image.imread(io.BytesIO(base64.b64decode(image)), format="png")
+        assert pixels.shape[0] > 100 and pixels.std() > 0.05  # a drawn figure, not a blank
+    summary = out.with_suffix(".md").read_text().splitlines()
+    assert len(summary) == 2 + len(runs)  # header, rule, a row per run
+    assert "samples/s" in summary[0]
+    for run in runs:
+        assert html.escape(report.load_run(run).label) in page
+    assert not list(tmp_path.glob("*.png"))  # nothing else lands beside it
+
+
+def test_report_refuses_what_is_not_a_run_in_one_line(tmp_path):
+    result = _shardwise("report", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"shardwise: report: {tmp_path / 'nowhere'} is not a finished run directory "
+        "(no summary.json)"
+    ]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium")
+def test_headless_chromium_renders_the_page(runs, tmp_path):
+    out, shot = tmp_path / "report.html", tmp_path / "report.png"
+    argv = ["report", *map(str, runs), "-o", str(out), "--screenshot", str(shot)]
+    result = _shardwise(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[0] >= 1000 and pixels.std() > 0.05
