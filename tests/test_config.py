@@ -30,6 +30,10 @@ def test_overrides_are_parsed_as_yaml_scalars():
         ("model.n_head=3", "n_head (3) must divide d_model (256)"),
         ("launch.nproc=0", "config error: launch.nproc = 0: Input should be greater than or equal"),
         ("nokey", "--set expects key=value"),
+        ("train.trace_steps=[9, 3]", "trace_steps: should be [first, last] with 1 <= first"),
+        ("optim.gamma=0", "config error: optim.gamma = 0: Input should be greater than 0"),
+        ("optim.schedule=linear", "config error: optim.schedule = 'linear': Input should be"),
+        ("faults=['clock-skew:rank=1']", "expected clock-skew:rank=...:seconds=..."),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_allowed(override, expected):

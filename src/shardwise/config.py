@@ -188,13 +188,6 @@ class TrainConfig(Section):
         "and merge them, clocks synchronised, into RUN_DIR/trace.json (Perfetto, chrome://tracing)",
     )
 
-    @field_validator("trace_steps")
-    @classmethod
-    def _a_window(cls, steps: list[int]) -> list[int]:
-        if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-            raise ValueError(f"should be [first, last] with 1 <= first <= last, got {steps}")
-        return steps
-
     delay_s: list[float] = Field(
         [],
         description="artificial seconds added to every step of data-parallel rank i "
@@ -239,6 +232,13 @@ class TrainConfig(Section):
         description="move the delays one rank on every step (transient stragglers: each rank "
         "is slow one step in N) instead of keeping them on the same ranks",
     )
+
+    @field_validator("trace_steps")
+    @classmethod
+    def _a_window(cls, steps: list[int]) -> list[int]:
+        if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"should be [first, last] with 1 <= first <= last, got {steps}")
+        return steps
 
 
 class LaunchConfig(Section):

@@ -172,11 +172,8 @@ def breakdown_figure(runs: list[Run]):
         (f"{run.label}, rank {r}", b) for run in runs for r, b in enumerate(rank_breakdowns(run))
     ]
     fig, (ax,) = _figure(height=0.8 + 0.35 * len(rows))
-    left = [0.0] * len(rows)
-    for name, colour in BREAKDOWN:
-        widths = [1000 * b[name] for _, b in rows]
-        ax.barh([label for label, _ in rows], widths, left=left, color=colour, label=name)
-        left = [a + w for a, w in zip(left, widths, strict=True)]
+    segments = {name: [1000 * b[name] for _, b in rows] for name, _ in BREAKDOWN}
+    _stacked(ax, [label for label, _ in rows], segments, [colour for _, colour in BREAKDOWN])
     ax.scatter(
         [1000 * b["step"] for _, b in rows],
         range(len(rows)),
@@ -192,6 +189,15 @@ def breakdown_figure(runs: list[Run]):
     return fig
 
 
+def _stacked(ax, labels: list[str], segments: dict[str, list[float]], colours=None) -> None:
+    """Horizontal bars, one per label, stacked from `segments` (name -> a width per label)."""
+    left = [0.0] * len(labels)
+    for i, (name, widths) in enumerate(segments.items()):
+        colour = colours[i] if colours else None
+        ax.barh(labels, widths, left=left, color=colour, label=name)
+        left = [a + w for a, w in zip(left, widths, strict=True)]
+
+
 def rank_memory(run: Run) -> list[dict[str, int]]:
     """Each rank's bytes per category, from the timing line that carries them (the last step)."""
     found = []
@@ -203,11 +209,8 @@ def rank_memory(run: Run) -> list[dict[str, int]]:
 def memory_figure(runs: list[Run]):
     rows = [(f"{run.label}, rank {r}", m) for run in runs for r, m in enumerate(rank_memory(run))]
     fig, (ax,) = _figure(height=0.8 + 0.35 * len(rows))
-    left = [0.0] * len(rows)
-    for category in MEMORY_CATEGORIES:
-        widths = [m.get(category, 0) / 2**20 for _, m in rows]
-        ax.barh([label for label, _ in rows], widths, left=left, label=category)
-        left = [a + w for a, w in zip(left, widths, strict=True)]
+    segments = {c: [m.get(c, 0) / 2**20 for _, m in rows] for c in MEMORY_CATEGORIES}
+    _stacked(ax, [label for label, _ in rows], segments)
     ax.set(xlabel="MiB (at the last step, gradients present)", title="Memory per rank")
     ax.legend(fontsize=7, loc="lower right")
     ax.invert_yaxis()
@@ -226,12 +229,10 @@ def bytes_by_op(run: Run) -> dict[str, float]:
 
 def bytes_figure(runs: list[Run]):
     fig, (ax,) = _figure(height=0.8 + 0.45 * len(runs))
-    ops = sorted({op for run in runs for op in bytes_by_op(run)})
-    left = [0.0] * len(runs)
-    for op in ops:
-        widths = [bytes_by_op(run).get(op, 0.0) / 2**10 for run in runs]
-        ax.barh([run.label for run in runs], widths, left=left, label=op)
-        left = [a + w for a, w in zip(left, widths, strict=True)]
+    sent = [bytes_by_op(run) for run in runs]
+    ops = sorted({op for by_op in sent for op in by_op})
+    segments = {op: [by_op.get(op, 0.0) / 2**10 for by_op in sent] for op in ops}
+    _stacked(ax, [run.label for run in runs], segments)
     ax.set(xlabel="KiB sent per rank per step", title="Communication by collective")
     ax.legend(fontsize=7, loc="lower right")
     ax.invert_yaxis()

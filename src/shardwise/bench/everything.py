@@ -32,7 +32,7 @@ JOB = [
     *("data.seq_len=32", "model.n_layer=2", "optim.warmup_steps=5"),
     *("train.eval_batch_size=64", "train.log_every=2"),
 ]
-BATCH = 16  # per rank, at 2 ranks: a global batch of 32 sequences
+BATCH = 16  # per data-parallel rank, at 2 ranks: a global batch of 32 sequences
 
 STRATEGIES: dict[str, list[str]] = {
     "ddp": ["strategy.name=ddp"],
@@ -59,6 +59,7 @@ STRATEGIES: dict[str, list[str]] = {
     "ps-async": ["strategy.name=ps", "strategy.mode=async"],
     "ps-ssp": ["strategy.name=ps", "strategy.mode=ssp"],
 }
+SPLIT_MODEL = {"tp", "pp-gpipe", "pp-1f1b", "mesh-dp1-tp2"}  # one data-parallel replica
 QUICK_SKIPS = {"ddp-hierarchical", "ddp-bf16", "ddp-int8", "ddp-topk", "ddp-randomk", "ddp-sign"}
 SCALING = (1, 2, 4)
 
@@ -68,7 +69,9 @@ def _ranks(name: str) -> int:
 
 
 def run_strategy(out: Path, name: str, steps: int) -> dict:
-    sets = [*JOB, *STRATEGIES[name], f"train.steps={steps}", f"data.batch_size={BATCH}"]
+    # Ranks that split one model read the same batch: the same job's global batch is theirs.
+    batch = BATCH * 2 if name in SPLIT_MODEL else BATCH
+    sets = [*JOB, *STRATEGIES[name], f"train.steps={steps}", f"data.batch_size={batch}"]
     sets += [f"train.eval_every={max(1, steps // 4)}"] if steps >= 20 else []
     if name == "ddp":  # one run's timeline for the report
         sets += [f"train.trace_steps=[{steps // 2}, {steps // 2 + 2}]"]
