@@ -13,6 +13,7 @@
     shardwise bench overhead                                      # cost of the measurements
     shardwise bench all [--quick]                                 # every strategy, one report
     shardwise report RUN_DIR [RUN_DIR ...] [-o report.html]       # one page comparing runs
+    shardwise plan --params 7.5e9 --devices 64 [--json]           # model states per device
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
@@ -29,6 +30,7 @@ import os
 import sys
 from pathlib import Path
 
+from shardwise import planner
 from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
 
 
@@ -125,6 +127,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardwise.planner import run
+
+    return run(args)
+
+
 def cmd_configs(_: argparse.Namespace) -> int:
     for path in sorted(BUILTIN_CONFIGS.glob("*.yaml")):
         first = path.read_text().splitlines()[0].lstrip("# ")
@@ -198,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
         "section", nargs="?", help="data, model, optim, train, launch or a strategy name (zero)"
     )
     config.set_defaults(func=cmd_config)
+
+    plan = sub.add_parser(
+        "plan", help="model-state memory per device for DP and ZeRO 1-3 (--params --devices)"
+    )
+    planner.add_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     configs = sub.add_parser("configs", help="list the built-in configs")
     configs.set_defaults(func=cmd_configs)
