@@ -1,10 +1,10 @@
 """TensorBoard event files for a run: `tensorboard --logdir runs/` shows every run under it.
 
 Rank 0 writes RUN_DIR/tensorboard/ from the same records as metrics.jsonl (one per step), so
-the two never disagree: the loss, learning rate, throughput, communication, per-rank timing,
-memory, gradient norm and evaluation, each under a section of its own (train/, perf/, comm/,
-time/, memory/, eval/). torch's `SummaryWriter` writes from a background thread: a step only
-queues its scalars.
+the two never disagree: the loss, learning rate, gradient norm, throughput, communication,
+evaluation and (at the end) memory, each under a section of its own (train/, perf/, comm/,
+eval/, memory/). Each rank's time per phase is in its timing file and the report. torch's
+`SummaryWriter` writes from a background thread: a step only queues its scalars.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ SECTIONS = {  # metrics.jsonl key -> TensorBoard tag
     "grad_norm": "train/grad_norm",
     "loss_scale": "train/loss_scale",
     "samples_per_s": "perf/samples_per_s",
-    "tokens_per_s": "perf/tokens_per_s",
     "step_time_s": "perf/step_time_s",
     "comm_bytes": "comm/bytes",
     "comm_calls": "comm/calls",
@@ -39,16 +38,12 @@ class Board:
         self._writer = SummaryWriter(log_dir=str(self.path))
 
     def write(self, record: dict[str, Any]) -> None:
-        """One metrics record: its known keys, plus `breakdown` (seconds per category, per
-        rank) and `memory` (bytes per category)."""
+        """One metrics record: its known keys, and `memory` (bytes per category)."""
         step = record.get("step")
         if step is None:
             return
         for key, tag in SECTIONS.items():
             self._scalar(tag, record.get(key), step)
-        for category, per_rank in record.get("breakdown", {}).items():
-            for rank, seconds in enumerate(per_rank):
-                self._scalar(f"time/{category}/rank{rank}", seconds, step)
         for category, nbytes in record.get("memory", {}).items():
             self._scalar(f"memory/{category}_mib", nbytes / 2**20, step)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from datetime import datetime
@@ -48,6 +50,13 @@ def train_job(
         text=True,
         timeout=1800,
     )
+
+
+def median_step_time(run_dir: Path, skip: int) -> float:
+    """A finished run's median step time from its metrics.jsonl, the first `skip` steps (lazy
+    set-up, allocation) left out."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median([x["step_time_s"] for x in lines if "loss" in x][skip:])
 
 
 def run_benchmark(args: argparse.Namespace) -> int:

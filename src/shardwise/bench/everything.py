@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from shardwise.bench import train_job
+from shardwise.bench import median_step_time, train_job
 
 JOB = [
     *("data.seq_len=32", "model.n_layer=2", "optim.warmup_steps=5"),
@@ -84,12 +83,6 @@ def run_strategy(out: Path, name: str, steps: int) -> dict:
     return {"samples_per_s": summary.get("samples_per_s"), "wall_s": wall}
 
 
-def _step_time(run_dir: Path, skip: int = 3) -> float:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [x["step_time_s"] for x in lines if "loss" in x][skip:]
-    return statistics.median(times)
-
-
 def run_scaling(out: Path, steps: int) -> dict:
     """DDP at 1, 2 and 4 ranks: strong (global batch fixed) and weak (per-rank batch fixed)."""
     measured: dict[tuple[int, int], float] = {}  # (ranks, per-rank batch) -> time per step
@@ -99,7 +92,9 @@ def run_scaling(out: Path, steps: int) -> dict:
             run_dir = out / f"scaling-{ranks}x{batch}"
             sets = [*JOB, "strategy.name=ddp", f"train.steps={steps}", f"data.batch_size={batch}"]
             job = train_job(run_dir, "tiny_gpt", sets, extra=["--nproc", str(ranks)])
-            measured[ranks, batch] = _step_time(run_dir) if job.returncode == 0 else float("nan")
+            measured[ranks, batch] = (
+                median_step_time(run_dir, skip=3) if job.returncode == 0 else float("nan")
+            )
         return measured[ranks, batch]
 
     global_batch = BATCH * 2

@@ -17,15 +17,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from shardwise.bench import train_job
+from shardwise.bench import median_step_time, train_job
 
 JOBS = {"digits": ("digits", []), "tiny_gpt": ("tiny_gpt", ["data.seq_len=64"])}
 SKIP = 5  # first steps: allocation, lazy set-up
-
-
-def step_time(run_dir: Path) -> float:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median([x["step_time_s"] for x in lines if "loss" in x][SKIP:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                 if done.returncode != 0:
                     print(done.stdout[-2000:] + done.stderr[-2000:], file=sys.stderr)
                     return 1
-                times[job][state].append(step_time(run_dir))
+                times[job][state].append(median_step_time(run_dir, SKIP))
             print(f"shardwise: bench overhead: {job}, rep {rep + 1}", flush=True)
     result = {"bench": "overhead", "steps": args.steps, "reps": args.reps, "jobs": {}}
     for job, by_state in times.items():
