@@ -12,6 +12,7 @@ from torch import nn
 from shardwise import datasets
 from shardwise.config import Config, OptimConfig, TrainConfig, resolve_data_path
 from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
+from shardwise.recompute import checkpoint_activations
 from shardwise.schedules import Schedule, scaled_lr
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -43,7 +44,14 @@ def build_splits(cfg: Config) -> datasets.Splits:
 
 
 def build_job(cfg: Config) -> Job:
-    """Data first (the model's sizes depend on it), then a model seeded by `train.seed`."""
+    """Data first (the model's sizes depend on it), then a model seeded by `train.seed`, its
+    activations recomputed where `strategy.activation_checkpointing` says."""
+    job = _build_job(cfg)
+    checkpoint_activations(job.model, cfg.strategy.activation_checkpointing)
+    return job
+
+
+def _build_job(cfg: Config) -> Job:
     splits = build_splits(cfg)
     torch.manual_seed(cfg.train.seed)
     m = cfg.model

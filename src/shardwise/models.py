@@ -126,6 +126,9 @@ class TinyGPT(nn.Module):
         "head": "vocab_head",
     }
 
+    # What `activation_checkpointing: true` recomputes (shardwise.recompute).
+    CHECKPOINT_UNITS: ClassVar[tuple[str, ...]] = ("blocks.*",)
+
     def __init__(
         self,
         vocab_size: int,

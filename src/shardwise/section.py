@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from shardwise.strategies.base import Strategy
@@ -24,6 +24,12 @@ class StrategySection(Section):
     """The `strategy:` section of one strategy (`name` is its discriminator)."""
 
     name: str
+    activation_checkpointing: bool | list[str] = Field(
+        False,
+        description="recompute activations in backward instead of keeping them: true (the "
+        "model's blocks; TinyGPT: each transformer block) or module name patterns "
+        "(e.g. ['blocks.*.mlp'])",
+    )
 
     def build(self, world_size: int, run_dir: Path) -> Strategy:
         """The strategy these options describe, for a job of `world_size` ranks whose outputs
@@ -40,4 +46,4 @@ class StrategySection(Section):
 
     def options(self, exclude: set[str] = frozenset()) -> dict:
         """The fields that map one to one onto the strategy's options."""
-        return self.model_dump(exclude={"name", *exclude})
+        return self.model_dump(exclude={"name", "activation_checkpointing", *exclude})

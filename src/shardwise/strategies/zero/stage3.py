@@ -35,6 +35,23 @@ def stage3_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _check_recompute_regions(model: nn.Module, units: list[nn.Module]) -> None:
+    """A recomputed region (activation checkpointing) must not hold a unit inside it: the
+    unit's gather-and-free hooks would run again in the recompute, after its weights are freed."""
+    for name, module in model.named_modules():
+        if getattr(module.forward, "recomputes", False):
+            inner = next((u for u in units if u is not module and _contains(module, u)), None)
+            if inner is not None:
+                raise ValueError(
+                    f"activation_checkpointing: region {name!r} holds a ZeRO-3 unit; "
+                    "checkpoint that unit, or modules inside it, instead"
+                )
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
 class ZeroStage3(ZeroStage2):
     stage = 3
     shard_is_view = False  # the full buffer is transient: the shard is the only lasting copy
@@ -43,6 +60,7 @@ class ZeroStage3(ZeroStage2):
         """One unit per block; parameters outside every block form unit 0, gathered for the
         whole forward and backward."""
         self.unit_modules = stage3_units(self.module)
+        _check_recompute_regions(self.module, self.unit_modules)
         covered = {p for m in self.unit_modules for p in m.parameters()}
         self.rest = [p for p in params if p not in covered]
         groups = [[p for p in m.parameters() if p.requires_grad] for m in self.unit_modules]

@@ -1,0 +1,89 @@
+"""Activation checkpointing (recompute): a region keeps only its inputs from forward to backward
+and runs its forward again when its gradient is needed, trading compute for activation memory.
+
+Regions are modules picked by name pattern (fnmatch on each dotted part of a `named_modules`
+name, so `blocks.*` names the blocks themselves),
+or, for `true`, the model's `CHECKPOINT_UNITS` (TinyGPT: each transformer block) and otherwise
+every layer of its top-level `nn.Sequential` / `nn.ModuleList`. Each region's `forward` is
+replaced by one that runs under `torch.utils.checkpoint` (non-reentrant: hooks, keyword
+arguments and strategies that gather weights in hooks keep working), so parameter names, state
+dicts, TP plans and pipeline splits are untouched, and every strategy can use it.
+
+torch's checkpoint saves a region's inputs as ordinary saved tensors, so the `ActivationMeter`
+counts them until the region's backward; the region's recomputed activations, alive during its
+own backward only, are kept by checkpoint itself and not counted (torch's MemTracker sees them).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Spec = bool | list[str]
+
+
+def default_regions(model: nn.Module) -> list[str]:
+    """The regions `activation_checkpointing: true` means for this model."""
+    units = getattr(model, "CHECKPOINT_UNITS", None)
+    if units is not None:
+        return list(units)
+    return [
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Sequential, nn.ModuleList)) and name.count(".") == 0
+        for child, _ in module.named_children()
+    ]
+
+
+def checkpoint_activations(model: nn.Module, spec: Spec = True) -> list[str]:
+    """Make the modules `spec` names recompute their activations in backward; returns their
+    names. `spec`: True (the model's default regions), False (none) or name patterns. A
+    pattern matching no module, or regions nested in one another, are one-line errors."""
+    if spec is False:
+        return []
+    patterns = default_regions(model) if spec is True else list(spec)
+    names = [name for name, _ in model.named_modules() if name]
+    chosen: list[str] = []
+    for pattern in patterns:
+        matched = [n for n in names if _matches(n, pattern)]
+        if not matched:
+            raise ValueError(
+                f"activation_checkpointing: pattern {pattern!r} matches no module of "
+                f"{type(model).__name__}"
+            )
+        chosen += [n for n in matched if n not in chosen]
+    for outer in chosen:
+        inner = next((n for n in chosen if n.startswith(outer + ".")), None)
+        if inner is not None:
+            raise ValueError(
+                f"activation_checkpointing: regions {outer!r} and {inner!r} are nested; "
+                "name one of them"
+            )
+    modules = dict(model.named_modules())
+    for name in chosen:
+        module = modules[name]
+        module.forward = _recomputing(module.forward)
+    return chosen
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """fnmatch per dotted part: `blocks.*` names the blocks, not the modules inside them."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
+
+
+def _recomputing(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved anyway
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    run.recomputes = True  # type: ignore[attr-defined]  # (ZeRO-3 checks its units against it)
+    return run
