@@ -1,0 +1,100 @@
+"""The cost model against measurement: for each strategy at world sizes 2 and 4, on the MLP and
+the tiny GPT, the predicted model-state bytes per rank are within 2% of what `memory_report`
+measures on the real model after backward (parameters, master weights, gradients, optimizer
+state, each), and the predicted bytes per step of each collective equal what the ranks' comm
+counters recorded over the steps they trained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import comm
+from shardwise.config import SECTIONS
+from shardwise.costs import Job, predict
+from shardwise.models import MLP, TinyGPT, lm_loss
+from spawn import run
+
+STEPS = 4  # a multiple of local SGD's period: its average happens inside the window
+BATCH = 8
+CATEGORIES = ("params", "master_weights", "grads", "optimizer")
+STRATEGIES = [
+    {"name": "ddp"},
+    {"name": "ddp", "bucket_mb": 0.01},
+    {"name": "ddp", "algorithm": "ring", "bucket_mb": 0.01},
+    {"name": "zero", "stage": 1},
+    {"name": "zero", "stage": 2, "bucket_mb": 0.01},
+    {"name": "zero", "stage": 3},
+    {"name": "zero", "stage": 1, "mixed_precision": "bf16"},
+    {"name": "zero", "stage": 2, "mixed_precision": "bf16", "bucket_mb": 0.01},
+    {"name": "zero", "stage": 3, "mixed_precision": "bf16"},
+    {"name": "local_sgd", "period": 2},
+]
+
+
+def _section(options: dict):
+    by_name = {s.model_fields["name"].default: s for s in SECTIONS}
+    return by_name[options["name"]].model_validate(options)
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLP([64, 128, 128, 10])
+    return TinyGPT(vocab_size=11, seq_len=16, d_model=32, n_layer=2, n_head=4)
+
+
+def _batch(name: str, step: int, index: int, share: int):
+    g = torch.Generator().manual_seed(step)
+    if name == "mlp":
+        x, y = torch.randn(BATCH, 64, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    else:
+        tokens = torch.randint(0, 11, (BATCH, 17), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+    return x[index * share : (index + 1) * share], y[index * share : (index + 1) * share]
+
+
+def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict]:
+    """(measured memory, measured bytes per step by op, predicted costs) on this rank."""
+    section = _section(options)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    with torch.device("meta"):
+        predicted = predict(Job(_model(model_name), world, rank), section).as_dict()
+    model, opt = sw.prepare(_model(model_name), section.build(world, tmp), lr=1e-3)
+    loss_fn = lm_loss if model_name == "gpt" else torch.nn.functional.cross_entropy
+    replicas, index = sw.data_shard(model)
+    comm.stats.reset()
+    for step in range(STEPS):
+        x, y = _batch(model_name, step, index, BATCH // replicas)
+        sw.train_step(model, x, y, loss_fn, total=BATCH)
+        if step == STEPS - 1:
+            memory = sw.memory_report(model, opt)
+        opt.step()
+        opt.zero_grad()
+    measured = {op: t.bytes / STEPS for op, t in comm.stats.total().by_op.items() if t.bytes}
+    model.close()
+    return memory, measured, predicted
+
+
+def _all(tmp: str) -> list:
+    return [
+        (model_name, options, _measure(model_name, options, tmp))
+        for model_name in ("mlp", "gpt")
+        for options in STRATEGIES
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_predicted_memory_and_bytes_match_the_measured(world, tmp_path):
+    failures = []
+    for rank, results in enumerate(run(_all, world, str(tmp_path), timeout_s=300)):
+        for model_name, options, (memory, measured, predicted) in results:
+            where = f"rank {rank}, {model_name}, {options}"
+            for category in CATEGORIES:
+                want, got = predicted["memory"][category], memory[category]
+                if abs(want - got) > 0.02 * max(got, 1):
+                    failures.append(f"{where}: {category} predicted {want}, measured {got}")
+            if predicted["comm"] != measured:
+                failures.append(f"{where}: bytes predicted {predicted['comm']}, got {measured}")
+    assert not failures, "\n".join(failures)
