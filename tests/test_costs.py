@@ -13,6 +13,7 @@ import shardwise as sw
 from shardwise import comm
 from shardwise.config import SECTIONS
 from shardwise.costs import Job, predict
+from shardwise.memory import ActivationMeter
 from shardwise.models import MLP, TinyGPT, lm_loss
 from spawn import run
 
@@ -52,24 +53,36 @@ def _batch(name: str, step: int, index: int, share: int):
     else:
         tokens = torch.randint(0, 11, (BATCH, 17), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
-    return x[index * share : (index + 1) * share], y[index * share : (index + 1) * share]
+    mine = slice(index * share, (index + 1) * share)
+    return x[mine].clone(), y[mine].clone()  # a batch of its own, as the loader gives
+
+
+def _fake_batch(name: str):
+    """(inputs, targets) of n samples of the model's kind: what the cost model traces."""
+    if name == "mlp":
+        return lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,)))
+    return lambda n: (torch.randint(0, 11, (n, 16)), torch.randint(0, 11, (n, 16)))
 
 
 def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict]:
     """(measured memory, measured bytes per step by op, predicted costs) on this rank."""
     section = _section(options)
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    with torch.device("meta"):
-        predicted = predict(Job(_model(model_name), world, rank), section).as_dict()
-    model, opt = sw.prepare(_model(model_name), section.build(world, tmp), lr=1e-3)
     loss_fn = lm_loss if model_name == "gpt" else torch.nn.functional.cross_entropy
+    with torch.device("meta"):
+        meta = _model(model_name)
+    job = Job(meta, world, rank, batch=_fake_batch(model_name), loss_fn=loss_fn, global_batch=BATCH)
+    predicted = predict(job, section).as_dict()
+    model, opt = sw.prepare(_model(model_name), section.build(world, tmp), lr=1e-3)
     replicas, index = sw.data_shard(model)
     comm.stats.reset()
     for step in range(STEPS):
         x, y = _batch(model_name, step, index, BATCH // replicas)
-        sw.train_step(model, x, y, loss_fn, total=BATCH)
+        meter = ActivationMeter()
+        with meter:
+            sw.train_step(model, x, y, loss_fn, total=BATCH)
         if step == STEPS - 1:
-            memory = sw.memory_report(model, opt)
+            memory = {**sw.memory_report(model, opt), "activations": meter.peak}
         opt.step()
         opt.zero_grad()
     measured = {op: t.bytes / STEPS for op, t in comm.stats.total().by_op.items() if t.bytes}
@@ -95,6 +108,9 @@ def test_predicted_memory_and_bytes_match_the_measured(world, tmp_path):
                 want, got = predicted["memory"][category], memory[category]
                 if abs(want - got) > 0.02 * max(got, 1):
                     failures.append(f"{where}: {category} predicted {want}, measured {got}")
+            want, got = predicted["activations"], memory["activations"]
+            if abs(want - got) > 0.1 * got:
+                failures.append(f"{where}: activations predicted {want}, measured {got}")
             if predicted["comm"] != measured:
                 failures.append(f"{where}: bytes predicted {predicted['comm']}, got {measured}")
     assert not failures, "\n".join(failures)

@@ -29,8 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
+from shardwise.activations import saved_bytes
 from shardwise.comm.accounting import native_volume
 from shardwise.section import StrategySection
 from shardwise.strategies.grad_buckets import assign_buckets
@@ -41,6 +43,7 @@ FP32 = 4
 # (Adam's step counter is a float32 tensor per parameter).
 OPTIMIZER_STATE = {"adamw": (2, FP32), "adam": (2, FP32), "sgd": (1, 0)}
 HALF = {"bf16": 2, "fp16": 2}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Costs:
 
     memory: dict[str, int] = field(default_factory=dict)
     comm: dict[str, int] = field(default_factory=dict)  # per step, averaged over a sync period
+    activations: int | None = None  # peak bytes saved for backward (None: no batch given)
     notes: list[str] = field(default_factory=list)
 
     def add_comm(self, op: str, nbytes: float) -> None:
@@ -56,7 +60,12 @@ class Costs:
 
     def as_dict(self) -> dict:
         memory = {**self.memory, "total": sum(self.memory.values())}
-        return {"memory": memory, "comm": dict(sorted(self.comm.items())), "notes": self.notes}
+        return {
+            "memory": memory,
+            "activations": self.activations,
+            "comm": dict(sorted(self.comm.items())),
+            "notes": self.notes,
+        }
 
 
 @dataclass(frozen=True)
@@ -67,9 +76,31 @@ class Job:
     world_size: int
     rank: int = 0
     optimizer: str = "adamw"
+    # (inputs, targets) of n samples, made inside the fake mode, and the loss: for activations.
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    global_batch: int = 0  # samples per step over all replicas
 
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def activations(
+        self, samples: int, dtype: torch.dtype | None = None, layers=None
+    ) -> tuple[int, list[int]] | None:
+        """Bytes saved by one forward of `samples` through `layers` (default: the model), and
+        per layer; None without a batch to trace."""
+        if self.batch is None or samples < 1:
+            return None
+        made: dict[str, torch.Tensor] = {}
+
+        def inputs() -> torch.Tensor:
+            made["x"], made["y"] = self.batch(samples)
+            return made["x"]
+
+        def loss(out: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(out, made["y"])
+
+        return saved_bytes(self.model if layers is None else layers, inputs, dtype, loss)
 
 
 def nbytes(p: nn.Parameter) -> int:
@@ -94,6 +125,7 @@ def ddp_costs(job: Job, s: StrategySection) -> Costs:
         }
     )
     n = job.world_size
+    costs.activations = _replica_activations(job)
     buckets = assign_buckets(list(reversed(params)), int(s.bucket_mb * 2**20))
     sizes = [sum(p.numel() for p in b) for b in buckets]
     elem = params[0].element_size()
@@ -108,6 +140,12 @@ def ddp_costs(job: Job, s: StrategySection) -> Costs:
     else:
         costs.notes.append(f"algorithm {s.algorithm}: bytes not predicted")
     return costs
+
+
+def _replica_activations(job: Job, dtype: torch.dtype | None = None) -> int | None:
+    """Data parallel: one forward of this rank's share of the global batch."""
+    traced = job.activations(job.global_batch // job.world_size, dtype)
+    return None if traced is None else traced[0]
 
 
 def ring_bytes(numel: int, n: int, rank: int) -> int:
@@ -146,6 +184,7 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
     if s.stage == 1 and not fp32_masters:
         memory["grads"] = full  # the reduced slice is a view of the full gradient buffer
     costs = Costs(memory=memory)
+    costs.activations = _replica_activations(job, DTYPES.get(s.mixed_precision))
     gathers = 2 if s.stage == 3 else 1
     for S in shards:
         unit_bytes = S * n * compute
@@ -167,6 +206,7 @@ def local_sgd_costs(job: Job, s: StrategySection) -> Costs:
             "optimizer": optimizer_bytes([p.numel() for p in params], job.optimizer),
         }
     )
+    costs.activations = _replica_activations(job)
     # One all-reduce of every parameter each `period` steps: per step, its share.
     volume = native_volume("all_reduce", total, job.world_size)
     costs.add_comm("all_reduce", volume / s.period)
@@ -191,3 +231,45 @@ def predict(job: Job, strategy: StrategySection) -> Costs:
 def trainer_comm(world_size: int) -> dict[str, int]:
     """The trainer's own collective per step: the loss-and-flags all-reduce (`trainer._agree`)."""
     return {"all_reduce": native_volume("all_reduce", 8 * (3 + world_size), world_size)}
+
+
+MODEL_STATE = ("params", "master_weights", "grads", "optimizer")
+
+
+def for_run(job: Job, strategy: StrategySection) -> dict:
+    """What `shardwise train` writes to RUN_DIR/prediction.json before its first step: this
+    rank's predicted model state, and bytes per step with the trainer's own collective."""
+    costs = predict(job, strategy)
+    out = costs.as_dict()
+    if costs.comm:
+        out["comm_bytes_per_step"] = sum(costs.comm.values()) + sum(
+            trainer_comm(job.world_size).values()
+        )
+    return out
+
+
+def versus_measured(predicted: dict, memory: dict[str, int], comm_bytes_per_step: float) -> dict:
+    """Predicted next to measured (model state by category, bytes per step), with the relative
+    error of each, for the summary and the report."""
+    rows: dict[str, dict] = {}
+    if predicted.get("memory") and memory:
+        for category in (*MODEL_STATE, "model_state"):
+            want = (
+                sum(predicted["memory"][c] for c in MODEL_STATE)
+                if category == "model_state"
+                else predicted["memory"][category]
+            )
+            got = (
+                sum(memory[c] for c in MODEL_STATE)
+                if category == "model_state"
+                else memory[category]
+            )
+            rows[category] = _pair(want, got)
+    if "comm_bytes_per_step" in predicted:
+        rows["comm_bytes_per_step"] = _pair(predicted["comm_bytes_per_step"], comm_bytes_per_step)
+    return {"rows": rows, "notes": predicted.get("notes", [])}
+
+
+def _pair(predicted: float, measured: float) -> dict:
+    error = (predicted - measured) / measured if measured else (0.0 if not predicted else None)
+    return {"predicted": predicted, "measured": measured, "error": error}

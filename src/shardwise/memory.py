@@ -72,13 +72,19 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return report
 
 
+def is_weight(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a linear layer saves its weight transposed): weights, not
+    activations."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
 class ActivationMeter:
     """Bytes autograd keeps alive for backward (the activations), now and at the peak.
 
     Inside `with meter:`, every tensor autograd saves for backward is wrapped; the wrapper counts
     its storage while alive (once per storage, however often it is saved) and uncounts it when
-    the graph that holds it is freed, after that micro-batch's backward. Parameters are weights,
-    not activations, and are not counted. It measures any schedule the same way, ours or torch's,
+    the graph that holds it is freed, after that micro-batch's backward. Parameters and views of
+    them are weights, not activations, and are not counted. It measures any schedule the same way, ours or torch's,
     on any device.
     """
 
@@ -89,7 +95,7 @@ class ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
+        if is_weight(tensor) or tensor.numel() == 0:
             return tensor
         return _Saved(self, tensor)
 

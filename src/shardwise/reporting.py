@@ -116,6 +116,12 @@ def _memory_cell(memory: dict[str, int]) -> str:
     return " / ".join(parts)
 
 
+def _versus(summary: dict, row: str) -> str:
+    pair = summary["predicted"]["rows"][row]
+    error = "" if pair["error"] is None else f" ({100 * pair['error']:+.1f} %)"
+    return f"{human_bytes(pair['predicted'])} / {human_bytes(pair['measured'])}{error}"
+
+
 # What a summary table shows, in order: (label, how to format it); a row whose keys a summary
 # lacks is left out, so data-parallel and parameter-server runs share one table.
 SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
@@ -132,6 +138,8 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("comm wait (rank 0)", lambda s: f"{s['comm_wait_s']:.3f} s"),
     ("params / masters / grads / optim (rank 0)", lambda s: _memory_cell(s["memory"])),
     ("peak memory (rank 0)", lambda s: human_bytes(s["memory"]["peak"])),
+    ("model state predicted / measured", lambda s: _versus(s, "model_state")),
+    ("comm / step predicted / measured", lambda s: _versus(s, "comm_bytes_per_step")),
     (
         "staleness (mean; histogram)",
         lambda s: f"{s['staleness_mean']:.2f}; {s['staleness_histogram']}",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import comm, faults, ledger, run_checkpoint
+from shardwise import comm, costs, faults, ledger, run_checkpoint
 from shardwise.balance import ThroughputBalancer, weighted_sizes
 from shardwise.board import Board
 from shardwise.checkpoint import save_model
@@ -189,6 +189,7 @@ class Run:
     step_samples: list[int] = field(default_factory=list)  # the whole step's, every rank's
     loss: float = float("nan")
     memory: dict[str, int] = field(default_factory=dict)
+    predicted: dict[str, Any] = field(default_factory=dict)  # costs.for_run, before step 1
 
     def __post_init__(self) -> None:
         self.batches = _endless(self.loader)
@@ -230,6 +231,12 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     comm.flight.recorder.reset()
     job = build_job(cfg)
     out = agree_run_dir(cfg, run_dir, rt)
+    # Predicted before the strategy reshapes the model (shards, splits) and before any step.
+    predicted = costs.for_run(
+        costs.Job(job.model, rt.world_size, rt.rank, cfg.optim.name), cfg.strategy
+    )
+    if rt.is_main and not resume:
+        (out / "prediction.json").write_text(json.dumps(predicted, indent=1))
     model, opt = sw.prepare(
         job.model,
         cfg.strategy.build(rt.world_size, out),
@@ -263,6 +270,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
         *(saver, injector, watchdog, balancer),
         PhaseTimer(model, cfg.train.measure, sample_every=cfg.train.log_every),
         skip=set(cfg.train.skip_batches),
+        predicted=predicted,
     )
     if cfg.train.trace_steps:
         run.timeline = Timeline(rt.rank, injector.clock())
@@ -590,6 +598,9 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         "comm_bytes_total": train_comm.bytes,
         "comm_wait_s": train_comm.wait_s,
         "memory": run.memory,
+        "predicted": costs.versus_measured(
+            run.predicted, run.memory, train_comm.bytes / cfg.train.steps
+        ),
         "skipped_steps": run.skipped_steps,
         "run_dir": str(run.out),
     }
