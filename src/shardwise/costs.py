@@ -26,16 +26,24 @@ more small all-reduce for strategies that shard gradients, left out here.
 
 from __future__ import annotations
 
+import fnmatch
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 
-from shardwise.activations import saved_bytes
+from shardwise.activations import _fake_state, saved_bytes
 from shardwise.comm.accounting import native_volume
+from shardwise.comm.flat import split_bounds
+from shardwise.mesh import coordinates
 from shardwise.section import StrategySection
-from shardwise.strategies.grad_buckets import assign_buckets
+from shardwise.strategies.ddp import DDPConfig
+from shardwise.strategies.pipeline_stages import balanced_split, pipeline_layers
+from shardwise.strategies.relaxed import neighbours
 from shardwise.strategies.zero.stage3 import stage3_units
 
 FP32 = 4
@@ -56,7 +64,8 @@ class Costs:
     notes: list[str] = field(default_factory=list)
 
     def add_comm(self, op: str, nbytes: float) -> None:
-        self.comm[op] = self.comm.get(op, 0) + nbytes
+        if nbytes:  # (a collective over one rank sends nothing)
+            self.comm[op] = self.comm.get(op, 0) + nbytes
 
     def as_dict(self) -> dict:
         memory = {**self.memory, "total": sum(self.memory.values())}
@@ -103,49 +112,73 @@ class Job:
         return saved_bytes(self.model if layers is None else layers, inputs, dtype, loss)
 
 
-def nbytes(p: nn.Parameter) -> int:
-    return p.numel() * p.element_size()
-
-
 def optimizer_bytes(numels: list[int], optimizer: str, elem: int = FP32) -> int:
     """The optimizer's state for parameter tensors of `numels` elements each."""
     per_element, scalar = OPTIMIZER_STATE[optimizer]
     return sum(per_element * n * elem + scalar for n in numels)
 
 
-def ddp_costs(job: Job, s: StrategySection) -> Costs:
-    params = job.params()
-    total = sum(nbytes(p) for p in params)
-    costs = Costs(
-        memory={
-            "params": total,
-            "master_weights": 0,
-            "grads": total,  # every .grad a view into its bucket
-            "optimizer": optimizer_bytes([p.numel() for p in params], job.optimizer),
-        }
-    )
-    n = job.world_size
-    costs.activations = _replica_activations(job)
-    buckets = assign_buckets(list(reversed(params)), int(s.bucket_mb * 2**20))
-    sizes = [sum(p.numel() for p in b) for b in buckets]
-    elem = params[0].element_size()
-    if s.compression is not None:
-        costs.notes.append(f"compression {s.compression}: bytes not predicted")
-    elif s.algorithm == "native":
-        for numel in sizes:
-            costs.add_comm("all_reduce", native_volume("all_reduce", numel * elem, n))
-    elif s.algorithm == "ring":
-        for numel in sizes:
-            costs.add_comm("ring_all_reduce", ring_bytes(numel, n, job.rank) * elem)
-    else:
-        costs.notes.append(f"algorithm {s.algorithm}: bytes not predicted")
-    return costs
+def replicated_memory(numels: list[int], optimizer: str, elem: int = FP32) -> dict[str, int]:
+    """A rank that holds parameter tensors of `numels` elements whole, with their gradients
+    (DDP's are views into its buckets: the same bytes) and the optimizer's state."""
+    total = sum(numels) * elem
+    return {
+        "params": total,
+        "master_weights": 0,
+        "grads": total,
+        "optimizer": optimizer_bytes(numels, optimizer, elem),
+    }
+
+
+def bucket_sizes(numels: list[int], elem: int, bucket_mb: float) -> list[int]:
+    """`grad_buckets.assign_buckets` on element counts, in the order given: a bucket closes
+    when the next tensor would take it past bucket_mb."""
+    limit, buckets, size = int(bucket_mb * 2**20), [], 0
+    for n in numels:
+        if size and (size + n) * elem > limit:
+            buckets.append(size)
+            size = 0
+        size += n
+    return [*buckets, size] if size else buckets
+
+
+def _numels(params) -> list[int]:
+    return [p.numel() for p in params]
 
 
 def _replica_activations(job: Job, dtype: torch.dtype | None = None) -> int | None:
     """Data parallel: one forward of this rank's share of the global batch."""
     traced = job.activations(job.global_batch // job.world_size, dtype)
     return None if traced is None else traced[0]
+
+
+# ---- data parallel -----------------------------------------------------------------------------
+def ddp_costs(job: Job, s: StrategySection) -> Costs:
+    numels = _numels(job.params())
+    costs = Costs(memory=replicated_memory(numels, job.optimizer))
+    costs.activations = _replica_activations(job)
+    n, elem = job.world_size, FP32
+    buckets = bucket_sizes(numels[::-1], elem, s.bucket_mb)  # reverse registration order
+    if s.compression is not None:
+        shapes = [p.shape for p in job.params()][::-1]
+        codec_bytes(costs, s.compression, buckets, shapes, n)
+    elif s.algorithm == "native":
+        for numel in buckets:
+            costs.add_comm("all_reduce", native_volume("all_reduce", numel * elem, n))
+    elif s.algorithm == "ring":
+        for numel in buckets:
+            costs.add_comm("ring_all_reduce", ring_bytes(numel, n, job.rank) * elem)
+    else:  # hierarchical: reduce to each group's leader, all-reduce among leaders, broadcast
+        group = s.group_size or n
+        leaders = -(-n // group)
+        for numel in buckets:
+            if job.rank % group == 0:
+                costs.add_comm("all_reduce", native_volume("all_reduce", numel * elem, leaders))
+                members = min(group, n - job.rank)
+                costs.add_comm("broadcast", native_volume("broadcast", numel * elem, members, True))
+            else:
+                costs.add_comm("reduce", numel * elem)
+    return costs
 
 
 def ring_bytes(numel: int, n: int, rank: int) -> int:
@@ -158,6 +191,62 @@ def ring_bytes(numel: int, n: int, rank: int) -> int:
     return 2 * numel - chunks[(rank + 1) % n] - chunks[(rank + 2) % n]
 
 
+def codec_bytes(costs: Costs, spec: str, buckets: list[int], shapes: list, n: int) -> None:
+    """Bytes of DDP's gradient codecs (`comm.compression`), per bucket of `numel` elements:
+    casts all-reduce half the bytes; int8, top-k, random-k and sign all-gather their payload
+    (values and a scale, or indices and values, or packed signs and a scale) from every rank;
+    PowerSGD all-reduces the uncompressed tensors with the P factors, then the Q factors."""
+    name, _, arg = spec.partition(":")
+    if n == 1:
+        return
+    offset = 0
+    for numel in buckets:
+        mine = _take(shapes, offset, numel)
+        offset += len(mine)
+        if name in ("fp16", "bf16"):
+            costs.add_comm("all_reduce", native_volume("all_reduce", 2 * numel, n))
+        elif name == "int8":
+            costs.add_comm("all_gather", (n - 1) * (numel + FP32))
+        elif name in ("topk", "randomk"):
+            k = max(1, int(numel * (float(arg) if arg else 0.01)))
+            costs.add_comm("all_gather", (n - 1) * 8 * k)  # int32 indices and fp32 values
+        elif name == "sign":
+            costs.add_comm("all_gather", (n - 1) * (FP32 * -(-numel // 32) + FP32))
+        else:
+            rank_spec, _, start = arg.partition(":")
+            if start and int(start) > 0:
+                costs.notes.append("powersgd start_iter: its first plain all-reduces not counted")
+            first, second = powersgd_elements(mine, int(rank_spec) if rank_spec else 4)
+            for elements in (first, second):
+                if elements:
+                    costs.add_comm("all_reduce", native_volume("all_reduce", FP32 * elements, n))
+
+
+def _take(shapes: list, offset: int, numel: int) -> list:
+    """The shapes from `offset` on that fill a bucket of `numel` elements."""
+    taken, total = [], 0
+    for shape in shapes[offset:]:
+        if total >= numel:
+            break
+        taken.append(shape)
+        total += math.prod(shape)
+    return taken
+
+
+def powersgd_elements(shapes: list, rank: int, min_rate: float = 2.0) -> tuple[int, int]:
+    """Elements of PowerSGD's two all-reduces for a bucket of tensors of `shapes`: the tensors
+    left uncompressed plus every P (rows x r), then every Q (columns x r)."""
+    first = second = 0
+    for shape in shapes:
+        rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (0, 0)
+        r = min(rows, cols, rank)
+        if len(shape) >= 2 and (rows + cols) * r * min_rate < rows * cols:
+            first, second = first + rows * r, second + cols * r
+        else:
+            first += math.prod(shape)
+    return first, second
+
+
 def zero_costs(job: Job, s: StrategySection) -> Costs:
     n, params = job.world_size, job.params()
     if s.stage == 3:
@@ -165,10 +254,11 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
         covered = {id(p) for unit in units for p in unit}
         rest = [p for p in params if id(p) not in covered]
         units = [rest, *units] if rest else units
+        unit_numels = [sum(_numels(unit)) for unit in units]
     else:
-        units = assign_buckets(params, int(s.bucket_mb * 2**20))
-    shards = [-(-sum(p.numel() for p in unit) // n) for unit in units]  # S per unit
-    compute = HALF.get(s.mixed_precision, params[0].element_size())
+        unit_numels = bucket_sizes(_numels(params), FP32, s.bucket_mb)
+    shards = [-(-u // n) for u in unit_numels]  # S per unit
+    compute = HALF.get(s.mixed_precision, FP32)
     fp32_masters = s.mixed_precision is not None or s.offload is not None
     full = sum(S * n for S in shards) * compute  # every unit's padded compute buffer
     shard = sum(shards) * FP32
@@ -195,21 +285,211 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
     return costs
 
 
-def local_sgd_costs(job: Job, s: StrategySection) -> Costs:
-    params = job.params()
-    total = sum(nbytes(p) for p in params)
-    costs = Costs(
-        memory={
-            "params": total,
-            "master_weights": 0,
-            "grads": total,
-            "optimizer": optimizer_bytes([p.numel() for p in params], job.optimizer),
-        }
-    )
+# ---- relaxed synchronisation -------------------------------------------------------------------
+def _relaxed(job: Job) -> tuple[Costs, int]:
+    """Memory as one process; the bytes of one all-reduce of every parameter."""
+    numels = _numels(job.params())
+    costs = Costs(memory=replicated_memory(numels, job.optimizer))
     costs.activations = _replica_activations(job)
-    # One all-reduce of every parameter each `period` steps: per step, its share.
-    volume = native_volume("all_reduce", total, job.world_size)
-    costs.add_comm("all_reduce", volume / s.period)
+    return costs, native_volume("all_reduce", sum(numels) * FP32, job.world_size)
+
+
+def local_sgd_costs(job: Job, s: StrategySection) -> Costs:
+    costs, average = _relaxed(job)
+    costs.add_comm("all_reduce", average / s.period)  # one average every `period` steps
+    if s.warmup_steps:
+        costs.notes.append("warm-up steps all-reduce gradients every step: not in the average")
+    return costs
+
+
+def gossip_costs(job: Job, s: StrategySection) -> Costs:
+    costs, average = _relaxed(job)
+    peers = neighbours(s.topology, job.rank, job.world_size)
+    exchange = len(peers) * sum(_numels(job.params())) * FP32  # its parameters to each peer
+    if s.global_every:
+        k = s.global_every
+        costs.add_comm("gossip", exchange * (k - 1) / k)
+        costs.add_comm("all_reduce", average / k)
+    else:
+        costs.add_comm("gossip", exchange)
+    return costs
+
+
+def adaptive_costs(job: Job, s: StrategySection) -> Costs:
+    costs, _ = _relaxed(job)
+    costs.add_comm("all_reduce", native_volume("all_reduce", FP32, job.world_size))
+    costs.notes.append("adaptive: averages when the replicas drift; those are data-dependent")
+    return costs
+
+
+# ---- model parallel ----------------------------------------------------------------------------
+def tp_shard_numels(model: nn.Module, parts: int, rank: int) -> list[int]:
+    """Elements of each parameter tensor rank `rank` holds under the model's TP_PLAN, in
+    registration order: column-parallel layers split their output features (each of `chunks`
+    parts separately), row-parallel ones their input features (bias whole), vocabulary layers
+    their rows; everything else is replicated."""
+    plan = getattr(model, "TP_PLAN", {})
+    modules = dict(model.named_modules())
+    style_of: dict[str, str] = {}
+    for pattern, style in plan.items():
+        for name in modules:
+            if fnmatch.fnmatchcase(name, pattern):
+                style_of[name] = style
+    out = []
+    for full_name, p in model.named_parameters():
+        module_name, _, kind = full_name.rpartition(".")
+        style, _, chunks = style_of.get(module_name, "").partition(":")
+        rows, rest = p.shape[0], p.numel() // max(p.shape[0], 1)
+        if style == "colwise":
+            c = int(chunks or 1)
+            out.append(sum(_part(rows // c, parts, rank) for _ in range(c)) * rest)
+        elif style == "rowwise" and kind == "weight":
+            out.append(rows * _part(p.shape[1], parts, rank))
+        elif style in ("vocab_embedding", "vocab_head"):
+            out.append(_part(rows, parts, rank) * rest)
+        else:
+            out.append(p.numel())
+    return out
+
+
+def _part(size: int, parts: int, rank: int) -> int:
+    start, end = split_bounds(size, parts)[rank]
+    return end - start
+
+
+def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> int:
+    """All-reduce bytes per step of tensor parallel over `tokens` rows of activations: forward
+    after each row-parallel layer and the vocabulary embedding, backward before each
+    column-parallel layer and the head, and three floats per token in the vocabulary-parallel
+    loss (max, sum of exponentials, target logit)."""
+    plan = getattr(model, "TP_PLAN", {})
+    total = 0
+    for name, module in model.named_modules():
+        style = next((st for pat, st in plan.items() if fnmatch.fnmatchcase(name, pat)), "")
+        style = style.partition(":")[0]
+        if style == "rowwise":
+            width = module.out_features
+        elif style in ("colwise", "vocab_head"):
+            width = module.in_features
+        elif style == "vocab_embedding":
+            width = module.embedding_dim
+        else:
+            continue
+        total += native_volume("all_reduce", tokens * width * elem, parts)
+        if style == "vocab_head":
+            total += 3 * native_volume("all_reduce", tokens * elem, parts)
+    return total
+
+
+def tp_costs(
+    job: Job,
+    s: StrategySection,
+    parts: int | None = None,
+    rank: int | None = None,
+    samples: int | None = None,
+) -> Costs:
+    parts = parts or job.world_size
+    rank = job.rank if rank is None else rank
+    numels = tp_shard_numels(job.model, parts, rank)
+    costs = Costs(memory=replicated_memory(numels, job.optimizer))
+    if not s.loss_parallel:
+        costs.notes.append("tp without loss_parallel: the logits' gather is not counted")
+    tokens = _tokens(job, job.global_batch if samples is None else samples)
+    if tokens is not None:
+        costs.add_comm("all_reduce", tp_bytes(job.model, parts, tokens))
+    costs.notes.append("tensor parallel: activations not predicted")
+    return costs
+
+
+def _tokens(job: Job, samples: int) -> int | None:
+    """Rows of activations a batch of `samples` makes (tokens for a sequence model)."""
+    if job.batch is None:
+        return None
+    with FakeTensorMode():
+        x, _ = job.batch(samples)
+    return x.numel() if not x.is_floating_point() else samples
+
+
+def pipeline_stages(job: Job, stages: int, split: list[int] | None) -> tuple[list, list[int]]:
+    """The model's pipeline layers and the start layer of each stage (balanced by parameters,
+    as `Pipeline.stage_starts` does, unless `split` gives them)."""
+    layers = pipeline_layers(job.model)
+    if split:
+        return layers, [0, *split]
+    weights = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+    return layers, balanced_split(weights, stages)
+
+
+def pp_costs(
+    job: Job,
+    s: StrategySection,
+    stages: int | None = None,
+    stage: int | None = None,
+    samples: int | None = None,
+) -> Costs:
+    stages = stages or s.stages or job.world_size
+    stage = job.rank if stage is None else stage
+    samples = job.global_batch if samples is None else samples
+    m = s.microbatches
+    layers, starts = pipeline_stages(job, stages, getattr(s, "split", None))
+    bounds = [*starts, len(layers)]
+    mine = layers[bounds[stage] : bounds[stage + 1]]
+    numels = [p.numel() for layer in mine for p in layer.parameters() if p.requires_grad]
+    costs = Costs(memory=replicated_memory(numels, job.optimizer))
+    traced = job.activations(samples // m, layers=layers)
+    if traced is not None:
+        _, per_layer = traced
+        per_micro = sum(per_layer[bounds[stage] : bounds[stage + 1]])
+        in_flight = m if s.schedule == "gpipe" else min(m, stages - stage)
+        costs.activations = per_micro * in_flight
+        # Per micro-batch: its activations forward to the next stage, the gradient of its
+        # input back to the previous one; per step, a header (8 int64) and the loss (fp32)
+        # from the last stage back.
+        boundary = _boundary_bytes(job, layers, bounds, samples // m)
+        if stage < stages - 1:
+            costs.add_comm("send", 64 + m * boundary[stage])
+        if stage > 0:
+            costs.add_comm("send", m * boundary[stage - 1] + FP32)
+    return costs
+
+
+def _boundary_bytes(job: Job, layers: list, bounds: list[int], samples: int) -> list[int]:
+    """Bytes of the activation each stage hands the next, for one micro-batch."""
+    sizes = []
+    with FakeTensorMode():
+        x, _ = job.batch(samples)
+        states = [_fake_state(layer, None) for layer in layers]
+        with torch.no_grad():
+            for i, layer in enumerate(layers):
+                x = functional_call(layer, states[i], (x,))
+                if i + 1 in bounds[1:-1]:
+                    sizes.append(x.numel() * x.element_size())
+    return sizes
+
+
+def mesh_costs(job: Job, s: StrategySection) -> Costs:
+    tp, pp = s.tp, s.pp
+    dp = s.dp or job.world_size // (tp * pp)
+    where = coordinates(job.rank, {"dp": dp, "tp": tp, "pp": pp})
+    samples = job.global_batch // dp
+    if tp > 1:
+        costs = tp_costs(job, s, tp, where["tp"], samples)
+    elif pp > 1:
+        costs = pp_costs(job, s, pp, where["pp"], samples)
+    else:
+        costs = ddp_costs(replace(job, world_size=dp, global_batch=job.global_batch), DDPConfig())
+    if s.data != "ddp":
+        costs.notes.append(f"mesh data axis {s.data}: only DDP's bytes and memory predicted")
+    if dp > 1 and (tp > 1 or pp > 1):  # the data axis all-reduces each model piece's gradients
+        if tp > 1:
+            numels = tp_shard_numels(job.model, tp, where["tp"])
+        else:
+            layers, starts = pipeline_stages(job, pp, None)
+            bounds = [*starts, len(layers)]
+            mine = layers[bounds[where["pp"]] : bounds[where["pp"] + 1]]
+            numels = [p.numel() for layer in mine for p in layer.parameters()]
+        for numel in bucket_sizes(numels[::-1], FP32, DDPConfig().bucket_mb):
+            costs.add_comm("all_reduce", native_volume("all_reduce", numel * FP32, dp))
     return costs
 
 
@@ -217,6 +497,11 @@ PREDICTORS: dict[str, Callable[[Job, StrategySection], Costs]] = {
     "ddp": ddp_costs,
     "zero": zero_costs,
     "local_sgd": local_sgd_costs,
+    "gossip": gossip_costs,
+    "adaptive": adaptive_costs,
+    "tp": tp_costs,
+    "pp": pp_costs,
+    "mesh": mesh_costs,
 }
 
 
