@@ -1,4 +1,6 @@
-"""The planner's model-state accounting against the ZeRO paper's Figure 1."""
+"""The planner: model states against the ZeRO paper's Figure 1; the search over strategies
+for a 70B and a 1T transformer (in under a second, feasible, ranked; formulas that trade as
+they should); the command line."""
 
 from __future__ import annotations
 
@@ -6,9 +8,11 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
+from shardwise.plan_search import PRESETS, Cluster, Plan, price, search
 from shardwise.planner import model_states
 
 FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
@@ -44,3 +48,69 @@ def test_bad_plan_input_is_one_line():
     assert done.stderr.strip().splitlines() == [
         "shardwise: plan: need params > 0 and devices >= 1, got 1000000000.0 and 0"
     ]
+
+
+def test_seventy_billion_on_1024_devices_answers_in_under_a_second_and_fits():
+    spec, cluster = PRESETS["70b"], Cluster(devices=1024, memory_gb=80, network_gbit=400)
+    started = time.perf_counter()
+    fits, rejected = search(spec, cluster)
+    assert time.perf_counter() - started < 1.0
+    assert 69e9 < spec.params() < 71e9
+    best = fits[0]
+    assert best.dp * best.tp * best.pp == 1024 and best.memory["total"] <= 80e9
+    # Feasible by its own parts: the categories add up, and plain data parallel cannot fit.
+    parts = ("params", "grads", "optimizer", "activations", "gathered")
+    assert sum(best.memory[k] for k in parts) == pytest.approx(best.memory["total"])
+    plain = next(p for p in rejected if (p.tp, p.pp, p.zero, p.checkpointing) == (1, 1, 0, False))
+    assert plain.memory["params"] == pytest.approx(2 * spec.params(), rel=0.01)
+    assert "needs" in plain.reason and "of 80 GB" in plain.reason
+    assert all(p.step_time_s >= best.step_time_s for p in fits)
+
+
+def test_a_trillion_parameters_on_10000_devices_in_under_a_second():
+    started = time.perf_counter()
+    fits, _ = search(PRESETS["1t"], Cluster(devices=10_000))
+    assert time.perf_counter() - started < 1.0
+    assert fits and fits[0].memory["total"] <= 80e9
+
+
+def test_checkpointing_zero_and_micro_batches_trade_memory_as_the_formulas_say():
+    spec, cluster = PRESETS["70b"], Cluster(devices=1024)
+    base = Plan(
+        dp=256,
+        tp=4,
+        pp=1,
+        zero=1,
+        micro_batch=4,
+        microbatches=1,
+        checkpointing=False,
+        offload=False,
+    )
+    plain = price(base, spec, cluster)
+    ckpt = price(replace(base, checkpointing=True), spec, cluster)
+    zero3 = price(replace(base, zero=3), spec, cluster)
+    assert ckpt.memory["activations"] < plain.memory["activations"] / 5
+    assert ckpt.time["compute"] == pytest.approx(plain.time["compute"] * 4 / 3)
+    assert zero3.memory["params"] == pytest.approx(plain.memory["params"] / 256)
+    assert zero3.comm_bytes["data"] == pytest.approx(1.5 * plain.comm_bytes["data"])
+
+
+def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "layers: 80\nhidden: 8192\nheads: 64\nseq: 4096\nvocab: 32000\nbatch: 1024\n"
+        "ffn: 36864\ndevices: 1024\nmemory_gb: 80\nnetwork_gbit: 400\n"
+    )
+    argv = [sys.executable, "-m", "shardwise", "plan", "--spec", str(spec), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    plans = json.loads(done.stdout)
+    fitting = [p for p in plans if p["fits"]]
+    assert fitting[0]["strategy"] == search(PRESETS["70b"], Cluster(devices=1024))[0][0].strategy
+    assert {"strategy", "dp", "tp", "pp", "memory", "comm_bytes", "step_time_s"} <= set(plans[0])
+    assert [p["step_time_s"] for p in fitting] == sorted(p["step_time_s"] for p in fitting)
+    assert all(p["reason"] for p in plans if not p["fits"])
+    spec.write_text("layers: 80\nwidth: 3\n")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "unknown keys ['width']" in done.stderr

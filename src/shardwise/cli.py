@@ -14,6 +14,7 @@
     shardwise bench all [--quick]                                 # every strategy, one report
     shardwise report RUN_DIR [RUN_DIR ...] [-o report.html]       # one page comparing runs
     shardwise plan --params 7.5e9 --devices 64 [--json]           # model states per device
+    shardwise plan --preset 70b --devices 1024 [--json]           # every strategy, ranked
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
@@ -208,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=cmd_config)
 
     plan = sub.add_parser(
-        "plan", help="model-state memory per device for DP and ZeRO 1-3 (--params --devices)"
+        "plan",
+        help="every strategy for a transformer on a cluster, priced and ranked (--params: "
+        "ZeRO's model states)",
     )
     planner.add_arguments(plan)
     plan.set_defaults(func=cmd_plan)

@@ -84,8 +84,8 @@ class ActivationMeter:
     Inside `with meter:`, every tensor autograd saves for backward is wrapped; the wrapper counts
     its storage while alive (once per storage, however often it is saved) and uncounts it when
     the graph that holds it is freed, after that micro-batch's backward. Parameters and views of
-    them are weights, not activations, and are not counted. It measures any schedule the same way, ours or torch's,
-    on any device.
+    them are weights, not activations, and are not counted. It measures any schedule the same
+    way, ours or torch's, on any device.
     """
 
     def __init__(self) -> None:

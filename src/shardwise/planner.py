@@ -19,7 +19,8 @@ gradients for DP and stages 1-2 (all-reduce, or reduce-scatter + all-gather), 3 
 (parameters gathered for forward and backward, gradients reduce-scattered).
 
 `shardwise plan --params 7.5e9 --devices 64 --precision mixed [--json]` prints the four plans.
-Activations, tensor and pipeline parallel, and step time are the rest of #16, not here.
+`shardwise plan --preset 70b --devices 1024` (or --layers --hidden ... or --spec FILE) prices
+every strategy for a transformer on a cluster (`plan_search`) and ranks them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from shardwise.plan_search import PRESETS, Cluster, TransformerSpec, search
 
 PRECISIONS = {  # name -> (bytes per parameter, per gradient, K: optimizer state per parameter)
     "mixed": (2, 2, 12),
@@ -70,19 +77,115 @@ def plans(params: float, devices: int, precision: str = "mixed") -> list[Plan]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7.5e9")
-    parser.add_argument("--devices", type=int, required=True, help="data-parallel devices")
-    parser.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS))
+    model = parser.add_argument_group("model (model states only: --params)")
+    model.add_argument("--params", type=float, help="model parameters, e.g. 7.5e9")
+    model.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS))
+    spec = parser.add_argument_group("transformer (every strategy, priced and ranked)")
+    spec.add_argument("--preset", choices=sorted(PRESETS), help="a transformer spec by name")
+    spec.add_argument("--spec", help="YAML file: a mapping of the flags below (model and cluster)")
+    for name in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn"):
+        spec.add_argument(f"--{name}", type=int, help=SPEC_HELP[name])
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--devices", type=int, help="devices (data-parallel ones for --params)")
+    cluster.add_argument("--memory-gb", type=float, help="memory per device (default 80)")
+    cluster.add_argument("--network-gbit", type=float, help="per device across nodes (400)")
+    cluster.add_argument("--tflops", type=float, help="sustained bf16 TFLOP/s per device (400)")
+    cluster.add_argument("--devices-per-node", type=int, help="devices sharing NVLink (8)")
+    parser.add_argument("--top", type=int, default=10, help="plans shown in the table")
+    parser.add_argument("--runnable", action="store_true", help="only plans shardwise runs")
     parser.add_argument("--json", action="store_true", help="one JSON list of plans")
 
 
+SPEC_HELP = {
+    "layers": "transformer blocks",
+    "hidden": "hidden size",
+    "heads": "attention heads",
+    "seq": "sequence length",
+    "vocab": "vocabulary size",
+    "batch": "sequences per optimizer step (global batch)",
+    "ffn": "MLP hidden units (default 4 x hidden)",
+}
+CLUSTER_FLAGS = ("devices", "memory_gb", "network_gbit", "tflops", "devices_per_node")
+
+
 def run(args: argparse.Namespace) -> int:
-    """`shardwise plan`: the four plans as a table, or as JSON."""
+    """`shardwise plan`: model states of DP and ZeRO 1-3 (--params), or every strategy for a
+    transformer on a cluster, ranked (--preset / --spec / --layers ...)."""
     try:
-        found = plans(args.params, args.devices, args.precision)
-    except ValueError as e:
-        print(f"shardwise: plan: {e}", file=sys.stderr)
+        if args.params is not None:
+            return _model_states(args)
+        spec, cluster = _spec_and_cluster(args)
+    except (ValueError, OSError, yaml.YAMLError) as e:
+        print(f"shardwise: plan: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    started = time.perf_counter()
+    fits, rejected = search(spec, cluster)
+    if args.runnable:
+        fits = [p for p in fits if not p.unsupported]
+        rejected = [p for p in rejected if not p.unsupported]
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(json.dumps([p.as_dict() for p in fits + rejected]))
+        return 0
+    _print_plans(spec, cluster, fits, rejected, elapsed, args.top)
+    return 0 if fits else 1
+
+
+def _spec_and_cluster(args: argparse.Namespace) -> tuple[TransformerSpec, Cluster]:
+    values: dict = {}
+    if args.preset:
+        values.update(asdict(PRESETS[args.preset]))
+    if args.spec:
+        loaded = yaml.safe_load(Path(args.spec).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.spec} must hold a mapping of plan flags")
+        known = set(SPEC_HELP) | set(CLUSTER_FLAGS)
+        unknown = sorted(set(loaded) - known)
+        if unknown:
+            raise ValueError(f"{args.spec}: unknown keys {unknown} (known: {sorted(known)})")
+        values.update(loaded)
+    for name in (*SPEC_HELP, *CLUSTER_FLAGS):
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    missing = [n for n in (*SPEC_HELP, "devices") if n != "ffn" and values.get(n) is None]
+    if missing:
+        raise ValueError(
+            "need --params (model states), or a transformer and devices: missing "
+            + ", ".join(f"--{n}" for n in missing)
+        )
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    spec = TransformerSpec(**{k: values[k] for k in SPEC_HELP if values.get(k) is not None})
+    cluster = Cluster(**{k: values[k] for k in CLUSTER_FLAGS if values.get(k) is not None})
+    return spec, cluster
+
+
+def _print_plans(spec, cluster, fits, rejected, elapsed: float, top: int) -> None:
+    print(
+        f"{spec.params() / 1e9:.1f}B-parameter transformer (L={spec.layers}, h={spec.hidden}, "
+        f"s={spec.seq}, batch {spec.batch}) on {cluster.devices} devices of "
+        f"{cluster.memory_gb:g} GB, {cluster.network_gbit:g} Gbit/s, {cluster.tflops:g} TFLOP/s: "
+        f"{len(fits)} plans fit, {len(rejected)} do not ({1000 * elapsed:.0f} ms)"
+    )
+    header = f"{'#':>3} {'strategy':40s} {'step s':>8} {'mem GB':>7} {'act GB':>7} {'comm GB':>8}"
+    print(header + "  shardwise")
+    for i, plan in enumerate(fits[:top], 1):
+        comm = sum(plan.comm_bytes.values()) / 1e9
+        print(
+            f"{i:>3} {plan.strategy:40s} {plan.step_time_s:8.3f} "
+            f"{plan.memory['total'] / 1e9:7.1f} {plan.memory['activations'] / 1e9:7.1f} "
+            f"{comm:8.2f}  {'yes' if not plan.unsupported else 'no: ' + plan.unsupported}"
+        )
+    if rejected:
+        closest = min(rejected, key=lambda p: p.memory["total"])
+        print(f"rejected, e.g. the closest to fitting: {closest.strategy}: {closest.reason}")
+
+
+def _model_states(args: argparse.Namespace) -> int:
+    if args.devices is None:
+        raise ValueError("--params needs --devices")
+    found = plans(args.params, args.devices, args.precision)
     if args.json:
         print(json.dumps([asdict(plan) for plan in found]))
         return 0

@@ -1,0 +1,279 @@
+"""Which strategy, on how many devices, and will it fit: every combination of data, tensor and
+pipeline parallel sizes, ZeRO stage, micro-batch size, activation checkpointing and optimizer
+offload for a transformer on a cluster, each priced in memory per device, bytes per step and
+step time by closed formulas, ranked by step time, with the reason each rejected one fails.
+
+The formulas, per device (Ψ: the parameters one tensor x pipeline rank holds; mixed precision:
+bf16 parameters and gradients, K = 12 bytes of fp32 master weights and Adam moments):
+
+    model states    2Ψ + 2Ψ + 12Ψ, divided by dp for what ZeRO shards (stage 1: optimizer
+                    state; 2: + gradients; 3: + parameters) (Rajbhandari et al., 2020);
+                    offload moves the optimizer state and masters to host memory
+    activations     per layer and micro-batch, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes under
+                    tensor parallel t (Korthikanti et al., 2022, without sequence parallel);
+                    with checkpointing, 2·s·b·h per layer plus one layer's full set; a pipeline's
+                    first stage holds min(pp, m) micro-batches of its L/pp layers (1F1B)
+    compute         2·Ψ_total FLOPs per token forward, twice that backward (and once more
+                    forward under checkpointing), plus attention's 4·s·h per token per layer
+                    forward, at the device's sustained rate; a pipeline adds its bubble,
+                    (pp - 1) / m of the compute
+    communication   tensor parallel: 4 all-reduces of s·b·h bf16 per layer and micro-batch
+                    (2 more with recompute), exposed; pipeline: one activation forward and one
+                    gradient backward per micro-batch and stage boundary; data parallel: an
+                    all-reduce (ZeRO-1/2: reduce-scatter + all-gather) of the gradients, 1.5x
+                    that for ZeRO-3, overlapped with the last micro-batch's backward; every
+                    collective costs volume / bandwidth + latency, over NVLink inside a node and
+                    the network across nodes
+    offload         gradients out and parameters back over PCIe, and Adam on the host (~1 ns
+                    per parameter per core ... priced at `host_adam_s_per_param`)
+
+It prices about a thousand plans per millisecond-ish loop in pure Python: 10,000 devices and a
+1T-parameter model answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """A GPT-style decoder: learned positions, separate embedding and head, a GELU MLP of `ffn`
+    hidden units (default 4 x hidden)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    batch: int  # sequences per optimizer step (the global batch)
+    ffn: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+
+    @property
+    def mlp(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    def layer_params(self) -> int:
+        h = self.hidden
+        return 4 * h * h + 4 * h + 2 * h * self.mlp + self.mlp + h + 4 * h  # attn, MLP, 2 norms
+
+    def params(self) -> int:
+        h = self.hidden
+        return self.layers * self.layer_params() + 2 * self.vocab * h + self.seq * h + 2 * h
+
+
+PRESETS = {
+    "70b": TransformerSpec(
+        layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, batch=1024, ffn=36864
+    ),
+    "1t": TransformerSpec(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200, batch=4096),
+    "tiny_gpt": TransformerSpec(layers=4, hidden=256, heads=4, seq=128, vocab=65, batch=32),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    devices: int
+    memory_gb: float = 80.0
+    network_gbit: float = 400.0  # per device, across nodes
+    tflops: float = 400.0  # sustained bf16 rate per device (an H100 SXM peaks at 989 dense)
+    devices_per_node: int = 8
+    nvlink_gbyte: float = 450.0  # per device, inside a node
+    latency_s: float = 10e-6  # per collective call
+    pcie_gbyte: float = 25.0  # host <-> device, for offload
+    host_adam_s_per_param: float = 1e-9
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"devices must be >= 1, got {self.devices}")
+        for name in ("memory_gb", "network_gbit", "tflops", "nvlink_gbyte", "pcie_gbyte"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def bandwidth(self, group: int, stride: int = 1) -> float:
+        """Bytes/s of a group of `group` devices whose members are `stride` devices apart."""
+        inside = group * stride <= self.devices_per_node
+        return self.nvlink_gbyte * GB if inside else self.network_gbit / 8 * GB
+
+
+@dataclass
+class Plan:
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    micro_batch: int
+    microbatches: int
+    checkpointing: bool
+    offload: bool
+    memory: dict[str, float] = field(default_factory=dict)  # bytes per device by category
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # per device per step
+    time: dict[str, float] = field(default_factory=dict)  # seconds per step by part
+    step_time_s: float = 0.0
+    fits: bool = True
+    reason: str = ""  # why it does not fit
+    unsupported: str = ""  # why shardwise cannot run it (yet), where it cannot
+
+    @property
+    def strategy(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        parts.append(f"mb{self.micro_batch}x{self.microbatches}")
+        if self.checkpointing:
+            parts.append("ckpt")
+        if self.offload:
+            parts.append("offload")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["strategy"] = self.strategy
+        return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec: TransformerSpec, cluster: Cluster) -> list[Plan]:
+    """Every combination the devices, heads, layers and batch allow."""
+    plans = []
+    n = cluster.devices
+    for tp, pp in itertools.product(_divisors(n), _divisors(n)):
+        if n % (tp * pp) or spec.heads % tp or spec.layers < pp or tp > 64:
+            continue
+        dp = n // (tp * pp)
+        if spec.batch % dp:
+            continue
+        per_replica = spec.batch // dp
+        for b in (1, 2, 4, 8, 16, 32):
+            if per_replica % b:
+                continue
+            # ZeRO-2/3 reduce every micro-batch's gradients and do not split by stages.
+            zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
+            for zero, ckpt, offload in itertools.product(zeros, (False, True), (False, True)):
+                if offload and zero == 0:
+                    continue  # offload moves ZeRO's optimizer shards to the host
+                plans.append(Plan(dp, tp, pp, zero, b, per_replica // b, ckpt, offload))
+    return plans
+
+
+def price(plan: Plan, spec: TransformerSpec, cluster: Cluster) -> Plan:
+    """Fill in the plan's memory, bytes and step time, and whether it fits."""
+    h, s, a, L = spec.hidden, spec.seq, spec.heads, spec.layers
+    dp, tp, pp, b, m = plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.microbatches
+    layers = -(-L // pp)  # the heaviest stage's layers
+    # Parameters of the heaviest stage: its layers and one end's embedding (or head).
+    psi = (layers * spec.layer_params() + spec.vocab * h + spec.seq * h) / tp
+    shard = dp if dp > 1 else 1
+    params = 2 * psi / (shard if plan.zero >= 3 else 1)
+    grads = 2 * psi / (shard if plan.zero >= 2 else 1)
+    optimizer = 12 * psi / (shard if plan.zero >= 1 else 1)
+    host = optimizer if plan.offload else 0.0
+    if plan.offload:
+        optimizer = 0.0
+    full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    in_flight = min(pp, m)
+    if plan.checkpointing:
+        activations = layers * in_flight * 2 * s * b * h + full_layer
+    else:
+        activations = layers * in_flight * full_layer
+    logits = 4 * s * b * spec.vocab / tp  # fp32 logits for the loss, on the last stage
+    activations += logits
+    # ZeRO-3 gathers a layer's parameters for its use, and prefetches the next one.
+    gathered = 2 * 2 * spec.layer_params() / tp if plan.zero == 3 else 0.0
+    plan.memory = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "gathered": gathered,
+        "total": params + grads + optimizer + activations + gathered,
+        "host": host,
+    }
+
+    # Compute: forward 2 FLOPs per parameter per token plus attention; backward twice that.
+    tokens = spec.batch * s / dp
+    forward = tokens * (2 * spec.params() + 4 * s * h * L) / (tp * pp)
+    passes = 4 if plan.checkpointing else 3
+    compute = passes * forward / (cluster.tflops * 1e12)
+    bubble = compute * (pp - 1) / m
+    # Tensor parallel: 4 all-reduces per layer per micro-batch (6 with recompute), exposed.
+    tp_time, tp_bytes = 0.0, 0.0
+    if tp > 1:
+        calls = (6 if plan.checkpointing else 4) * layers * m
+        volume = 2 * (tp - 1) / tp * (2 * s * b * h)
+        tp_bytes = calls * volume
+        tp_time = calls * (volume / cluster.bandwidth(tp) + cluster.latency_s)
+    pp_time, pp_bytes = 0.0, 0.0
+    if pp > 1:  # one activation forward, one gradient back, per micro-batch
+        message = 2 * s * b * h / tp
+        pp_bytes = 2 * m * message
+        pp_time = 2 * m * (message / cluster.bandwidth(2, tp * dp) + cluster.latency_s)
+    dp_time, dp_bytes = 0.0, 0.0
+    if dp > 1:
+        grad_bytes = 2 * psi
+        volume = 2 * (dp - 1) / dp * grad_bytes * (1.5 if plan.zero == 3 else 1.0)
+        rounds = m if plan.zero >= 2 else 1  # ZeRO-2/3 reduce each micro-batch's gradients
+        dp_bytes = volume * rounds
+        transfer = dp_bytes / cluster.bandwidth(dp, tp) + 2 * rounds * cluster.latency_s
+        overlap = (compute / m) * (2 / 3) * rounds  # the backward it can hide under
+        dp_time = max(0.0, transfer - overlap)
+    offload_time = 0.0
+    if plan.offload:  # fp32 gradients out, bf16 parameters back, Adam on the host
+        moved = psi / (shard if plan.zero >= 1 else 1)
+        offload_time = moved * 6 / (cluster.pcie_gbyte * GB) + moved * cluster.host_adam_s_per_param
+    plan.comm_bytes = {"tensor": tp_bytes, "pipeline": pp_bytes, "data": dp_bytes}
+    plan.time = {
+        "compute": compute,
+        "bubble": bubble,
+        "tensor": tp_time,
+        "pipeline": pp_time,
+        "data": dp_time,
+        "offload": offload_time,
+    }
+    plan.step_time_s = sum(plan.time.values())
+    plan.unsupported = unsupported(plan)
+    budget = cluster.memory_gb * GB
+    if plan.memory["total"] > budget:
+        m_ = plan.memory
+        plan.fits = False
+        plan.reason = (
+            f"needs {m_['total'] / GB:.1f} GB of {cluster.memory_gb:g} GB (params "
+            f"{m_['params'] / GB:.1f}, grads {m_['grads'] / GB:.1f}, optimizer "
+            f"{m_['optimizer'] / GB:.1f}, activations {m_['activations'] / GB:.1f})"
+        )
+    return plan
+
+
+def unsupported(plan: Plan) -> str:
+    """Why shardwise cannot run `plan` yet ('' where it can): its mesh composes data parallel
+    with one of tensor and pipeline parallel, ZeRO-3 and offload on whole-world data parallel
+    only, and it trains each replica's batch at once (no gradient accumulation)."""
+    split = plan.tp > 1 or plan.pp > 1
+    if plan.tp > 1 and plan.pp > 1:
+        return "tensor x pipeline parallel is not composed on a mesh yet"
+    if split and (plan.zero == 3 or plan.offload):
+        return "ZeRO-3 and offload run on whole-world data parallel only"
+    if plan.pp == 1 and plan.microbatches > 1:
+        return "gradient accumulation over micro-batches is not in the trainer"
+    return ""
+
+
+def search(spec: TransformerSpec, cluster: Cluster) -> tuple[list[Plan], list[Plan]]:
+    """(plans that fit, fastest first; plans that do not, each with its reason)."""
+    priced = [price(plan, spec, cluster) for plan in candidates(spec, cluster)]
+    fits = sorted((p for p in priced if p.fits), key=lambda p: p.step_time_s)
+    rejected = [p for p in priced if not p.fits]
+    return fits, rejected
