@@ -15,6 +15,7 @@
     shardwise report RUN_DIR [RUN_DIR ...] [-o report.html]       # one page comparing runs
     shardwise plan --params 7.5e9 --devices 64 [--json]           # model states per device
     shardwise plan --preset 70b --devices 1024 [--json]           # every strategy, ranked
+    shardwise calibrate --nproc 4                                 # rates for the step-time model
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
@@ -31,6 +32,7 @@ import os
 import sys
 from pathlib import Path
 
+from shardwise import calibrate as calibrate_module
 from shardwise import planner
 from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
 
@@ -215,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     planner.add_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    calibrate = sub.add_parser(
+        "calibrate", help="measure compute and communication rates for the step-time model"
+    )
+    calibrate_module.add_arguments(calibrate)
+    calibrate.set_defaults(func=lambda args: calibrate_module.run(args))
 
     configs = sub.add_parser("configs", help="list the built-in configs")
     configs.set_defaults(func=cmd_configs)

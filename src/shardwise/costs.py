@@ -60,12 +60,14 @@ class Costs:
 
     memory: dict[str, int] = field(default_factory=dict)
     comm: dict[str, int] = field(default_factory=dict)  # per step, averaged over a sync period
+    calls: dict[str, float] = field(default_factory=dict)  # collective calls per step, by op
     activations: int | None = None  # peak bytes saved for backward (None: no batch given)
     notes: list[str] = field(default_factory=list)
 
-    def add_comm(self, op: str, nbytes: float) -> None:
+    def add_comm(self, op: str, nbytes: float, calls: float = 1) -> None:
         if nbytes:  # (a collective over one rank sends nothing)
             self.comm[op] = self.comm.get(op, 0) + nbytes
+            self.calls[op] = self.calls.get(op, 0) + calls
 
     def as_dict(self) -> dict:
         memory = {**self.memory, "total": sum(self.memory.values())}
@@ -73,6 +75,7 @@ class Costs:
             "memory": memory,
             "activations": self.activations,
             "comm": dict(sorted(self.comm.items())),
+            "calls": dict(sorted(self.calls.items())),
             "notes": self.notes,
         }
 
@@ -167,7 +170,7 @@ def ddp_costs(job: Job, s: StrategySection) -> Costs:
             costs.add_comm("all_reduce", native_volume("all_reduce", numel * elem, n))
     elif s.algorithm == "ring":
         for numel in buckets:
-            costs.add_comm("ring_all_reduce", ring_bytes(numel, n, job.rank) * elem)
+            costs.add_comm("ring_all_reduce", ring_bytes(numel, n, job.rank) * elem, 2 * (n - 1))
     else:  # hierarchical: reduce to each group's leader, all-reduce among leaders, broadcast
         group = s.group_size or n
         leaders = -(-n // group)
@@ -206,12 +209,12 @@ def codec_bytes(costs: Costs, spec: str, buckets: list[int], shapes: list, n: in
         if name in ("fp16", "bf16"):
             costs.add_comm("all_reduce", native_volume("all_reduce", 2 * numel, n))
         elif name == "int8":
-            costs.add_comm("all_gather", (n - 1) * (numel + FP32))
+            costs.add_comm("all_gather", (n - 1) * (numel + FP32), calls=2)
         elif name in ("topk", "randomk"):
             k = max(1, int(numel * (float(arg) if arg else 0.01)))
-            costs.add_comm("all_gather", (n - 1) * 8 * k)  # int32 indices and fp32 values
+            costs.add_comm("all_gather", (n - 1) * 8 * k, calls=2)  # int32 indices, fp32 values
         elif name == "sign":
-            costs.add_comm("all_gather", (n - 1) * (FP32 * -(-numel // 32) + FP32))
+            costs.add_comm("all_gather", (n - 1) * (FP32 * -(-numel // 32) + FP32), calls=2)
         else:
             rank_spec, _, start = arg.partition(":")
             if start and int(start) > 0:
@@ -279,7 +282,8 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
     for S in shards:
         unit_bytes = S * n * compute
         costs.add_comm("reduce_scatter", native_volume("reduce_scatter", unit_bytes, n))
-        costs.add_comm("all_gather", gathers * native_volume("all_gather", unit_bytes, n))
+        volume = native_volume("all_gather", unit_bytes, n)
+        costs.add_comm("all_gather", gathers * volume, calls=gathers)
     if s.mixed_precision == "fp16":
         costs.notes.append("fp16 loss scaling: its overflow all-reduce is not counted")
     return costs
@@ -296,7 +300,7 @@ def _relaxed(job: Job) -> tuple[Costs, int]:
 
 def local_sgd_costs(job: Job, s: StrategySection) -> Costs:
     costs, average = _relaxed(job)
-    costs.add_comm("all_reduce", average / s.period)  # one average every `period` steps
+    costs.add_comm("all_reduce", average / s.period, 1 / s.period)  # an average every period
     if s.warmup_steps:
         costs.notes.append("warm-up steps all-reduce gradients every step: not in the average")
     return costs
@@ -308,8 +312,8 @@ def gossip_costs(job: Job, s: StrategySection) -> Costs:
     exchange = len(peers) * sum(_numels(job.params())) * FP32  # its parameters to each peer
     if s.global_every:
         k = s.global_every
-        costs.add_comm("gossip", exchange * (k - 1) / k)
-        costs.add_comm("all_reduce", average / k)
+        costs.add_comm("gossip", exchange * (k - 1) / k, (k - 1) / k)
+        costs.add_comm("all_reduce", average / k, 1 / k)
     else:
         costs.add_comm("gossip", exchange)
     return costs
@@ -357,13 +361,13 @@ def _part(size: int, parts: int, rank: int) -> int:
     return end - start
 
 
-def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> int:
-    """All-reduce bytes per step of tensor parallel over `tokens` rows of activations: forward
-    after each row-parallel layer and the vocabulary embedding, backward before each
-    column-parallel layer and the head, and three floats per token in the vocabulary-parallel
-    loss (max, sum of exponentials, target logit)."""
+def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tuple[int, int]:
+    """(bytes, calls) of tensor parallel's all-reduces per step over `tokens` rows of
+    activations: forward after each row-parallel layer and the vocabulary embedding, backward
+    before each column-parallel layer and the head, and three of one float per token in the
+    vocabulary-parallel loss (max, sum of exponentials, target logit)."""
     plan = getattr(model, "TP_PLAN", {})
-    total = 0
+    total = calls = 0
     for name, module in model.named_modules():
         style = next((st for pat, st in plan.items() if fnmatch.fnmatchcase(name, pat)), "")
         style = style.partition(":")[0]
@@ -376,9 +380,11 @@ def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> int
         else:
             continue
         total += native_volume("all_reduce", tokens * width * elem, parts)
+        calls += 1
         if style == "vocab_head":
             total += 3 * native_volume("all_reduce", tokens * elem, parts)
-    return total
+            calls += 3
+    return total, calls
 
 
 def tp_costs(
@@ -396,7 +402,7 @@ def tp_costs(
         costs.notes.append("tp without loss_parallel: the logits' gather is not counted")
     tokens = _tokens(job, job.global_batch if samples is None else samples)
     if tokens is not None:
-        costs.add_comm("all_reduce", tp_bytes(job.model, parts, tokens))
+        costs.add_comm("all_reduce", *tp_bytes(job.model, parts, tokens))
     costs.notes.append("tensor parallel: activations not predicted")
     return costs
 
@@ -447,9 +453,9 @@ def pp_costs(
         # from the last stage back.
         boundary = _boundary_bytes(job, layers, bounds, samples // m)
         if stage < stages - 1:
-            costs.add_comm("send", 64 + m * boundary[stage])
+            costs.add_comm("send", 64 + m * boundary[stage], m + 1)
         if stage > 0:
-            costs.add_comm("send", m * boundary[stage - 1] + FP32)
+            costs.add_comm("send", m * boundary[stage - 1] + FP32, m + 1)
     return costs
 
 

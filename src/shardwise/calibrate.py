@@ -1,0 +1,201 @@
+"""`shardwise calibrate`: how fast this machine computes and communicates, measured once with as
+many ranks as the jobs it will predict, stored and reused by the step-time model.
+
+Every rank measures at the same time (so the rates are those of ranks sharing the machine, as
+in training), with the threads per rank training uses:
+
+    flop_rate        matrix multiplies (512 x 512 fp32), FLOP/s
+    bytes_rate       element-wise work on 4 MiB tensors, bytes read and written per second
+    op_overhead_s    one small operator call with autograd recording, seconds
+    collectives      per kind (all_reduce, all_gather, reduce_scatter, send): latency in
+                     seconds and bandwidth in bytes/s, fitted to t = latency + volume/bandwidth
+                     over payloads of 8 B to 4 MiB (volume: the bytes one rank sends, as
+                     `comm.accounting` counts them)
+
+The result lives in `$XDG_CACHE_HOME/shardwise/calibration/` (default ~/.cache), one file per
+host, world size and threads per rank, or where `--out` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SIZES = (8, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # collective payloads, bytes
+
+
+def cache_path(nproc: int, threads: int | None = None) -> Path:
+    """Where the calibration of `nproc` ranks on this host is kept."""
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "shardwise" / "calibration" / f"{socket.gethostname()}-n{nproc}-t{threads}.json"
+
+
+def load(nproc: int, path: str | Path | None = None) -> dict | None:
+    """The stored calibration for `nproc` ranks (or the file `path`), or None."""
+    file = Path(path) if path else cache_path(nproc)
+    if not file.is_file():
+        return None
+    data = json.loads(file.read_text())
+    if not isinstance(data, dict) or data.get("nproc") != nproc or "flop_rate" not in data:
+        raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
+    return data
+
+
+def _median_time(fn: Callable[[], object], reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _compute_rates() -> dict[str, float]:
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    flop_rate = 2 * 512**3 / _median_time(lambda: a @ b)
+    x = torch.randn(1024 * 1024)
+    bytes_rate = 3 * x.numel() * 4 / _median_time(lambda: x + x)
+    w = torch.randn(16, requires_grad=True)
+
+    def small_ops() -> None:
+        y = w
+        for _ in range(200):
+            y = y * 1.0001
+        y.sum().backward()
+
+    op_overhead = _median_time(small_ops) / 401  # 200 forward ops, 200 backward, the sum
+    return {"flop_rate": flop_rate, "bytes_rate": bytes_rate, "op_overhead_s": op_overhead}
+
+
+def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
+    """Least squares t = latency + volume / bandwidth over (volume, seconds) points."""
+    n = len(points)
+    mx = sum(v for v, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((v - mx) ** 2 for v, _ in points)
+    slope = sum((v - mx) * (t - my) for v, t in points) / sxx if sxx else 0.0
+    latency = max(my - slope * mx, 0.0)
+    return {"latency_s": latency, "bandwidth": 1 / slope if slope > 0 else float("inf")}
+
+
+def _collective_rates() -> dict[str, dict[str, float]]:
+    import torch.distributed as dist
+
+    from shardwise import comm
+    from shardwise.comm.accounting import native_volume
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        points = []
+        for size in SIZES:
+            numel = max(n, size // 4 // n * n)  # (n divides it)
+            full = torch.zeros(numel)
+            part = torch.zeros(numel // n)
+            run = {
+                "all_reduce": lambda full=full: comm.all_reduce(full),
+                "all_gather": lambda full=full, part=part: comm.all_gather_into_tensor(full, part),
+                "reduce_scatter": lambda full=full, part=part: comm.reduce_scatter_tensor(
+                    part, full
+                ),
+            }[op]
+            dist.barrier()
+            points.append((native_volume(op, numel * 4, n), _median_time(run, reps=9)))
+        out[op] = _fit(points)
+    points = []
+    for size in SIZES:  # ranks 0 and 1 exchange; the others wait
+        t = torch.zeros(max(1, size // 4))
+
+        def ping(t: torch.Tensor = t) -> None:
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            elif rank == 1:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+
+        dist.barrier()
+        points.append((t.numel() * 4, _median_time(ping, reps=5) / 2))
+    out["send"] = _fit(points)
+    return out
+
+
+def worker(out: str) -> None:
+    """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file."""
+    import torch.distributed as dist
+
+    import shardwise as sw
+
+    rt = sw.init(backend="gloo")
+    threads = torch.get_num_threads()
+    dist.barrier()
+    rates = _compute_rates()  # every rank at once: the machine shared as in training
+    gathered: list = [None] * rt.world_size
+    dist.all_gather_object(gathered, rates)
+    result = {
+        "host": socket.gethostname(),
+        "nproc": rt.world_size,
+        "threads_per_rank": threads,
+        "torch": torch.__version__,
+        # The slowest rank sets the pace of a synchronous step.
+        **{k: min(r[k] for r in gathered) for k in ("flop_rate", "bytes_rate")},
+        "op_overhead_s": max(r["op_overhead_s"] for r in gathered),
+    }
+    if rt.world_size > 1:
+        result["collectives"] = _collective_rates()
+    if rt.is_main:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    sw.shutdown()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to calibrate for")
+    parser.add_argument("--out", help="where to write it (default: the user's cache)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardwise.launcher import LaunchError, launch
+
+    if args.nproc < 1:
+        print(f"shardwise: calibrate: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else cache_path(args.nproc)
+    started = time.perf_counter()
+    try:
+        launch(["shardwise.calibrate", "--worker", str(out)], args.nproc)
+    except LaunchError as e:
+        print(f"shardwise: calibrate: {e}", file=sys.stderr)
+        return 1
+    result = json.loads(out.read_text())
+    print(
+        f"shardwise: calibrated {args.nproc} rank(s) in {time.perf_counter() - started:.0f} s: "
+        f"{result['flop_rate'] / 1e9:.1f} GFLOP/s, {result['bytes_rate'] / 1e9:.1f} GB/s, "
+        f"{result['op_overhead_s'] * 1e6:.1f} us per op -> {out}"
+    )
+    for op, fit in result.get("collectives", {}).items():
+        print(
+            f"  {op}: {fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bandwidth'] / 1e9:.2f} GB/s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2])
+    else:
+        parser = argparse.ArgumentParser(prog="shardwise calibrate")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))
