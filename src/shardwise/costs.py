@@ -62,6 +62,7 @@ class Costs:
     comm: dict[str, int] = field(default_factory=dict)  # per step, averaged over a sync period
     calls: dict[str, float] = field(default_factory=dict)  # collective calls per step, by op
     activations: int | None = None  # peak bytes saved for backward (None: no batch given)
+    optimizer_numels: list[int] = field(default_factory=list)  # the tensors its optimizer steps
     notes: list[str] = field(default_factory=list)
 
     def add_comm(self, op: str, nbytes: float, calls: float = 1) -> None:
@@ -158,7 +159,7 @@ def _replica_activations(job: Job, dtype: torch.dtype | None = None) -> int | No
 # ---- data parallel -----------------------------------------------------------------------------
 def ddp_costs(job: Job, s: StrategySection) -> Costs:
     numels = _numels(job.params())
-    costs = Costs(memory=replicated_memory(numels, job.optimizer))
+    costs = Costs(memory=replicated_memory(numels, job.optimizer), optimizer_numels=numels)
     costs.activations = _replica_activations(job)
     n, elem = job.world_size, FP32
     buckets = bucket_sizes(numels[::-1], elem, s.bucket_mb)  # reverse registration order
@@ -276,7 +277,7 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
     }
     if s.stage == 1 and not fp32_masters:
         memory["grads"] = full  # the reduced slice is a view of the full gradient buffer
-    costs = Costs(memory=memory)
+    costs = Costs(memory=memory, optimizer_numels=shards)
     costs.activations = _replica_activations(job, DTYPES.get(s.mixed_precision))
     gathers = 2 if s.stage == 3 else 1
     for S in shards:
@@ -293,7 +294,7 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
 def _relaxed(job: Job) -> tuple[Costs, int]:
     """Memory as one process; the bytes of one all-reduce of every parameter."""
     numels = _numels(job.params())
-    costs = Costs(memory=replicated_memory(numels, job.optimizer))
+    costs = Costs(memory=replicated_memory(numels, job.optimizer), optimizer_numels=numels)
     costs.activations = _replica_activations(job)
     return costs, native_volume("all_reduce", sum(numels) * FP32, job.world_size)
 
@@ -397,7 +398,7 @@ def tp_costs(
     parts = parts or job.world_size
     rank = job.rank if rank is None else rank
     numels = tp_shard_numels(job.model, parts, rank)
-    costs = Costs(memory=replicated_memory(numels, job.optimizer))
+    costs = Costs(memory=replicated_memory(numels, job.optimizer), optimizer_numels=numels)
     if not s.loss_parallel:
         costs.notes.append("tp without loss_parallel: the logits' gather is not counted")
     tokens = _tokens(job, job.global_batch if samples is None else samples)
@@ -441,7 +442,7 @@ def pp_costs(
     bounds = [*starts, len(layers)]
     mine = layers[bounds[stage] : bounds[stage + 1]]
     numels = [p.numel() for layer in mine for p in layer.parameters() if p.requires_grad]
-    costs = Costs(memory=replicated_memory(numels, job.optimizer))
+    costs = Costs(memory=replicated_memory(numels, job.optimizer), optimizer_numels=numels)
     traced = job.activations(samples // m, layers=layers)
     if traced is not None:
         _, per_layer = traced
@@ -527,19 +528,40 @@ def trainer_comm(world_size: int) -> dict[str, int]:
 MODEL_STATE = ("params", "master_weights", "grads", "optimizer")
 
 
-def for_run(job: Job, strategy: StrategySection) -> dict:
+def replicas(strategy: StrategySection, world_size: int) -> int:
+    """How many different batches one step of `strategy` consumes (data-parallel replicas)."""
+    if strategy.name == "tp":
+        return world_size // (strategy.size or world_size)
+    if strategy.name == "pp":
+        return world_size // (strategy.stages or world_size)
+    if strategy.name == "mesh":
+        return strategy.dp or world_size // (strategy.tp * strategy.pp)
+    return world_size
+
+
+def for_run(job: Job, strategy: StrategySection, calibration: dict | None = None) -> dict:
     """What `shardwise train` writes to RUN_DIR/prediction.json before its first step: this
-    rank's predicted model state, and bytes per step with the trainer's own collective."""
+    rank's predicted model state, activations, bytes per step with the trainer's own
+    collective, and, given a calibration of this machine, the step time by part."""
     costs = predict(job, strategy)
     out = costs.as_dict()
     if costs.comm:
         out["comm_bytes_per_step"] = sum(costs.comm.values()) + sum(
             trainer_comm(job.world_size).values()
         )
+    if calibration is not None and strategy.name in PREDICTORS and job.batch is not None:
+        from shardwise.steptime import predict_step
+
+        out["step_time_s"] = predict_step(job, strategy, calibration)
     return out
 
 
-def versus_measured(predicted: dict, memory: dict[str, int], comm_bytes_per_step: float) -> dict:
+def versus_measured(
+    predicted: dict,
+    memory: dict[str, int],
+    comm_bytes_per_step: float,
+    step_time_s: float | None = None,
+) -> dict:
     """Predicted next to measured (model state by category, bytes per step), with the relative
     error of each, for the summary and the report."""
     rows: dict[str, dict] = {}
@@ -558,6 +580,10 @@ def versus_measured(predicted: dict, memory: dict[str, int], comm_bytes_per_step
             rows[category] = _pair(want, got)
     if "comm_bytes_per_step" in predicted:
         rows["comm_bytes_per_step"] = _pair(predicted["comm_bytes_per_step"], comm_bytes_per_step)
+    if predicted.get("activations") is not None and memory.get("activations") is not None:
+        rows["activations"] = _pair(predicted["activations"], memory["activations"])
+    if "step_time_s" in predicted and step_time_s is not None:
+        rows["step_time_s"] = _pair(predicted["step_time_s"]["total"], step_time_s)
     return {"rows": rows, "notes": predicted.get("notes", [])}
 
 

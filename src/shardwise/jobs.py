@@ -31,6 +31,13 @@ class Job:
     # are weighed by their real tokens, not their rows.
     per_token: bool = False
 
+    def batch_like(self) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """Makes batches of n samples shaped as the training data's, for tracing (zeros:
+        valid token ids and class labels), inside a fake mode or out."""
+        x, y = self.splits.train[0]
+        (xs, xt), (ys, yt) = (x.shape, x.dtype), (y.shape, y.dtype)
+        return lambda n: (torch.zeros((n, *xs), dtype=xt), torch.zeros((n, *ys), dtype=yt))
+
 
 def build_splits(cfg: Config) -> datasets.Splits:
     """The dataset named by `data.dataset`, split into training and test data."""

@@ -116,10 +116,14 @@ def _memory_cell(memory: dict[str, int]) -> str:
     return " / ".join(parts)
 
 
-def _versus(summary: dict, row: str) -> str:
+def _versus(summary: dict, row: str, unit: Callable[[float], str] = human_bytes) -> str:
     pair = summary["predicted"]["rows"][row]
     error = "" if pair["error"] is None else f" ({100 * pair['error']:+.1f} %)"
-    return f"{human_bytes(pair['predicted'])} / {human_bytes(pair['measured'])}{error}"
+    return f"{unit(pair['predicted'])} / {unit(pair['measured'])}{error}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:,.1f} ms"
 
 
 # What a summary table shows, in order: (label, how to format it); a row whose keys a summary
@@ -140,6 +144,8 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("peak memory (rank 0)", lambda s: human_bytes(s["memory"]["peak"])),
     ("model state predicted / measured", lambda s: _versus(s, "model_state")),
     ("comm / step predicted / measured", lambda s: _versus(s, "comm_bytes_per_step")),
+    ("activations predicted / measured", lambda s: _versus(s, "activations")),
+    ("step time predicted / measured", lambda s: _versus(s, "step_time_s", _ms)),
     (
         "staleness (mean; histogram)",
         lambda s: f"{s['staleness_mean']:.2f}; {s['staleness_histogram']}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import comm, costs, faults, ledger, run_checkpoint
+from shardwise import calibrate, comm, costs, faults, ledger, run_checkpoint
 from shardwise.balance import ThroughputBalancer, weighted_sizes
 from shardwise.board import Board
 from shardwise.checkpoint import save_model
@@ -231,12 +232,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     comm.flight.recorder.reset()
     job = build_job(cfg)
     out = agree_run_dir(cfg, run_dir, rt)
-    # Predicted before the strategy reshapes the model (shards, splits) and before any step.
-    predicted = costs.for_run(
-        costs.Job(job.model, rt.world_size, rt.rank, cfg.optim.name), cfg.strategy
-    )
-    if rt.is_main and not resume:
-        (out / "prediction.json").write_text(json.dumps(predicted, indent=1))
+    predicted = _predict(cfg, job, rt, out) if rt.is_main and not resume else {}
     model, opt = sw.prepare(
         job.model,
         cfg.strategy.build(rt.world_size, out),
@@ -287,6 +283,30 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
             ledger.truncate(out, run.start_step)  # steps after the checkpoint run again
     comm.barrier()  # (nobody writes its ledger before rank 0 cut it)
     return run
+
+
+def _predict(cfg: Config, job: Job, rt: sw.Runtime, out: Path) -> dict[str, Any]:
+    """Rank 0's predicted costs (`costs.for_run`), made before the strategy reshapes the model
+    and written to RUN_DIR/prediction.json; the step time too where this machine has a
+    calibration for this many ranks (`shardwise calibrate`)."""
+    replicas = costs.replicas(cfg.strategy, rt.world_size)
+    cost_job = costs.Job(
+        job.model,
+        rt.world_size,
+        rt.rank,
+        cfg.optim.name,
+        batch=job.batch_like(),
+        loss_fn=job.loss_fn,
+        global_batch=cfg.data.batch_size * replicas,
+    )
+    try:
+        calibration = calibrate.load(rt.world_size)
+    except (ValueError, OSError) as e:
+        print(f"shardwise: {e}: no step time predicted", flush=True)
+        calibration = None
+    predicted = costs.for_run(cost_job, cfg.strategy, calibration)
+    (out / "prediction.json").write_text(json.dumps(predicted, indent=1))
+    return predicted
 
 
 def _agree_checkpoint(run: Run, fresh_start_ok: bool) -> run_checkpoint.Found | None:
@@ -599,7 +619,7 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         "comm_wait_s": train_comm.wait_s,
         "memory": run.memory,
         "predicted": costs.versus_measured(
-            run.predicted, run.memory, train_comm.bytes / cfg.train.steps
+            run.predicted, run.memory, train_comm.bytes / cfg.train.steps, statistics.median(timed)
         ),
         "skipped_steps": run.skipped_steps,
         "run_dir": str(run.out),

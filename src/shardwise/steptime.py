@@ -1,0 +1,188 @@
+"""Predicted step time of a job: what each rank computes, traced on fake tensors, priced at the
+rates `shardwise calibrate` measured, plus its collectives from the cost model.
+
+    compute     every operator of forward and backward (and of the optimizer's step) costs
+                op_overhead + FLOPs / flop_rate + bytes touched / bytes_rate (FLOPs by torch's
+                FlopCounterMode, bytes: each operator's inputs and outputs)
+    collectives calls x latency + bytes / bandwidth, per kind, from the calibration
+    schedules     a pipeline runs m + S - 1 slots of its slowest stage's micro-batch (the
+                bubble); tensor parallel computes 1/t of the FLOPs and bytes of the whole model
+                (its replicated norms and residuals are small beside the split layers)
+
+On a CPU the collectives compete with compute for the same cores, so nothing is hidden: their
+time adds to the step's. Strategies whose extra work the trace cannot see (gradient codecs'
+compression, ZeRO's flat copies) are priced by what they communicate only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardwise import costs as cost_model
+from shardwise.activations import _fake_state
+from shardwise.section import StrategySection
+
+KIND = {  # how each recorded op is priced: which calibrated collective it behaves like
+    "all_reduce": "all_reduce",
+    "broadcast": "all_reduce",
+    "reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "send": "send",
+    "gossip": "send",
+    "ring_all_reduce": "send",
+}
+
+
+@dataclass
+class Work:
+    """What some compute does: operator calls, FLOPs and bytes touched."""
+
+    ops: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.ops + other.ops, self.flops + other.flops, self.bytes + other.bytes)
+
+    def scaled(self, factor: float) -> Work:
+        return Work(self.ops, self.flops * factor, self.bytes * factor)
+
+    def seconds(self, cal: dict) -> float:
+        return (
+            self.ops * cal["op_overhead_s"]
+            + self.flops / cal["flop_rate"]
+            + self.bytes / cal["bytes_rate"]
+        )
+
+
+class _Operators(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.work = Work()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        touched = tree_leaves((args, kwargs or {}, out))
+        self.work.ops += 1
+        self.work.bytes += sum(
+            t.numel() * t.element_size() for t in touched if isinstance(t, torch.Tensor)
+        )
+        return out
+
+
+def trace(run, prepare=None) -> Work:
+    """The operators, FLOPs and bytes of `run(prepared)` on fake tensors, where `prepare()`
+    (not counted) makes what it starts from."""
+    with FakeTensorMode():
+        prepared = prepare() if prepare is not None else None
+        flops, operators = FlopCounterMode(display=False), _Operators()
+        with flops, operators:
+            run(prepared)
+    return Work(operators.work.ops, float(flops.get_total_flops()), operators.work.bytes)
+
+
+def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> Work:
+    """Forward and backward of `samples` through `layers` (default: the whole model) and the
+    loss; with `before` (a pipeline's earlier stages), from their output and without the loss
+    unless these layers end the model."""
+    modules = [job.model] if layers is None else list(layers)
+    last = layers is None or modules[-1] is cost_model.pipeline_layers(job.model)[-1]
+
+    def prepare():
+        x, y = job.batch(samples)
+        with torch.no_grad():
+            for module in before:
+                x = functional_call(module, _fake_state(module, None), (x,))
+        if before:
+            x = x.detach().requires_grad_(x.is_floating_point())
+        return x, y, [_fake_state(m, None) for m in modules]
+
+    def run(prepared) -> None:
+        x, y, states = prepared
+        for module, state in zip(modules, states, strict=True):
+            x = functional_call(module, state, (x,))
+        out = job.loss_fn(x, y) if last else x.sum()
+        out.backward()
+
+    return trace(run, prepare)
+
+
+def optimizer_work(numels: list[int], optimizer: str) -> Work:
+    """One optimizer step (not the first, which also makes the state) over tensors of
+    `numels` elements."""
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
+
+    def prepare():
+        params = [nn.Parameter(torch.empty(n)) for n in numels]
+        for p in params:
+            p.grad = torch.empty_like(p)
+        opt = cls[optimizer](params, lr=1e-3, **kwargs)
+        opt.step()
+        return opt
+
+    return trace(lambda opt: opt.step(), prepare)
+
+
+def comm_seconds(costs: cost_model.Costs, cal: dict) -> float:
+    rates = cal.get("collectives", {})
+    total = 0.0
+    for op, nbytes in costs.comm.items():
+        fit = rates.get(KIND.get(op, "all_reduce"))
+        if fit is None:
+            continue
+        total += costs.calls.get(op, 1) * fit["latency_s"] + nbytes / fit["bandwidth"]
+    return total
+
+
+def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> dict[str, float]:
+    """Seconds per step by part (compute, optimizer, comm, bubble) and their total."""
+    costs = cost_model.predict(job, strategy)
+    n = job.world_size
+    name = strategy.name
+    if name == "mesh":
+        tp, pp = strategy.tp, strategy.pp
+        replicas = strategy.dp or n // (tp * pp)
+    else:
+        tp = n if name == "tp" else 1
+        pp = (strategy.stages or n) if name == "pp" else 1
+        replicas = n // (tp * pp)
+    samples = job.global_batch // replicas
+    bubble = 0.0
+    if pp > 1:
+        m = strategy.microbatches
+        layers, starts = cost_model.pipeline_stages(job, pp, getattr(strategy, "split", None))
+        bounds = [*starts, len(layers)]
+        stage_s = [
+            training_work(
+                job, samples // m, layers[bounds[s] : bounds[s + 1]], layers[: bounds[s]]
+            ).seconds(cal)
+            for s in range(pp)
+        ]
+        compute = m * max(stage_s)
+        bubble = (pp - 1) * max(stage_s)
+    else:
+        work = training_work(job, samples)
+        compute = work.scaled(1 / tp).seconds(cal)
+    optimizer = optimizer_work(costs.optimizer_numels, job.optimizer).seconds(cal)
+    comm = comm_seconds(costs, cal) + _trainer_comm(n, cal)
+    parts = {"compute": compute, "bubble": bubble, "optimizer": optimizer, "comm": comm}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _trainer_comm(world_size: int, cal: dict) -> float:
+    fit = cal.get("collectives", {}).get("all_reduce")
+    if fit is None or world_size == 1:
+        return 0.0
+    nbytes = sum(cost_model.trainer_comm(world_size).values())
+    return fit["latency_s"] + nbytes / fit["bandwidth"]
