@@ -12,6 +12,7 @@
     shardwise bench packing                                       # packed vs padded documents
     shardwise bench overhead                                      # cost of the measurements
     shardwise bench all [--quick]                                 # every strategy, one report
+    shardwise bench planner [--quick]                             # predicted vs measured
     shardwise report RUN_DIR [RUN_DIR ...] [-o report.html]       # one page comparing runs
     shardwise plan --params 7.5e9 --devices 64 [--json]           # model states per device
     shardwise plan --preset 70b --devices 1024 [--json]           # every strategy, ranked
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         choices=[
             *("ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance", "packing"),
-            *("overhead", "all"),
+            *("overhead", "all", "planner"),
         ],
         help="what to benchmark",
     )
@@ -183,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
     bench.add_argument("--variants", help="balance: equal, weighted, dynamic, queue (commas)")
-    bench.add_argument("--quick", action="store_true", help="all: fewer steps and strategies")
+    bench.add_argument(
+        "--quick", action="store_true", help="all: fewer steps and strategies; planner: 4 ranks"
+    )
     bench.set_defaults(func=cmd_bench)
 
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")

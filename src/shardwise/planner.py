@@ -203,3 +203,72 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise plan", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+# ---- a config on this machine: every strategy shardwise runs, priced at the calibrated rates --
+def config_candidates(cfg, nproc: int) -> dict[str, list[str]]:
+    """Exact strategies for `cfg`'s model on `nproc` ranks, as --set overrides, each with and
+    without activation checkpointing: DDP (native, ring), ZeRO 1-3, and where the model splits,
+    tensor parallel, both pipeline schedules and dp x tp / dp x pp meshes."""
+    from shardwise.jobs import build_job
+    from shardwise.strategies.pipeline_stages import pipeline_layers
+
+    model = build_job(cfg).model
+    found = {
+        "ddp": ["strategy.name=ddp"],
+        "ddp-ring": ["strategy.name=ddp", "strategy.algorithm=ring"],
+        **{f"zero{s}": ["strategy.name=zero", f"strategy.stage={s}"] for s in (1, 2, 3)},
+    }
+    heads = getattr(cfg.model, "n_head", 0) if cfg.model.name == "gpt" else 0
+    try:
+        layers = len(pipeline_layers(model))
+    except ValueError:
+        layers = 0
+    for split in (d for d in range(2, nproc + 1) if nproc % d == 0):
+        dp = nproc // split
+        if heads and heads % split == 0 and hasattr(model, "TP_PLAN"):
+            found[f"tp{split}" if dp == 1 else f"dp{dp}-tp{split}"] = (
+                ["strategy.name=tp"]
+                if dp == 1
+                else ["strategy.name=mesh", f"strategy.dp={dp}", f"strategy.tp={split}"]
+            )
+        usable = [p for p in pipeline_layers(model) if any(True for _ in p.parameters())]
+        if layers >= split and len(usable) >= split:
+            for schedule in ("gpipe", "1f1b"):
+                name = f"pp{split}-{schedule}" if dp == 1 else f"dp{dp}-pp{split}-{schedule}"
+                found[name] = (
+                    ["strategy.name=pp", f"strategy.schedule={schedule}"]
+                    if dp == 1
+                    else [
+                        "strategy.name=mesh",
+                        f"strategy.dp={dp}",
+                        f"strategy.pp={split}",
+                        f"strategy.schedule={schedule}",
+                    ]
+                )
+    with_ckpt = {
+        f"{name}+ckpt": [*sets, "strategy.activation_checkpointing=true"]
+        for name, sets in found.items()
+        if cfg.model.name == "gpt"
+    }
+    return {**found, **with_ckpt}
+
+
+def price_config(config: str, sets: list[str], nproc: int, calibration: dict) -> dict:
+    """Predicted costs of `config` with `sets` on `nproc` ranks of this machine, at the global
+    batch of the config's per-rank batch on every rank (model-parallel ranks share a batch)."""
+    from shardwise import costs
+    from shardwise.config import load_config
+    from shardwise.jobs import build_job
+
+    base = load_config(config)
+    cfg = load_config(config, [*sets, f"launch.nproc={nproc}"])
+    replicas = costs.replicas(cfg.strategy, nproc)
+    global_batch = base.data.batch_size * nproc
+    job = build_job(cfg)
+    cost_job = costs.Job(
+        job.model, nproc, 0, cfg.optim.name, job.batch_like(), job.loss_fn, global_batch
+    )
+    predicted = costs.for_run(cost_job, cfg.strategy, calibration)
+    predicted["batch_size"] = global_batch // replicas  # per replica: what --set must say
+    return predicted

@@ -90,12 +90,29 @@ def trace(run, prepare=None) -> Work:
     return Work(operators.work.ops, float(flops.get_total_flops()), operators.work.bytes)
 
 
+class _Step(nn.Module):
+    """Forward, loss and backward of some layers as one call, so that `functional_call` keeps
+    the fake parameters in place through backward (where checkpointed regions recompute)."""
+
+    def __init__(self, layers: list[nn.Module], loss_fn) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.loss_fn = loss_fn
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        for layer in self.layers:
+            x = layer(x)
+        out = self.loss_fn(x, y) if self.loss_fn is not None else x.sum()
+        out.backward()
+
+
 def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> Work:
     """Forward and backward of `samples` through `layers` (default: the whole model) and the
     loss; with `before` (a pipeline's earlier stages), from their output and without the loss
     unless these layers end the model."""
     modules = [job.model] if layers is None else list(layers)
     last = layers is None or modules[-1] is cost_model.pipeline_layers(job.model)[-1]
+    step = _Step(modules, job.loss_fn if last else None)
 
     def prepare():
         x, y = job.batch(samples)
@@ -104,14 +121,11 @@ def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> 
                 x = functional_call(module, _fake_state(module, None), (x,))
         if before:
             x = x.detach().requires_grad_(x.is_floating_point())
-        return x, y, [_fake_state(m, None) for m in modules]
+        return x, y, _fake_state(step, None)
 
     def run(prepared) -> None:
-        x, y, states = prepared
-        for module, state in zip(modules, states, strict=True):
-            x = functional_call(module, state, (x,))
-        out = job.loss_fn(x, y) if last else x.sum()
-        out.backward()
+        x, y, state = prepared
+        functional_call(step, state, (x, y))
 
     return trace(run, prepare)
 

@@ -66,6 +66,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
         argv = ["--out", args.out or default_out("all")]
         argv += ["--quick"] if args.quick else []
         return everything_main(argv + (["--steps", str(args.steps)] if args.steps else []))
+    if args.suite == "planner":  # whole jobs, each beside its prediction
+        from shardwise.bench.planner import main as planner_main
+
+        argv = ["--out", args.out or default_out("planner")]
+        argv += ["--quick"] if args.quick else []
+        return planner_main(argv + (["--steps", str(args.steps)] if args.steps else []))
     steps, reps = DEFAULTS[args.suite]
     args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":

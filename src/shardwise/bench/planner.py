@@ -1,0 +1,159 @@
+"""`shardwise bench planner`: the cost model's predictions against whole runs.
+
+For the MLP on digits and a tiny GPT (2 blocks, 32 characters), at 2 and 4 ranks, every exact
+strategy `shardwise plan --config` considers (DDP native and ring, ZeRO 1-3, tensor parallel,
+both pipeline schedules, dp x tp and dp x pp meshes; the GPT's also with activation
+checkpointing) trains `--steps` steps on the same global batch. Each run's rank 0 wrote its
+prediction before its first step (`prediction.json`, priced at this machine's calibration) and
+its measurements after (`summary.json`): model state, activations, bytes per step and the
+median step time. The bench prints every pair with its error, the Kendall rank correlation of
+predicted and measured step times over all runs, and whether the plan's top choice for the
+GPT on 4 ranks (the fastest predicted) ran within 10% of the fastest measured.
+
+The machine is calibrated first where no calibration is stored (`shardwise calibrate`).
+Output: the table, `--out`/planner.json and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shardwise import calibrate
+from shardwise.bench import train_job
+from shardwise.config import load_config
+from shardwise.planner import config_candidates
+
+MODELS = {  # config -> the job's settings (small enough for a few dozen runs on 2 cores)
+    "digits": ["train.log_every=5", "train.tensorboard=false"],
+    "tiny_gpt": [
+        *("data.seq_len=32", "model.n_layer=2", "train.eval_batch_size=64"),
+        *("train.log_every=5", "train.tensorboard=false"),
+    ],
+}
+ROWS = ("model_state", "activations", "comm_bytes_per_step", "step_time_s")
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a: (concordant - discordant) pairs over all pairs."""
+    n, score = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            score += _sign((a[i] - a[j]) * (b[i] - b[j]))
+    return score / (n * (n - 1) / 2) if n > 1 else float("nan")
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def ensure_calibrated(nproc: int) -> None:
+    if calibrate.load(nproc) is None:
+        argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", str(nproc)]
+        subprocess.run(argv, check=True, timeout=600)
+
+
+def run_one(out: Path, config: str, name: str, sets: list[str], nproc: int, steps: int) -> dict:
+    base = load_config(config, MODELS[config])
+    cfg = load_config(config, [*MODELS[config], *sets])
+    from shardwise.costs import replicas
+
+    batch = base.data.batch_size * nproc // replicas(cfg.strategy, nproc)
+    run_dir = out / f"{config}-n{nproc}-{name}"
+    job_sets = [*MODELS[config], *sets, f"train.steps={steps}", f"data.batch_size={batch}"]
+    job = train_job(run_dir, config, job_sets, extra=["--nproc", str(nproc)])
+    if job.returncode != 0:
+        return {"error": f"exit {job.returncode}", "output": (job.stdout + job.stderr)[-1500:]}
+    rows = json.loads((run_dir / "summary.json").read_text())["predicted"]["rows"]
+    return {row: rows[row] for row in ROWS if row in rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="shardwise bench planner")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run")
+    parser.add_argument("--worlds", default="2,4", help="world sizes")
+    parser.add_argument("--quick", action="store_true", help="the GPT on 4 ranks only")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    worlds = [4] if args.quick else [int(w) for w in args.worlds.split(",")]
+    models = ["tiny_gpt"] if args.quick else list(MODELS)
+    started = time.perf_counter()
+    results: dict[str, dict] = {}
+    for nproc in worlds:
+        ensure_calibrated(nproc)
+        for config in models:
+            candidates = config_candidates(load_config(config, MODELS[config]), nproc)
+            for name, sets in candidates.items():
+                key = f"{config} n{nproc} {name}"
+                results[key] = run_one(out, config, name, sets, nproc, args.steps)
+                _print_row(key, results[key])
+    summary = _summarise(results)
+    wall = time.perf_counter() - started
+    summary["wall_s"] = wall
+    (out / "planner.json").write_text(json.dumps({"runs": results, **summary}, indent=1))
+    print(
+        f"shardwise: bench planner: {summary['runs']} runs in {wall:.0f} s; step time error "
+        f"median {summary['step_error_median']:.1%}, max {summary['step_error_max']:.1%}, "
+        f"within 20%: {summary['step_within_20']}/{summary['runs']}; Kendall tau "
+        f"{summary['kendall_tau']:.3f}; model state error max {summary['state_error_max']:.2%}"
+    )
+    if summary.get("choice"):
+        c = summary["choice"]
+        print(
+            f"shardwise: tiny GPT on 4 ranks: the plan's top choice {c['predicted_best']} ran "
+            f"{1000 * c['its_measured_s']:.1f} ms/step; the fastest measured, {c['measured_best']}"
+            f", {1000 * c['best_measured_s']:.1f} ms/step ({c['slower_by']:+.1%})"
+        )
+    print(json.dumps({"bench": "planner", **summary}))
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+def _print_row(key: str, result: dict) -> None:
+    if "error" in result:
+        print(f"{key:40s} failed: {result['error']}\n{result['output']}", flush=True)
+        return
+    cells = []
+    for row in ROWS:
+        if row in result:
+            pair = result[row]
+            scale, unit = (1000, "ms") if row == "step_time_s" else (1 / 2**20, "MiB")
+            cells.append(
+                f"{row.split('_')[0]} {pair['predicted'] * scale:.1f}/"
+                f"{pair['measured'] * scale:.1f} {unit} ({(pair['error'] or 0):+.1%})"
+            )
+    print(f"{key:40s} " + "; ".join(cells), flush=True)
+
+
+def _summarise(results: dict[str, dict]) -> dict:
+    done = {k: r for k, r in results.items() if "step_time_s" in r}
+    predicted = [r["step_time_s"]["predicted"] for r in done.values()]
+    measured = [r["step_time_s"]["measured"] for r in done.values()]
+    errors = [abs(r["step_time_s"]["error"]) for r in done.values()]
+    state = [abs(r["model_state"]["error"]) for r in done.values() if "model_state" in r]
+    summary = {
+        "runs": len(done),
+        "step_error_median": sorted(errors)[len(errors) // 2] if errors else float("nan"),
+        "step_error_max": max(errors, default=float("nan")),
+        "step_within_20": sum(e <= 0.2 for e in errors),
+        "kendall_tau": kendall_tau(predicted, measured),
+        "state_error_max": max(state, default=float("nan")),
+    }
+    gpt4 = {k: r for k, r in done.items() if k.startswith("tiny_gpt n4 ")}
+    if gpt4:
+        chosen = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["predicted"])
+        fastest = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["measured"])
+        its, best = (gpt4[k]["step_time_s"]["measured"] for k in (chosen, fastest))
+        summary["choice"] = {
+            "predicted_best": chosen.split(" ", 2)[2],
+            "measured_best": fastest.split(" ", 2)[2],
+            "its_measured_s": its,
+            "best_measured_s": best,
+            "slower_by": its / best - 1,
+        }
+    return summary
