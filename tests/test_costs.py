@@ -16,6 +16,7 @@ from shardwise.config import SECTIONS
 from shardwise.costs import Job, predict
 from shardwise.memory import ActivationMeter
 from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.recompute import checkpoint_activations
 from spawn import run
 
 STEPS = 4  # a multiple of local SGD's period: its average happens inside the window
@@ -28,6 +29,7 @@ STRATEGIES = [
     {"name": "zero", "stage": 1},
     {"name": "zero", "stage": 2, "bucket_mb": 0.01},
     {"name": "zero", "stage": 3},
+    {"name": "zero", "stage": 3, "activation_checkpointing": True},
     {"name": "zero", "stage": 1, "mixed_precision": "bf16"},
     {"name": "zero", "stage": 2, "mixed_precision": "bf16", "bucket_mb": 0.01},
     {"name": "zero", "stage": 3, "mixed_precision": "bf16"},
@@ -46,11 +48,13 @@ GPT_ONLY = [
     {"name": "gossip", "topology": "exponential", "global_every": 2},
     {"name": "adaptive", "threshold": 1e9},
     {"name": "tp"},
+    {"name": "tp", "activation_checkpointing": True},
     {"name": "pp", "schedule": "gpipe", "microbatches": 4},
     {"name": "pp", "schedule": "1f1b", "microbatches": 2},
+    {"name": "pp", "schedule": "1f1b", "microbatches": 2, "activation_checkpointing": True},
 ]
 MESH = [  # world 4 only
-    {"name": "mesh", "dp": 2, "tp": 2},
+    {"name": "mesh", "dp": 2, "tp": 2, "activation_checkpointing": True},
     {"name": "mesh", "dp": 2, "pp": 2, "microbatches": 2},
 ]
 
@@ -92,9 +96,12 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
     loss_fn = lm_loss if model_name == "gpt" else torch.nn.functional.cross_entropy
     with torch.device("meta"):
         meta = _model(model_name)
+    checkpoint_activations(meta, section.activation_checkpointing)
     job = Job(meta, world, rank, batch=_fake_batch(model_name), loss_fn=loss_fn, global_batch=BATCH)
     predicted = predict(job, section).as_dict()
-    model, opt = sw.prepare(_model(model_name), section.build(world, tmp), lr=1e-3)
+    model = _model(model_name)
+    checkpoint_activations(model, section.activation_checkpointing)
+    model, opt = sw.prepare(model, section.build(world, tmp), lr=1e-3)
     replicas, index = sw.data_shard(model)
     comm.stats.reset()
     for step in range(STEPS):

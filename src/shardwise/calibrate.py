@@ -1,12 +1,14 @@
 """`shardwise calibrate`: how fast this machine computes and communicates, measured once with as
 many ranks as the jobs it will predict, stored and reused by the step-time model.
 
-Every rank measures at the same time (so the rates are those of ranks sharing the machine, as
-in training), with the threads per rank training uses:
+Rank 0 measures alone, then every rank at once, with the threads per rank training uses:
 
-    flop_rate        matrix multiplies (512 x 512 fp32), FLOP/s
+    flop_rate        matrix multiplies (512 x 512 fp32), FLOP/s (rank 0 alone)
     bytes_rate       element-wise work on 4 MiB tensors, bytes read and written per second
     op_overhead_s    one small operator call with autograd recording, seconds
+    concurrency      how many ranks' work the machine does at once: the ranks' mean matmul
+                     rate when all run, times N, over the rate of one alone (about the cores
+                     when ranks outnumber them)
     collectives      per kind (all_reduce, all_gather, reduce_scatter, send): latency in
                      seconds and bandwidth in bytes/s, fitted to t = latency + volume/bandwidth
                      over payloads of 8 B to 4 MiB (volume: the bytes one rank sends, as
@@ -46,7 +48,7 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     if not file.is_file():
         return None
     data = json.loads(file.read_text())
-    if not isinstance(data, dict) or data.get("nproc") != nproc or "flop_rate" not in data:
+    if not isinstance(data, dict) or data.get("nproc") != nproc or "concurrency" not in data:
         raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
     return data
 
@@ -140,20 +142,27 @@ def worker(out: str) -> None:
     rt = sw.init(backend="gloo")
     threads = torch.get_num_threads()
     dist.barrier()
-    rates = _compute_rates()  # every rank at once: the machine shared as in training
+    # Alone (the others wait): how fast one rank's own work runs when nothing competes.
+    alone = _compute_rates() if rt.is_main else {}
+    dist.barrier()
+    shared = _compute_rates()  # every rank at once: the machine shared as in training
     gathered: list = [None] * rt.world_size
-    dist.all_gather_object(gathered, rates)
+    dist.all_gather_object(gathered, shared)
+    mean = {k: statistics.mean(r[k] for r in gathered) for k in shared}
     result = {
         "host": socket.gethostname(),
         "nproc": rt.world_size,
         "threads_per_rank": threads,
         "torch": torch.__version__,
-        # The slowest rank sets the pace of a synchronous step.
-        **{k: min(r[k] for r in gathered) for k in ("flop_rate", "bytes_rate")},
-        "op_overhead_s": max(r["op_overhead_s"] for r in gathered),
+        **alone,
+        # How many ranks' worth of work the machine does at once: N on N free cores, fewer
+        # when ranks share cores (then a step is bounded by all ranks' work over this).
+        "concurrency": rt.world_size * mean["flop_rate"] / alone["flop_rate"] if alone else 1,
+        "shared": mean,
     }
     if rt.world_size > 1:
         result["collectives"] = _collective_rates()
+    result["concurrency"] = min(result["concurrency"], rt.world_size)
     if rt.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1))
@@ -183,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"shardwise: calibrated {args.nproc} rank(s) in {time.perf_counter() - started:.0f} s: "
         f"{result['flop_rate'] / 1e9:.1f} GFLOP/s, {result['bytes_rate'] / 1e9:.1f} GB/s, "
-        f"{result['op_overhead_s'] * 1e6:.1f} us per op -> {out}"
+        f"{result['op_overhead_s'] * 1e6:.1f} us per op alone; {result['concurrency']:.2f} "
+        f"ranks at once -> {out}"
     )
     for op, fit in result.get("collectives", {}).items():
         print(

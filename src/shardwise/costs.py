@@ -364,14 +364,19 @@ def _part(size: int, parts: int, rank: int) -> int:
 
 def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tuple[int, int]:
     """(bytes, calls) of tensor parallel's all-reduces per step over `tokens` rows of
-    activations: forward after each row-parallel layer and the vocabulary embedding, backward
-    before each column-parallel layer and the head, and three of one float per token in the
+    activations: forward after each row-parallel layer and the vocabulary embedding (twice
+    inside a checkpointed region, but for its last row-parallel layer), backward before each
+    column-parallel layer and the head, and three of one float per token in the
     vocabulary-parallel loss (max, sum of exponentials, target logit)."""
     plan = getattr(model, "TP_PLAN", {})
+    recomputed = [n for n, m in model.named_modules() if getattr(m.forward, "recomputes", False)]
+    # torch's recompute stops at the region's last saved tensor: the region's final
+    # row-parallel layer (whose output only joins the residual) is not run again.
+    rowwise = [n for n in dict(model.named_modules()) if _style(plan, n) == "rowwise"]
+    final = {max((n for n in rowwise if n.startswith(r + ".")), default=None) for r in recomputed}
     total = calls = 0
     for name, module in model.named_modules():
-        style = next((st for pat, st in plan.items() if fnmatch.fnmatchcase(name, pat)), "")
-        style = style.partition(":")[0]
+        style = _style(plan, name)
         if style == "rowwise":
             width = module.out_features
         elif style in ("colwise", "vocab_head"):
@@ -380,12 +385,23 @@ def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tup
             width = module.embedding_dim
         else:
             continue
-        total += native_volume("all_reduce", tokens * width * elem, parts)
-        calls += 1
+        # A forward all-reduce inside a checkpointed region runs again in its recompute.
+        again = (
+            style in ("rowwise", "vocab_embedding")
+            and name not in final
+            and any(name == r or name.startswith(r + ".") for r in recomputed)
+        )
+        total += (2 if again else 1) * native_volume("all_reduce", tokens * width * elem, parts)
+        calls += 2 if again else 1
         if style == "vocab_head":
             total += 3 * native_volume("all_reduce", tokens * elem, parts)
             calls += 3
     return total, calls
+
+
+def _style(plan: dict[str, str], name: str) -> str:
+    style = next((st for pat, st in plan.items() if fnmatch.fnmatchcase(name, pat)), "")
+    return style.partition(":")[0]
 
 
 def tp_costs(

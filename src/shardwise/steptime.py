@@ -5,7 +5,10 @@ rates `shardwise calibrate` measured, plus its collectives from the cost model.
                 op_overhead + FLOPs / flop_rate + bytes touched / bytes_rate (FLOPs by torch's
                 FlopCounterMode, bytes: each operator's inputs and outputs)
     collectives calls x latency + bytes / bandwidth, per kind, from the calibration
-    schedules     a pipeline runs m + S - 1 slots of its slowest stage's micro-batch (the
+    sharing     compute takes the longer of this rank's critical path at the rate of a rank
+                alone, and all ranks' work over the machine's concurrency (ranks that share
+                cores take turns)
+    schedules   a pipeline runs m + S - 1 slots of its slowest stage's micro-batch (the
                 bubble); tensor parallel computes 1/t of the FLOPs and bytes of the whole model
                 (its replicated norms and residuals are small beside the split layers)
 
@@ -159,7 +162,11 @@ def comm_seconds(costs: cost_model.Costs, cal: dict) -> float:
 
 
 def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> dict[str, float]:
-    """Seconds per step by part (compute, optimizer, comm, bubble) and their total."""
+    """Seconds per step by part (compute with the optimizer, the bubble, comm) and the total.
+
+    Compute is the longer of two bounds: this rank's critical path at the rate of a rank
+    alone (a pipeline's m + S - 1 slots of its slowest stage), and every rank's work over the
+    machine's concurrency (ranks that share cores wait for one another)."""
     costs = cost_model.predict(job, strategy)
     n = job.world_size
     name = strategy.name
@@ -171,26 +178,34 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         pp = (strategy.stages or n) if name == "pp" else 1
         replicas = n // (tp * pp)
     samples = job.global_batch // replicas
-    bubble = 0.0
     if pp > 1:
         m = strategy.microbatches
         layers, starts = cost_model.pipeline_stages(job, pp, getattr(strategy, "split", None))
         bounds = [*starts, len(layers)]
-        stage_s = [
-            training_work(
-                job, samples // m, layers[bounds[s] : bounds[s + 1]], layers[: bounds[s]]
-            ).seconds(cal)
-            for s in range(pp)
+        stages = [layers[bounds[s] : bounds[s + 1]] for s in range(pp)]
+        micro = [
+            training_work(job, samples // m, stage, layers[: bounds[s]]).seconds(cal)
+            for s, stage in enumerate(stages)
         ]
-        compute = m * max(stage_s)
-        bubble = (pp - 1) * max(stage_s)
+        steps = [
+            optimizer_work(
+                [p.numel() for layer in stage for p in layer.parameters()], job.optimizer
+            ).seconds(cal)
+            for stage in stages
+        ]
+        path = (m + pp - 1) * max(micro) + steps[0]
+        everyone = replicas * sum(m * t + o for t, o in zip(micro, steps, strict=True))
+        ideal = m * max(micro) + steps[0]
     else:
-        work = training_work(job, samples)
-        compute = work.scaled(1 / tp).seconds(cal)
-    optimizer = optimizer_work(costs.optimizer_numels, job.optimizer).seconds(cal)
+        work = training_work(job, samples).scaled(1 / tp).seconds(cal)
+        optimizer = optimizer_work(costs.optimizer_numels, job.optimizer).seconds(cal)
+        path = ideal = work + optimizer
+        everyone = n * path
+    compute = max(path, everyone / cal.get("concurrency", 1))
     comm = comm_seconds(costs, cal) + _trainer_comm(n, cal)
-    parts = {"compute": compute, "bubble": bubble, "optimizer": optimizer, "comm": comm}
-    parts["total"] = sum(parts.values())
+    parts = {"compute": min(ideal, compute), "waiting": compute - min(ideal, compute)}
+    parts["comm"] = comm
+    parts["total"] = compute + comm
     return parts
 
 
