@@ -13,6 +13,9 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      seconds and bandwidth in bytes/s, fitted to t = latency + volume/bandwidth
                      over payloads of 8 B to 4 MiB (volume: the bytes one rank sends, as
                      `comm.accounting` counts them)
+    skew             how long a collective after a burst of compute waits for the ranks that
+                     shared cores with it, as a fraction of the burst (about 0 when each rank
+                     has cores of its own)
 
 The result lives in `$XDG_CACHE_HOME/shardwise/calibration/` (default ~/.cache), one file per
 host, world size and threads per rank, or where `--out` says.
@@ -48,7 +51,8 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     if not file.is_file():
         return None
     data = json.loads(file.read_text())
-    if not isinstance(data, dict) or data.get("nproc") != nproc or "concurrency" not in data:
+    complete = isinstance(data, dict) and ("skew" in data or nproc == 1)
+    if not complete or data.get("nproc") != nproc:
         raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
     return data
 
@@ -144,6 +148,38 @@ def _collective_rates() -> dict[str, dict[str, float]]:
     return out
 
 
+def _skew() -> float:
+    """The time a collective after a burst of compute waits beyond one after none, as a
+    fraction of the burst: ranks that share cores finish their work at different times (zero
+    where every rank has cores of its own)."""
+    import torch.distributed as dist
+
+    a, flag = torch.randn(256, 256), torch.zeros(1)
+
+    def burst() -> None:
+        for _ in range(40):
+            a @ a
+
+    def after(work: bool) -> tuple[float, float]:
+        waits, bursts = [], []
+        for _ in range(7):
+            started = time.perf_counter()
+            if work:
+                burst()
+            middle = time.perf_counter()
+            dist.all_reduce(flag)
+            waits.append(time.perf_counter() - middle)
+            bursts.append(middle - started)
+        return statistics.median(waits), statistics.median(bursts)
+
+    dist.barrier()
+    idle_wait, _ = after(work=False)
+    busy_wait, burst_s = after(work=True)
+    fraction = torch.tensor([max(busy_wait - idle_wait, 0.0) / burst_s])
+    dist.all_reduce(fraction)
+    return fraction.item() / dist.get_world_size()
+
+
 def worker(out: str) -> None:
     """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file."""
     import torch.distributed as dist
@@ -173,6 +209,7 @@ def worker(out: str) -> None:
     }
     if rt.world_size > 1:
         result["collectives"] = _collective_rates()
+        result["skew"] = _skew()
     result["concurrency"] = min(result["concurrency"], rt.world_size)
     if rt.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         f"{result['op_overhead_s'] * 1e6:.1f} us per op alone; {result['concurrency']:.2f} "
         f"ranks at once -> {out}"
     )
+    if "skew" in result:
+        print(f"  skew: collectives wait {result['skew']:.1%} of the compute before them")
     for op, fit in result.get("collectives", {}).items():
         print(
             f"  {op}: {fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bandwidth'] / 1e9:.2f} GB/s"

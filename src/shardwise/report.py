@@ -313,6 +313,64 @@ def _ranks(trace: dict[str, Any] | None) -> int:
     return len({e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"})
 
 
+PREDICTED = {  # summary["predicted"] rows the report compares: (title, scale, unit)
+    "step_time_s": ("step time", 1000, "ms"),
+    "model_state": ("model state", 2**-20, "MiB"),
+    "activations": ("activations", 2**-20, "MiB"),
+    "comm_bytes_per_step": ("bytes / step", 2**-20, "MiB"),
+}
+
+
+def predicted_rows(run: Run) -> dict[str, dict]:
+    return (run.summary.get("predicted") or {}).get("rows", {})
+
+
+def prediction_figure(runs: list[Run]):
+    """Predicted beside measured, per run: step time, model state (rank 0), activations."""
+    shown = [
+        key
+        for key in ("step_time_s", "model_state", "activations")
+        if any(key in predicted_rows(run) for run in runs)
+    ]
+    fig, axes = _figure(height=0.8 + 0.35 * len(runs) + 1, cols=max(len(shown), 1))
+    labels = [run.label for run in runs]
+    for ax, key in zip(axes, shown, strict=False):
+        title, scale, unit = PREDICTED[key]
+        for offset, which, colour in ((-0.2, "predicted", "#9ecae1"), (0.2, "measured", "#3182bd")):
+            values = [predicted_rows(run).get(key, {}).get(which, math.nan) * scale for run in runs]
+            ax.barh(
+                [i + offset for i in range(len(runs))],
+                values,
+                height=0.4,
+                label=which,
+                color=colour,
+            )
+        ax.set_yticks(range(len(runs)), labels if ax is axes[0] else [""] * len(runs))
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{title} ({unit})")
+        ax.legend(fontsize=8)
+    return fig
+
+
+def prediction_table(runs: list[Run]) -> list[dict[str, str]]:
+    """Predicted / measured (error) per run, for the figures the prediction covers."""
+    rows = []
+    for run in runs:
+        pairs = predicted_rows(run)
+        row = {"run": run.label}
+        for key, (title, scale, unit) in PREDICTED.items():
+            pair = pairs.get(key)
+            if pair is None:
+                row[title] = "-"
+                continue
+            error = "" if pair["error"] is None else f" ({pair['error']:+.1%})"
+            row[title] = (
+                f"{pair['predicted'] * scale:,.1f} / {pair['measured'] * scale:,.1f} {unit}{error}"
+            )
+        rows.append(row)
+    return rows
+
+
 FIGURES = {
     "Loss": loss_figure,
     "Evaluation": eval_figure,
@@ -322,6 +380,7 @@ FIGURES = {
     "Communication": bytes_figure,
     "Stability and learning rate": stability_figure,
     "Timeline": timeline_figure,
+    "Predicted vs measured": prediction_figure,
 }
 
 
@@ -374,24 +433,38 @@ def _cell(key: str, value: Any) -> str:
 
 
 def markdown(runs: list[Run]) -> str:
-    rows = table(runs)
+    out = _markdown_table(table(runs))
+    if any(predicted_rows(run) for run in runs):
+        out += "\nPredicted / measured (rank 0):\n\n" + _markdown_table(prediction_table(runs))
+    return out
+
+
+def _markdown_table(rows: list[dict]) -> str:
     header = list(rows[0])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(k, row[k]) for k in header) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
-def render(runs: list[Run]) -> str:
-    """The whole page: the table, then every figure, embedded."""
-    rows = table(runs)
+def _html_table(rows: list[dict]) -> str:
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_cell(k, v))}</td>" for k, v in row.items()) + "</tr>"
         for row in rows
     )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def render(runs: list[Run]) -> str:
+    """The whole page: the table, then every figure, embedded."""
+    tables = _html_table(table(runs))
+    if any(predicted_rows(run) for run in runs):
+        tables += "<h2>Predicted / measured (rank 0)</h2>" + _html_table(prediction_table(runs))
     sections = []
     for title, make in FIGURES.items():
         if title == "Timeline" and not any(run.trace for run in runs):
+            continue
+        if title == "Predicted vs measured" and not any(predicted_rows(run) for run in runs):
             continue
         image = _png(make(runs))
         sections.append(
@@ -399,7 +472,7 @@ def render(runs: list[Run]) -> str:
             f'src="data:image/png;base64,{image}"></section>'
         )
     sources = "".join(f"<li><code>{html.escape(str(run.path))}</code></li>" for run in runs)
-    return PAGE.format(table=f"<tr>{head}</tr>{body}", sections="".join(sections), runs=sources)
+    return PAGE.format(tables=tables, sections="".join(sections), runs=sources)
 
 
 PAGE = """<!doctype html>
@@ -413,7 +486,7 @@ img {{ max-width: 100%; }}
 section {{ margin-top: 1.5em; }}
 </style></head><body>
 <h1>shardwise report</h1>
-<table>{table}</table>
+{tables}
 {sections}
 <h2>Runs</h2><ul>{runs}</ul>
 </body></html>

@@ -4,7 +4,9 @@ rates `shardwise calibrate` measured, plus its collectives from the cost model.
     compute     every operator of forward and backward (and of the optimizer's step) costs
                 op_overhead + FLOPs / flop_rate + bytes touched / bytes_rate (FLOPs by torch's
                 FlopCounterMode, bytes: each operator's inputs and outputs)
-    collectives calls x latency + bytes / bandwidth, per kind, from the calibration
+    collectives calls x latency + bytes / bandwidth, per kind, from the calibration, and the
+                skew: ranks that share cores reach each collective at different times, a
+                calibrated fraction of the compute before it
     sharing     compute takes the longer of this rank's critical path at the rate of a rank
                 alone, and all ranks' work over the machine's concurrency (ranks that share
                 cores take turns)
@@ -203,9 +205,13 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         everyone = n * path
     compute = max(path, everyone / cal.get("concurrency", 1))
     comm = comm_seconds(costs, cal) + _trainer_comm(n, cal)
-    parts = {"compute": min(ideal, compute), "waiting": compute - min(ideal, compute)}
-    parts["comm"] = comm
-    parts["total"] = compute + comm
+    parts = {
+        "compute": min(ideal, compute),
+        "sharing": compute - min(ideal, compute),  # waiting for cores and pipeline slots
+        "skew": cal.get("skew", 0.0) * compute if n > 1 else 0.0,
+        "comm": comm,
+    }
+    parts["total"] = sum(parts.values())
     return parts
 
 
