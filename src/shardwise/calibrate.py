@@ -13,9 +13,11 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      seconds and bandwidth in bytes/s, fitted to t = latency + volume/bandwidth
                      over payloads of 8 B to 4 MiB (volume: the bytes one rank sends, as
                      `comm.accounting` counts them)
-    skew             how long a collective after a burst of compute waits for the ranks that
-                     shared cores with it, as a fraction of the burst (about 0 when each rank
-                     has cores of its own)
+    wait_s, wait_per_compute
+                     what one collective costs after a burst of compute, fitted to
+                     wait_s + wait_per_compute x burst: waking, and waiting for ranks that
+                     shared cores to arrive (the plain latency, and about 0 per unit of
+                     compute, when each rank has cores of its own)
 
 The result lives in `$XDG_CACHE_HOME/shardwise/calibration/` (default ~/.cache), one file per
 host, world size and threads per rank, or where `--out` says.
@@ -51,7 +53,7 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     if not file.is_file():
         return None
     data = json.loads(file.read_text())
-    complete = isinstance(data, dict) and ("skew" in data or nproc == 1)
+    complete = isinstance(data, dict) and ("wait_s" in data or nproc == 1)
     if not complete or data.get("nproc") != nproc:
         raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
     return data
@@ -148,36 +150,33 @@ def _collective_rates() -> dict[str, dict[str, float]]:
     return out
 
 
-def _skew() -> float:
-    """The time a collective after a burst of compute waits beyond one after none, as a
-    fraction of the burst: ranks that share cores finish their work at different times (zero
-    where every rank has cores of its own)."""
+def _waits() -> dict[str, float]:
+    """What a small collective costs after a burst of compute, fitted to wait_s +
+    wait_per_compute x the burst's time: ranks that share cores reach it at different times
+    and must be woken and given a core (wait_per_compute is about 0 and wait_s the plain
+    latency when every rank has cores of its own)."""
     import torch.distributed as dist
 
     a, flag = torch.randn(256, 256), torch.zeros(1)
-
-    def burst() -> None:
-        for _ in range(40):
-            a @ a
-
-    def after(work: bool) -> tuple[float, float]:
+    points = []
+    for matmuls in (2, 10, 40):  # about 1, 5 and 20 ms of one rank's compute
+        dist.barrier()
         waits, bursts = [], []
-        for _ in range(7):
+        for _ in range(9):
             started = time.perf_counter()
-            if work:
-                burst()
+            for _ in range(matmuls):
+                a @ a
             middle = time.perf_counter()
             dist.all_reduce(flag)
             waits.append(time.perf_counter() - middle)
             bursts.append(middle - started)
-        return statistics.median(waits), statistics.median(bursts)
-
-    dist.barrier()
-    idle_wait, _ = after(work=False)
-    busy_wait, burst_s = after(work=True)
-    fraction = torch.tensor([max(busy_wait - idle_wait, 0.0) / burst_s])
-    dist.all_reduce(fraction)
-    return fraction.item() / dist.get_world_size()
+        mean = torch.tensor([statistics.median(bursts), statistics.median(waits)])
+        dist.all_reduce(mean)
+        burst, wait = (mean / dist.get_world_size()).tolist()
+        points.append((burst, wait))
+    fit = _fit(points)
+    slope = 1 / fit["bandwidth"] if fit["bandwidth"] != float("inf") else 0.0
+    return {"wait_s": fit["latency_s"], "wait_per_compute": slope}
 
 
 def worker(out: str) -> None:
@@ -209,7 +208,7 @@ def worker(out: str) -> None:
     }
     if rt.world_size > 1:
         result["collectives"] = _collective_rates()
-        result["skew"] = _skew()
+        result.update(_waits())
     result["concurrency"] = min(result["concurrency"], rt.world_size)
     if rt.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -243,8 +242,11 @@ def run(args: argparse.Namespace) -> int:
         f"{result['op_overhead_s'] * 1e6:.1f} us per op alone; {result['concurrency']:.2f} "
         f"ranks at once -> {out}"
     )
-    if "skew" in result:
-        print(f"  skew: collectives wait {result['skew']:.1%} of the compute before them")
+    if "wait_s" in result:
+        print(
+            f"  each collective: {result['wait_s'] * 1e6:.0f} us + "
+            f"{result['wait_per_compute']:.1%} of the compute before it"
+        )
     for op, fit in result.get("collectives", {}).items():
         print(
             f"  {op}: {fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bandwidth'] / 1e9:.2f} GB/s"

@@ -4,9 +4,9 @@ rates `shardwise calibrate` measured, plus its collectives from the cost model.
     compute     every operator of forward and backward (and of the optimizer's step) costs
                 op_overhead + FLOPs / flop_rate + bytes touched / bytes_rate (FLOPs by torch's
                 FlopCounterMode, bytes: each operator's inputs and outputs)
-    collectives calls x latency + bytes / bandwidth, per kind, from the calibration, and the
-                skew: ranks that share cores reach each collective at different times, a
-                calibrated fraction of the compute before it
+    collectives bytes / bandwidth per kind, and per call the calibrated wait after the compute
+                before it (ranks that share cores arrive at different times and must be
+                woken: wait_s + wait_per_compute x the compute between collectives)
     sharing     compute takes the longer of this rank's critical path at the rate of a rank
                 alone, and all ranks' work over the machine's concurrency (ranks that share
                 cores take turns)
@@ -152,15 +152,21 @@ def optimizer_work(numels: list[int], optimizer: str) -> Work:
     return trace(lambda opt: opt.step(), prepare)
 
 
-def comm_seconds(costs: cost_model.Costs, cal: dict) -> float:
+def comm_seconds(costs: cost_model.Costs, cal: dict, compute_s: float) -> float:
+    """Bytes over each kind's bandwidth, and for every collective call the calibrated wait
+    after the compute before it (the step's compute spread evenly over its collectives). A
+    pipeline's messages are waited for in its schedule, priced by the bubble instead."""
     rates = cal.get("collectives", {})
-    total = 0.0
+    seconds, calls = 0.0, 0.0
     for op, nbytes in costs.comm.items():
         fit = rates.get(KIND.get(op, "all_reduce"))
-        if fit is None:
-            continue
-        total += costs.calls.get(op, 1) * fit["latency_s"] + nbytes / fit["bandwidth"]
-    return total
+        if fit is not None:
+            seconds += nbytes / fit["bandwidth"]
+        if op != "send":
+            calls += costs.calls.get(op, 1)
+    calls += 1  # the trainer's all-reduce of the loss and flags
+    segment = compute_s / calls
+    return seconds + calls * (cal.get("wait_s", 0.0) + cal.get("wait_per_compute", 0.0) * segment)
 
 
 def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> dict[str, float]:
@@ -204,20 +210,10 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         path = ideal = work + optimizer
         everyone = n * path
     compute = max(path, everyone / cal.get("concurrency", 1))
-    comm = comm_seconds(costs, cal) + _trainer_comm(n, cal)
     parts = {
         "compute": min(ideal, compute),
         "sharing": compute - min(ideal, compute),  # waiting for cores and pipeline slots
-        "skew": cal.get("skew", 0.0) * compute if n > 1 else 0.0,
-        "comm": comm,
+        "comm": comm_seconds(costs, cal, compute) if n > 1 else 0.0,
     }
     parts["total"] = sum(parts.values())
     return parts
-
-
-def _trainer_comm(world_size: int, cal: dict) -> float:
-    fit = cal.get("collectives", {}).get("all_reduce")
-    if fit is None or world_size == 1:
-        return 0.0
-    nbytes = sum(cost_model.trainer_comm(world_size).values())
-    return fit["latency_s"] + nbytes / fit["bandwidth"]
