@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def shardwise(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A cache of our own: no calibration of this machine (so no step time is predicted).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(cwd / ".cache")}
     return subprocess.run(
         [sys.executable, "-m", "shardwise", *args],
         cwd=cwd,
@@ -45,6 +46,13 @@ def test_default_job_trains_on_two_ranks_and_writes_a_run_directory(tmp_path):
     # One 25 MiB bucket holds all 26,122 gradients: 4 bytes each, sent 2(n-1)/n = once at n=2,
     # plus the 40-byte agreement after backward (loss sum, count, stop, a flag per rank).
     assert lines[0]["comm_bytes"] == 26_122 * 4 + 40
+    # Predicted before step 1 (prediction.json), beside the measurement in the summary.
+    predicted = json.loads((run_dir / "prediction.json").read_text())
+    assert predicted["comm_bytes_per_step"] == 26_122 * 4 + 40
+    rows = summary["predicted"]["rows"]
+    assert rows["model_state"]["measured"] == summary["memory"]["total"]
+    assert abs(rows["model_state"]["error"]) < 0.02 and abs(rows["activations"]["error"]) < 0.1
+    assert "step_time_s" not in predicted and "model state predicted / measured" in result.stdout
     weights = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
     model = MLP([64, 128, 128, 10])
     model.load_state_dict(weights)  # a plain model loads the checkpoint, no shardwise needed

@@ -5,6 +5,7 @@ they should); the command line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -114,3 +115,31 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert "unknown keys ['width']" in done.stderr
+
+
+def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    plan = [sys.executable, "-m", "shardwise", "plan", "--config", "digits", "--nproc", "2"]
+    before = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=env)
+    assert before.returncode == 2
+    assert before.stderr.strip().splitlines() == [
+        "shardwise: plan: no calibration for 2 ranks on this machine: run shardwise calibrate "
+        "--nproc 2"
+    ]
+    argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stored = next((tmp_path / "shardwise" / "calibration").glob("*-n2-t*.json"))
+    rates = json.loads(stored.read_text())
+    assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2
+    assert {"all_reduce", "all_gather", "reduce_scatter", "send"} <= set(rates["collectives"])
+    after = subprocess.run([*plan, "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert after.returncode == 0, after.stderr[-2000:]
+    rows = json.loads(after.stdout)
+    names = {row["strategy"] for row in rows}
+    assert {"ddp", "ddp-ring", "zero1", "zero2", "zero3", "pp2-gpipe", "pp2-1f1b"} <= names
+    times = [row["step_time_s"] for row in rows]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    zero = {row["strategy"]: row["memory_bytes"] for row in rows}
+    assert zero["zero3"] < zero["zero2"] < zero["zero1"] < zero["ddp"]
+    assert list(tmp_path.glob("runs*")) == []  # nothing written but the calibration

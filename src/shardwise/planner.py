@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--network-gbit", type=float, help="per device across nodes (400)")
     cluster.add_argument("--tflops", type=float, help="sustained bf16 TFLOP/s per device (400)")
     cluster.add_argument("--devices-per-node", type=int, help="devices sharing NVLink (8)")
+    machine = parser.add_argument_group("a config on this machine (priced at its calibration)")
+    machine.add_argument("--config", help="a built-in config or YAML file, e.g. tiny_gpt")
+    machine.add_argument("--nproc", type=int, help="ranks (calibrate them first)")
+    machine.add_argument("--set", action="append", default=[], help="key=value overrides")
     parser.add_argument("--top", type=int, default=10, help="plans shown in the table")
     parser.add_argument("--runnable", action="store_true", help="only plans shardwise runs")
     parser.add_argument("--json", action="store_true", help="one JSON list of plans")
@@ -114,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.params is not None:
             return _model_states(args)
+        if args.config is not None:
+            return _plan_config(args)
         spec, cluster = _spec_and_cluster(args)
     except (ValueError, OSError, yaml.YAMLError) as e:
         print(f"shardwise: plan: {str(e).splitlines()[0]}", file=sys.stderr)
@@ -180,6 +186,64 @@ def _print_plans(spec, cluster, fits, rejected, elapsed: float, top: int) -> Non
     if rejected:
         closest = min(rejected, key=lambda p: p.memory["total"])
         print(f"rejected, e.g. the closest to fitting: {closest.strategy}: {closest.reason}")
+
+
+def _plan_config(args: argparse.Namespace) -> int:
+    """Every exact strategy for a config on `--nproc` ranks of this machine, ranked by the
+    predicted step time at its calibration."""
+    from shardwise import calibrate
+    from shardwise.config import ConfigError, load_config
+
+    nproc = args.nproc or 2
+    calibration = calibrate.load(nproc)
+    if calibration is None:
+        raise ValueError(
+            f"no calibration for {nproc} ranks on this machine: run shardwise calibrate "
+            f"--nproc {nproc}"
+        )
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    started = time.perf_counter()
+    rows = []
+    for name, sets in config_candidates(cfg, nproc).items():
+        predicted = price_config(args.config, [*args.set, *sets], nproc, calibration)
+        memory = predicted["memory"]["total"] + (predicted["activations"] or 0)
+        rows.append(
+            {
+                "strategy": name,
+                "sets": sets,
+                "batch_size": predicted["batch_size"],
+                "memory_bytes": memory,
+                "comm_bytes_per_step": predicted.get("comm_bytes_per_step", 0),
+                "step_time_s": predicted["step_time_s"]["total"],
+                "parts": predicted["step_time_s"],
+            }
+        )
+    rows.sort(key=lambda r: r["step_time_s"])
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(
+        f"{args.config} on {nproc} ranks of this machine, {len(rows)} strategies priced in "
+        f"{time.perf_counter() - started:.1f} s (rank 0: model state + activations)"
+    )
+    print(f"{'#':>3} {'strategy':22s} {'step ms':>8} {'memory MiB':>11} {'comm MiB':>9}")
+    for i, row in enumerate(rows[: args.top], 1):
+        print(
+            f"{i:>3} {row['strategy']:22s} {1000 * row['step_time_s']:8.1f} "
+            f"{row['memory_bytes'] / 2**20:11.1f} {row['comm_bytes_per_step'] / 2**20:9.2f}"
+        )
+    print(
+        "run the first: shardwise train "
+        + args.config
+        + " --nproc "
+        + str(nproc)
+        + " "
+        + " ".join(f"--set {kv}" for kv in [*args.set, *rows[0]["sets"]])
+    )
+    return 0
 
 
 def _model_states(args: argparse.Namespace) -> int:
