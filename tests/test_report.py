@@ -73,9 +73,14 @@ def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
     for image in images:
         pixels = matplotlib.image.imread(io.BytesIO(base64.b64decode(image)), format="png")
         assert pixels.shape[0] > 100 and pixels.std() > 0.05  # a drawn figure, not a blank
-    summary = out.with_suffix(".md").read_text().splitlines()
+    headline, predicted = out.with_suffix(".md").read_text().split("\n\nPredicted / measured")
+    summary = headline.splitlines()
     assert len(summary) == 2 + len(runs)  # header, rule, a row per run
     assert "samples/s" in summary[0]
+    # Each run beside its prediction: exact model state, a row per run.
+    rows = [line for line in predicted.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(runs) and "step time" in rows[0]
+    assert all("(+0.0%)" in row.split("|")[3] for row in rows[1:]), rows  # model state
     for run in runs:
         assert html.escape(report.load_run(run).label) in page
     assert not list(tmp_path.glob("*.png"))  # nothing else lands beside it

@@ -4,7 +4,7 @@ many ranks as the jobs it will predict, stored and reused by the step-time model
 Rank 0 measures alone, then every rank at once, with the threads per rank training uses:
 
     flop_rate        matrix multiplies (512 x 512 fp32), FLOP/s (rank 0 alone)
-    bytes_rate       element-wise work on 4 MiB tensors, bytes read and written per second
+    bytes_rate       element-wise work on 16 MiB tensors, bytes read and written per second
     op_overhead_s    one small operator call with autograd recording, seconds
     concurrency      how many ranks' work the machine does at once: the ranks' mean matmul
                      rate when all run, times N, over the rate of one alone (about the cores
@@ -83,7 +83,7 @@ def _throughput(fn: Callable[[], object], window_s: float = 0.4) -> float:
 def _compute_rates() -> dict[str, float]:
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     flop_rate = 2 * 512**3 * _throughput(lambda: a @ b)
-    x = torch.randn(1024 * 1024)
+    x = torch.randn(4 * 1024 * 1024)  # 16 MiB: beyond the caches, as activations are
     bytes_rate = 3 * x.numel() * 4 * _throughput(lambda: x + x)
     w = torch.randn(16, requires_grad=True)
 
