@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summarise(results)
     wall = time.perf_counter() - started
     summary["wall_s"] = wall
-    (out / "planner.json").write_text(json.dumps({"runs": results, **summary}, indent=1))
+    (out / "planner.json").write_text(json.dumps({**summary, "results": results}, indent=1))
     print(
         f"shardwise: bench planner: {summary['runs']} runs in {wall:.0f} s; step time error "
         f"median {summary['step_error_median']:.1%}, max {summary['step_error_max']:.1%}, "
