@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,9 +20,13 @@ from spawn import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+EMPTY_CACHE = tempfile.mkdtemp(prefix="shardwise-test-cache-")
+
+
 def shardwise(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    # A cache of our own: no calibration of this machine (so no step time is predicted).
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(cwd / ".cache")}
+    # A cache of our own, out of the working directory: no calibration of this machine (so no
+    # step time is predicted), whatever the user's cache holds.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": EMPTY_CACHE}
     return subprocess.run(
         [sys.executable, "-m", "shardwise", *args],
         cwd=cwd,
