@@ -48,7 +48,7 @@ def saved_bytes(
             x = x.to(dtype)
         for module in modules:
             before = sum(counted.values())
-            x = functional_call(module, _fake_state(module, dtype), (x,))
+            x = functional_call(module, fake_state(module, dtype), (x,))
             per_layer.append(sum(counted.values()) - before)
         if dtype is not None:
             x = x.float()
@@ -59,7 +59,7 @@ def saved_bytes(
     return sum(counted.values()), per_layer
 
 
-def _fake_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def fake_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Data-less CPU stand-ins for `module`'s parameters (in `dtype`) and buffers, called in the
     fake mode. The module itself runs (functional_call swaps them in for the call), so patched
     forwards, such as activation checkpointing's, run as they will in training."""

@@ -36,7 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from shardwise.activations import _fake_state, saved_bytes
+from shardwise.activations import fake_state, saved_bytes
 from shardwise.comm.accounting import native_volume
 from shardwise.comm.flat import split_bounds
 from shardwise.mesh import coordinates
@@ -481,7 +481,7 @@ def _boundary_bytes(job: Job, layers: list, bounds: list[int], samples: int) -> 
     sizes = []
     with FakeTensorMode():
         x, _ = job.batch(samples)
-        states = [_fake_state(layer, None) for layer in layers]
+        states = [fake_state(layer, None) for layer in layers]
         with torch.no_grad():
             for i, layer in enumerate(layers):
                 x = functional_call(layer, states[i], (x,))

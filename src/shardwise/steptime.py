@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import costs as cost_model
-from shardwise.activations import _fake_state
+from shardwise.activations import fake_state
 from shardwise.section import StrategySection
 
 KIND = {  # how each recorded op is priced: which calibrated collective it behaves like
@@ -123,10 +123,10 @@ def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> 
         x, y = job.batch(samples)
         with torch.no_grad():
             for module in before:
-                x = functional_call(module, _fake_state(module, None), (x,))
+                x = functional_call(module, fake_state(module, None), (x,))
         if before:
             x = x.detach().requires_grad_(x.is_floating_point())
-        return x, y, _fake_state(step, None)
+        return x, y, fake_state(step, None)
 
     def run(prepared) -> None:
         x, y, state = prepared
