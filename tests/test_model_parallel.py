@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.mesh import check_sizes, coordinates, rank_of
 from shardwise.models import MLP, TinyGPT, lm_loss
-from shardwise.strategies.pipeline import schedule_order
+from shardwise.strategies.pipeline import check_stages, schedule_order
 from shardwise.strategies.pipeline_stages import balanced_split
 from spawn import run
 
@@ -77,6 +77,14 @@ def _diff(a: dict, b: dict) -> float:
 
 
 # ---- pure functions ----------------------------------------------------------------------------
+def test_a_stage_without_parameters_is_refused_in_one_line():
+    layers = list(MLP([6, 32, 32, 4]))  # Linear, ReLU, Linear, ReLU, Linear
+    starts = [*sw.Pipeline(stages=4).stage_starts(layers), len(layers)]
+    with pytest.raises(ValueError, match=r"pipeline stage 1 would hold only .*\(ReLU\)"):
+        check_stages(layers, starts)
+    check_stages(layers, [0, 2, len(layers)])  # two stages: both hold a linear layer
+
+
 def test_mesh_sizes_and_coordinates():
     assert check_sizes(8, None, 2, 2) == {"pp": 2, "dp": 2, "tp": 2}
     with pytest.raises(ValueError, match=r"dp=2 x tp=2 x pp=1 = 4 ranks, but the world has 2"):

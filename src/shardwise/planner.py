@@ -296,8 +296,7 @@ def config_candidates(cfg, nproc: int) -> dict[str, list[str]]:
                 if dp == 1
                 else ["strategy.name=mesh", f"strategy.dp={dp}", f"strategy.tp={split}"]
             )
-        usable = [p for p in pipeline_layers(model) if any(True for _ in p.parameters())]
-        if layers >= split and len(usable) >= split:
+        if layers >= split and _pipelines(model, split):
             for schedule in ("gpipe", "1f1b"):
                 name = f"pp{split}-{schedule}" if dp == 1 else f"dp{dp}-pp{split}-{schedule}"
                 found[name] = (
@@ -316,6 +315,19 @@ def config_candidates(cfg, nproc: int) -> dict[str, list[str]]:
         if cfg.model.name == "gpt"
     }
     return {**found, **with_ckpt}
+
+
+def _pipelines(model, stages: int) -> bool:
+    """Whether the model splits into `stages` stages that each hold parameters."""
+    from shardwise.strategies.pipeline import Pipeline, check_stages
+    from shardwise.strategies.pipeline_stages import pipeline_layers
+
+    layers = pipeline_layers(model)
+    try:
+        check_stages(layers, [*Pipeline(stages=stages).stage_starts(layers), len(layers)])
+    except ValueError:
+        return False
+    return True
 
 
 def price_config(config: str, sets: list[str], nproc: int, calibration: dict) -> dict:

@@ -278,6 +278,19 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         return 1, 0  # every stage works on the same batch
 
 
+def check_stages(layers: list[nn.Module], bounds: list[int]) -> None:
+    """Every stage must hold parameters (a stage of a lone ReLU has nothing to train or to
+    tell its device by): one line naming the stage otherwise."""
+    for s in range(len(bounds) - 1):
+        stage = layers[bounds[s] : bounds[s + 1]]
+        if not any(True for layer in stage for _ in layer.parameters()):
+            names = ", ".join(type(layer).__name__ for layer in stage)
+            raise ValueError(
+                f"pipeline stage {s} would hold only layers without parameters ({names}): "
+                f"use fewer stages or give split"
+            )
+
+
 @dataclass(frozen=True)
 class Pipeline(Strategy):
     """Options for pipeline parallel.
@@ -338,6 +351,7 @@ class Pipeline(Strategy):
         full_names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
         layers = pipeline_layers(model)
         starts = [*self.stage_starts(layers), len(layers)]
+        check_stages(layers, starts)
         mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
         names = {k: full_names[id(t)] for k, t in mine.state_dict(keep_vars=True).items()}
         return PipelineModel(mine, runtime, self.schedule, self.microbatches, names)
