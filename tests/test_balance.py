@@ -126,6 +126,7 @@ def test_dynamic_balance_follows_the_slow_rank_and_stays_exact(tmp_path):
     expected = replay_ledger(run, SETS[:1] + SETS[5:8], STEPS)
     final = load_file(str(Path(run) / "checkpoint" / "model.safetensors"))
     for name, value in expected.items():
-        # 45 AdamW steps through SyncBatchNorm: float32 sums in another order drift to ~1e-5
-        # (unweighted, the difference is above 1e-2).
-        torch.testing.assert_close(final[name], value, rtol=0, atol=5e-5)
+        # 45 AdamW steps through SyncBatchNorm: float32 sums in another order drift, mostly to
+        # ~1e-5, but Adam's normalisation lifts a near-zero gradient's rounding: one CI run in
+        # several saw 1.4e-4 on 2 of 64 elements (unweighted, the difference is above 1e-2).
+        torch.testing.assert_close(final[name], value, rtol=0, atol=2e-4)
