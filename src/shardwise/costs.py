@@ -94,6 +94,19 @@ class Job:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     global_batch: int = 0  # samples per step over all replicas
 
+    @classmethod
+    def of(cls, job, cfg, world_size: int, rank: int, global_batch: int) -> Job:
+        """The costs' view of a training job (`jobs.Job`) under a config (`config.Config`)."""
+        return cls(
+            job.model,
+            world_size,
+            rank,
+            cfg.optim.name,
+            batch=job.batch_like(),
+            loss_fn=job.loss_fn,
+            global_batch=global_batch,
+        )
+
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -491,8 +504,7 @@ def _boundary_bytes(job: Job, layers: list, bounds: list[int], samples: int) -> 
 
 
 def mesh_costs(job: Job, s: StrategySection) -> Costs:
-    tp, pp = s.tp, s.pp
-    dp = s.dp or job.world_size // (tp * pp)
+    dp, tp, pp = mesh_sizes(s, job.world_size)
     where = coordinates(job.rank, {"dp": dp, "tp": tp, "pp": pp})
     samples = job.global_batch // dp
     if tp > 1:
@@ -504,14 +516,8 @@ def mesh_costs(job: Job, s: StrategySection) -> Costs:
     if s.data != "ddp":
         costs.notes.append(f"mesh data axis {s.data}: only DDP's bytes and memory predicted")
     if dp > 1 and (tp > 1 or pp > 1):  # the data axis all-reduces each model piece's gradients
-        if tp > 1:
-            numels = tp_shard_numels(job.model, tp, where["tp"])
-        else:
-            layers, starts = pipeline_stages(job, pp, None)
-            bounds = [*starts, len(layers)]
-            mine = layers[bounds[where["pp"]] : bounds[where["pp"] + 1]]
-            numels = [p.numel() for layer in mine for p in layer.parameters()]
-        for numel in bucket_sizes(numels[::-1], FP32, DDPConfig().bucket_mb):
+        pieces = costs.optimizer_numels[::-1]  # this rank's tensors, reverse registration order
+        for numel in bucket_sizes(pieces, FP32, DDPConfig().bucket_mb):
             costs.add_comm("all_reduce", native_volume("all_reduce", numel * FP32, dp))
     return costs
 
@@ -544,15 +550,21 @@ def trainer_comm(world_size: int) -> dict[str, int]:
 MODEL_STATE = ("params", "master_weights", "grads", "optimizer")
 
 
+def mesh_sizes(strategy: StrategySection, world_size: int) -> tuple[int, int, int]:
+    """(data-parallel replicas, tensor-parallel size, pipeline stages) of `strategy`."""
+    tp = pp = 1
+    if strategy.name == "tp":
+        tp = strategy.size or world_size
+    elif strategy.name == "pp":
+        pp = strategy.stages or world_size
+    elif strategy.name == "mesh":
+        tp, pp = strategy.tp, strategy.pp
+    return world_size // (tp * pp), tp, pp
+
+
 def replicas(strategy: StrategySection, world_size: int) -> int:
     """How many different batches one step of `strategy` consumes (data-parallel replicas)."""
-    if strategy.name == "tp":
-        return world_size // (strategy.size or world_size)
-    if strategy.name == "pp":
-        return world_size // (strategy.stages or world_size)
-    if strategy.name == "mesh":
-        return strategy.dp or world_size // (strategy.tp * strategy.pp)
-    return world_size
+    return mesh_sizes(strategy, world_size)[0]
 
 
 def for_run(job: Job, strategy: StrategySection, calibration: dict | None = None) -> dict:

@@ -342,9 +342,7 @@ def price_config(config: str, sets: list[str], nproc: int, calibration: dict) ->
     replicas = costs.replicas(cfg.strategy, nproc)
     global_batch = base.data.batch_size * nproc
     job = build_job(cfg)
-    cost_job = costs.Job(
-        job.model, nproc, 0, cfg.optim.name, job.batch_like(), job.loss_fn, global_batch
-    )
+    cost_job = costs.Job.of(job, cfg, nproc, 0, global_batch)
     predicted = costs.for_run(cost_job, cfg.strategy, calibration)
     predicted["batch_size"] = global_batch // replicas  # per replica: what --set must say
     return predicted

@@ -55,9 +55,6 @@ class Work:
     flops: float = 0.0
     bytes: float = 0.0
 
-    def __add__(self, other: Work) -> Work:
-        return Work(self.ops + other.ops, self.flops + other.flops, self.bytes + other.bytes)
-
     def scaled(self, factor: float) -> Work:
         return Work(self.ops, self.flops * factor, self.bytes * factor)
 
@@ -177,14 +174,7 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
     machine's concurrency (ranks that share cores wait for one another)."""
     costs = cost_model.predict(job, strategy)
     n = job.world_size
-    name = strategy.name
-    if name == "mesh":
-        tp, pp = strategy.tp, strategy.pp
-        replicas = strategy.dp or n // (tp * pp)
-    else:
-        tp = n if name == "tp" else 1
-        pp = (strategy.stages or n) if name == "pp" else 1
-        replicas = n // (tp * pp)
+    replicas, tp, pp = cost_model.mesh_sizes(strategy, n)
     samples = job.global_batch // replicas
     if pp > 1:
         m = strategy.microbatches

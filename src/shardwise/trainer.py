@@ -289,16 +289,8 @@ def _predict(cfg: Config, job: Job, rt: sw.Runtime, out: Path) -> dict[str, Any]
     """Rank 0's predicted costs (`costs.for_run`), made before the strategy reshapes the model
     and written to RUN_DIR/prediction.json; the step time too where this machine has a
     calibration for this many ranks (`shardwise calibrate`)."""
-    replicas = costs.replicas(cfg.strategy, rt.world_size)
-    cost_job = costs.Job(
-        job.model,
-        rt.world_size,
-        rt.rank,
-        cfg.optim.name,
-        batch=job.batch_like(),
-        loss_fn=job.loss_fn,
-        global_batch=cfg.data.batch_size * replicas,
-    )
+    global_batch = cfg.data.batch_size * costs.replicas(cfg.strategy, rt.world_size)
+    cost_job = costs.Job.of(job, cfg, rt.world_size, rt.rank, global_batch)
     try:
         calibration = calibrate.load(rt.world_size)
     except (ValueError, OSError) as e:
