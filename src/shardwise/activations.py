@@ -18,7 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from shardwise.memory import is_weight
+from shardwise.memory import PeakMeter, is_weight, optimizer_tensors
 
 
 def saved_bytes(
@@ -35,14 +35,19 @@ def saved_bytes(
     modules = [layers] if isinstance(layers, nn.Module) else list(layers)
     counted: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    storages = []  # kept until the end, so that no address is reused for another storage
+
+    def pack(t: torch.Tensor) -> None:
         if not is_weight(t) and t.numel():
             storage = t.untyped_storage()
-            counted.setdefault(storage._cdata, storage.nbytes())
-        return t
+            if storage._cdata not in counted:
+                counted[storage._cdata] = storage.nbytes()
+                storages.append(storage)
+        # The tensor itself is not kept: no backward runs, and an op's output kept by its own
+        # node is a reference cycle through autograd that the garbage collector cannot see.
 
     per_layer = []
-    with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(pack, _unused):
         x = make_input()
         if dtype is not None and x.is_floating_point():
             x = x.to(dtype)
@@ -59,6 +64,10 @@ def saved_bytes(
     return sum(counted.values()), per_layer
 
 
+def _unused(_):
+    raise AssertionError("saved_bytes runs no backward")
+
+
 def fake_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Data-less CPU stand-ins for `module`'s parameters (in `dtype`) and buffers, called in the
     fake mode. The module itself runs (functional_call swaps them in for the call), so patched
@@ -70,3 +79,87 @@ def fake_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.
     for name, b in module.named_buffers():
         state[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
     return state
+
+
+class _Pass(nn.Module):
+    """Forward through some layers, the loss (or a sum) and backward, as one module call: so
+    that `functional_call` keeps the fake parameters in place through backward, where
+    checkpointed regions run their forward again."""
+
+    def __init__(self, layers: Sequence[nn.Module], loss, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.loss, self.dtype = loss, dtype
+
+    def forward(self, x: torch.Tensor) -> None:
+        if self.dtype is not None and x.is_floating_point():
+            x = x.to(self.dtype)
+        for layer in self.layers:
+            x = layer(x)
+        if self.dtype is not None:
+            x = x.float()
+        (self.loss(x) if self.loss is not None else x.float().sum()).backward()
+
+
+def backward_peak(
+    layers: Sequence[nn.Module] | nn.Module,
+    make_input: Callable[[], torch.Tensor],
+    dtype: torch.dtype | None = None,
+    loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    keep_grads: bool = True,
+    emulation: Callable[[dict[str, nn.Parameter]], list] | None = None,
+) -> int:
+    """The most bytes one forward and backward of `layers` on `make_input()` holds at once
+    beyond the parameters and the input (activations, the operators' temporaries, gradients):
+    `PeakMeter` on fake tensors. With `keep_grads` False, each parameter's gradient is let go
+    once accumulated (a strategy that moves it into a bucket or reduces it at once).
+    `emulation(params)`, for a single module, installs a strategy's hooks on its fake
+    parameters (by name) and returns handles to remove afterwards."""
+    modules = [layers] if isinstance(layers, nn.Module) else list(layers)
+    handles = []
+    with FakeTensorMode():
+        states = [fake_state(module, dtype) for module in modules]
+        x = make_input()
+        if x.is_floating_point():  # a later pipeline stage: its input's gradient goes back
+            x.requires_grad_(True)
+        params = [p for state in states for p in state.values() if isinstance(p, nn.Parameter)]
+        if emulation is not None:
+            handles = emulation(states[0])
+        elif not keep_grads:
+            for p in params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(let_go)
+        step = _Pass(modules, loss, dtype)
+        state = {f"layers.{i}.{k}": v for i, st in enumerate(states) for k, v in st.items()}
+        meter = PeakMeter(alive=[x, *state.values()])
+        try:
+            with meter:
+                functional_call(step, state, (x,))
+        finally:
+            for handle in handles:
+                handle.remove()
+    return meter.peak - meter.start
+
+
+def let_go(p: torch.Tensor) -> None:
+    """A gradient hook: the gradient is moved elsewhere (a strategy's bucket) and let go."""
+    p.grad = None
+
+
+def optimizer_peak(numels: Sequence[int], optimizer: str, dtype=torch.float32) -> int:
+    """The most bytes one optimizer step (not the first, which makes its state) over tensors of
+    `numels` elements allocates at once beyond what exists before it."""
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
+    with FakeTensorMode():
+        params = [nn.Parameter(torch.empty(n, dtype=dtype)) for n in numels if n]
+        if not params:
+            return 0
+        for p in params:
+            p.grad = torch.empty_like(p)
+        opt = cls[optimizer](params, lr=1e-3, **kwargs)
+        opt.step()
+        meter = PeakMeter(alive=[*params, *(p.grad for p in params), *optimizer_tensors(opt)])
+        with meter:
+            opt.step()
+    return meter.peak - meter.start

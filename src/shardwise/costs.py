@@ -30,20 +30,27 @@ import fnmatch
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from shardwise.activations import fake_state, saved_bytes
+from shardwise.activations import fake_state, optimizer_peak, saved_bytes
 from shardwise.comm.accounting import native_volume
+from shardwise.comm.collectives import TraceGroup
 from shardwise.comm.flat import split_bounds
+from shardwise.comm.parallel_ops import vocab_parallel_cross_entropy
 from shardwise.mesh import coordinates
+from shardwise.peaks import ZeroEmulation, batch_bytes, pipeline_peak, step_peak
+from shardwise.recompute import copy_model, recomputed
 from shardwise.section import StrategySection
 from shardwise.strategies.ddp import DDPConfig
+from shardwise.strategies.grad_buckets import assign_buckets
 from shardwise.strategies.pipeline_stages import balanced_split, pipeline_layers
 from shardwise.strategies.relaxed import neighbours
+from shardwise.strategies.tensor_parallel import TensorParallel, VocabParallelHead
 from shardwise.strategies.zero.stage3 import stage3_units
 
 FP32 = 4
@@ -62,6 +69,7 @@ class Costs:
     comm: dict[str, int] = field(default_factory=dict)  # per step, averaged over a sync period
     calls: dict[str, float] = field(default_factory=dict)  # collective calls per step, by op
     activations: int | None = None  # peak bytes saved for backward (None: no batch given)
+    peak: int | None = None  # the most bytes alive at once in a step (None: no batch given)
     optimizer_numels: list[int] = field(default_factory=list)  # the tensors its optimizer steps
     notes: list[str] = field(default_factory=list)
 
@@ -75,6 +83,7 @@ class Costs:
         return {
             "memory": memory,
             "activations": self.activations,
+            "peak": self.peak,
             "comm": dict(sorted(self.comm.items())),
             "calls": dict(sorted(self.calls.items())),
             "notes": self.notes,
@@ -93,6 +102,7 @@ class Job:
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     global_batch: int = 0  # samples per step over all replicas
+    backend: str = "gloo"  # torch.distributed's (gloo's reduce-scatter copies its buffer)
 
     @classmethod
     def of(cls, job, cfg, world_size: int, rank: int, global_batch: int) -> Job:
@@ -105,6 +115,9 @@ class Job:
             batch=job.batch_like(),
             loss_fn=job.loss_fn,
             global_batch=global_batch,
+            backend=torch.distributed.get_backend()
+            if torch.distributed.is_initialized()
+            else "gloo",
         )
 
     def params(self) -> list[nn.Parameter]:
@@ -175,6 +188,14 @@ def ddp_costs(job: Job, s: StrategySection) -> Costs:
     costs = Costs(memory=replicated_memory(numels, job.optimizer), optimizer_numels=numels)
     costs.activations = _replica_activations(job)
     n, elem = job.world_size, FP32
+    costs.peak = step_peak(
+        job,
+        costs.memory,
+        numels,
+        job.global_batch // n,
+        made_grads=None,
+        buffers=codec_state(s.compression, [p.shape for p in job.params()][::-1]),
+    )
     buckets = bucket_sizes(numels[::-1], elem, s.bucket_mb)  # reverse registration order
     if s.compression is not None:
         shapes = [p.shape for p in job.params()][::-1]
@@ -239,6 +260,19 @@ def codec_bytes(costs: Costs, spec: str, buckets: list[int], shapes: list, n: in
                     costs.add_comm("all_reduce", native_volume("all_reduce", FP32 * elements, n))
 
 
+def codec_state(spec: str | None, shapes: list) -> int:
+    """Bytes a gradient codec keeps between steps: error feedback's residual (the whole
+    gradient, fp32) for the biased codecs, and PowerSGD's Q factors (its warm start)."""
+    name, _, arg = (spec or "").partition(":")
+    if name not in ("topk", "randomk", "sign", "powersgd"):
+        return 0
+    residual = FP32 * sum(math.prod(shape) for shape in shapes)
+    if name != "powersgd":
+        return residual
+    rank = arg.partition(":")[0]
+    return residual + FP32 * powersgd_elements(shapes, int(rank) if rank else 4)[1]
+
+
 def _take(shapes: list, offset: int, numel: int) -> list:
     """The shapes from `offset` on that fill a bucket of `numel` elements."""
     taken, total = [], 0
@@ -266,14 +300,18 @@ def powersgd_elements(shapes: list, rank: int, min_rate: float = 2.0) -> tuple[i
 
 def zero_costs(job: Job, s: StrategySection) -> Costs:
     n, params = job.world_size, job.params()
+    unit_modules = []
     if s.stage == 3:
-        units = [[p for p in m.parameters() if p.requires_grad] for m in stage3_units(job.model)]
+        modules = stage3_units(job.model)
+        units = [[p for p in m.parameters() if p.requires_grad] for m in modules]
         covered = {id(p) for unit in units for p in unit}
         rest = [p for p in params if id(p) not in covered]
         units = [rest, *units] if rest else units
-        unit_numels = [sum(_numels(unit)) for unit in units]
+        module_names = {id(m): name for name, m in job.model.named_modules()}
+        unit_modules = [module_names[id(m)] for m in modules]
     else:
-        unit_numels = bucket_sizes(_numels(params), FP32, s.bucket_mb)
+        units = assign_buckets(params, int(s.bucket_mb * 2**20))
+    unit_numels = [sum(_numels(unit)) for unit in units]
     shards = [-(-u // n) for u in unit_numels]  # S per unit
     compute = HALF.get(s.mixed_precision, FP32)
     fp32_masters = s.mixed_precision is not None or s.offload is not None
@@ -292,6 +330,29 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
         memory["grads"] = full  # the reduced slice is a view of the full gradient buffer
     costs = Costs(memory=memory, optimizer_numels=shards)
     costs.activations = _replica_activations(job, DTYPES.get(s.mixed_precision))
+    names = {id(p): name for name, p in job.model.named_parameters()}
+    emulation = ZeroEmulation(
+        job.model,
+        [[names[id(p)] for p in unit] for unit in units],
+        unit_modules,
+        n,
+        s.stage,
+        DTYPES.get(s.mixed_precision, torch.float32),
+        fp32_masters,
+        job.backend == "gloo",
+    )
+    costs.peak = step_peak(
+        job,
+        memory,
+        shards,
+        job.global_batch // n,
+        # Gradients made each step: the shards' (stage 1 keeps its full buffers).
+        made_grads=memory["grads"] - (full if s.stage == 1 else 0),
+        dtype=DTYPES.get(s.mixed_precision),
+        emulation=emulation,
+        # Stages 1 and 2 gather every unit after the step, from compute copies of the slices.
+        after_step=0 if s.stage == 3 else sum(shards) * compute,
+    )
     gathers = 2 if s.stage == 3 else 1
     for S in shards:
         unit_bytes = S * n * compute
@@ -312,8 +373,24 @@ def _relaxed(job: Job) -> tuple[Costs, int]:
     return costs, native_volume("all_reduce", sum(numels) * FP32, job.world_size)
 
 
+def _relaxed_peak(job: Job, costs: Costs, copies: int, buffers: int = 0) -> int | None:
+    """A relaxed strategy's peak: its synchronisation holds `copies` flat copies of the
+    parameters (the flattened parameters, what it receives, the average) after the step."""
+    full = FP32 * sum(costs.optimizer_numels)
+    return step_peak(
+        job,
+        costs.memory,
+        costs.optimizer_numels,
+        job.global_batch // job.world_size,
+        made_grads=costs.memory["grads"],
+        buffers=buffers,
+        after_step=copies * full,
+    )
+
+
 def local_sgd_costs(job: Job, s: StrategySection) -> Costs:
     costs, average = _relaxed(job)
+    costs.peak = _relaxed_peak(job, costs, 2)  # the flattened parameters and their mean
     costs.add_comm("all_reduce", average / s.period, 1 / s.period)  # an average every period
     if s.warmup_steps:
         costs.notes.append("warm-up steps all-reduce gradients every step: not in the average")
@@ -323,6 +400,8 @@ def local_sgd_costs(job: Job, s: StrategySection) -> Costs:
 def gossip_costs(job: Job, s: StrategySection) -> Costs:
     costs, average = _relaxed(job)
     peers = neighbours(s.topology, job.rank, job.world_size)
+    # Gossip holds its flattened parameters, one copy from each peer, and two partial sums.
+    costs.peak = _relaxed_peak(job, costs, 2 if s.global_every == 1 else len(peers) + 3)
     exchange = len(peers) * sum(_numels(job.params())) * FP32  # its parameters to each peer
     if s.global_every:
         k = s.global_every
@@ -335,6 +414,9 @@ def gossip_costs(job: Job, s: StrategySection) -> Costs:
 
 def adaptive_costs(job: Job, s: StrategySection) -> Costs:
     costs, _ = _relaxed(job)
+    # The anchor (the parameters at the last average) lasts; the check flattens the parameters
+    # and takes their difference from it.
+    costs.peak = _relaxed_peak(job, costs, 2, buffers=FP32 * sum(costs.optimizer_numels))
     costs.add_comm("all_reduce", native_volume("all_reduce", FP32, job.world_size))
     costs.notes.append("adaptive: averages when the replicas drift; those are data-dependent")
     return costs
@@ -382,11 +464,11 @@ def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tup
     column-parallel layer and the head, and three of one float per token in the
     vocabulary-parallel loss (max, sum of exponentials, target logit)."""
     plan = getattr(model, "TP_PLAN", {})
-    recomputed = [n for n, m in model.named_modules() if getattr(m.forward, "recomputes", False)]
+    regions = recomputed(model)
     # torch's recompute stops at the region's last saved tensor: the region's final
     # row-parallel layer (whose output only joins the residual) is not run again.
     rowwise = [n for n in dict(model.named_modules()) if _style(plan, n) == "rowwise"]
-    final = {max((n for n in rowwise if n.startswith(r + ".")), default=None) for r in recomputed}
+    final = {max((n for n in rowwise if n.startswith(r + ".")), default=None) for r in regions}
     total = calls = 0
     for name, module in model.named_modules():
         style = _style(plan, name)
@@ -402,7 +484,7 @@ def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tup
         again = (
             style in ("rowwise", "vocab_embedding")
             and name not in final
-            and any(name == r or name.startswith(r + ".") for r in recomputed)
+            and any(name == r or name.startswith(r + ".") for r in regions)
         )
         total += (2 if again else 1) * native_volume("all_reduce", tokens * width * elem, parts)
         calls += 2 if again else 1
@@ -423,6 +505,7 @@ def tp_costs(
     parts: int | None = None,
     rank: int | None = None,
     samples: int | None = None,
+    data_parallel: bool = False,
 ) -> Costs:
     parts = parts or job.world_size
     rank = job.rank if rank is None else rank
@@ -430,11 +513,42 @@ def tp_costs(
     costs = Costs(memory=replicated_memory(numels, job.optimizer), optimizer_numels=numels)
     if not s.loss_parallel:
         costs.notes.append("tp without loss_parallel: the logits' gather is not counted")
-    tokens = _tokens(job, job.global_batch if samples is None else samples)
+    samples = job.global_batch if samples is None else samples
+    tokens = _tokens(job, samples)
     if tokens is not None:
         costs.add_comm("all_reduce", *tp_bytes(job.model, parts, tokens))
-    costs.notes.append("tensor parallel: activations not predicted")
+        local = tp_local(job, s.loss_parallel, parts, rank)
+        costs.activations = local.activations(samples)[0]
+        # Its gradients are plain ones, made each step (a mesh's data axis keeps them in
+        # buckets).
+        made = None if data_parallel else costs.memory["grads"]
+        costs.peak = step_peak(local, costs.memory, numels, samples, made_grads=made)
     return costs
+
+
+def tp_local(job: Job, loss_parallel: bool, parts: int, rank: int) -> Job:
+    """The job as rank `rank` of `parts` runs it: a copy of the (meta) model with its layers
+    replaced by the tensor-parallel ones of its plan, on a stand-in group that moves nothing,
+    and the loss it computes from vocabulary slices (`loss_parallel`)."""
+    model = copy_model(job.model)
+    runtime = SimpleNamespace(world_size=parts, rank=rank, group=TraceGroup(parts, rank))
+    strategy = TensorParallel(loss_parallel=loss_parallel)
+    modules = dict(model.named_modules())
+    head = None
+    for pattern, style in model.TP_PLAN.items():
+        for name in [n for n in modules if fnmatch.fnmatchcase(n, pattern)]:
+            new = strategy._parallelize(modules[name], name, style, runtime)
+            if new is not None:
+                parent, _, child = name.rpartition(".")
+                setattr(modules[parent] if parent else model, child, new)
+                head = new if isinstance(new, VocabParallelHead) else head
+    loss_fn = job.loss_fn
+    if loss_parallel and head is not None:
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(logits, target, head.start, runtime.group)
+
+    return replace(job, model=model, loss_fn=loss_fn)
 
 
 def _tokens(job: Job, samples: int) -> int | None:
@@ -462,6 +576,7 @@ def pp_costs(
     stages: int | None = None,
     stage: int | None = None,
     samples: int | None = None,
+    data_parallel: bool = False,
 ) -> Costs:
     stages = stages or s.stages or job.world_size
     stage = job.rank if stage is None else stage
@@ -486,6 +601,13 @@ def pp_costs(
             costs.add_comm("send", 64 + m * boundary[stage], m + 1)
         if stage > 0:
             costs.add_comm("send", m * boundary[stage - 1] + FP32, m + 1)
+        # Its gradients are made each step, accumulating over the micro-batches (a mesh's
+        # data axis keeps them in buckets, into which each fresh one is moved).
+        state = sum(costs.memory.values()) + batch_bytes(job.batch, samples)
+        schedule = pipeline_peak(job, layers, bounds, stage, s.schedule, m, samples, data_parallel)
+        step = optimizer_peak(numels, job.optimizer)
+        held = state if data_parallel else state - costs.memory["grads"]
+        costs.peak = max(held + schedule, state + step)
     return costs
 
 
@@ -508,9 +630,9 @@ def mesh_costs(job: Job, s: StrategySection) -> Costs:
     where = coordinates(job.rank, {"dp": dp, "tp": tp, "pp": pp})
     samples = job.global_batch // dp
     if tp > 1:
-        costs = tp_costs(job, s, tp, where["tp"], samples)
+        costs = tp_costs(job, s, tp, where["tp"], samples, data_parallel=dp > 1)
     elif pp > 1:
-        costs = pp_costs(job, s, pp, where["pp"], samples)
+        costs = pp_costs(job, s, pp, where["pp"], samples, data_parallel=dp > 1)
     else:
         costs = ddp_costs(replace(job, world_size=dp, global_batch=job.global_batch), DDPConfig())
     if s.data != "ddp":
@@ -537,6 +659,8 @@ PREDICTORS: dict[str, Callable[[Job, StrategySection], Costs]] = {
 def predict(job: Job, strategy: StrategySection) -> Costs:
     """The costs of `strategy` for `job`; strategies without a cost model say so in notes."""
     predictor = PREDICTORS.get(strategy.name)
+    if strategy.name == "ps":  # (its module builds on this one)
+        from shardwise.ps_costs import ps_costs as predictor
     if predictor is None:
         return Costs(notes=[f"no cost model for strategy {strategy.name!r} yet"])
     return predictor(job, strategy)
@@ -590,8 +714,8 @@ def versus_measured(
     comm_bytes_per_step: float,
     step_time_s: float | None = None,
 ) -> dict:
-    """Predicted next to measured (model state by category, bytes per step), with the relative
-    error of each, for the summary and the report."""
+    """Predicted next to measured (model state by category, bytes per step, activations, the
+    step's peak, step time), with the relative error of each, for the summary and the report."""
     rows: dict[str, dict] = {}
     if predicted.get("memory") and memory:
         for category in (*MODEL_STATE, "model_state"):
@@ -610,6 +734,8 @@ def versus_measured(
         rows["comm_bytes_per_step"] = _pair(predicted["comm_bytes_per_step"], comm_bytes_per_step)
     if predicted.get("activations") is not None and memory.get("activations") is not None:
         rows["activations"] = _pair(predicted["activations"], memory["activations"])
+    if predicted.get("peak") is not None and memory.get("step_peak") is not None:
+        rows["peak"] = _pair(predicted["peak"], memory["step_peak"])
     if "step_time_s" in predicted and step_time_s is not None:
         rows["step_time_s"] = _pair(predicted["step_time_s"]["total"], step_time_s)
     return {"rows": rows, "notes": predicted.get("notes", [])}

@@ -6,13 +6,20 @@ bucket costs nothing beyond the bucket.
 
 from __future__ import annotations
 
+import gc
+import warnings
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each storage the tensors use (by address), each counted once."""
     out: dict[int, int] = {}
     for t in tensors:
         t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2) holds its shard locally
@@ -46,7 +53,7 @@ def model_state_bytes(
         "buffers": list(extra),
     }
     for name, tensors in categories.items():
-        storages = {k: v for k, v in _storages(tensors).items() if k not in seen}
+        storages = {k: v for k, v in storage_bytes(tensors).items() if k not in seen}
         seen.update(storages)
         report[name] = sum(storages.values())
     report["total"] = sum(report.values())
@@ -60,6 +67,100 @@ def peak_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class PeakMeter(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once on `device` inside `with meter:`.
+
+    What is alive when it starts is found by the garbage collector (every tensor the process
+    holds: parameters, gradient buckets, optimizer state, flat buffers, the batch), and every
+    operator's outputs inside it are added while their storage lives. It is what
+    `torch.cuda.max_memory_allocated` measures on a GPU, for any device, without the caching
+    allocator's rounding; tensors made by threads of the strategy's own (a codec's) are not
+    seen. Each new high pays for a scan of what is alive: meter a step or two, not a run.
+    """
+
+    def __init__(
+        self, device: torch.device | str = "cpu", alive: Iterable[torch.Tensor] | None = None
+    ) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        # What is alive at the start, where the caller knows it (fake tensors: a step traced
+        # on them); else every real tensor the garbage collector finds.
+        self.alive = alive
+        self.live: dict[int, list] = {}  # storage address -> [weak reference, bytes last seen]
+        self.total = 0  # the bytes last seen, summed: at least what is alive, or stale
+        self.start = self.peak = 0
+
+    def _add(self, t: object) -> None:
+        t = getattr(t, "_local_tensor", t)
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device.type:
+            return
+        storage = t.untyped_storage()
+        entry = self.live.get(storage._cdata)
+        if entry is not None and entry[0].expired():  # (addresses recur)
+            self.total -= entry[1]
+            del self.live[storage._cdata]
+            entry = None
+        nbytes = storage.nbytes()
+        if entry is None:
+            if nbytes:
+                self.live[storage._cdata] = [StorageWeakRef(storage), nbytes]
+                self.total += nbytes
+        else:  # seen again: its size may have changed in place
+            self.total += nbytes - entry[1]
+            entry[1] = nbytes
+
+    def current(self) -> int:
+        """Bytes alive now, every size read afresh: a storage can be freed, or resized in place
+        (ZeRO-3 frees a unit's gathered parameters by resizing their storage to nothing),
+        without an operator the meter sees."""
+        live = {}
+        for key, (ref, _) in self.live.items():
+            if not ref.expired():
+                live[key] = [ref, torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()]
+        self.live = live
+        self.total = sum(entry[1] for entry in live.values())
+        return self.total
+
+    def __enter__(self) -> PeakMeter:
+        for t in self.alive if self.alive is not None else _all_tensors():
+            self._add(t)
+        self.start = self.peak = self.current()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._add(t)
+        if self.total > self.peak:  # perhaps a new peak: drop the dead, then count exactly
+            self._drop_expired()  # (sizes last seen are an upper bound, but for regrowth)
+            if self.total > self.peak:
+                self.peak = max(self.peak, self.current())
+        return out
+
+    def _drop_expired(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.total -= self.live.pop(key)[1]
+
+
+def live_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes of tensor storage alive now on `device`: every tensor the process holds."""
+    meter = PeakMeter(device)
+    for t in _all_tensors():
+        meter._add(t)
+    return meter.current()
+
+
+def _all_tensors() -> list[torch.Tensor]:
+    gc.collect()
+    with warnings.catch_warnings():  # (isinstance on deprecated torch attributes)
+        warnings.simplefilter("ignore")
+        return [
+            obj
+            for obj in gc.get_objects()
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor)
+        ]
 
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

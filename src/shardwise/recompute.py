@@ -16,6 +16,7 @@ own backward only, are kept by checkpoint itself and not counted (torch's MemTra
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 from collections.abc import Callable
@@ -87,3 +88,21 @@ def _recomputing(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     run.recomputes = True  # type: ignore[attr-defined]  # (ZeRO-3 checks its units against it)
     return run
+
+
+def recomputed(model: nn.Module) -> list[str]:
+    """The names of the model's checkpointed regions."""
+    return [n for n, m in model.named_modules() if getattr(m.forward, "recomputes", False)]
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose checkpointed regions are the copy's own: `copy.deepcopy`
+    would keep each patched forward pointing at the original module."""
+    regions = recomputed(model)
+    twin = copy.deepcopy(model)
+    modules = dict(twin.named_modules())
+    for name in regions:
+        del modules[name].forward  # the instance's patch: the class's forward again
+    if regions:
+        checkpoint_activations(twin, regions)
+    return twin

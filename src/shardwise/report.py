@@ -317,6 +317,7 @@ PREDICTED = {  # summary["predicted"] rows the report compares: (title, scale, u
     "step_time_s": ("step time", 1000, "ms"),
     "model_state": ("model state", 2**-20, "MiB"),
     "activations": ("activations", 2**-20, "MiB"),
+    "peak": ("step peak", 2**-20, "MiB"),
     "comm_bytes_per_step": ("bytes / step", 2**-20, "MiB"),
 }
 

@@ -141,10 +141,11 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("comm sent / rank (total)", lambda s: human_bytes(s["comm_bytes_total"])),
     ("comm wait (rank 0)", lambda s: f"{s['comm_wait_s']:.3f} s"),
     ("params / masters / grads / optim (rank 0)", lambda s: _memory_cell(s["memory"])),
-    ("peak memory (rank 0)", lambda s: human_bytes(s["memory"]["peak"])),
+    ("peak memory, process (rank 0)", lambda s: human_bytes(s["memory"]["peak"])),
     ("model state predicted / measured", lambda s: _versus(s, "model_state")),
     ("comm / step predicted / measured", lambda s: _versus(s, "comm_bytes_per_step")),
     ("activations predicted / measured", lambda s: _versus(s, "activations")),
+    ("step peak predicted / measured", lambda s: _versus(s, "peak")),
     ("step time predicted / measured", lambda s: _versus(s, "step_time_s", _ms)),
     (
         "staleness (mean; histogram)",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import calibrate, comm, costs, faults, ledger, run_checkpoint
+from shardwise import calibrate, comm, costs, faults, ledger, memory, run_checkpoint
 from shardwise.balance import ThroughputBalancer, weighted_sizes
 from shardwise.board import Board
 from shardwise.checkpoint import save_model
@@ -39,7 +39,7 @@ from shardwise.jobs import (
     schedule,
     straggler_delay,
 )
-from shardwise.memory import ActivationMeter
+from shardwise.memory import ActivationMeter, PeakMeter
 from shardwise.phases import PhaseTimer
 from shardwise.ps.worker import PSConfig
 from shardwise.reporting import MetricsFile, ProgressReporter, write_summary
@@ -191,6 +191,7 @@ class Run:
     loss: float = float("nan")
     memory: dict[str, int] = field(default_factory=dict)
     predicted: dict[str, Any] = field(default_factory=dict)  # costs.for_run, before step 1
+    data_bytes: int = 0  # tensors alive beside the job's own (its dataset): not its peak's
 
     def __post_init__(self) -> None:
         self.batches = _endless(self.loader)
@@ -231,6 +232,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
         torch.set_num_threads(cfg.launch.threads_per_rank)
     comm.flight.recorder.reset()
     job = build_job(cfg)
+    data_bytes = _data_bytes(job.model, rt.device) if cfg.train.measure else 0
     out = agree_run_dir(cfg, run_dir, rt)
     predicted = _predict(cfg, job, rt, out) if rt.is_main and not resume else {}
     model, opt = sw.prepare(
@@ -267,6 +269,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
         PhaseTimer(model, cfg.train.measure, sample_every=cfg.train.log_every),
         skip=set(cfg.train.skip_batches),
         predicted=predicted,
+        data_bytes=data_bytes,
     )
     if cfg.train.trace_steps:
         run.timeline = Timeline(rt.rank, injector.clock())
@@ -283,6 +286,12 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
             ledger.truncate(out, run.start_step)  # steps after the checkpoint run again
     comm.barrier()  # (nobody writes its ledger before rank 0 cut it)
     return run
+
+
+def _data_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of the tensors alive on `device` beside the model's own: the dataset, mostly."""
+    own = sum(memory.storage_bytes([*model.parameters(), *model.buffers()]).values())
+    return memory.live_bytes(device) - own
 
 
 def _predict(cfg: Config, job: Job, rt: sw.Runtime, out: Path) -> dict[str, Any]:
@@ -397,56 +406,61 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
         x, y = (t.to(run.rt.device) for t in _next_batch(run, step))
     measure_memory = step == cfg.train.steps  # the model state at its fullest, activations too
     meter = ActivationMeter() if measure_memory and cfg.train.measure else contextlib.nullcontext()
-    with phases.phase("backward"):  # (and the forward calls, which PhaseTimer's hooks time)
-        started = time.perf_counter()
-        loss_fn = run.job.loss_fn
-        if run.faults.poisons_loss(step):
-            loss_fn = _poisoned(loss_fn)
-        # The loader planned every rank's batch, so it knows the global one (in samples); a
-        # per-token loss weighs real tokens, summed over the ranks by the strategy.
-        tokens = _tokens(run.job, y)
-        total = run.loader.global_batch if tokens is None else None
-        with meter:
-            # An emulated straggler computes slowly: the delay comes before its gradients
-            # exist (after them, DDP's all-reduce, started during backward, would hide it).
-            if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
-                time.sleep(delay)
-            slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
-            local_loss = sw.train_step(model, x, y, loss_fn, samples=tokens, total=total)
-        waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
-        # Forward and backward (a slowed rank's sleep included): what the balancer measures.
-        work_s = time.perf_counter() - started - waited
-        run.faults.observe_work(y.shape[0], work_s - slept - (delay or 0.0))
-        if measure_memory:  # gradients present: the model state at its fullest
-            run.memory = sw.memory_report(model, opt)
-            if isinstance(meter, ActivationMeter):
-                run.memory["activations"] = meter.peak
-    with phases.phase("sync"):
-        # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
-        # lowers the scale); only the loss is ours to check then.
-        grads_finite = model.scales_loss() or _grads_finite(model)
-        count = y.shape[0] if tokens is None else tokens  # the logged loss: a mean over these
-        run.loss, run.stopping, bad_ranks = _agree(
-            run, local_loss, count, grads_finite, run.faults.desyncs(step)
-        )
-        lr = run.scheduler.get_last_lr()[0]
-    record: dict[str, Any] = {}
-    with phases.phase("optimizer"):
-        if bad_ranks:
-            opt.zero_grad()  # the update is skipped everywhere; so is the schedule's step
-        else:
-            run.bad_streak, run.bad_batches = 0, []
-            if cfg.train.clip_grad_norm:
-                record["grad_norm"] = float(model.clip_grad_norm_(cfg.train.clip_grad_norm))
-            elif cfg.train.measure and step % cfg.train.log_every == 0:  # every rank alike: a
-                record["grad_norm"] = model.grad_square_sum().sqrt().item()  # sharded sum meets
-            if model.scales_loss():
-                record["loss_scale"] = model.loss_scale()
-            opt.step()
-            opt.zero_grad()
-            run.scheduler.step()
-        if bad_ranks:
-            _nonfinite(run, step, bad_ranks)
+    # The most bytes alive at once in the measured step, beside its prediction.
+    peak = PeakMeter(run.rt.device) if measure_memory and cfg.train.measure else None
+    with peak or contextlib.nullcontext():
+        with phases.phase("backward"):  # (and the forward calls, which PhaseTimer's hooks time)
+            started = time.perf_counter()
+            loss_fn = run.job.loss_fn
+            if run.faults.poisons_loss(step):
+                loss_fn = _poisoned(loss_fn)
+            # The loader planned every rank's batch, so it knows the global one (in samples); a
+            # per-token loss weighs real tokens, summed over the ranks by the strategy.
+            tokens = _tokens(run.job, y)
+            total = run.loader.global_batch if tokens is None else None
+            with meter:
+                # An emulated straggler computes slowly: the delay comes before its gradients
+                # exist (after them, DDP's all-reduce, started during backward, would hide it).
+                if delay := straggler_delay(cfg.train, run.shard[1], run.shard[0], step):
+                    time.sleep(delay)
+                slept = run.faults.slow_ahead(y.shape[0], step=step)  # an emulated slower rank
+                local_loss = sw.train_step(model, x, y, loss_fn, samples=tokens, total=total)
+            waited = comm.stats.step_wait_s() - waited0  # blocked in collectives: not work
+            # Forward and backward (a slowed rank's sleep included): what the balancer measures.
+            work_s = time.perf_counter() - started - waited
+            run.faults.observe_work(y.shape[0], work_s - slept - (delay or 0.0))
+            if measure_memory:  # gradients present: the model state at its fullest
+                run.memory = sw.memory_report(model, opt)
+                if isinstance(meter, ActivationMeter):
+                    run.memory["activations"] = meter.peak
+        with phases.phase("sync"):
+            # An fp16 loss scaler checks the gradients itself (an overflow: it skips the step and
+            # lowers the scale); only the loss is ours to check then.
+            grads_finite = model.scales_loss() or _grads_finite(model)
+            count = y.shape[0] if tokens is None else tokens  # the logged loss: a mean over these
+            run.loss, run.stopping, bad_ranks = _agree(
+                run, local_loss, count, grads_finite, run.faults.desyncs(step)
+            )
+            lr = run.scheduler.get_last_lr()[0]
+        record: dict[str, Any] = {}
+        with phases.phase("optimizer"):
+            if bad_ranks:
+                opt.zero_grad()  # the update is skipped everywhere; so is the schedule's step
+            else:
+                run.bad_streak, run.bad_batches = 0, []
+                if cfg.train.clip_grad_norm:
+                    record["grad_norm"] = float(model.clip_grad_norm_(cfg.train.clip_grad_norm))
+                elif cfg.train.measure and step % cfg.train.log_every == 0:  # every rank alike: a
+                    record["grad_norm"] = model.grad_square_sum().sqrt().item()  # sharded sum meets
+                if model.scales_loss():
+                    record["loss_scale"] = model.loss_scale()
+                opt.step()
+                opt.zero_grad()
+                run.scheduler.step()
+    if peak is not None:
+        run.memory["step_peak"] = peak.peak - run.data_bytes
+    if bad_ranks:
+        _nonfinite(run, step, bad_ranks)
     step_time = time.perf_counter() - t0
     step_comm = comm.stats.end_step()
     if run.balancer or cfg.data.rank_weights:

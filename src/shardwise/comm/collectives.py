@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -50,12 +51,22 @@ class Handle:
         stats.add_wait(self.op, timer.elapsed())
 
 
-def group_size(group: ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group)
+@dataclass(frozen=True)
+class TraceGroup:
+    """A stand-in for a process group when one rank's share of a model is traced on fake tensors
+    (the cost model): its collectives move nothing, count nothing and return at once, since
+    only shapes matter there."""
+
+    size: int
+    rank: int
 
 
-def group_rank(group: ProcessGroup | None = None) -> int:
-    return dist.get_rank(group)
+def group_size(group: ProcessGroup | TraceGroup | None = None) -> int:
+    return group.size if isinstance(group, TraceGroup) else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | TraceGroup | None = None) -> int:
+    return group.rank if isinstance(group, TraceGroup) else dist.get_rank(group)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -75,6 +86,8 @@ def _issue(
     tensor: torch.Tensor | None = None,
 ) -> Handle:
     """Run a backend call, count it, and either wait (timing the wait) or hand back a Handle."""
+    if isinstance(group, TraceGroup):
+        return Handle(op, None, None)
     recorded = recorder.issue(op, group, tensor)
     timer = Timer()
     work = call()

@@ -4,12 +4,14 @@ Everything travels as tensors over c10d point-to-point messages (`comm.messages`
 is 8 int64 values: kind, then up to 6 integers whose meaning depends on the kind, then the
 payload's element count (0: no payload). Objects that are not tensors (a model's signature, an
 error message) travel as UTF-8 JSON in a uint8 payload: nothing received is ever executed. A
-header's length is checked against the kind's bound before it sizes anything.
+header's length is checked against the kind's bound before it sizes anything. Every message
+written or read is counted in `traffic` (by peer, direction and kind).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from enum import IntEnum
 
@@ -42,6 +44,38 @@ class Kind(IntEnum):
     BATCH = 14
 
 
+class Traffic:
+    """Messages and bytes this process wrote and read, per (direction, peer, kind): what went
+    on the wire, header and payload (`comm.accounting` counts only bytes sent, not per peer).
+    Receiving threads and the outbox's sending threads count at once: hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, int, str], list[int]] = {}
+
+    def add(self, direction: str, peer: int, kind: int, nbytes: int, messages: int = 1) -> None:
+        try:
+            name = Kind(kind).name
+        except ValueError:  # (a header of an unknown kind, refused by `recv`)
+            name = str(kind)
+        with self._lock:
+            entry = self._counts.setdefault((direction, peer, name), [0, 0])
+            entry[0] += messages
+            entry[1] += nbytes
+
+    def snapshot(self) -> dict[tuple[str, int, str], tuple[int, int]]:
+        """(direction "sent" or "received", peer rank, kind name) -> (messages, bytes)."""
+        with self._lock:
+            return {key: (n, b) for key, (n, b) in self._counts.items()}
+
+
+traffic = Traffic()  # this process's
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, group=None) -> None:
     """Send a header (and its payload) to rank `dst` of `group`, waiting until both are out."""
     head = messages.header(int(kind), *ints)
@@ -51,6 +85,7 @@ def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, 
         handles.append(comm.send(payload.contiguous(), dst, group))
     for h in handles:
         h.wait()
+    traffic.add("sent", dst, kind, _nbytes(head) + (0 if payload is None else _nbytes(payload)))
 
 
 class ProtocolError(ValueError):
@@ -85,6 +120,7 @@ def recv(
     of bounds (`max_numel` for tensors of parameters or gradients): the stream from that rank
     can no longer be trusted to be in step."""
     h = messages.recv_header(src, group)
+    traffic.add("received", src, int(h[0]), _nbytes(h))  # (counted even if refused below)
     try:
         kind = Kind(int(h[0]))
     except ValueError:
@@ -99,6 +135,7 @@ def recv(
         return h, None
     out = torch.empty(numel, dtype=PAYLOAD_DTYPE.get(kind, dtype or torch.float32))
     comm.recv(out, src, group)
+    traffic.add("received", src, int(kind), _nbytes(out), messages=0)  # (the header's message)
     return h, out
 
 

@@ -112,13 +112,20 @@ class ZeroStage1(DistributedModel):
         )
 
     def _finish(self) -> None:
-        for unit, shard in zip(self.units, self.shards, strict=True):
-            unit.handle.wait()
-            unit.handle = None
-            self.masters.take_grad(unit, shard, keep_full=self.keeps_full_grads)
-            self.release_full_grad(unit)
-            unit.reduced = None
+        for i in range(len(self.units)):
+            self._complete(i)
         self.batch_share.done()
+
+    def _complete(self, index: int) -> None:
+        """Wait for unit `index`'s reduce-scatter and hand its slice to the shard."""
+        unit = self.units[index]
+        if unit.handle is None:
+            return  # completed already
+        unit.handle.wait()
+        unit.handle = None
+        self.masters.take_grad(unit, self.shards[index], self.keeps_full_grads)
+        self.release_full_grad(unit)
+        unit.reduced = None
 
     def declare_batch(self, samples: int, total: int | None = None) -> None:
         self.batch_share.declare(samples, total)

@@ -31,6 +31,15 @@ class ZeroStage2(ZeroStage1):
         unit.slot(unit.grad_full, p).copy_(p.grad)
         p.grad = None  # the parameter's gradient is not kept beyond this hook
 
+    def _launch(self, index: int) -> None:
+        # At most two reductions in flight: the one launched before this one is waited for
+        # now, so its full gradient goes while backward runs on (left to the end of backward,
+        # every unit's would be alive at once, as much as stage 1 keeps).
+        earlier = [i for i, u in enumerate(self.units) if u.handle is not None]
+        super()._launch(index)
+        for i in earlier:
+            self._complete(i)
+
     def release_full_grad(self, unit: FlatUnit) -> None:
         unit.grad_full = None  # reduced: only this rank's slice lives on, as the shard's grad
 
