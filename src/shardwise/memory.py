@@ -123,10 +123,24 @@ class PeakMeter(TorchDispatchMode):
         self.total = sum(entry[1] for entry in live.values())
         return self.total
 
-    def __enter__(self) -> PeakMeter:
+    def scan(self) -> PeakMeter:
+        """Find what is alive (entering does it, unless done before: call it first where its
+        cost, a pass of the garbage collector, should be timed apart)."""
         for t in self.alive if self.alive is not None else _all_tensors():
             self._add(t)
         self.start = self.peak = self.current()
+        self.alive = []  # found
+        return self
+
+    def include(self, *tensors: torch.Tensor) -> None:
+        """Count tensors made between `scan` and entering (a batch)."""
+        for t in tensors:
+            self._add(t)
+        self.start = self.peak = self.current()
+
+    def __enter__(self) -> PeakMeter:
+        if self.alive != []:
+            self.scan()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -400,14 +400,17 @@ def batch_sizes(cfg: Config, replicas: int) -> int | list[int]:
 def run_step(run: Run, step: int, loop_start: float) -> None:
     """One optimizer step, its globally averaged loss, and its line in metrics.jsonl."""
     cfg, model, opt, phases = run.cfg, run.model, run.opt, run.phases
+    measure_memory = step == cfg.train.steps  # the model state at its fullest, activations too
+    meter = ActivationMeter() if measure_memory and cfg.train.measure else contextlib.nullcontext()
+    # The most bytes alive at once in the measured step, beside its prediction. What is alive
+    # at its start is found (a pass of the garbage collector) before the step's clock starts.
+    peak = PeakMeter(run.rt.device).scan() if measure_memory and cfg.train.measure else None
     phases.start_step(step)
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
     with phases.phase("data"):
         x, y = (t.to(run.rt.device) for t in _next_batch(run, step))
-    measure_memory = step == cfg.train.steps  # the model state at its fullest, activations too
-    meter = ActivationMeter() if measure_memory and cfg.train.measure else contextlib.nullcontext()
-    # The most bytes alive at once in the measured step, beside its prediction.
-    peak = PeakMeter(run.rt.device) if measure_memory and cfg.train.measure else None
+    if peak is not None:
+        peak.include(x, y)
     with peak or contextlib.nullcontext():
         with phases.phase("backward"):  # (and the forward calls, which PhaseTimer's hooks time)
             started = time.perf_counter()
