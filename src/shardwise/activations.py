@@ -81,60 +81,56 @@ def fake_state(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.
     return state
 
 
-class _Pass(nn.Module):
+class TrainingPass(nn.Module):
     """Forward through some layers, the loss (or a sum) and backward, as one module call: so
     that `functional_call` keeps the fake parameters in place through backward, where
-    checkpointed regions run their forward again."""
+    checkpointed regions run their forward again. With `dtype`, float inputs are cast to it
+    and the output back to fp32, as mixed precision's hooks do."""
 
-    def __init__(self, layers: Sequence[nn.Module], loss, dtype: torch.dtype | None) -> None:
+    def __init__(self, layers: Sequence[nn.Module], loss_fn, dtype: torch.dtype | None = None):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.loss, self.dtype = loss, dtype
+        self.loss_fn, self.dtype = loss_fn, dtype
 
-    def forward(self, x: torch.Tensor) -> None:
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.dtype is not None and x.is_floating_point():
             x = x.to(self.dtype)
         for layer in self.layers:
             x = layer(x)
         if self.dtype is not None:
             x = x.float()
-        (self.loss(x) if self.loss is not None else x.float().sum()).backward()
+        (self.loss_fn(x, y) if self.loss_fn is not None else x.float().sum()).backward()
 
 
 def backward_peak(
-    layers: Sequence[nn.Module] | nn.Module,
-    make_input: Callable[[], torch.Tensor],
+    model: nn.Module,
+    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     dtype: torch.dtype | None = None,
-    loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     keep_grads: bool = True,
     emulation: Callable[[dict[str, nn.Parameter]], list] | None = None,
 ) -> int:
-    """The most bytes one forward and backward of `layers` on `make_input()` holds at once
-    beyond the parameters and the input (activations, the operators' temporaries, gradients):
-    `PeakMeter` on fake tensors. With `keep_grads` False, each parameter's gradient is let go
-    once accumulated (a strategy that moves it into a bucket or reduces it at once).
-    `emulation(params)`, for a single module, installs a strategy's hooks on its fake
-    parameters (by name) and returns handles to remove afterwards."""
-    modules = [layers] if isinstance(layers, nn.Module) else list(layers)
+    """The most bytes one forward, loss and backward of `model` on `batch()` (inputs and
+    targets, made in the fake mode) holds at once beyond the parameters and the batch
+    (activations, the operators' temporaries, gradients): `PeakMeter` on fake tensors. With
+    `keep_grads` False, each parameter's gradient is let go once accumulated (a strategy that
+    moves it into a bucket or reduces it at once). `emulation(params)` installs a strategy's
+    hooks on the fake parameters (by name) and returns handles to remove afterwards."""
     handles = []
     with FakeTensorMode():
-        states = [fake_state(module, dtype) for module in modules]
-        x = make_input()
-        if x.is_floating_point():  # a later pipeline stage: its input's gradient goes back
-            x.requires_grad_(True)
-        params = [p for state in states for p in state.values() if isinstance(p, nn.Parameter)]
+        params = fake_state(model, dtype)
+        x, y = batch()
         if emulation is not None:
-            handles = emulation(states[0])
+            handles = emulation(params)
         elif not keep_grads:
-            for p in params:
-                if p.requires_grad:
+            for p in params.values():
+                if isinstance(p, nn.Parameter) and p.requires_grad:
                     p.register_post_accumulate_grad_hook(let_go)
-        step = _Pass(modules, loss, dtype)
-        state = {f"layers.{i}.{k}": v for i, st in enumerate(states) for k, v in st.items()}
-        meter = PeakMeter(alive=[x, *state.values()])
+        state = {f"layers.0.{k}": v for k, v in params.items()}
+        meter = PeakMeter(alive=[x, y, *state.values()])
         try:
             with meter:
-                functional_call(step, state, (x,))
+                functional_call(TrainingPass([model], loss_fn, dtype), state, (x, y))
         finally:
             for handle in handles:
                 handle.remove()
@@ -149,17 +145,27 @@ def let_go(p: torch.Tensor) -> None:
 def optimizer_peak(numels: Sequence[int], optimizer: str, dtype=torch.float32) -> int:
     """The most bytes one optimizer step (not the first, which makes its state) over tensors of
     `numels` elements allocates at once beyond what exists before it."""
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
+    if not any(numels):
+        return 0
     with FakeTensorMode():
-        params = [nn.Parameter(torch.empty(n, dtype=dtype)) for n in numels if n]
-        if not params:
-            return 0
-        for p in params:
-            p.grad = torch.empty_like(p)
-        opt = cls[optimizer](params, lr=1e-3, **kwargs)
-        opt.step()
+        opt = stepped_optimizer(numels, optimizer, dtype)
+        params = opt.param_groups[0]["params"]
         meter = PeakMeter(alive=[*params, *(p.grad for p in params), *optimizer_tensors(opt)])
         with meter:
             opt.step()
     return meter.peak - meter.start
+
+
+def stepped_optimizer(
+    numels: Sequence[int], optimizer: str, dtype: torch.dtype = torch.float32
+) -> torch.optim.Optimizer:
+    """An optimizer over parameters of `numels` elements, with gradients, stepped once so that
+    its state exists (a later step is what every step costs). Call it in a fake mode."""
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
+    params = [nn.Parameter(torch.empty(n, dtype=dtype)) for n in numels if n]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    opt = cls[optimizer](params, lr=1e-3, **kwargs)
+    opt.step()
+    return opt

@@ -37,20 +37,19 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from shardwise.activations import fake_state, optimizer_peak, saved_bytes
+from shardwise.activations import fake_state, saved_bytes
 from shardwise.comm.accounting import native_volume
 from shardwise.comm.collectives import TraceGroup
 from shardwise.comm.flat import split_bounds
-from shardwise.comm.parallel_ops import vocab_parallel_cross_entropy
 from shardwise.mesh import coordinates
-from shardwise.peaks import ZeroEmulation, batch_bytes, pipeline_peak, step_peak
+from shardwise.peaks import ZeroEmulation, pipeline_peak, step_peak
 from shardwise.recompute import copy_model, recomputed
 from shardwise.section import StrategySection
 from shardwise.strategies.ddp import DDPConfig
 from shardwise.strategies.grad_buckets import assign_buckets
 from shardwise.strategies.pipeline_stages import balanced_split, pipeline_layers
 from shardwise.strategies.relaxed import neighbours
-from shardwise.strategies.tensor_parallel import TensorParallel, VocabParallelHead
+from shardwise.strategies.tensor_parallel import TensorParallel, vocab_parallel_loss
 from shardwise.strategies.zero.stage3 import stage3_units
 
 FP32 = 4
@@ -531,23 +530,10 @@ def tp_local(job: Job, loss_parallel: bool, parts: int, rank: int) -> Job:
     replaced by the tensor-parallel ones of its plan, on a stand-in group that moves nothing,
     and the loss it computes from vocabulary slices (`loss_parallel`)."""
     model = copy_model(job.model)
-    runtime = SimpleNamespace(world_size=parts, rank=rank, group=TraceGroup(parts, rank))
-    strategy = TensorParallel(loss_parallel=loss_parallel)
-    modules = dict(model.named_modules())
-    head = None
-    for pattern, style in model.TP_PLAN.items():
-        for name in [n for n in modules if fnmatch.fnmatchcase(n, pattern)]:
-            new = strategy._parallelize(modules[name], name, style, runtime)
-            if new is not None:
-                parent, _, child = name.rpartition(".")
-                setattr(modules[parent] if parent else model, child, new)
-                head = new if isinstance(new, VocabParallelHead) else head
-    loss_fn = job.loss_fn
-    if loss_parallel and head is not None:
-
-        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return vocab_parallel_cross_entropy(logits, target, head.start, runtime.group)
-
+    group = TraceGroup(parts, rank)
+    runtime = SimpleNamespace(world_size=parts, rank=rank, group=group)
+    head = TensorParallel().apply_plan(model, model.TP_PLAN, runtime)
+    loss_fn = vocab_parallel_loss(job.loss_fn, head if loss_parallel else None, group)
     return replace(job, model=model, loss_fn=loss_fn)
 
 
@@ -603,11 +589,11 @@ def pp_costs(
             costs.add_comm("send", m * boundary[stage - 1] + FP32, m + 1)
         # Its gradients are made each step, accumulating over the micro-batches (a mesh's
         # data axis keeps them in buckets, into which each fresh one is moved).
-        state = sum(costs.memory.values()) + batch_bytes(job.batch, samples)
         schedule = pipeline_peak(job, layers, bounds, stage, s.schedule, m, samples, data_parallel)
-        step = optimizer_peak(numels, job.optimizer)
-        held = state if data_parallel else state - costs.memory["grads"]
-        costs.peak = max(held + schedule, state + step)
+        made = None if data_parallel else costs.memory["grads"]
+        costs.peak = step_peak(
+            job, costs.memory, numels, samples, made_grads=made, backward=schedule
+        )
     return costs
 
 

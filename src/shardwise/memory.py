@@ -88,6 +88,7 @@ class PeakMeter(TorchDispatchMode):
         # What is alive at the start, where the caller knows it (fake tensors: a step traced
         # on them); else every real tensor the garbage collector finds.
         self.alive = alive
+        self.scanned = False
         self.live: dict[int, list] = {}  # storage address -> [weak reference, bytes last seen]
         self.total = 0  # the bytes last seen, summed: at least what is alive, or stale
         self.start = self.peak = 0
@@ -129,7 +130,7 @@ class PeakMeter(TorchDispatchMode):
         for t in self.alive if self.alive is not None else _all_tensors():
             self._add(t)
         self.start = self.peak = self.current()
-        self.alive = []  # found
+        self.scanned = True
         return self
 
     def include(self, *tensors: torch.Tensor) -> None:
@@ -139,7 +140,7 @@ class PeakMeter(TorchDispatchMode):
         self.start = self.peak = self.current()
 
     def __enter__(self) -> PeakMeter:
-        if self.alive != []:
+        if not self.scanned:
             self.scan()
         return super().__enter__()
 

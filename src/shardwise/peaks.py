@@ -47,6 +47,7 @@ def step_peak(
     emulation: Callable[[dict[str, nn.Parameter]], list] | None = None,
     step_extra: int = 0,
     after_step: int = 0,
+    backward: int | None = None,
 ) -> int | None:
     """The largest of the three moments for a rank of `job` (a `costs.Job`) whose model state is
     `memory` (by category) and whose optimizer steps tensors of `optimizer_numels`.
@@ -57,25 +58,22 @@ def step_peak(
     strategy's own lasting state beyond the model state (error feedback, an anchor).
     `emulation(params)` installs the strategy's hooks on the fake parameters (by name).
     `step_extra`: the strategy's buffers beside the optimizer's temporaries; `after_step`:
-    its buffers after the step, with the gradients still there (averages, gathers)."""
+    its buffers after the step, with the gradients still there (averages, gathers).
+    `backward`: what backward makes at its peak, where the caller traced it (a pipeline
+    stage's whole schedule)."""
     if job.batch is None or samples < 1:
         return None
     state = sum(memory.values()) + batch_bytes(job.batch, samples) + buffers
     held = state - (made_grads or 0)
-    made: dict[str, torch.Tensor] = {}
-
-    def make_input() -> torch.Tensor:
-        x, made["y"] = job.batch(samples)
-        return x
-
-    backward = backward_peak(
-        job.model,
-        make_input,
-        dtype,
-        lambda out: job.loss_fn(out, made["y"]),
-        keep_grads=made_grads is not None,
-        emulation=emulation,
-    )
+    if backward is None:
+        backward = backward_peak(
+            job.model,
+            lambda: job.batch(samples),
+            job.loss_fn,
+            dtype,
+            keep_grads=made_grads is not None,
+            emulation=emulation,
+        )
     step = optimizer_peak(optimizer_numels, job.optimizer) + step_extra
     return max(held + backward, state + step, state + after_step)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import costs as cost_model
-from shardwise.activations import fake_state
+from shardwise.activations import TrainingPass, fake_state, stepped_optimizer
 from shardwise.section import StrategySection
 
 KIND = {  # how each recorded op is priced: which calibrated collective it behaves like
@@ -92,29 +91,13 @@ def trace(run, prepare=None) -> Work:
     return Work(operators.work.ops, float(flops.get_total_flops()), operators.work.bytes)
 
 
-class _Step(nn.Module):
-    """Forward, loss and backward of some layers as one call, so that `functional_call` keeps
-    the fake parameters in place through backward (where checkpointed regions recompute)."""
-
-    def __init__(self, layers: list[nn.Module], loss_fn) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.loss_fn = loss_fn
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        for layer in self.layers:
-            x = layer(x)
-        out = self.loss_fn(x, y) if self.loss_fn is not None else x.sum()
-        out.backward()
-
-
 def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> Work:
     """Forward and backward of `samples` through `layers` (default: the whole model) and the
     loss; with `before` (a pipeline's earlier stages), from their output and without the loss
     unless these layers end the model."""
     modules = [job.model] if layers is None else list(layers)
     last = layers is None or modules[-1] is cost_model.pipeline_layers(job.model)[-1]
-    step = _Step(modules, job.loss_fn if last else None)
+    step = TrainingPass(modules, job.loss_fn if last else None)
 
     def prepare():
         x, y = job.batch(samples)
@@ -135,18 +118,7 @@ def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> 
 def optimizer_work(numels: list[int], optimizer: str) -> Work:
     """One optimizer step (not the first, which also makes the state) over tensors of
     `numels` elements."""
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
-
-    def prepare():
-        params = [nn.Parameter(torch.empty(n)) for n in numels]
-        for p in params:
-            p.grad = torch.empty_like(p)
-        opt = cls[optimizer](params, lr=1e-3, **kwargs)
-        opt.step()
-        return opt
-
-    return trace(lambda opt: opt.step(), prepare)
+    return trace(lambda opt: opt.step(), lambda: stepped_optimizer(numels, optimizer))
 
 
 def comm_seconds(costs: cost_model.Costs, cal: dict, compute_s: float) -> float:

@@ -143,6 +143,13 @@ def _parse_style(style: str) -> tuple[str, int]:
     return name, int(chunks or 1)
 
 
+def vocab_parallel_loss(loss_fn, head: VocabParallelHead | None, group):
+    """The loss from the head's vocabulary slices of the logits (`loss_fn` without one)."""
+    if head is None:
+        return loss_fn
+    return lambda logits, target: vocab_parallel_cross_entropy(logits, target, head.start, group)
+
+
 class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
     """This rank's slices of the split layers, and the replicated rest."""
 
@@ -176,12 +183,7 @@ class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
         return sharded + square_sum([p.grad for n, p in named if n not in splits], device)
 
     def adapt_loss(self, loss_fn):
-        head = self.vocab_head
-        if head is None:
-            return loss_fn
-        return lambda logits, target: vocab_parallel_cross_entropy(
-            logits, target, head.start, self.group
-        )
+        return vocab_parallel_loss(loss_fn, self.vocab_head, self.group)
 
     def predict(self, logits: torch.Tensor) -> torch.Tensor:
         head = self.vocab_head
@@ -227,6 +229,12 @@ class TensorParallel(Strategy):
                 f"{type(model).__name__} has no TP_PLAN: pass TensorParallel(plan={{...}})"
             )
         broadcast_module_state(model, group=runtime.group)  # slice the same full weights
+        vocab_head = self.apply_plan(model, plan, runtime)
+        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
+
+    def apply_plan(self, model: nn.Module, plan: dict[str, str], rt) -> VocabParallelHead | None:
+        """Replace the plan's modules of `model` by rank `rt.rank`'s parallel layers (`rt`: a
+        runtime, or anything with world_size, rank and group); the vocabulary head, if any."""
         vocab_head = None
         names = dict(model.named_modules())
         for pattern, style in plan.items():
@@ -234,14 +242,14 @@ class TensorParallel(Strategy):
             if not matched:
                 raise ValueError(f"tensor-parallel plan: no module matches {pattern!r}")
             for module_name in matched:
-                new = self._parallelize(names[module_name], module_name, style, runtime)
+                new = self._parallelize(names[module_name], module_name, style, rt)
                 if new is None:
                     continue
                 parent, _, child = module_name.rpartition(".")
                 setattr(names[parent] if parent else model, child, new)
                 if isinstance(new, VocabParallelHead):
                     vocab_head = new
-        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
+        return vocab_head
 
     def _parallelize(self, module, name: str, style: str, rt: Runtime) -> nn.Module | None:
         """The parallel layer replacing `module`, or None where it is changed in place."""
