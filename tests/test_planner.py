@@ -131,8 +131,13 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     stored = next((tmp_path / "shardwise" / "calibration").glob("*-n2-t*.json"))
     rates = json.loads(stored.read_text())
-    assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2
-    assert {"all_reduce", "all_gather", "reduce_scatter", "send"} <= set(rates["collectives"])
+    assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2 and rates["sample_read_s"] > 0
+    kinds = {"all_reduce", "all_gather", "reduce_scatter", "send", "exchange"}
+    assert kinds <= set(rates["collectives"])
+    for kind in kinds:  # a mean time per payload, 8 B to 4 MiB (volumes as comm counts them)
+        points = rates["collectives"][kind]["points"]
+        assert len(points) == 6 and all(seconds > 0 for _, seconds in points)
+        assert [v for v, _ in points] == sorted(v for v, _ in points)
     after = subprocess.run([*plan, "--json"], capture_output=True, text=True, timeout=300, env=env)
     assert after.returncode == 0, after.stderr[-2000:]
     rows = json.loads(after.stdout)
@@ -143,3 +148,8 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     zero = {row["strategy"]: row["memory_bytes"] for row in rows}
     assert zero["zero3"] < zero["zero2"] < zero["zero1"] < zero["ddp"]
     assert list(tmp_path.glob("runs*")) == []  # nothing written but the calibration
+    del rates["collectives"]["all_reduce"]["points"]  # as an older shardwise wrote it
+    stored.write_text(json.dumps(rates))
+    older = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=env)
+    assert older.returncode == 2 and len(older.stderr.strip().splitlines()) == 1
+    assert "from an older shardwise" in older.stderr and "calibrate --nproc 2" in older.stderr

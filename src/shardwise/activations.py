@@ -85,12 +85,19 @@ class TrainingPass(nn.Module):
     """Forward through some layers, the loss (or a sum) and backward, as one module call: so
     that `functional_call` keeps the fake parameters in place through backward, where
     checkpointed regions run their forward again. With `dtype`, float inputs are cast to it
-    and the output back to fp32, as mixed precision's hooks do."""
+    and the output back to fp32, as mixed precision's hooks do. With `with_backward` False, the
+    forward and the loss only."""
 
-    def __init__(self, layers: Sequence[nn.Module], loss_fn, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        loss_fn,
+        dtype: torch.dtype | None = None,
+        with_backward: bool = True,
+    ):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.loss_fn, self.dtype = loss_fn, dtype
+        self.loss_fn, self.dtype, self.with_backward = loss_fn, dtype, with_backward
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.dtype is not None and x.is_floating_point():
@@ -99,7 +106,9 @@ class TrainingPass(nn.Module):
             x = layer(x)
         if self.dtype is not None:
             x = x.float()
-        (self.loss_fn(x, y) if self.loss_fn is not None else x.float().sum()).backward()
+        loss = self.loss_fn(x, y) if self.loss_fn is not None else x.float().sum()
+        if self.with_backward:
+            loss.backward()
 
 
 def backward_peak(

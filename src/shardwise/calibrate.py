@@ -6,18 +6,24 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
     flop_rate        matrix multiplies (512 x 512 fp32), FLOP/s (rank 0 alone)
     bytes_rate       element-wise work on 16 MiB tensors, bytes read and written per second
     op_overhead_s    one small operator call with autograd recording, seconds
+    sample_read_s    one sample read and collated by torch's DataLoader, seconds
     concurrency      how many ranks' work the machine does at once: the ranks' mean matmul
                      rate when all run, times N, over the rate of one alone (about the cores
                      when ranks outnumber them)
-    collectives      per kind (all_reduce, all_gather, reduce_scatter, send): latency in
-                     seconds and bandwidth in bytes/s, fitted to t = latency + volume/bandwidth
-                     over payloads of 8 B to 4 MiB (volume: the bytes one rank sends, as
-                     `comm.accounting` counts them)
+    collectives      per kind (all_reduce, all_gather, reduce_scatter; send: one message from
+                     rank 0 to 1; exchange: every rank sends right, receives from the left, as
+                     a ring's step): the mean seconds
+                     of one call at payloads of 8 B to 4 MiB, each right after a burst of
+                     compute as in a training step (`points`: volume, seconds; the volume is
+                     the bytes one rank sends, as `comm.accounting` counts them), and the
+                     least-squares line t = latency + volume / bandwidth through them. A
+                     mean, not a median: a step's time is the sum of its calls, and on shared
+                     cores a few calls in ten take several times the typical one
     wait_s, wait_per_compute
-                     what one collective costs after a burst of compute, fitted to
+                     what one small collective costs after a burst of compute, fitted to
                      wait_s + wait_per_compute x burst: waking, and waiting for ranks that
-                     shared cores to arrive (the plain latency, and about 0 per unit of
-                     compute, when each rank has cores of its own)
+                     shared cores to arrive (about 0 per unit of compute when each rank has
+                     cores of its own)
 
 The result lives in `$XDG_CACHE_HOME/shardwise/calibration/` (default ~/.cache), one file per
 host, world size and threads per rank, or where `--out` says.
@@ -37,7 +43,9 @@ from pathlib import Path
 
 import torch
 
-SIZES = (8, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # collective payloads, bytes
+SIZES = (8, 4096, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # payloads, bytes
+CALLS = 100  # calls timed per payload (or as many as POINT_S allows): enough for the slow few
+POINT_S = 1.5  # in ten to weigh in the mean
 
 
 def cache_path(nproc: int, threads: int | None = None) -> Path:
@@ -53,31 +61,32 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     if not file.is_file():
         return None
     data = json.loads(file.read_text())
-    complete = isinstance(data, dict) and ("wait_s" in data or nproc == 1)
-    if not complete or data.get("nproc") != nproc:
+    complete = isinstance(data, dict) and (
+        nproc == 1 or "points" in data.get("collectives", {}).get("all_reduce", {})
+    )
+    if not isinstance(data, dict) or data.get("nproc") != nproc:
         raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
+    if not complete:
+        raise ValueError(
+            f"{file} is from an older shardwise (no per-payload timings): run shardwise "
+            f"calibrate --nproc {nproc}"
+        )
     return data
 
 
-def _median_time(fn: Callable[[], object], reps: int = 7) -> float:
+def _throughput(fn: Callable[[], object], window_s: float = 0.3, windows: int = 3) -> float:
+    """Calls of `fn` per second: the median over `windows` windows, each long enough to
+    include the time slices a rank loses to others on shared cores (one call's time would
+    not: it may run uninterrupted); the median, since a virtual machine's rates drift."""
     fn()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def _throughput(fn: Callable[[], object], window_s: float = 0.4) -> float:
-    """Calls of `fn` per second over a window long enough to include the time slices a rank
-    loses to others on shared cores (one call's time would not: it may run uninterrupted)."""
-    fn()
-    calls, started = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - started) < window_s:
-        fn()
-        calls += 1
-    return calls / elapsed
+    rates = []
+    for _ in range(windows):
+        calls, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < window_s:
+            fn()
+            calls += 1
+        rates.append(calls / elapsed)
+    return statistics.median(rates)
 
 
 def _compute_rates() -> dict[str, float]:
@@ -94,7 +103,23 @@ def _compute_rates() -> dict[str, float]:
         y.sum().backward()
 
     op_overhead = 1 / (401 * _throughput(small_ops))  # 200 forward ops, 200 backward, the sum
-    return {"flop_rate": flop_rate, "bytes_rate": bytes_rate, "op_overhead_s": op_overhead}
+    return {
+        "flop_rate": flop_rate,
+        "bytes_rate": bytes_rate,
+        "op_overhead_s": op_overhead,
+        "sample_read_s": _sample_read_s(),
+    }
+
+
+def _sample_read_s() -> float:
+    """Seconds per sample that torch's DataLoader takes to read batches of 32 from a
+    map-style dataset in memory, one sample at a time, and collate them (what the trainer's
+    loader does each step)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(1024, 64), torch.randint(0, 10, (1024,)))
+    loader = DataLoader(data, batch_sampler=[range(i, i + 32) for i in range(0, 1024, 32)])
+    return 1 / (1024 * _throughput(lambda: sum(1 for _ in loader)))
 
 
 def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
@@ -108,30 +133,49 @@ def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
     return {"latency_s": latency, "bandwidth": 1 / slope if slope > 0 else float("inf")}
 
 
-def _collective_rates() -> dict[str, dict[str, float]]:
+def _mean_after_burst(call: Callable[[], object], burst: Callable[[], object]) -> float:
+    """Mean seconds of `call()` issued right after `burst()`, over CALLS calls or POINT_S
+    seconds (rank 0's clock decides, so every rank makes the same calls)."""
+    import torch.distributed as dist
+
+    call()
+    total, calls, go = 0.0, 0, torch.ones(1)
+    began = time.perf_counter()
+    while calls < CALLS and go.item():
+        burst()
+        started = time.perf_counter()
+        call()
+        total += time.perf_counter() - started
+        calls += 1
+        if calls % 10 == 0:  # (a tiny broadcast, out of the timed calls)
+            go.fill_(float(time.perf_counter() - began < POINT_S))
+            dist.broadcast(go, 0)
+    return total / calls
+
+
+def _collective_rates() -> dict[str, dict]:
     import torch.distributed as dist
 
     from shardwise import comm
-    from shardwise.comm.accounting import native_volume
 
     n, rank = dist.get_world_size(), dist.get_rank()
+    a = torch.randn(256, 256)
+
+    def burst() -> None:  # about a millisecond of one rank's compute: a step's between calls
+        for _ in range(3):
+            a @ a
+
     out = {}
+    # Each kind over every rank, then over groups of each smaller size that divides them, all
+    # groups at once (a mesh's axes: tensor parallel's all-reduces among t ranks).
+    sizes = [g for g in range(2, n) if n % g == 0]
+    groups = {g: dist.new_subgroups(g)[0] for g in sizes}
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        points = []
-        for size in SIZES:
-            numel = max(n, size // 4 // n * n)  # (n divides it)
-            full = torch.zeros(numel)
-            part = torch.zeros(numel // n)
-            run = {
-                "all_reduce": lambda full=full: comm.all_reduce(full),
-                "all_gather": lambda full=full, part=part: comm.all_gather_into_tensor(full, part),
-                "reduce_scatter": lambda full=full, part=part: comm.reduce_scatter_tensor(
-                    part, full
-                ),
-            }[op]
-            dist.barrier()
-            points.append((native_volume(op, numel * 4, n), _median_time(run, reps=9)))
-        out[op] = _fit(points)
+        out[op] = _collective(op, None, n, burst)
+        if groups:
+            out[op]["groups"] = {
+                str(g): _collective(op, group, g, burst) for g, group in groups.items()
+            }
     points = []
     for size in SIZES:  # ranks 0 and 1 exchange; the others wait
         t = torch.zeros(max(1, size // 4))
@@ -145,9 +189,58 @@ def _collective_rates() -> dict[str, dict[str, float]]:
                 dist.send(t, 0)
 
         dist.barrier()
-        points.append((t.numel() * 4, _median_time(ping, reps=5) / 2))
-    out["send"] = _fit(points)
+        points.append((t.numel() * 4, _mean_after_burst(ping, burst) / 2))
+    out["send"] = {**_fit(points), "points": [list(p) for p in points]}  # (rank 0's: it writes)
+    points = []
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for size in SIZES:  # a ring's step: every rank sends right while it receives from the left
+        mine, theirs = torch.zeros(max(1, size // 4)), torch.zeros(max(1, size // 4))
+
+        def step(mine: torch.Tensor = mine, theirs: torch.Tensor = theirs) -> None:
+            comm.exchange([(mine, right)], [(theirs, left)])
+
+        dist.barrier()
+        points.append((mine.numel() * 4, _mean_after_burst(step, burst)))
+    agreed = _agreed(points)
+    out["exchange"] = {**_fit(agreed), "points": agreed}
     return out
+
+
+def _collective(op: str, group, n: int, burst: Callable[[], object]) -> dict:
+    """Mean seconds of one call of `op` among the `n` ranks of `group` (None: all), at each
+    payload, and the line through them."""
+    import torch.distributed as dist
+
+    from shardwise import comm
+    from shardwise.comm.accounting import native_volume
+
+    points = []
+    for size in SIZES:
+        numel = max(n, size // 4 // n * n)  # (n divides it)
+        full, part = torch.zeros(numel), torch.zeros(numel // n)
+        run = {
+            "all_reduce": lambda full=full: comm.all_reduce(full, group),
+            "all_gather": lambda full=full, part=part: comm.all_gather_into_tensor(
+                full, part, group
+            ),
+            "reduce_scatter": lambda full=full, part=part: comm.reduce_scatter_tensor(
+                part, full, group=group
+            ),
+        }[op]
+        dist.barrier()
+        points.append((native_volume(op, numel * 4, n), _mean_after_burst(run, burst)))
+    agreed = _agreed(points)
+    return {**_fit(agreed), "points": agreed}
+
+
+def _agreed(points: list[tuple[float, float]]) -> list[list[float]]:
+    """The ranks' mean seconds at each point (each rank timed its own calls)."""
+    import torch.distributed as dist
+
+    seconds = torch.tensor([t for _, t in points], dtype=torch.float64)
+    dist.all_reduce(seconds)
+    n = dist.get_world_size()
+    return [[v, t / n] for (v, _), t in zip(points, seconds.tolist(), strict=True)]
 
 
 def _waits() -> dict[str, float]:
@@ -162,7 +255,7 @@ def _waits() -> dict[str, float]:
     for matmuls in (2, 10, 40):  # about 1, 5 and 20 ms of one rank's compute
         dist.barrier()
         waits, bursts = [], []
-        for _ in range(9):
+        for _ in range(CALLS):
             started = time.perf_counter()
             for _ in range(matmuls):
                 a @ a
@@ -170,7 +263,7 @@ def _waits() -> dict[str, float]:
             dist.all_reduce(flag)
             waits.append(time.perf_counter() - middle)
             bursts.append(middle - started)
-        mean = torch.tensor([statistics.median(bursts), statistics.median(waits)])
+        mean = torch.tensor([statistics.mean(bursts), statistics.mean(waits)])
         dist.all_reduce(mean)
         burst, wait = (mean / dist.get_world_size()).tolist()
         points.append((burst, wait))

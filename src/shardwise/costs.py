@@ -61,21 +61,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
+class Traffic:
+    """Calls of one collective per step, alike in payload: what the step-time model prices."""
+
+    op: str
+    nbytes: float  # sent by this rank over all of them
+    calls: float
+    ranks: int | None  # the group's size (None: every rank)
+
+
+@dataclass
 class Costs:
     """One rank's predicted model state (bytes by category) and bytes sent per step by op."""
 
     memory: dict[str, int] = field(default_factory=dict)
     comm: dict[str, int] = field(default_factory=dict)  # per step, averaged over a sync period
     calls: dict[str, float] = field(default_factory=dict)  # collective calls per step, by op
+    traffic: list[Traffic] = field(default_factory=list)  # the same, call by call
     activations: int | None = None  # peak bytes saved for backward (None: no batch given)
     peak: int | None = None  # the most bytes alive at once in a step (None: no batch given)
     optimizer_numels: list[int] = field(default_factory=list)  # the tensors its optimizer steps
     notes: list[str] = field(default_factory=list)
 
-    def add_comm(self, op: str, nbytes: float, calls: float = 1) -> None:
+    def add_comm(self, op: str, nbytes: float, calls: float = 1, ranks: int | None = None) -> None:
+        """`calls` of `op` sending `nbytes` in all, among `ranks` ranks (None: every rank)."""
         if nbytes:  # (a collective over one rank sends nothing)
             self.comm[op] = self.comm.get(op, 0) + nbytes
             self.calls[op] = self.calls.get(op, 0) + calls
+            self.traffic.append(Traffic(op, nbytes, calls, ranks))
 
     def as_dict(self) -> dict:
         memory = {**self.memory, "total": sum(self.memory.values())}
@@ -210,9 +223,11 @@ def ddp_costs(job: Job, s: StrategySection) -> Costs:
         leaders = -(-n // group)
         for numel in buckets:
             if job.rank % group == 0:
-                costs.add_comm("all_reduce", native_volume("all_reduce", numel * elem, leaders))
+                volume = native_volume("all_reduce", numel * elem, leaders)
+                costs.add_comm("all_reduce", volume, ranks=leaders)
                 members = min(group, n - job.rank)
-                costs.add_comm("broadcast", native_volume("broadcast", numel * elem, members, True))
+                volume = native_volume("broadcast", numel * elem, members, True)
+                costs.add_comm("broadcast", volume, ranks=members)
             else:
                 costs.add_comm("reduce", numel * elem)
     return costs
@@ -456,8 +471,8 @@ def _part(size: int, parts: int, rank: int) -> int:
     return end - start
 
 
-def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tuple[int, int]:
-    """(bytes, calls) of tensor parallel's all-reduces per step over `tokens` rows of
+def tp_calls(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> list[tuple[int, int]]:
+    """(bytes per call, calls) of tensor parallel's all-reduces per step over `tokens` rows of
     activations: forward after each row-parallel layer and the vocabulary embedding (twice
     inside a checkpointed region, but for its last row-parallel layer), backward before each
     column-parallel layer and the head, and three of one float per token in the
@@ -468,7 +483,7 @@ def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tup
     # row-parallel layer (whose output only joins the residual) is not run again.
     rowwise = [n for n in dict(model.named_modules()) if _style(plan, n) == "rowwise"]
     final = {max((n for n in rowwise if n.startswith(r + ".")), default=None) for r in regions}
-    total = calls = 0
+    calls = []
     for name, module in model.named_modules():
         style = _style(plan, name)
         if style == "rowwise":
@@ -485,12 +500,10 @@ def tp_bytes(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> tup
             and name not in final
             and any(name == r or name.startswith(r + ".") for r in regions)
         )
-        total += (2 if again else 1) * native_volume("all_reduce", tokens * width * elem, parts)
-        calls += 2 if again else 1
+        calls.append((native_volume("all_reduce", tokens * width * elem, parts), 2 if again else 1))
         if style == "vocab_head":
-            total += 3 * native_volume("all_reduce", tokens * elem, parts)
-            calls += 3
-    return total, calls
+            calls.append((native_volume("all_reduce", tokens * elem, parts), 3))
+    return calls
 
 
 def _style(plan: dict[str, str], name: str) -> str:
@@ -515,7 +528,8 @@ def tp_costs(
     samples = job.global_batch if samples is None else samples
     tokens = _tokens(job, samples)
     if tokens is not None:
-        costs.add_comm("all_reduce", *tp_bytes(job.model, parts, tokens))
+        for nbytes, calls in tp_calls(job.model, parts, tokens):
+            costs.add_comm("all_reduce", nbytes * calls, calls, ranks=parts)
         local = tp_local(job, s.loss_parallel, parts, rank)
         costs.activations = local.activations(samples)[0]
         # Its gradients are plain ones, made each step (a mesh's data axis keeps them in
@@ -582,7 +596,7 @@ def pp_costs(
         # Per micro-batch: its activations forward to the next stage, the gradient of its
         # input back to the previous one; per step, a header (8 int64) and the loss (fp32)
         # from the last stage back.
-        boundary = _boundary_bytes(job, layers, bounds, samples // m)
+        boundary = boundary_bytes(job, layers, bounds, samples // m)
         if stage < stages - 1:
             costs.add_comm("send", 64 + m * boundary[stage], m + 1)
         if stage > 0:
@@ -597,7 +611,7 @@ def pp_costs(
     return costs
 
 
-def _boundary_bytes(job: Job, layers: list, bounds: list[int], samples: int) -> list[int]:
+def boundary_bytes(job: Job, layers: list, bounds: list[int], samples: int) -> list[int]:
     """Bytes of the activation each stage hands the next, for one micro-batch."""
     sizes = []
     with FakeTensorMode():
@@ -626,7 +640,7 @@ def mesh_costs(job: Job, s: StrategySection) -> Costs:
     if dp > 1 and (tp > 1 or pp > 1):  # the data axis all-reduces each model piece's gradients
         pieces = costs.optimizer_numels[::-1]  # this rank's tensors, reverse registration order
         for numel in bucket_sizes(pieces, FP32, DDPConfig().bucket_mb):
-            costs.add_comm("all_reduce", native_volume("all_reduce", numel * FP32, dp))
+            costs.add_comm("all_reduce", native_volume("all_reduce", numel * FP32, dp), ranks=dp)
     return costs
 
 

@@ -1,18 +1,22 @@
 """Predicted step time of a job: what each rank computes, traced on fake tensors, priced at the
 rates `shardwise calibrate` measured, plus its collectives from the cost model.
 
-    compute     every operator of forward and backward (and of the optimizer's step) costs
-                op_overhead + FLOPs / flop_rate + bytes touched / bytes_rate (FLOPs by torch's
-                FlopCounterMode, bytes: each operator's inputs and outputs)
-    collectives bytes / bandwidth per kind, and per call the calibrated wait after the compute
-                before it (ranks that share cores arrive at different times and must be
-                woken: wait_s + wait_per_compute x the compute between collectives)
+    compute     every operator of forward and backward, of the optimizer's step and of the
+                trainer's check that the gradients are finite costs op_overhead + FLOPs /
+                flop_rate + bytes touched / bytes_rate (FLOPs by torch's FlopCounterMode,
+                bytes: each operator's inputs and outputs); reading the batch, sample_read_s
+                per sample
+    collectives each call at the calibrated mean time of one of its kind and payload (its
+                bytes per call) after a little compute, and the waiting for ranks that share
+                cores to arrive: wait_per_compute x the compute
     sharing     compute takes the longer of this rank's critical path at the rate of a rank
                 alone, and all ranks' work over the machine's concurrency (ranks that share
                 cores take turns)
-    schedules   a pipeline runs m + S - 1 slots of its slowest stage's micro-batch (the
-                bubble); tensor parallel computes 1/t of the FLOPs and bytes of the whole model
-                (its replicated norms and residuals are small beside the split layers)
+    schedules   a pipeline's critical path comes from running its schedule: each stage does
+                its forwards and backwards in order, each once its input has arrived (the
+                neighbour's op done, plus one message's calibrated time); tensor parallel's
+                compute is traced on this rank's share of the model (its split layers, the
+                replicated rest and the vocabulary-parallel loss)
 
 On a CPU the collectives compete with compute for the same cores, so nothing is hidden: their
 time adds to the step's. Strategies whose extra work the trace cannot see (gradient codecs'
@@ -21,6 +25,7 @@ compression, ZeRO's flat copies) are priced by what they communicate only.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +37,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import costs as cost_model
 from shardwise.activations import TrainingPass, fake_state, stepped_optimizer
+from shardwise.mesh import coordinates
 from shardwise.section import StrategySection
+from shardwise.strategies.pipeline import schedule_order
 
 KIND = {  # how each recorded op is priced: which calibrated collective it behaves like
     "all_reduce": "all_reduce",
@@ -41,8 +48,8 @@ KIND = {  # how each recorded op is priced: which calibrated collective it behav
     "all_gather": "all_gather",
     "reduce_scatter": "reduce_scatter",
     "send": "send",
-    "gossip": "send",
-    "ring_all_reduce": "send",
+    "gossip": "exchange",
+    "ring_all_reduce": "exchange",
 }
 
 
@@ -53,9 +60,6 @@ class Work:
     ops: int = 0
     flops: float = 0.0
     bytes: float = 0.0
-
-    def scaled(self, factor: float) -> Work:
-        return Work(self.ops, self.flops * factor, self.bytes * factor)
 
     def seconds(self, cal: dict) -> float:
         return (
@@ -91,13 +95,15 @@ def trace(run, prepare=None) -> Work:
     return Work(operators.work.ops, float(flops.get_total_flops()), operators.work.bytes)
 
 
-def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> Work:
+def training_work(
+    job: cost_model.Job, samples: int, layers=None, before=(), with_backward: bool = True
+) -> Work:
     """Forward and backward of `samples` through `layers` (default: the whole model) and the
     loss; with `before` (a pipeline's earlier stages), from their output and without the loss
-    unless these layers end the model."""
+    unless these layers end the model. With `with_backward` False, the forward only."""
     modules = [job.model] if layers is None else list(layers)
     last = layers is None or modules[-1] is cost_model.pipeline_layers(job.model)[-1]
-    step = TrainingPass(modules, job.loss_fn if last else None)
+    step = TrainingPass(modules, job.loss_fn if last else None, with_backward=with_backward)
 
     def prepare():
         x, y = job.batch(samples)
@@ -115,35 +121,89 @@ def training_work(job: cost_model.Job, samples: int, layers=None, before=()) -> 
     return trace(run, prepare)
 
 
-def optimizer_work(numels: list[int], optimizer: str) -> Work:
-    """One optimizer step (not the first, which also makes the state) over tensors of
-    `numels` elements."""
-    return trace(lambda opt: opt.step(), lambda: stepped_optimizer(numels, optimizer))
+def after_backward_work(numels: list[int], optimizer: str) -> Work:
+    """What a rank computes between backward and the next step on tensors of `numels`
+    elements: the trainer's check that the gradients are finite, and one optimizer step (not
+    the first, which also makes the state)."""
+    from shardwise.trainer import all_finite
+
+    checked = trace(all_finite, lambda: [torch.empty(n) for n in numels])
+    stepped = trace(lambda opt: opt.step(), lambda: stepped_optimizer(numels, optimizer))
+    return Work(
+        checked.ops + stepped.ops, checked.flops + stepped.flops, checked.bytes + stepped.bytes
+    )
 
 
-def comm_seconds(costs: cost_model.Costs, cal: dict, compute_s: float) -> float:
-    """Bytes over each kind's bandwidth, and for every collective call the calibrated wait
-    after the compute before it (the step's compute spread evenly over its collectives). A
-    pipeline's messages are waited for in its schedule, priced by the bubble instead."""
-    rates = cal.get("collectives", {})
-    seconds, calls = 0.0, 0.0
-    for op, nbytes in costs.comm.items():
-        fit = rates.get(KIND.get(op, "all_reduce"))
-        if fit is not None:
-            seconds += nbytes / fit["bandwidth"]
-        if op != "send":
-            calls += costs.calls.get(op, 1)
-    calls += 1  # the trainer's all-reduce of the loss and flags
-    segment = compute_s / calls
-    return seconds + calls * (cal.get("wait_s", 0.0) + cal.get("wait_per_compute", 0.0) * segment)
+def call_seconds(cal: dict, kind: str, volume: float, ranks: int | None = None) -> float:
+    """Seconds of one call of `kind` that sends `volume` bytes among `ranks` ranks (None:
+    all): the calibration's mean times for that group size (all ranks' where it has none),
+    linear between the payloads it measured, and past the largest at its fitted bandwidth."""
+    rates = cal["collectives"][kind]
+    rates = rates.get("groups", {}).get(str(ranks), rates)
+    points = rates["points"]
+    if volume <= points[0][0]:
+        return points[0][1]
+    for (v0, t0), (v1, t1) in itertools.pairwise(points):
+        if volume <= v1:
+            return t0 + (t1 - t0) * (volume - v0) / (v1 - v0)
+    v, t = points[-1]
+    return t + (volume - v) / rates["bandwidth"]
+
+
+def comm_seconds(costs: cost_model.Costs, cal: dict, compute_s: float, world: int) -> float:
+    """Every collective call (the trainer's loss all-reduce among them) at the calibrated
+    time of its kind and payload (each call after a little compute, as in a step), and the
+    waiting for ranks that share cores to arrive: wait_per_compute x the compute. A
+    pipeline's messages are priced in its schedule (`pipeline_finish`) instead."""
+    trainer = cost_model.trainer_comm(world)
+    seconds = sum(call_seconds(cal, KIND[op], nbytes) for op, nbytes in trainer.items())
+    for t in costs.traffic:
+        if t.op != "send":
+            kind = KIND.get(t.op, "all_reduce")
+            seconds += t.calls * call_seconds(cal, kind, t.nbytes / t.calls, t.ranks)
+    return seconds + cal.get("wait_per_compute", 0.0) * compute_s
+
+
+def pipeline_finish(
+    orders: list[list[tuple]],
+    forward: list[float],
+    backward: list[float],
+    message: list[float],
+) -> list[float]:
+    """When each stage of a pipeline ends its part of a step, running `orders` (each stage's
+    ("F", i) / ("B", i) sequence): a stage does its ops in order, each once its input has
+    arrived: the previous stage's forward of micro-batch i (or the next stage's backward)
+    done, plus `message[boundary]` seconds. (The loss comes back with the last gradient.)"""
+    stages = len(orders)
+    done: dict[tuple, float] = {}
+    clock, at = [0.0] * stages, [0] * stages
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(stages):
+            while at[s] < len(orders[s]):
+                op, i = orders[s][at[s]]
+                if op == "F":
+                    needs, cost = ((s - 1, "F", i), message[s - 1]) if s > 0 else (None, 0.0)
+                else:
+                    needs, cost = ((s + 1, "B", i), message[s]) if s < stages - 1 else (None, 0.0)
+                if needs is not None and needs not in done:
+                    break  # its input comes from a stage that has not got there yet
+                ready = done[needs] + cost if needs is not None else 0.0
+                clock[s] = max(clock[s], ready) + (forward if op == "F" else backward)[s]
+                done[(s, op, i)] = clock[s]
+                at[s] += 1
+                progressed = True
+    return clock
 
 
 def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> dict[str, float]:
-    """Seconds per step by part (compute with the optimizer, the bubble, comm) and the total.
+    """Seconds per step by part (compute with the optimizer, the sharing of cores and the
+    pipeline's waits, comm) and the total.
 
     Compute is the longer of two bounds: this rank's critical path at the rate of a rank
-    alone (a pipeline's m + S - 1 slots of its slowest stage), and every rank's work over the
-    machine's concurrency (ranks that share cores wait for one another)."""
+    alone (a pipeline's from running its schedule), and every rank's work over the machine's
+    concurrency (ranks that share cores wait for one another)."""
     costs = cost_model.predict(job, strategy)
     n = job.world_size
     replicas, tp, pp = cost_model.mesh_sizes(strategy, n)
@@ -153,29 +213,37 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         layers, starts = cost_model.pipeline_stages(job, pp, getattr(strategy, "split", None))
         bounds = [*starts, len(layers)]
         stages = [layers[bounds[s] : bounds[s + 1]] for s in range(pp)]
-        micro = [
-            training_work(job, samples // m, stage, layers[: bounds[s]]).seconds(cal)
-            for s, stage in enumerate(stages)
-        ]
-        steps = [
-            optimizer_work(
-                [p.numel() for layer in stage for p in layer.parameters()], job.optimizer
-            ).seconds(cal)
-            for stage in stages
-        ]
-        path = (m + pp - 1) * max(micro) + steps[0]
-        everyone = replicas * sum(m * t + o for t, o in zip(micro, steps, strict=True))
-        ideal = m * max(micro) + steps[0]
+        forward, backward, after = [], [], []
+        for s, stage in enumerate(stages):
+            before = layers[: bounds[s]]
+            both = training_work(job, samples // m, stage, before).seconds(cal)
+            forward.append(training_work(job, samples // m, stage, before, False).seconds(cal))
+            backward.append(both - forward[-1])
+            numels = [p.numel() for layer in stage for p in layer.parameters()]
+            after.append(after_backward_work(numels, job.optimizer).seconds(cal))
+        loading = samples * cal.get("sample_read_s", 0.0)  # (every stage reads the batch)
+        after = [a + loading for a in after]
+        boundary = cost_model.boundary_bytes(job, layers, bounds, samples // m)
+        orders = [schedule_order(strategy.schedule, s, pp, m) for s in range(pp)]
+        messages = [call_seconds(cal, "send", b) for b in boundary]
+        finish = pipeline_finish(orders, forward, backward, messages)
+        path = max(f + a for f, a in zip(finish, after, strict=True))
+        work = [m * (f + b) + a for f, b, a in zip(forward, backward, after, strict=True)]
+        everyone, ideal = replicas * sum(work), max(work)
     else:
-        work = training_work(job, samples).scaled(1 / tp).seconds(cal)
-        optimizer = optimizer_work(costs.optimizer_numels, job.optimizer).seconds(cal)
-        path = ideal = work + optimizer
+        local = job
+        if tp > 1:  # this rank's share of the model, traced as it runs (replicated parts too)
+            where = coordinates(job.rank, {"dp": replicas, "tp": tp, "pp": pp})
+            local = cost_model.tp_local(job, strategy.loss_parallel, tp, where["tp"])
+        work = training_work(local, samples).seconds(cal)
+        work += after_backward_work(costs.optimizer_numels, job.optimizer).seconds(cal)
+        path = ideal = work + samples * cal.get("sample_read_s", 0.0)
         everyone = n * path
     compute = max(path, everyone / cal.get("concurrency", 1))
     parts = {
         "compute": min(ideal, compute),
-        "sharing": compute - min(ideal, compute),  # waiting for cores and pipeline slots
-        "comm": comm_seconds(costs, cal, compute) if n > 1 else 0.0,
+        "sharing": compute - min(ideal, compute),  # waiting for cores and pipeline inputs
+        "comm": comm_seconds(costs, cal, compute, n) if n > 1 else 0.0,
     }
     parts["total"] = sum(parts.values())
     return parts

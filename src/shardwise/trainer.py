@@ -101,11 +101,15 @@ def _agree(
 
 
 def _grads_finite(model: DistributedModel) -> bool:
-    """Whether the gradients this rank holds are all finite (a norm could overflow: no norm)."""
+    """Whether the gradients this rank holds are all finite."""
     grads = [g for g in model.local_grads() if g is not None]
-    if not grads:
-        return True
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+    return bool(all_finite(grads)) if grads else True
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every element of `tensors` is finite, as a tensor (a norm could overflow: no
+    norm). The step-time model prices it on fake gradients."""
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 class Evaluation(NamedTuple):
