@@ -61,6 +61,9 @@ class Work:
     flops: float = 0.0
     bytes: float = 0.0
 
+    def __add__(self, other: Work) -> Work:
+        return Work(self.ops + other.ops, self.flops + other.flops, self.bytes + other.bytes)
+
     def seconds(self, cal: dict) -> float:
         return (
             self.ops * cal["op_overhead_s"]
@@ -128,10 +131,7 @@ def after_backward_work(numels: list[int], optimizer: str) -> Work:
     from shardwise.trainer import all_finite
 
     checked = trace(all_finite, lambda: [torch.empty(n) for n in numels])
-    stepped = trace(lambda opt: opt.step(), lambda: stepped_optimizer(numels, optimizer))
-    return Work(
-        checked.ops + stepped.ops, checked.flops + stepped.flops, checked.bytes + stepped.bytes
-    )
+    return checked + trace(lambda opt: opt.step(), lambda: stepped_optimizer(numels, optimizer))
 
 
 def call_seconds(cal: dict, kind: str, volume: float, ranks: int | None = None) -> float:
