@@ -61,12 +61,9 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     if not file.is_file():
         return None
     data = json.loads(file.read_text())
-    complete = isinstance(data, dict) and (
-        nproc == 1 or "points" in data.get("collectives", {}).get("all_reduce", {})
-    )
     if not isinstance(data, dict) or data.get("nproc") != nproc:
         raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
-    if not complete:
+    if nproc > 1 and "points" not in data.get("collectives", {}).get("all_reduce", {}):
         raise ValueError(
             f"{file} is from an older shardwise (no per-payload timings): run shardwise "
             f"calibrate --nproc {nproc}"

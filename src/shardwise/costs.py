@@ -61,7 +61,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
-class Traffic:
+class Calls:
     """Calls of one collective per step, alike in payload: what the step-time model prices."""
 
     op: str
@@ -72,12 +72,10 @@ class Traffic:
 
 @dataclass
 class Costs:
-    """One rank's predicted model state (bytes by category) and bytes sent per step by op."""
+    """One rank's predicted model state (bytes by category) and collectives per step."""
 
     memory: dict[str, int] = field(default_factory=dict)
-    comm: dict[str, int] = field(default_factory=dict)  # per step, averaged over a sync period
-    calls: dict[str, float] = field(default_factory=dict)  # collective calls per step, by op
-    traffic: list[Traffic] = field(default_factory=list)  # the same, call by call
+    traffic: list[Calls] = field(default_factory=list)  # per step, averaged over a sync period
     activations: int | None = None  # peak bytes saved for backward (None: no batch given)
     peak: int | None = None  # the most bytes alive at once in a step (None: no batch given)
     optimizer_numels: list[int] = field(default_factory=list)  # the tensors its optimizer steps
@@ -86,9 +84,17 @@ class Costs:
     def add_comm(self, op: str, nbytes: float, calls: float = 1, ranks: int | None = None) -> None:
         """`calls` of `op` sending `nbytes` in all, among `ranks` ranks (None: every rank)."""
         if nbytes:  # (a collective over one rank sends nothing)
-            self.comm[op] = self.comm.get(op, 0) + nbytes
-            self.calls[op] = self.calls.get(op, 0) + calls
-            self.traffic.append(Traffic(op, nbytes, calls, ranks))
+            self.traffic.append(Calls(op, nbytes, calls, ranks))
+
+    @property
+    def comm(self) -> dict[str, float]:
+        """Bytes sent per step, by op."""
+        return _by_op(self.traffic, lambda t: t.nbytes)
+
+    @property
+    def calls(self) -> dict[str, float]:
+        """Collective calls per step, by op."""
+        return _by_op(self.traffic, lambda t: t.calls)
 
     def as_dict(self) -> dict:
         memory = {**self.memory, "total": sum(self.memory.values())}
@@ -100,6 +106,13 @@ class Costs:
             "calls": dict(sorted(self.calls.items())),
             "notes": self.notes,
         }
+
+
+def _by_op(traffic: list[Calls], value: Callable[[Calls], float]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for t in traffic:
+        totals[t.op] = totals.get(t.op, 0) + value(t)
+    return totals
 
 
 @dataclass(frozen=True)

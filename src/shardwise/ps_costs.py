@@ -162,7 +162,8 @@ def predict_ps(
     for rank in range(world):
         costs = _state(o, rank, model, shards, optimizer)
         per_step, costs.start, costs.end = (Traffic.of(rank, m) for m in (step, start, end))
-        costs.comm, costs.calls = per_step.sent, dict(per_step.sent_messages)
+        for kind, nbytes in per_step.sent.items():
+            costs.add_comm(kind, nbytes, per_step.sent_messages[kind])
         costs.received, costs.received_calls = per_step.received, per_step.received_messages
         costs.notes = _notes(o, costs.role, rank, shards, workers)
         ranks.append(costs)

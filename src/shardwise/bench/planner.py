@@ -176,9 +176,9 @@ def _summarise(results: dict[str, dict]) -> dict:
         # inside the range of the runs is as close as the runs are to one another)
         "step_within_20_or_range": sum(
             abs(r["step_time_s"]["error"]) <= 0.2
-            or min(r["step_time_s"].get("runs_s", [0]))
+            or min(r["step_time_s"]["runs_s"])
             <= r["step_time_s"]["predicted"]
-            <= max(r["step_time_s"].get("runs_s", [0]))
+            <= max(r["step_time_s"]["runs_s"])
             for r in done.values()
         ),
         "kendall_tau": kendall_tau(predicted, measured),
