@@ -72,6 +72,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         argv = ["--out", args.out or default_out("planner")]
         argv += ["--quick"] if args.quick else []
         argv += ["--repeats", str(args.reps)] if args.reps else []
+        argv += ["--models", args.models]
         return planner_main(argv + (["--steps", str(args.steps)] if args.steps else []))
     steps, reps = DEFAULTS[args.suite]
     args.steps, args.reps = args.steps or steps, args.reps or reps

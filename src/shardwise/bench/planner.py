@@ -8,7 +8,8 @@ prediction before its first step (`prediction.json`, priced at this machine's ca
 its measurements after (`summary.json`): model state, activations, bytes per step and the
 median step time. The bench prints every pair with its error, the Kendall rank correlation of
 predicted and measured step times over all runs, and whether the plan's top choice for the
-GPT on 4 ranks (the fastest predicted) ran within 10% of the fastest measured.
+GPT on 4 ranks (the fastest predicted) ran within 10% of the fastest measured: first in the
+sweep, then on fresh runs of it and the three fastest measured, in turns (`--confirm`).
 
 The machine is calibrated first where no calibration is stored (`shardwise calibrate`).
 Output: the table, `--out`/planner.json and one JSON line.
@@ -36,6 +37,11 @@ MODELS = {  # config -> the job's settings (small enough for a few dozen runs on
         *("train.log_every=5", "train.tensorboard=false"),
     ],
 }
+# Steps per run: the MLP's steps last a few milliseconds, mostly waiting on messages whose
+# wake-ups on shared cores vary from step to step by 2-5x, so its median needs more of them
+# (over 30 steps, one run's median ranged 2.8-7.9 ms between runs; over 150, within about 10%).
+STEPS = {"digits": 150, "tiny_gpt": 30}
+ALIASES = {"mlp": "digits", "gpt": "tiny_gpt"}  # `shardwise bench --models` names
 ROWS = ("model_state", "activations", "comm_bytes_per_step", "step_time_s")
 
 
@@ -53,7 +59,12 @@ def _sign(x: float) -> int:
 
 
 def ensure_calibrated(nproc: int) -> None:
-    if calibrate.load(nproc) is None:
+    try:
+        stored = calibrate.load(nproc)
+    except ValueError as e:  # (from an older shardwise)
+        print(f"shardwise: {e}: calibrating again", flush=True)
+        stored = None
+    if stored is None:
         argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", str(nproc)]
         subprocess.run(argv, check=True, timeout=600)
 
@@ -75,7 +86,10 @@ def run_one(out: Path, config: str, name: str, sets: list[str], nproc: int, step
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="shardwise bench planner")
-    parser.add_argument("--steps", type=int, default=30, help="steps per run")
+    parser.add_argument(
+        "--steps", type=int, help="steps per run (default: the MLP 150, the GPT 30)"
+    )
+    parser.add_argument("--models", default="mlp,gpt", help="mlp (digits), gpt (tiny_gpt)")
     parser.add_argument("--worlds", default="2,4", help="world sizes")
     parser.add_argument("--quick", action="store_true", help="the GPT on 4 ranks only")
     parser.add_argument(
@@ -85,16 +99,29 @@ def main(argv: list[str] | None = None) -> int:
         help="runs of each configuration, in rounds over all of them: the measured step time "
         "is their median, and their range shows how far one run is from the next",
     )
+    parser.add_argument(
+        "--confirm",
+        type=int,
+        default=3,
+        help="fresh runs of the GPT's top choice on 4 ranks and of the fastest measured "
+        "configurations, interleaved, to compare them on runs that did not pick them (0: none)",
+    )
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     worlds = [4] if args.quick else [int(w) for w in args.worlds.split(",")]
-    models = ["tiny_gpt"] if args.quick else list(MODELS)
+    named = ["gpt"] if args.quick else args.models.split(",")
+    if unknown := set(named) - set(ALIASES):
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; known: mlp, gpt")
+    models = [ALIASES[m] for m in named]
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.confirm < 0:
+        parser.error(f"--confirm must be >= 0, got {args.confirm}")
     started = time.perf_counter()
     runs: dict[str, list[dict]] = {}
+    jobs: dict[str, tuple] = {}  # key -> run_one's arguments after `out`
     for round_ in range(args.repeats):
         for nproc in worlds:
             ensure_calibrated(nproc)
@@ -102,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                 candidates = config_candidates(load_config(config, MODELS[config]), nproc)
                 for name, sets in candidates.items():
                     key = f"{config} n{nproc} {name}"
-                    runs.setdefault(key, []).append(
-                        run_one(out, config, name, sets, nproc, args.steps)
-                    )
+                    jobs[key] = (config, name, sets, nproc, args.steps or STEPS[config])
+                    runs.setdefault(key, []).append(run_one(out, *jobs[key]))
                     _print_row(key + (f" #{round_ + 1}" if args.repeats > 1 else ""), runs[key][-1])
     results = {key: _combined(tries) for key, tries in runs.items()}
     summary = _summarise(results)
+    if summary.get("choice") and args.confirm:
+        summary["choice"]["confirmed"] = _confirm(out, results, jobs, args.confirm)
     wall = time.perf_counter() - started
     summary["wall_s"] = wall
     (out / "planner.json").write_text(json.dumps({**summary, "results": results}, indent=1))
@@ -125,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{1000 * c['its_measured_s']:.1f} ms/step; the fastest measured, {c['measured_best']}"
             f", {1000 * c['best_measured_s']:.1f} ms/step ({c['slower_by']:+.1%})"
         )
+        if confirmed := c.get("confirmed"):
+            print(
+                f"shardwise: confirmed over {confirmed['runs']} fresh runs each: "
+                f"{confirmed['predicted_best']} {1000 * confirmed['its_measured_s']:.1f} ms/step; "
+                f"the fastest, {confirmed['measured_best']}, "
+                f"{1000 * confirmed['best_measured_s']:.1f} ms/step ({confirmed['slower_by']:+.1%})"
+            )
     print(json.dumps({"bench": "planner", **summary}))
     return 1 if any("error" in r for r in results.values()) else 0
 
@@ -159,6 +194,37 @@ def _combined(tries: list[dict]) -> dict:
     predicted = first["step_time_s"]["predicted"]
     step = {"predicted": predicted, "measured": median, "error": predicted / median - 1}
     return {**first, "step_time_s": {**step, "runs_s": measured}}
+
+
+def _confirm(out: Path, results: dict[str, dict], jobs: dict[str, tuple], rounds: int) -> dict:
+    """The top choice against the fastest measured, on fresh runs.
+
+    The fastest of two dozen configurations, each measured a few times, is partly the one whose
+    runs happened to be quick: the least of many noisy figures lies below its own mean (the
+    winner's curse). So the choice is judged on new runs: the top choice and the sweep's three
+    fastest, `rounds` runs each, in turns, each at its median."""
+    gpt4 = {k: r for k, r in results.items() if k.startswith("tiny_gpt n4 ") and "step_time_s" in r}
+    chosen = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["predicted"])
+    fastest = sorted(gpt4, key=lambda k: gpt4[k]["step_time_s"]["measured"])[:3]
+    contenders = list(dict.fromkeys([chosen, *fastest]))
+    fresh: dict[str, list[float]] = {key: [] for key in contenders}
+    for round_ in range(rounds):
+        for key in contenders:
+            result = run_one(out, *jobs[key])
+            _print_row(f"{key} (confirm #{round_ + 1})", result)
+            if "step_time_s" in result:
+                fresh[key].append(result["step_time_s"]["measured"])
+    medians = {key: statistics.median(times) for key, times in fresh.items() if times}
+    best = min(medians, key=medians.get)
+    return {
+        "runs": rounds,
+        "runs_s": {key.split(" ", 2)[2]: times for key, times in fresh.items()},
+        "predicted_best": chosen.split(" ", 2)[2],
+        "measured_best": best.split(" ", 2)[2],
+        "its_measured_s": medians[chosen],
+        "best_measured_s": medians[best],
+        "slower_by": medians[chosen] / medians[best] - 1,
+    }
 
 
 def _summarise(results: dict[str, dict]) -> dict:

@@ -1,0 +1,55 @@
+"""The planner bench's own arithmetic: the rank correlation it reports, and the top choice
+judged on fresh runs rather than on the sweep that picked the fastest."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from shardwise.bench import planner as bench
+
+
+def test_kendall_tau_counts_pairs():
+    assert bench.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert bench.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    # one swapped pair of six: (5 concordant - 1 discordant) / 6
+    assert abs(bench.kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) - 4 / 6) < 1e-12
+
+
+def test_choice_is_confirmed_on_fresh_runs(monkeypatch):
+    # The sweep made zero2 look fastest by a lucky run; fresh runs show its usual time.
+    usual = {"pp4-1f1b": 0.120, "zero2": 0.125, "ddp": 0.115, "zero1": 0.130, "tp4": 0.2}
+    sweep = {**usual, "zero2": 0.100, "pp4-1f1b": 0.135}
+    predicted = {**{k: 0.2 for k in usual}, "pp4-1f1b": 0.11}
+    wobble = itertools.cycle([1.0, 1.02, 0.98])
+    made = []
+
+    def fresh_run(out, config, name, sets, nproc, steps):
+        made.append(name)
+        seconds = usual[name] * next(wobble)
+        return {"step_time_s": {"predicted": predicted[name], "measured": seconds, "error": 0}}
+
+    monkeypatch.setattr(bench, "run_one", fresh_run)
+    results = {
+        f"tiny_gpt n4 {k}": {
+            "step_time_s": {
+                "predicted": predicted[k],
+                "measured": sweep[k],
+                "error": 0,
+                "runs_s": [sweep[k]],
+            }
+        }
+        for k in usual
+    }
+    jobs = {key: ("tiny_gpt", key.split()[2], [], 4, 30) for key in results}
+    assert bench._summarise(results)["choice"]["measured_best"] == "zero2"
+
+    confirmed = bench._confirm(Path("unused"), results, jobs, rounds=3)
+
+    # the top choice and the sweep's three fastest, in turns, three runs each
+    assert made == ["pp4-1f1b", "zero2", "ddp", "zero1"] * 3
+    assert confirmed["predicted_best"] == "pp4-1f1b"
+    assert confirmed["measured_best"] == "ddp"
+    assert set(confirmed["runs_s"]) == {"pp4-1f1b", "zero2", "ddp", "zero1"}
+    assert abs(confirmed["its_measured_s"] - 0.120) < 0.120 * 0.021
+    assert abs(confirmed["slower_by"] - (0.120 / 0.115 - 1)) < 0.05
