@@ -53,3 +53,31 @@ def test_choice_is_confirmed_on_fresh_runs(monkeypatch):
     assert set(confirmed["runs_s"]) == {"pp4-1f1b", "zero2", "ddp", "zero1"}
     assert abs(confirmed["its_measured_s"] - 0.120) < 0.120 * 0.021
     assert abs(confirmed["slower_by"] - (0.120 / 0.115 - 1)) < 0.05
+
+
+def test_torch_memtracker_sees_a_plain_step_as_our_meter_does():
+    # The rival's harness: torch's MemTracker on fake tensors through one step of the tiny
+    # GPT, against our PeakMeter on the same step run for real (model state included).
+    from shardwise.bench.torch_estimates import memtracker_peak
+    from shardwise.config import load_config
+    from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs
+    from shardwise.memory import PeakMeter, optimizer_tensors
+
+    sets = [*bench.MODELS["tiny_gpt"], "strategy.name=ddp", "data.batch_size=8"]
+    rival = memtracker_peak("tiny_gpt", sets, 8)
+    cfg = load_config("tiny_gpt", sets)
+    job = build_job(cfg)
+    opt = OPTIMIZERS[cfg.optim.name](job.model.parameters(), **optimizer_kwargs(cfg.optim))
+    x, y = job.batch_like()(8)
+
+    def step():
+        job.loss_fn(job.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # (the optimizer's state made)
+    alive = [*job.model.parameters(), *job.model.buffers(), *optimizer_tensors(opt)]
+    with PeakMeter(alive=alive) as meter:
+        step()
+    assert meter.peak > sum(t.numel() * t.element_size() for t in alive)
+    assert abs(rival / meter.peak - 1) < 0.02, (rival, meter.peak)

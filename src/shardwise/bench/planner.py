@@ -18,6 +18,7 @@ Output: the table, `--out`/planner.json and one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -42,7 +43,8 @@ MODELS = {  # config -> the job's settings (small enough for a few dozen runs on
 # (over 30 steps, one run's median ranged 2.8-7.9 ms between runs; over 150, within about 10%).
 STEPS = {"digits": 150, "tiny_gpt": 30}
 ALIASES = {"mlp": "digits", "gpt": "tiny_gpt"}  # `shardwise bench --models` names
-ROWS = ("model_state", "activations", "comm_bytes_per_step", "step_time_s")
+ROWS = ("model_state", "activations", "peak", "comm_bytes_per_step", "step_time_s")
+WHOLE_MODEL = ("ddp", "ddp-ring")  # every rank holds the model: torch's MemTracker answers
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -81,7 +83,19 @@ def run_one(out: Path, config: str, name: str, sets: list[str], nproc: int, step
     if job.returncode != 0:
         return {"error": f"exit {job.returncode}", "output": (job.stdout + job.stderr)[-1500:]}
     rows = json.loads((run_dir / "summary.json").read_text())["predicted"]["rows"]
-    return {row: rows[row] for row in ROWS if row in rows}
+    result = {row: rows[row] for row in ROWS if row in rows}
+    if name.removesuffix("+ckpt") in WHOLE_MODEL and "peak" in result:
+        rival = _torch_peak(config, tuple(job_sets), batch)
+        measured = result["peak"]["measured"]
+        result["peak"]["torch"] = {"predicted": rival, "error": rival / measured - 1}
+    return result
+
+
+@functools.cache
+def _torch_peak(config: str, sets: tuple[str, ...], batch: int) -> int:
+    from shardwise.bench.torch_estimates import memtracker_peak
+
+    return memtracker_peak(config, list(sets), batch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         f"range: {summary['step_within_20_or_range']}); Kendall tau "
         f"{summary['kendall_tau']:.3f}; model state error max {summary['state_error_max']:.2%}"
     )
+    if rival := summary.get("torch_peak"):
+        print(
+            f"shardwise: step peak memory, max error: ours {summary['peak_error_max']:.1%} over "
+            f"all runs; on the {rival['runs']} whole-model (DDP) runs, ours "
+            f"{rival['ours_error_max']:.1%}, torch's MemTracker {rival['error_max']:.1%}"
+        )
     if summary.get("choice"):
         c = summary["choice"]
         print(
@@ -177,6 +197,9 @@ def _print_row(key: str, result: dict) -> None:
                 f"{row.split('_')[0]} {pair['predicted'] * scale:.1f}/"
                 f"{pair['measured'] * scale:.1f} {unit} ({(pair['error'] or 0):+.1%})"
             )
+            if "torch" in pair:
+                rival = pair["torch"]
+                cells[-1] += f" [torch {rival['predicted'] * scale:.1f} ({rival['error']:+.1%})]"
     print(f"{key:40s} " + "; ".join(cells), flush=True)
 
 
@@ -249,7 +272,17 @@ def _summarise(results: dict[str, dict]) -> dict:
         ),
         "kendall_tau": kendall_tau(predicted, measured),
         "state_error_max": max(state, default=float("nan")),
+        "peak_error_max": max(
+            (abs(r["peak"]["error"]) for r in done.values() if "peak" in r), default=float("nan")
+        ),
     }
+    rival = {k: r["peak"] for k, r in done.items() if "torch" in r.get("peak", {})}
+    if rival:  # the strategies torch's MemTracker answers for: its error and ours on them
+        summary["torch_peak"] = {
+            "runs": len(rival),
+            "error_max": max(abs(p["torch"]["error"]) for p in rival.values()),
+            "ours_error_max": max(abs(p["error"]) for p in rival.values()),
+        }
     gpt4 = {k: r for k, r in done.items() if k.startswith("tiny_gpt n4 ")}
     if gpt4:
         chosen = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["predicted"])
