@@ -212,6 +212,12 @@ def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert lines[-1]["loss"] < lines[0]["loss"]
         assert summary["comm_bytes_per_step"] > 0 and 0 < summary["eval_accuracy"] < 1
+        # Rank 0's step peak, every tensor its process holds, is what the planner predicts for
+        # its share alone (tensor parallel's within 10%, as in test_costs; the first stage's
+        # within 3%): nothing of the unsplit model outlives the split (the second stage's
+        # layers, kept alive, added 6% here).
+        limit = 0.03 if "strategy.name=pp" in strategy else 0.1
+        assert abs(summary["predicted"]["rows"]["peak"]["error"]) < limit
         # The checkpoint is the unsplit model's state dict.
         weights = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
         assert "blocks.1.attn.qkv.weight" in weights

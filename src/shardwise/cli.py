@@ -12,7 +12,7 @@
     shardwise bench packing                                       # packed vs padded documents
     shardwise bench overhead                                      # cost of the measurements
     shardwise bench all [--quick]                                 # every strategy, one report
-    shardwise bench planner [--quick] [--reps R]                  # predicted vs measured
+    shardwise bench planner [--quick] [--reps R] [--models M]     # predicted vs measured
     shardwise report RUN_DIR [RUN_DIR ...] [-o report.html]       # one page comparing runs
     shardwise plan --params 7.5e9 --devices 64 [--json]           # model states per device
     shardwise plan --preset 70b --devices 1024 [--json]           # every strategy, ranked

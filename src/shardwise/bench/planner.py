@@ -5,8 +5,10 @@ strategy `shardwise plan --config` considers (DDP native and ring, ZeRO 1-3, ten
 both pipeline schedules, dp x tp and dp x pp meshes; the GPT's also with activation
 checkpointing) trains `--steps` steps on the same global batch. Each run's rank 0 wrote its
 prediction before its first step (`prediction.json`, priced at this machine's calibration) and
-its measurements after (`summary.json`): model state, activations, bytes per step and the
-median step time. The bench prints every pair with its error, the Kendall rank correlation of
+its measurements after (`summary.json`): model state, activations, the step's peak, bytes per
+step and the median step time. For DDP, where a rank holds the whole model, torch's own
+estimate of the step's peak stands beside ours (`torch_estimates`: its MemTracker on fake
+tensors). The bench prints every pair with its error, the Kendall rank correlation of
 predicted and measured step times over all runs, and whether the plan's top choice for the
 GPT on 4 ranks (the fastest predicted) ran within 10% of the fastest measured: first in the
 sweep, then on fresh runs of it and the three fastest measured, in turns (`--confirm`).
