@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
     bench.add_argument("--variants", help="balance: equal, weighted, dynamic, queue (commas)")
     bench.add_argument(
+        "--confirm", type=int, help="planner: fresh runs of the top choice and the 3 fastest"
+    )
+    bench.add_argument(
         "--quick", action="store_true", help="all: fewer steps and strategies; planner: 4 ranks"
     )
     bench.set_defaults(func=cmd_bench)

@@ -73,6 +73,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         argv += ["--quick"] if args.quick else []
         argv += ["--repeats", str(args.reps)] if args.reps else []
         argv += ["--models", args.models]
+        argv += ["--confirm", str(args.confirm)] if args.confirm is not None else []
         return planner_main(argv + (["--steps", str(args.steps)] if args.steps else []))
     steps, reps = DEFAULTS[args.suite]
     args.steps, args.reps = args.steps or steps, args.reps or reps
