@@ -58,7 +58,7 @@ def test_choice_is_confirmed_on_fresh_runs(monkeypatch):
 def test_torch_memtracker_sees_a_plain_step_as_our_meter_does():
     # The rival's harness: torch's MemTracker on fake tensors through one step of the tiny
     # GPT, against our PeakMeter on the same step run for real (model state included).
-    from shardwise.bench.torch_estimates import memtracker_peak
+    from shardwise.bench.torch_estimates import memtracker_peak, training_step
     from shardwise.config import load_config
     from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs
     from shardwise.memory import PeakMeter, optimizer_tensors
@@ -70,14 +70,9 @@ def test_torch_memtracker_sees_a_plain_step_as_our_meter_does():
     opt = OPTIMIZERS[cfg.optim.name](job.model.parameters(), **optimizer_kwargs(cfg.optim))
     x, y = job.batch_like()(8)
 
-    def step():
-        job.loss_fn(job.model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()  # (the optimizer's state made)
+    training_step(job, opt, x, y)  # (the optimizer's state made)
     alive = [*job.model.parameters(), *job.model.buffers(), *optimizer_tensors(opt)]
     with PeakMeter(alive=alive) as meter:
-        step()
+        training_step(job, opt, x, y)
     assert meter.peak > sum(t.numel() * t.element_size() for t in alive)
     assert abs(rival / meter.peak - 1) < 0.02, (rival, meter.peak)

@@ -221,6 +221,13 @@ def _combined(tries: list[dict]) -> dict:
     return {**first, "step_time_s": {**step, "runs_s": measured}}
 
 
+def _gpt4_choice(results: dict[str, dict]) -> tuple[dict[str, dict], str | None]:
+    """The GPT's runs on 4 ranks, and the plan's top choice among them: the fastest predicted."""
+    gpt4 = {k: r for k, r in results.items() if k.startswith("tiny_gpt n4 ") and "step_time_s" in r}
+    chosen = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["predicted"]) if gpt4 else None
+    return gpt4, chosen
+
+
 def _confirm(out: Path, results: dict[str, dict], jobs: dict[str, tuple], rounds: int) -> dict:
     """The top choice against the fastest measured, on fresh runs.
 
@@ -228,8 +235,7 @@ def _confirm(out: Path, results: dict[str, dict], jobs: dict[str, tuple], rounds
     runs happened to be quick: the least of many noisy figures lies below its own mean (the
     winner's curse). So the choice is judged on new runs: the top choice and the sweep's three
     fastest, `rounds` runs each, in turns, each at its median."""
-    gpt4 = {k: r for k, r in results.items() if k.startswith("tiny_gpt n4 ") and "step_time_s" in r}
-    chosen = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["predicted"])
+    gpt4, chosen = _gpt4_choice(results)
     fastest = sorted(gpt4, key=lambda k: gpt4[k]["step_time_s"]["measured"])[:3]
     contenders = list(dict.fromkeys([chosen, *fastest]))
     fresh: dict[str, list[float]] = {key: [] for key in contenders}
@@ -285,9 +291,8 @@ def _summarise(results: dict[str, dict]) -> dict:
             "error_max": max(abs(p["torch"]["error"]) for p in rival.values()),
             "ours_error_max": max(abs(p["error"]) for p in rival.values()),
         }
-    gpt4 = {k: r for k, r in done.items() if k.startswith("tiny_gpt n4 ")}
+    gpt4, chosen = _gpt4_choice(done)
     if gpt4:
-        chosen = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["predicted"])
         fastest = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["measured"])
         its, best = (gpt4[k]["step_time_s"]["measured"] for k in (chosen, fastest))
         summary["choice"] = {

@@ -33,11 +33,11 @@ def memtracker_peak(config: str, sets: list[str], batch: int) -> int:
         optimizer = OPTIMIZERS[cfg.optim.name](
             job.model.parameters(), **optimizer_kwargs(cfg.optim)
         )
-        _step(job, optimizer, x, y)  # the first step makes the optimizer's state: not measured
+        training_step(job, optimizer, x, y)  # (it makes the optimizer's state: not measured)
         tracker = MemTracker()
         tracker.track_external(job.model, optimizer)
         with tracker:
-            _step(job, optimizer, x, y)
+            training_step(job, optimizer, x, y)
         (peak,) = tracker.get_tracker_snapshot("peak").values()
     return peak["Total"]
 
@@ -55,7 +55,7 @@ def _make_fake(model: nn.Module, fake: FakeTensorMode) -> None:
                 module._buffers[name] = fake.from_tensor(b)
 
 
-def _step(job, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def training_step(job, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
     job.loss_fn(job.model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
