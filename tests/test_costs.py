@@ -5,7 +5,8 @@ state, each), the activations within 10% of the ActivationMeter's, the peak with
 most bytes of tensors alive at once over the last two steps (a `PeakMeter` on the real run:
 every tensor the process holds, and every operator's outputs while they live, less what was
 alive before the model was built), and the predicted bytes and calls per step of each collective
-equal what the ranks' comm counters recorded over the steps they trained."""
+equal what the ranks' comm counters recorded over the steps they trained (and, for pipelines,
+the sends and receives a stage posts, which the step-time model prices)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from shardwise import comm
 from shardwise.config import SECTIONS
 from shardwise.costs import Job, predict
 from shardwise.memory import ActivationMeter, PeakMeter, live_bytes
+from shardwise.mesh import coordinates
 from shardwise.models import MLP, TinyGPT, lm_loss
 from shardwise.recompute import checkpoint_activations
+from shardwise.steptime import posts_per_step
 from spawn import run
 
 STEPS = 4  # a multiple of local SGD's period: its average happens inside the window
@@ -131,6 +134,8 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
     totals = comm.stats.total().by_op
     measured = {op: t.bytes / STEPS for op, t in totals.items() if t.bytes}
     calls = {op: t.calls / STEPS for op, t in totals.items() if t.bytes}
+    # Sends and receives each (a receive is counted with no bytes): what a stage posts.
+    calls["posts"] = sum(totals[op].calls for op in ("send", "recv") if op in totals) / STEPS
     model.close()
     return memory, (measured, calls), predicted
 
@@ -158,6 +163,13 @@ def test_predicted_memory_and_bytes_match_the_measured(world, tmp_path):
             measured, calls = measured
             if predicted["comm"] != measured:
                 failures.append(f"{where}: bytes predicted {predicted['comm']}, got {measured}")
+            posts = calls.pop("posts")
             if predicted["calls"] != calls:
                 failures.append(f"{where}: calls predicted {predicted['calls']}, got {calls}")
+            if "pp" in options or options["name"] == "pp":  # the step-time model's posts
+                sizes = {"dp": options.get("dp", 1), "tp": 1, "pp": options.get("pp", world)}
+                stage = coordinates(rank, sizes)["pp"]
+                want = posts_per_step(stage, sizes["pp"], options["microbatches"])
+                if posts != want:
+                    failures.append(f"{where}: {want} point-to-point posts priced, {posts} made")
     assert not failures, "\n".join(failures)

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from shardwise import calibrate
 from shardwise.plan_search import PRESETS, Cluster, Plan, price, search
 from shardwise.planner import model_states
 
@@ -126,15 +127,16 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
         "shardwise: plan: no calibration for 2 ranks on this machine: run shardwise calibrate "
         "--nproc 2"
     ]
-    argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", "2"]
+    argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", "2", "--passes", "1"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     stored = next((tmp_path / "shardwise" / "calibration").glob("*-n2-t*.json"))
     rates = json.loads(stored.read_text())
     assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2 and rates["sample_read_s"] > 0
-    kinds = {"all_reduce", "all_gather", "reduce_scatter", "send", "exchange"}
-    assert kinds <= set(rates["collectives"])
-    for kind in kinds:  # a mean time per payload, 8 B to 4 MiB (volumes as comm counts them)
+    assert set(rates["collectives"]) == calibrate.KINDS
+    for (
+        kind
+    ) in calibrate.KINDS:  # a mean time per payload, 8 B to 4 MiB (volumes as comm counts them)
         points = rates["collectives"][kind]["points"]
         assert len(points) == 6 and all(seconds > 0 for _, seconds in points)
         assert [v for v, _ in points] == sorted(v for v, _ in points)

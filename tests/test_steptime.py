@@ -56,3 +56,88 @@ def test_a_call_is_priced_from_the_timings_of_its_group_size():
     assert call_seconds(cal, "all_reduce", 4000) == pytest.approx(6e-3 + 1000 / 1e6)  # past
     assert call_seconds(cal, "all_reduce", 3000, ranks=2) == pytest.approx(5e-4 + 2000 / 2e6)
     assert call_seconds(cal, "all_reduce", 8, ranks=3) == pytest.approx(1e-3)  # (not measured)
+
+
+def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
+    """(exposed calls per step by op as a real ZeRO-3 step makes them, as predicted): a call
+    is exposed when no unit computed between its issue and its wait (the others were started
+    a unit ahead, and the step-time model prices them as `prefetched_*`)."""
+    import torch
+
+    import shardwise as sw
+    from shardwise import comm
+    from shardwise.costs import Job, predict
+    from shardwise.models import MLP, TinyGPT, lm_loss
+    from shardwise.strategies.zero import ZeROConfig
+    from shardwise.strategies.zero.stage3 import stage3_units
+
+    def build():
+        torch.manual_seed(0)
+        if model_name == "mlp":
+            return MLP([64, 128, 128, 10])
+        return TinyGPT(vocab_size=11, seq_len=16, d_model=32, n_layer=2, n_head=4)
+
+    def batch(n: int):
+        if model_name == "mlp":
+            return torch.randn(n, 64), torch.randint(0, 10, (n,))
+        return torch.randint(0, 11, (n, 16)), torch.randint(0, 11, (n, 16))
+
+    loss_fn = lm_loss if model_name == "gpt" else torch.nn.functional.cross_entropy
+    section = ZeROConfig(stage=3)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    with torch.device("meta"):
+        meta = build()
+    predicted: dict[str, float] = {}
+    job = Job(meta, world, rank, batch=batch, loss_fn=loss_fn, global_batch=8)
+    for t in predict(job, section).traffic:
+        if not t.prefetched:
+            predicted[t.op] = predicted.get(t.op, 0) + t.calls
+
+    events: list[tuple] = []  # ("issue" | "wait", call) and ("compute",), in order
+
+    def observed(start, op):
+        def issue(*args, **kwargs):
+            handle, call = start(*args, **kwargs), (op, len(events))
+            events.append(("issue", call))
+            wait = handle.wait
+            handle.wait = lambda: (events.append(("wait", call)), wait())
+            return handle
+
+        return issue
+
+    model, _ = sw.prepare(build(), section.build(world, tmp), lr=1e-3)
+
+    def computed(_module, _inputs, out) -> None:  # a unit's forward, then its backward's start
+        events.append(("compute",))
+        out.register_hook(lambda _grad: events.append(("compute",)))
+
+    for unit in stage3_units(model.module):
+        unit.register_forward_hook(computed)
+    starts = comm.all_gather_into_tensor, comm.reduce_scatter_tensor
+    comm.all_gather_into_tensor = observed(starts[0], "all_gather")
+    comm.reduce_scatter_tensor = observed(starts[1], "reduce_scatter")
+    try:
+        for _ in range(2):
+            events.clear()
+            sw.train_step(model, *batch(8 // world), loss_fn, total=8)
+    finally:
+        comm.all_gather_into_tensor, comm.reduce_scatter_tensor = starts
+    exposed: dict[str, float] = {}
+    issued: dict[tuple, int] = {}
+    for i, event in enumerate(events):
+        if event[0] == "issue":
+            issued[event[1]] = i
+        elif event[0] == "wait" and event[1] in issued:
+            between = events[issued.pop(event[1]) : i]
+            if not any(e[0] == "compute" for e in between):
+                exposed[event[1][0]] = exposed.get(event[1][0], 0) + 1
+    model.close()
+    return exposed, predicted
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_zero3_calls_priced_as_exposed_are_those_a_step_waits_for_at_once(model_name, tmp_path):
+    from spawn import run
+
+    for exposed, predicted in run(_zero3_waits, 2, model_name, str(tmp_path), timeout_s=120):
+        assert exposed == predicted

@@ -12,9 +12,12 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      when ranks outnumber them)
     collectives      per kind (all_reduce, all_gather, reduce_scatter; send: one message from
                      rank 0 to 1; exchange: every rank sends right, receives from the left, as
-                     a ring's step): the mean seconds
+                     a ring's step; post: posting one isend or irecv, as pipeline stages do
+                     while both compute; prefetched_all_gather, _reduce_scatter: the wait
+                     on one started a burst earlier, as ZeRO's): the mean seconds
                      of one call at payloads of 8 B to 4 MiB, each right after a burst of
-                     compute as in a training step (`points`: volume, seconds; the volume is
+                     compute as in a training step, averaged over --passes passes (3) taken
+                     in turns (`points`: volume, seconds; the volume is
                      the bytes one rank sends, as `comm.accounting` counts them), and the
                      least-squares line t = latency + volume / bandwidth through them. A
                      mean, not a median: a step's time is the sum of its calls, and on shared
@@ -43,6 +46,9 @@ from pathlib import Path
 
 import torch
 
+# What the step-time model prices calls by (a calibration without one of them is redone).
+KINDS = {"all_reduce", "all_gather", "reduce_scatter", "send", "post", "exchange"}
+KINDS |= {"prefetched_all_gather", "prefetched_reduce_scatter"}
 SIZES = (8, 4096, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # payloads, bytes
 CALLS = 100  # calls timed per payload (or as many as POINT_S allows): enough for the slow few
 POINT_S = 1.5  # in ten to weigh in the mean
@@ -63,7 +69,9 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     data = json.loads(file.read_text())
     if not isinstance(data, dict) or data.get("nproc") != nproc:
         raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
-    if nproc > 1 and "points" not in data.get("collectives", {}).get("all_reduce", {}):
+    collectives = data.get("collectives", {})
+    timed = "points" in collectives.get("all_reduce", {}) and set(collectives) >= KINDS
+    if nproc > 1 and not timed:
         raise ValueError(
             f"{file} is from an older shardwise (no per-payload timings): run shardwise "
             f"calibrate --nproc {nproc}"
@@ -173,6 +181,8 @@ def _collective_rates() -> dict[str, dict]:
             out[op]["groups"] = {
                 str(g): _collective(op, group, g, burst) for g, group in groups.items()
             }
+    for op in ("all_gather", "reduce_scatter"):
+        out[f"prefetched_{op}"] = _prefetched(op, n, burst)
     points = []
     for size in SIZES:  # ranks 0 and 1 exchange; the others wait
         t = torch.zeros(max(1, size // 4))
@@ -188,6 +198,9 @@ def _collective_rates() -> dict[str, dict]:
         dist.barrier()
         points.append((t.numel() * 4, _mean_after_burst(ping, burst) / 2))
     out["send"] = {**_fit(points), "points": [list(p) for p in points]}  # (rank 0's: it writes)
+    points = [(size, _post_s(size)) for size in SIZES]
+    agreed = _agreed(points, among=2)
+    out["post"] = {**_fit(agreed), "points": agreed}
     points = []
     right, left = (rank + 1) % n, (rank - 1) % n
     for size in SIZES:  # a ring's step: every rank sends right while it receives from the left
@@ -201,6 +214,43 @@ def _collective_rates() -> dict[str, dict]:
     agreed = _agreed(points)
     out["exchange"] = {**_fit(agreed), "points": agreed}
     return out
+
+
+def _post_s(size: int, exchanges: int = 200) -> float:
+    """Mean seconds to post one point-to-point call of `size` bytes through shardwise.comm (an
+    isend, or an irecv), as neighbouring pipeline stages do: ranks 0 and 1 each compute a
+    micro-batch's worth (about 0.1 ms), send to the other and receive from it, both at once.
+    While both compute, the backend's threads wait for a core, and a call that needs them
+    now and then stalls for a time slice: the mean counts those stalls. (Other ranks wait.)"""
+    import torch.distributed as dist
+
+    from shardwise import comm
+
+    rank = dist.get_rank()
+    dist.barrier()
+    if rank > 1:
+        dist.barrier()
+        return 0.0
+    other, a = 1 - rank, torch.randn(128, 128)
+    mine, theirs = torch.zeros(max(1, size // 4)), torch.zeros(max(1, size // 4))
+    posting, posts = 0.0, 0
+    incoming = comm.irecv(theirs, other)
+    for k in range(exchanges + 1):
+        for _ in range(2):
+            a @ a
+        started = time.perf_counter()
+        outgoing = comm.send(mine, other)
+        sent = time.perf_counter()
+        incoming.wait()
+        waited = time.perf_counter()
+        if k < exchanges:
+            incoming = comm.irecv(theirs, other)
+        if k > 0:  # (the first exchange warms up)
+            posting += (sent - started) + (time.perf_counter() - waited)
+            posts += 2 if k < exchanges else 1
+        outgoing.wait()
+    dist.barrier()
+    return posting / posts
 
 
 def _collective(op: str, group, n: int, burst: Callable[[], object]) -> dict:
@@ -230,21 +280,62 @@ def _collective(op: str, group, n: int, burst: Callable[[], object]) -> dict:
     return {**_fit(agreed), "points": agreed}
 
 
-def _agreed(points: list[tuple[float, float]]) -> list[list[float]]:
-    """The ranks' mean seconds at each point (each rank timed its own calls)."""
+def _prefetched(op: str, n: int, burst: Callable[[], object]) -> dict:
+    """Mean seconds an all-gather or reduce-scatter started a burst of compute earlier holds
+    up its caller, as ZeRO's are: each call starts the next one, then waits for the one it
+    started before the burst (which went on meanwhile; the two calls' wake-ups overlap).
+    ZeRO-3 prefetches each unit's gather one unit ahead; ZeRO reduce-scatters each unit's
+    gradients as backward makes them and waits for them all after it."""
+    from shardwise import comm
+    from shardwise.comm.accounting import native_volume
+
+    def start(full: torch.Tensor, part: torch.Tensor) -> comm.Handle:
+        if op == "all_gather":
+            return comm.all_gather_into_tensor(full, part, async_op=True)
+        return comm.reduce_scatter_tensor(part, full, async_op=True)
+
+    points = []
+    for size in SIZES:
+        numel = max(n, size // 4 // n * n)
+        buffers = [(torch.zeros(numel), torch.zeros(numel // n)) for _ in range(2)]
+        pending = [start(*buffers[0])]
+
+        def call(pending=pending, buffers=buffers) -> None:
+            following = start(*buffers[1])  # (into the other buffers: the first is in flight)
+            pending[0].wait()
+            pending[0] = following
+            buffers.reverse()
+
+        points.append((native_volume(op, numel * 4, n), _mean_after_burst(call, burst)))
+        pending[0].wait()
+    agreed = _agreed(points)
+    return {**_fit(agreed), "points": agreed}
+
+
+def _agreed(points: list[tuple[float, float]], among: int | None = None) -> list[list[float]]:
+    """The ranks' mean seconds at each point (each rank timed its own calls; with `among`,
+    only the first `among` ranks did, the others give 0)."""
     import torch.distributed as dist
 
     seconds = torch.tensor([t for _, t in points], dtype=torch.float64)
     dist.all_reduce(seconds)
-    n = dist.get_world_size()
+    n = among or dist.get_world_size()
     return [[v, t / n] for (v, _), t in zip(points, seconds.tolist(), strict=True)]
 
 
-def _waits() -> dict[str, float]:
+def _waits(points: list[list[float]]) -> dict[str, float]:
     """What a small collective costs after a burst of compute, fitted to wait_s +
-    wait_per_compute x the burst's time: ranks that share cores reach it at different times
-    and must be woken and given a core (wait_per_compute is about 0 and wait_s the plain
-    latency when every rank has cores of its own)."""
+    wait_per_compute x the burst's time over (burst, wait) `points`: ranks that share cores
+    reach it at different times and must be woken and given a core (wait_per_compute is about
+    0 and wait_s the plain latency when every rank has cores of its own)."""
+    fit = _fit(points)
+    slope = 1 / fit["bandwidth"] if fit["bandwidth"] != float("inf") else 0.0
+    return {"wait_s": fit["latency_s"], "wait_per_compute": slope}
+
+
+def _wait_points() -> list[list[float]]:
+    """(mean burst, mean wait) seconds of a 4-byte all-reduce after bursts of about 1, 5 and
+    20 ms of one rank's compute, the ranks' means."""
     import torch.distributed as dist
 
     a, flag = torch.randn(256, 256), torch.zeros(1)
@@ -262,14 +353,27 @@ def _waits() -> dict[str, float]:
             bursts.append(middle - started)
         mean = torch.tensor([statistics.mean(bursts), statistics.mean(waits)])
         dist.all_reduce(mean)
-        burst, wait = (mean / dist.get_world_size()).tolist()
-        points.append((burst, wait))
-    fit = _fit(points)
-    slope = 1 / fit["bandwidth"] if fit["bandwidth"] != float("inf") else 0.0
-    return {"wait_s": fit["latency_s"], "wait_per_compute": slope}
+        points.append((mean / dist.get_world_size()).tolist())
+    return points
 
 
-def worker(out: str) -> None:
+def _averaged(tables: list[dict]) -> dict:
+    """Several passes' collective timings as one: each point's mean seconds over the passes,
+    and the line through them."""
+    out = {}
+    for kind, first in tables[0].items():
+        passes = [t[kind] for t in tables]
+        points = [
+            [volume, statistics.mean(p["points"][i][1] for p in passes)]
+            for i, (volume, _) in enumerate(first["points"])
+        ]
+        out[kind] = {**_fit(points), "points": points}
+        if "groups" in first:
+            out[kind]["groups"] = _averaged([p["groups"] for p in passes])
+    return out
+
+
+def worker(out: str, passes: int) -> None:
     """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file."""
     import torch.distributed as dist
 
@@ -297,8 +401,16 @@ def worker(out: str) -> None:
         "shared": mean,
     }
     if rt.world_size > 1:
-        result["collectives"] = _collective_rates()
-        result.update(_waits())
+        # Passes over every point, in turns: a point's mean over 100 calls moves by 15-30%
+        # from one minute to the next on shared cores, so each is the mean of several passes.
+        tables, waits = [], []
+        for _ in range(passes):
+            tables.append(_collective_rates())
+            waits.append(_wait_points())
+        result["collectives"] = _averaged(tables)
+        bursts = range(len(waits[0]))  # (each pass's points: one per burst length)
+        means = [[statistics.mean(w[b][i] for w in waits) for i in (0, 1)] for b in bursts]
+        result.update(_waits(means))
     result["concurrency"] = min(result["concurrency"], rt.world_size)
     if rt.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +422,9 @@ def worker(out: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks to calibrate for")
     parser.add_argument("--out", help="where to write it (default: the user's cache)")
+    parser.add_argument(
+        "--passes", type=int, default=3, help="passes over the collectives' points, averaged"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -318,10 +433,13 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print(f"shardwise: calibrate: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
         return 2
+    if args.passes < 1:
+        print(f"shardwise: calibrate: --passes must be >= 1, got {args.passes}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else cache_path(args.nproc)
     started = time.perf_counter()
     try:
-        launch(["shardwise.calibrate", "--worker", str(out)], args.nproc)
+        launch(["shardwise.calibrate", "--worker", str(out), str(args.passes)], args.nproc)
     except LaunchError as e:
         print(f"shardwise: calibrate: {e}", file=sys.stderr)
         return 1
@@ -346,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2])
+        worker(sys.argv[2], int(sys.argv[3]))
     else:
         parser = argparse.ArgumentParser(prog="shardwise calibrate")
         add_arguments(parser)

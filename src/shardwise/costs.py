@@ -68,6 +68,7 @@ class Calls:
     nbytes: float  # sent by this rank over all of them
     calls: float
     ranks: int | None  # the group's size (None: every rank)
+    prefetched: bool = False  # started one unit ahead and waited for after its compute
 
 
 @dataclass
@@ -81,10 +82,17 @@ class Costs:
     optimizer_numels: list[int] = field(default_factory=list)  # the tensors its optimizer steps
     notes: list[str] = field(default_factory=list)
 
-    def add_comm(self, op: str, nbytes: float, calls: float = 1, ranks: int | None = None) -> None:
+    def add_comm(
+        self,
+        op: str,
+        nbytes: float,
+        calls: float = 1,
+        ranks: int | None = None,
+        prefetched: bool = False,
+    ) -> None:
         """`calls` of `op` sending `nbytes` in all, among `ranks` ranks (None: every rank)."""
         if nbytes:  # (a collective over one rank sends nothing)
-            self.traffic.append(Calls(op, nbytes, calls, ranks))
+            self.traffic.append(Calls(op, nbytes, calls, ranks, prefetched))
 
     @property
     def comm(self) -> dict[str, float]:
@@ -327,7 +335,7 @@ def powersgd_elements(shapes: list, rank: int, min_rate: float = 2.0) -> tuple[i
 
 def zero_costs(job: Job, s: StrategySection) -> Costs:
     n, params = job.world_size, job.params()
-    unit_modules = []
+    unit_modules, rest = [], []
     if s.stage == 3:
         modules = stage3_units(job.model)
         units = [[p for p in m.parameters() if p.requires_grad] for m in modules]
@@ -380,12 +388,23 @@ def zero_costs(job: Job, s: StrategySection) -> Costs:
         # Stages 1 and 2 gather every unit after the step, from compute copies of the slices.
         after_step=0 if s.stage == 3 else sum(shards) * compute,
     )
-    gathers = 2 if s.stage == 3 else 1
-    for S in shards:
+    for k, S in enumerate(shards):
         unit_bytes = S * n * compute
-        costs.add_comm("reduce_scatter", native_volume("reduce_scatter", unit_bytes, n))
+        # Backward makes the first unit's gradients last: the others' reduce-scatters run
+        # while it computes, and all are waited for after it.
+        reduced = native_volume("reduce_scatter", unit_bytes, n)
+        costs.add_comm("reduce_scatter", reduced, prefetched=k > 0)
         volume = native_volume("all_gather", unit_bytes, n)
-        costs.add_comm("all_gather", gathers * volume, calls=gathers)
+        if s.stage < 3:
+            costs.add_comm("all_gather", volume)
+            continue
+        # Stage 3 gathers each unit twice. A unit's gather starts in the hook of the unit
+        # before it (forward: the previous, backward: the next) and is waited for after that
+        # unit's compute; forward's first block (and the rest before it) and backward's
+        # first, the last unit, are gathered on the spot.
+        exposed = (k < (2 if rest else 1)) + (k == len(shards) - 1)
+        costs.add_comm("all_gather", exposed * volume, calls=exposed)
+        costs.add_comm("all_gather", (2 - exposed) * volume, calls=2 - exposed, prefetched=True)
     if s.mixed_precision == "fp16":
         costs.notes.append("fp16 loss scaling: its overflow all-reduce is not counted")
     return costs

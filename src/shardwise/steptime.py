@@ -160,8 +160,18 @@ def comm_seconds(costs: cost_model.Costs, cal: dict, compute_s: float, world: in
     for t in costs.traffic:
         if t.op != "send":
             kind = KIND.get(t.op, "all_reduce")
+            if t.prefetched:  # started a unit of compute before it is waited for
+                kind = f"prefetched_{kind}"
             seconds += t.calls * call_seconds(cal, kind, t.nbytes / t.calls, t.ranks)
     return seconds + cal.get("wait_per_compute", 0.0) * compute_s
+
+
+def posts_per_step(stage: int, stages: int, microbatches: int) -> int:
+    """Point-to-point calls (sends and receives) a pipeline stage posts in one step: with each
+    neighbour, one per micro-batch each way (activations forward, their gradients back), the
+    first activation's header and the step's loss."""
+    neighbours = (stage > 0) + (stage < stages - 1)
+    return neighbours * (2 * microbatches + 2)
 
 
 def pipeline_finish(
@@ -226,6 +236,16 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         boundary = cost_model.boundary_bytes(job, layers, bounds, samples // m)
         orders = [schedule_order(strategy.schedule, s, pp, m) for s in range(pp)]
         messages = [call_seconds(cal, "send", b) for b in boundary]
+        # Each op posts its messages on its own stage's clock: a forward receives from the
+        # stage before and sends to the one after, a backward the other way round; the
+        # step's other posts (the header, the loss) are small.
+        posts = [call_seconds(cal, "post", b) for b in boundary]
+        for s in range(pp):
+            ends = [posts[b] for b in (s - 1, s) if 0 <= b < pp - 1]
+            forward[s] += sum(ends)
+            backward[s] += sum(ends)
+            others = posts_per_step(s, pp, m) - 2 * m * len(ends)
+            after[s] += others * call_seconds(cal, "post", 8)
         finish = pipeline_finish(orders, forward, backward, messages)
         path = max(f + a for f, a in zip(finish, after, strict=True))
         work = [m * (f + b) + a for f, b, a in zip(forward, backward, after, strict=True)]
