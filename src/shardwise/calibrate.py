@@ -158,7 +158,10 @@ def _mean_after_burst(call: Callable[[], object], burst: Callable[[], object]) -
     return total / calls
 
 
-def _collective_rates() -> dict[str, dict]:
+def _collective_rates(groups: dict[int, object]) -> dict[str, dict]:
+    """One pass over every kind and payload; `groups`: this rank's group of each smaller size
+    that divides the world (a mesh's axes: tensor parallel's all-reduces among t ranks), timed
+    all groups at once."""
     import torch.distributed as dist
 
     from shardwise import comm
@@ -171,10 +174,6 @@ def _collective_rates() -> dict[str, dict]:
             a @ a
 
     out = {}
-    # Each kind over every rank, then over groups of each smaller size that divides them, all
-    # groups at once (a mesh's axes: tensor parallel's all-reduces among t ranks).
-    sizes = [g for g in range(2, n) if n % g == 0]
-    groups = {g: dist.new_subgroups(g)[0] for g in sizes}
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         out[op] = _collective(op, None, n, burst)
         if groups:
@@ -403,9 +402,11 @@ def worker(out: str, passes: int) -> None:
     if rt.world_size > 1:
         # Passes over every point, in turns: a point's mean over 100 calls moves by 15-30%
         # from one minute to the next on shared cores, so each is the mean of several passes.
+        n = rt.world_size
+        groups = {g: dist.new_subgroups(g)[0] for g in range(2, n) if n % g == 0}
         tables, waits = [], []
         for _ in range(passes):
-            tables.append(_collective_rates())
+            tables.append(_collective_rates(groups))
             waits.append(_wait_points())
         result["collectives"] = _averaged(tables)
         bursts = range(len(waits[0]))  # (each pass's points: one per burst length)

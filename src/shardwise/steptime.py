@@ -8,13 +8,17 @@ rates `shardwise calibrate` measured, plus its collectives from the cost model.
                 per sample
     collectives each call at the calibrated mean time of one of its kind and payload (its
                 bytes per call) after a little compute, and the waiting for ranks that share
-                cores to arrive: wait_per_compute x the compute
+                cores to arrive: wait_per_compute x the compute. A call started a unit of
+                compute before it is waited for (ZeRO-3's prefetched gathers, ZeRO's
+                reduce-scatters but the last unit's of backward) at the calibrated time of
+                such a call
     sharing     compute takes the longer of this rank's critical path at the rate of a rank
                 alone, and all ranks' work over the machine's concurrency (ranks that share
                 cores take turns)
     schedules   a pipeline's critical path comes from running its schedule: each stage does
                 its forwards and backwards in order, each once its input has arrived (the
-                neighbour's op done, plus one message's calibrated time); tensor parallel's
+                neighbour's op done, plus one message's calibrated time), and each op pays
+                on its own stage's clock for posting its sends and receives; tensor parallel's
                 compute is traced on this rank's share of the model (its split layers, the
                 replicated rest and the vocabulary-parallel loss)
 
