@@ -155,3 +155,23 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     older = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=env)
     assert older.returncode == 2 and len(older.stderr.strip().splitlines()) == 1
     assert "from an older shardwise" in older.stderr and "calibrate --nproc 2" in older.stderr
+
+
+def test_calibration_passes_are_averaged_point_by_point():
+    def table(scale: float) -> dict:  # one pass: seconds = scale x (1 ms + volume / 1 GB/s)
+        points = [[v, scale * (1e-3 + v / 1e9)] for v in (8, 4096, 65536)]
+        return {"all_reduce": {"points": points, "groups": {"2": {"points": points}}}}
+
+    averaged = calibrate._averaged([table(1.0), table(2.0), table(3.0)])
+    for rates in (averaged["all_reduce"], averaged["all_reduce"]["groups"]["2"]):
+        assert [v for v, _ in rates["points"]] == [8, 4096, 65536]
+        means = [2 * (1e-3 + v / 1e9) for v in (8, 4096, 65536)]  # each point's mean
+        assert [t for _, t in rates["points"]] == pytest.approx(means)
+        assert rates["latency_s"] == pytest.approx(2e-3)  # the line through the means
+        assert rates["bandwidth"] == pytest.approx(0.5e9)
+    argv = [sys.executable, "-m", "shardwise", "calibrate", "--passes", "0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "shardwise: calibrate: --passes must be >= 1, got 0"
+    ]
