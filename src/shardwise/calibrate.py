@@ -138,6 +138,11 @@ def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
     return {"latency_s": latency, "bandwidth": 1 / slope if slope > 0 else float("inf")}
 
 
+def _timings(points: list[list[float]]) -> dict:
+    """A kind's stored timings: its (volume, seconds) points and the line through them."""
+    return {**_fit(points), "points": points}
+
+
 def _mean_after_burst(call: Callable[[], object], burst: Callable[[], object]) -> float:
     """Mean seconds of `call()` issued right after `burst()`, over CALLS calls or POINT_S
     seconds (rank 0's clock decides, so every rank makes the same calls)."""
@@ -196,10 +201,10 @@ def _collective_rates(groups: dict[int, object]) -> dict[str, dict]:
 
         dist.barrier()
         points.append((t.numel() * 4, _mean_after_burst(ping, burst) / 2))
-    out["send"] = {**_fit(points), "points": [list(p) for p in points]}  # (rank 0's: it writes)
+    out["send"] = _timings([list(p) for p in points])  # (rank 0's: it writes)
     points = [(size, _post_s(size)) for size in SIZES]
     agreed = _agreed(points, among=2)
-    out["post"] = {**_fit(agreed), "points": agreed}
+    out["post"] = _timings(agreed)
     points = []
     right, left = (rank + 1) % n, (rank - 1) % n
     for size in SIZES:  # a ring's step: every rank sends right while it receives from the left
@@ -211,7 +216,7 @@ def _collective_rates(groups: dict[int, object]) -> dict[str, dict]:
         dist.barrier()
         points.append((mine.numel() * 4, _mean_after_burst(step, burst)))
     agreed = _agreed(points)
-    out["exchange"] = {**_fit(agreed), "points": agreed}
+    out["exchange"] = _timings(agreed)
     return out
 
 
@@ -276,7 +281,7 @@ def _collective(op: str, group, n: int, burst: Callable[[], object]) -> dict:
         dist.barrier()
         points.append((native_volume(op, numel * 4, n), _mean_after_burst(run, burst)))
     agreed = _agreed(points)
-    return {**_fit(agreed), "points": agreed}
+    return _timings(agreed)
 
 
 def _prefetched(op: str, n: int, burst: Callable[[], object]) -> dict:
@@ -308,7 +313,7 @@ def _prefetched(op: str, n: int, burst: Callable[[], object]) -> dict:
         points.append((native_volume(op, numel * 4, n), _mean_after_burst(call, burst)))
         pending[0].wait()
     agreed = _agreed(points)
-    return {**_fit(agreed), "points": agreed}
+    return _timings(agreed)
 
 
 def _agreed(points: list[tuple[float, float]], among: int | None = None) -> list[list[float]]:
@@ -366,7 +371,7 @@ def _averaged(tables: list[dict]) -> dict:
             [volume, statistics.mean(p["points"][i][1] for p in passes)]
             for i, (volume, _) in enumerate(first["points"])
         ]
-        out[kind] = {**_fit(points), "points": points}
+        out[kind] = _timings(points)
         if "groups" in first:
             out[kind]["groups"] = _averaged([p["groups"] for p in passes])
     return out
