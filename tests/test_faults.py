@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardwise import faults, run_checkpoint
+from shardwise.trainer import all_finite
 from shardwise.watchdog import first_difference
 
 NAN_JOB = ["optim.schedule=constant", "optim.warmup_steps=0"]  # lr independent of step count
@@ -124,6 +125,25 @@ def test_a_nan_on_one_rank_skips_the_step_everywhere_and_names_the_rank(tmp_path
     a = load_file(str(tmp_path / "nan" / "checkpoint" / "model.safetensors"))
     b = load_file(str(tmp_path / "clean" / "checkpoint" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_gradient_check_finds_any_nonfinite_element_and_nothing_else(dtype):
+    # Against its definition, elementwise: NaN, +inf or -inf anywhere (first, last, the
+    # remainder a vectorised loop leaves) in any of the tensors, empty ones among them.
+    g = torch.Generator().manual_seed(0)
+    sizes = [0, 1, 7, 33, 4097, 100003]
+    for bad in (float("nan"), float("inf"), -float("inf"), None):
+        for which in range(1, len(sizes)):
+            tensors = [torch.randn(n, generator=g).to(dtype) * 1e4 for n in sizes]
+            n = sizes[which]
+            for at in {0, n // 2, n - 1}:
+                t = [x.clone() for x in tensors]
+                if bad is not None:
+                    t[which][at] = bad
+                want = all(bool(torch.isfinite(x).all()) for x in t)
+                assert bool(all_finite(t)) == want == (bad is None), (dtype, bad, which, at)
+    assert bool(all_finite([])) and bool(all_finite([torch.empty(0)]))
 
 
 def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_path):
