@@ -128,15 +128,15 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
         "--nproc 2"
     ]
     argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", "2", "--passes", "1"]
+    argv += ["--calls", "10"]  # (the points' count and order are checked, not their accuracy)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     stored = next((tmp_path / "shardwise" / "calibration").glob("*-n2-t*.json"))
     rates = json.loads(stored.read_text())
     assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2 and rates["sample_read_s"] > 0
     assert set(rates["collectives"]) == calibrate.KINDS
-    for (
-        kind
-    ) in calibrate.KINDS:  # a mean time per payload, 8 B to 4 MiB (volumes as comm counts them)
+    # A mean time per payload, 8 B to 4 MiB (volumes as comm counts them).
+    for kind in calibrate.KINDS:
         points = rates["collectives"][kind]["points"]
         assert len(points) == 6 and all(seconds > 0 for _, seconds in points)
         assert [v for v, _ in points] == sorted(v for v, _ in points)
@@ -169,9 +169,10 @@ def test_calibration_passes_are_averaged_point_by_point():
         assert [t for _, t in rates["points"]] == pytest.approx(means)
         assert rates["latency_s"] == pytest.approx(2e-3)  # the line through the means
         assert rates["bandwidth"] == pytest.approx(0.5e9)
-    argv = [sys.executable, "-m", "shardwise", "calibrate", "--passes", "0"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "shardwise: calibrate: --passes must be >= 1, got 0"
-    ]
+    for flag in ("--passes", "--calls"):
+        argv = [sys.executable, "-m", "shardwise", "calibrate", flag, "0"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        assert done.stderr.strip().splitlines() == [
+            f"shardwise: calibrate: {flag} must be >= 1, got 0"
+        ]

@@ -15,13 +15,14 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      a ring's step; post: posting one isend or irecv, as pipeline stages do
                      while both compute; prefetched_all_gather, _reduce_scatter: the wait
                      on one started a burst earlier, as ZeRO's): the mean seconds
-                     of one call at payloads of 8 B to 4 MiB, each right after a burst of
-                     compute as in a training step, averaged over --passes passes (3) taken
-                     in turns (`points`: volume, seconds; the volume is
-                     the bytes one rank sends, as `comm.accounting` counts them), and the
-                     least-squares line t = latency + volume / bandwidth through them. A
-                     mean, not a median: a step's time is the sum of its calls, and on shared
-                     cores a few calls in ten take several times the typical one
+                     of one call at payloads of 8 B to 4 MiB over --calls calls (100, or as
+                     many as 1.5 s allow), each right after a burst of compute as in a
+                     training step, averaged over --passes passes (3) taken in turns
+                     (`points`: volume, seconds; the volume is the bytes one rank sends, as
+                     `comm.accounting` counts them), and the least-squares line t = latency
+                     + volume / bandwidth through them. A mean, not a median: a step's time
+                     is the sum of its calls, and on shared cores a few calls in ten take
+                     several times the typical one
     wait_s, wait_per_compute
                      what one small collective costs after a burst of compute, fitted to
                      wait_s + wait_per_compute x burst: waking, and waiting for ranks that
@@ -42,6 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -143,30 +145,38 @@ def _timings(points: list[list[float]]) -> dict:
     return {**_fit(points), "points": points}
 
 
-def _mean_after_burst(call: Callable[[], object], burst: Callable[[], object]) -> float:
-    """Mean seconds of `call()` issued right after `burst()`, over CALLS calls or POINT_S
-    seconds (rank 0's clock decides, so every rank makes the same calls)."""
-    import torch.distributed as dist
+@dataclass
+class _Pace:
+    """How a point is timed: `calls` calls (or as many as POINT_S seconds allow), each right
+    after `burst()`, about a millisecond of one rank's compute, as in a training step."""
 
-    call()
-    total, calls, go = 0.0, 0, torch.ones(1)
-    began = time.perf_counter()
-    while calls < CALLS and go.item():
-        burst()
-        started = time.perf_counter()
+    burst: Callable[[], object]
+    calls: int = CALLS
+
+    def mean(self, call: Callable[[], object]) -> float:
+        """Mean seconds of `call()` issued right after a burst (rank 0's clock decides when
+        time is up, so every rank makes the same calls)."""
+        import torch.distributed as dist
+
         call()
-        total += time.perf_counter() - started
-        calls += 1
-        if calls % 10 == 0:  # (a tiny broadcast, out of the timed calls)
-            go.fill_(float(time.perf_counter() - began < POINT_S))
-            dist.broadcast(go, 0)
-    return total / calls
+        total, calls, go = 0.0, 0, torch.ones(1)
+        began = time.perf_counter()
+        while calls < self.calls and go.item():
+            self.burst()
+            started = time.perf_counter()
+            call()
+            total += time.perf_counter() - started
+            calls += 1
+            if calls % 10 == 0:  # (a tiny broadcast, out of the timed calls)
+                go.fill_(float(time.perf_counter() - began < POINT_S))
+                dist.broadcast(go, 0)
+        return total / calls
 
 
-def _collective_rates(groups: dict[int, object]) -> dict[str, dict]:
-    """One pass over every kind and payload; `groups`: this rank's group of each smaller size
-    that divides the world (a mesh's axes: tensor parallel's all-reduces among t ranks), timed
-    all groups at once."""
+def _collective_rates(groups: dict[int, object], calls: int = CALLS) -> dict[str, dict]:
+    """One pass over every kind and payload, `calls` calls a point; `groups`: this rank's group
+    of each smaller size that divides the world (a mesh's axes: tensor parallel's all-reduces
+    among t ranks), timed all groups at once."""
     import torch.distributed as dist
 
     from shardwise import comm
@@ -178,15 +188,17 @@ def _collective_rates(groups: dict[int, object]) -> dict[str, dict]:
         for _ in range(3):
             a @ a
 
+    pace = _Pace(burst, calls)
+
     out = {}
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        out[op] = _collective(op, None, n, burst)
+        out[op] = _collective(op, None, n, pace)
         if groups:
             out[op]["groups"] = {
-                str(g): _collective(op, group, g, burst) for g, group in groups.items()
+                str(g): _collective(op, group, g, pace) for g, group in groups.items()
             }
     for op in ("all_gather", "reduce_scatter"):
-        out[f"prefetched_{op}"] = _prefetched(op, n, burst)
+        out[f"prefetched_{op}"] = _prefetched(op, n, pace)
     points = []
     for size in SIZES:  # ranks 0 and 1 exchange; the others wait
         t = torch.zeros(max(1, size // 4))
@@ -200,9 +212,9 @@ def _collective_rates(groups: dict[int, object]) -> dict[str, dict]:
                 dist.send(t, 0)
 
         dist.barrier()
-        points.append((t.numel() * 4, _mean_after_burst(ping, burst) / 2))
+        points.append((t.numel() * 4, pace.mean(ping) / 2))
     out["send"] = _timings([list(p) for p in points])  # (rank 0's: it writes)
-    points = [(size, _post_s(size)) for size in SIZES]
+    points = [(size, _post_s(size, 2 * calls)) for size in SIZES]
     agreed = _agreed(points, among=2)
     out["post"] = _timings(agreed)
     points = []
@@ -214,7 +226,7 @@ def _collective_rates(groups: dict[int, object]) -> dict[str, dict]:
             comm.exchange([(mine, right)], [(theirs, left)])
 
         dist.barrier()
-        points.append((mine.numel() * 4, _mean_after_burst(step, burst)))
+        points.append((mine.numel() * 4, pace.mean(step)))
     agreed = _agreed(points)
     out["exchange"] = _timings(agreed)
     return out
@@ -257,7 +269,7 @@ def _post_s(size: int, exchanges: int = 200) -> float:
     return posting / posts
 
 
-def _collective(op: str, group, n: int, burst: Callable[[], object]) -> dict:
+def _collective(op: str, group, n: int, pace: _Pace) -> dict:
     """Mean seconds of one call of `op` among the `n` ranks of `group` (None: all), at each
     payload, and the line through them."""
     import torch.distributed as dist
@@ -279,12 +291,12 @@ def _collective(op: str, group, n: int, burst: Callable[[], object]) -> dict:
             ),
         }[op]
         dist.barrier()
-        points.append((native_volume(op, numel * 4, n), _mean_after_burst(run, burst)))
+        points.append((native_volume(op, numel * 4, n), pace.mean(run)))
     agreed = _agreed(points)
     return _timings(agreed)
 
 
-def _prefetched(op: str, n: int, burst: Callable[[], object]) -> dict:
+def _prefetched(op: str, n: int, pace: _Pace) -> dict:
     """Mean seconds an all-gather or reduce-scatter started a burst of compute earlier holds
     up its caller, as ZeRO's are: each call starts the next one, then waits for the one it
     started before the burst (which went on meanwhile; the two calls' wake-ups overlap).
@@ -310,7 +322,7 @@ def _prefetched(op: str, n: int, burst: Callable[[], object]) -> dict:
             pending[0] = following
             buffers.reverse()
 
-        points.append((native_volume(op, numel * 4, n), _mean_after_burst(call, burst)))
+        points.append((native_volume(op, numel * 4, n), pace.mean(call)))
         pending[0].wait()
     agreed = _agreed(points)
     return _timings(agreed)
@@ -337,7 +349,7 @@ def _waits(points: list[list[float]]) -> dict[str, float]:
     return {"wait_s": fit["latency_s"], "wait_per_compute": slope}
 
 
-def _wait_points() -> list[list[float]]:
+def _wait_points(calls: int = CALLS) -> list[list[float]]:
     """(mean burst, mean wait) seconds of a 4-byte all-reduce after bursts of about 1, 5 and
     20 ms of one rank's compute, the ranks' means."""
     import torch.distributed as dist
@@ -347,7 +359,7 @@ def _wait_points() -> list[list[float]]:
     for matmuls in (2, 10, 40):  # about 1, 5 and 20 ms of one rank's compute
         dist.barrier()
         waits, bursts = [], []
-        for _ in range(CALLS):
+        for _ in range(calls):
             started = time.perf_counter()
             for _ in range(matmuls):
                 a @ a
@@ -377,7 +389,7 @@ def _averaged(tables: list[dict]) -> dict:
     return out
 
 
-def worker(out: str, passes: int) -> None:
+def worker(out: str, passes: int, calls: int) -> None:
     """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file."""
     import torch.distributed as dist
 
@@ -411,8 +423,8 @@ def worker(out: str, passes: int) -> None:
         groups = {g: dist.new_subgroups(g)[0] for g in range(2, n) if n % g == 0}
         tables, waits = [], []
         for _ in range(passes):
-            tables.append(_collective_rates(groups))
-            waits.append(_wait_points())
+            tables.append(_collective_rates(groups, calls))
+            waits.append(_wait_points(calls))
         result["collectives"] = _averaged(tables)
         bursts = range(len(waits[0]))  # (each pass's points: one per burst length)
         means = [[statistics.mean(w[b][i] for w in waits) for i in (0, 1)] for b in bursts]
@@ -431,6 +443,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--passes", type=int, default=3, help="passes over the collectives' points, averaged"
     )
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=CALLS,
+        help=f"calls timed per point, at most (default {CALLS}; fewer: quicker, noisier)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -439,13 +457,16 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print(f"shardwise: calibrate: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
         return 2
-    if args.passes < 1:
-        print(f"shardwise: calibrate: --passes must be >= 1, got {args.passes}", file=sys.stderr)
-        return 2
+    for flag in ("passes", "calls"):
+        if getattr(args, flag) < 1:
+            got = getattr(args, flag)
+            print(f"shardwise: calibrate: --{flag} must be >= 1, got {got}", file=sys.stderr)
+            return 2
     out = Path(args.out) if args.out else cache_path(args.nproc)
     started = time.perf_counter()
     try:
-        launch(["shardwise.calibrate", "--worker", str(out), str(args.passes)], args.nproc)
+        worker = ["--worker", str(out), str(args.passes), str(args.calls)]
+        launch(["shardwise.calibrate", *worker], args.nproc)
     except LaunchError as e:
         print(f"shardwise: calibrate: {e}", file=sys.stderr)
         return 1
@@ -470,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], int(sys.argv[3]))
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         parser = argparse.ArgumentParser(prog="shardwise calibrate")
         add_arguments(parser)
