@@ -10,8 +10,9 @@ rates `shardwise calibrate` measured, plus its collectives from the cost model.
                 bytes per call) after a little compute, and the waiting for ranks that share
                 cores to arrive: wait_per_compute x the compute. A call started a unit of
                 compute before it is waited for (ZeRO-3's prefetched gathers, ZeRO's
-                reduce-scatters but the last unit's of backward) at the calibrated time of
-                such a call
+                reduce-scatters but the last unit's of backward) at what the calibration
+                saw such a call add to its caller: its wait, and the cycles its copies
+                took from the compute meanwhile
     sharing     compute takes the longer of this rank's critical path at the rate of a rank
                 alone, and all ranks' work over the machine's concurrency (ranks that share
                 cores take turns)

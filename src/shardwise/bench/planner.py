@@ -13,7 +13,9 @@ predicted and measured step times over all runs, and whether the plan's top choi
 GPT on 4 ranks (the fastest predicted) ran within 10% of the fastest measured: first in the
 sweep, then on fresh runs of it and the three fastest measured, in turns (`--confirm`).
 
-The machine is calibrated first where no calibration is stored (`shardwise calibrate`).
+The machine is calibrated afresh before each world size's first runs (`shardwise calibrate`,
+into the user's cache, where the runs read it), or, with `--stored-calibration`, only where
+no calibration is stored.
 Output: the table, `--out`/planner.json and one JSON line.
 """
 
@@ -62,9 +64,13 @@ def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
 
 
-def ensure_calibrated(nproc: int) -> None:
+def ensure_calibrated(nproc: int, fresh: bool = False) -> None:
+    """A calibration for `nproc` ranks in the user's cache, where the runs' predictions read
+    it: measured now with `fresh` (a calibration from another hour measured another machine:
+    a shared VM's rates drift, here its matmul rate by 7% in a day, and every prediction with
+    them), else the stored one where there is one."""
     try:
-        stored = calibrate.load(nproc)
+        stored = None if fresh else calibrate.load(nproc)
     except ValueError as e:  # (from an older shardwise)
         print(f"shardwise: {e}: calibrating again", flush=True)
         stored = None
@@ -122,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         help="fresh runs of the GPT's top choice on 4 ranks and of the fastest measured "
         "configurations, interleaved, to compare them on runs that did not pick them (0: none)",
     )
+    parser.add_argument(
+        "--stored-calibration",
+        action="store_true",
+        help="price the runs at the stored calibration where there is one (default: calibrate "
+        "each world size afresh before its first runs)",
+    )
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -140,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs: dict[str, tuple] = {}  # key -> run_one's arguments after `out`
     for round_ in range(args.repeats):
         for nproc in worlds:
-            ensure_calibrated(nproc)
+            ensure_calibrated(nproc, fresh=round_ == 0 and not args.stored_calibration)
             for config in models:
                 candidates = config_candidates(load_config(config, MODELS[config]), nproc)
                 for name, sets in candidates.items():
