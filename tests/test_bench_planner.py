@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
+
 from shardwise.bench import planner as bench
 
 
@@ -14,6 +16,19 @@ def test_kendall_tau_counts_pairs():
     assert bench.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
     # one swapped pair of six: (5 concordant - 1 discordant) / 6
     assert abs(bench.kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) - 4 / 6) < 1e-12
+
+
+def test_a_configuration_is_predicted_by_its_runs_mean_and_measured_by_their_median():
+    # Each run was priced at the calibration of its round: the prediction is their mean.
+    tries = [
+        {"peak": {"error": 0.01}, "step_time_s": {"predicted": p, "measured": m, "error": 0}}
+        for p, m in ((0.050, 0.060), (0.060, 0.048), (0.040, 0.052))
+    ]
+    step = bench._combined(tries)["step_time_s"]
+    assert step["predicted"] == pytest.approx(0.050) and step["measured"] == 0.052
+    assert step["error"] == pytest.approx(0.050 / 0.052 - 1)
+    assert step["runs_s"] == [0.060, 0.048, 0.052]
+    assert step["predicted_runs_s"] == [0.050, 0.060, 0.040]
 
 
 def test_choice_is_confirmed_on_fresh_runs(monkeypatch):

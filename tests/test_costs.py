@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import shardwise as sw
+import small_models
 from shardwise import comm
 from shardwise.config import SECTIONS
 from shardwise.costs import Job, predict
 from shardwise.memory import ActivationMeter, PeakMeter, live_bytes
 from shardwise.mesh import coordinates
-from shardwise.models import MLP, TinyGPT, lm_loss
 from shardwise.recompute import checkpoint_activations
 from shardwise.steptime import posts_per_step
 from spawn import run
@@ -73,13 +73,6 @@ def _section(options: dict):
     return by_name[options["name"]].model_validate(options)
 
 
-def _model(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if name == "mlp":
-        return MLP([64, 128, 128, 10])
-    return TinyGPT(vocab_size=11, seq_len=16, d_model=32, n_layer=2, n_head=4)
-
-
 def _batch(name: str, step: int, index: int, share: int):
     g = torch.Generator().manual_seed(step)
     if name == "mlp":
@@ -91,25 +84,25 @@ def _batch(name: str, step: int, index: int, share: int):
     return x[mine].clone(), y[mine].clone()  # a batch of its own, as the loader gives
 
 
-def _fake_batch(name: str):
-    """(inputs, targets) of n samples of the model's kind: what the cost model traces."""
-    if name == "mlp":
-        return lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,)))
-    return lambda n: (torch.randint(0, 11, (n, 16)), torch.randint(0, 11, (n, 16)))
-
-
 def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict]:
     """(measured memory, measured bytes per step by op, predicted costs) on this rank."""
     section = _section(options)
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    loss_fn = lm_loss if model_name == "gpt" else torch.nn.functional.cross_entropy
+    loss_fn = small_models.loss_fn(model_name)
     with torch.device("meta"):
-        meta = _model(model_name)
+        meta = small_models.build(model_name)
     checkpoint_activations(meta, section.activation_checkpointing)
-    job = Job(meta, world, rank, batch=_fake_batch(model_name), loss_fn=loss_fn, global_batch=BATCH)
+    job = Job(
+        meta,
+        world,
+        rank,
+        batch=small_models.fake_batch(model_name),
+        loss_fn=loss_fn,
+        global_batch=BATCH,
+    )
     predicted = predict(job, section).as_dict()
     before = live_bytes()  # what earlier cases left (torch's caches: it lasts)
-    model = _model(model_name)
+    model = small_models.build(model_name)
     checkpoint_activations(model, section.activation_checkpointing)
     model, opt = sw.prepare(model, section.build(world, tmp), lr=1e-3)
     replicas, index = sw.data_shard(model)

@@ -129,10 +129,12 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     ]
     argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", "2", "--passes", "1"]
     argv += ["--calls", "10"]  # (the points' count and order are checked, not their accuracy)
+    started = time.time()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     stored = next((tmp_path / "shardwise" / "calibration").glob("*-n2-t*.json"))
     rates = json.loads(stored.read_text())
+    assert started < rates["measured_at"] < time.time()  # when: its age is told with its use
     assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2 and rates["sample_read_s"] > 0
     assert set(rates["collectives"]) == calibrate.KINDS
     # A mean time per payload, 8 B to 4 MiB (volumes as comm counts them).
@@ -155,6 +157,14 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     older = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=env)
     assert older.returncode == 2 and len(older.stderr.strip().splitlines()) == 1
     assert "from an older shardwise" in older.stderr and "calibrate --nproc 2" in older.stderr
+
+
+def test_a_calibration_says_how_old_it_is_and_when_to_measure_again():
+    at = 1_800_000_000.0
+    assert calibrate.age_note({"measured_at": at}, now=at + 1800) == "calibrated 0.5 h ago"
+    old = calibrate.age_note({"measured_at": at}, now=at + 27 * 3600)
+    assert old.startswith("calibrated 27.0 h ago: rates drift") and "recalibrate" in old
+    assert "unknown time" in calibrate.age_note({})  # (from an older shardwise)
 
 
 def test_calibration_passes_are_averaged_point_by_point():

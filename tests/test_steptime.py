@@ -65,28 +65,17 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
     import torch
 
     import shardwise as sw
+    import small_models
     from shardwise import comm
     from shardwise.costs import Job, predict
-    from shardwise.models import MLP, TinyGPT, lm_loss
     from shardwise.strategies.zero import ZeROConfig
     from shardwise.strategies.zero.stage3 import stage3_units
 
-    def build():
-        torch.manual_seed(0)
-        if model_name == "mlp":
-            return MLP([64, 128, 128, 10])
-        return TinyGPT(vocab_size=11, seq_len=16, d_model=32, n_layer=2, n_head=4)
-
-    def batch(n: int):
-        if model_name == "mlp":
-            return torch.randn(n, 64), torch.randint(0, 10, (n,))
-        return torch.randint(0, 11, (n, 16)), torch.randint(0, 11, (n, 16))
-
-    loss_fn = lm_loss if model_name == "gpt" else torch.nn.functional.cross_entropy
+    batch, loss_fn = small_models.fake_batch(model_name), small_models.loss_fn(model_name)
     section = ZeROConfig(stage=3)
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     with torch.device("meta"):
-        meta = build()
+        meta = small_models.build(model_name)
     predicted: dict[str, float] = {}
     job = Job(meta, world, rank, batch=batch, loss_fn=loss_fn, global_batch=8)
     for t in predict(job, section).traffic:
@@ -105,7 +94,7 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
 
         return issue
 
-    model, _ = sw.prepare(build(), section.build(world, tmp), lr=1e-3)
+    model, _ = sw.prepare(small_models.build(model_name), section.build(world, tmp), lr=1e-3)
 
     def computed(_module, _inputs, out) -> None:  # a unit's forward, then its backward's start
         events.append(("compute",))

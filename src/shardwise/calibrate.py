@@ -7,9 +7,9 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
     bytes_rate       element-wise work on 16 MiB tensors, bytes read and written per second
     op_overhead_s    one small operator call with autograd recording, seconds
     sample_read_s    one sample read and collated by torch's DataLoader, seconds
-    concurrency      how many ranks' work the machine does at once: the ranks' mean matmul
-                     rate when all run, times N, over the rate of one alone (about the cores
-                     when ranks outnumber them)
+    concurrency      how many ranks' work the machine does at once: the ranks' summed matmul
+                     rate when all run over the rate of one alone (about the cores when ranks
+                     outnumber them), the median of three such ratios measured in turn
     collectives      per kind (all_reduce, all_gather, reduce_scatter; send: one message from
                      rank 0 to 1; exchange: every rank sends right, receives from the left, as
                      a ring's step; post: posting one isend or irecv, as pipeline stages do
@@ -28,6 +28,8 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      wait_s + wait_per_compute x burst: waking, and waiting for ranks that
                      shared cores to arrive (about 0 per unit of compute when each rank has
                      cores of its own)
+    measured_at      when, in Unix seconds: `plan` and `train` say how old the rates they
+                     price at are (a shared machine's drift in hours)
 
 The result lives in `$XDG_CACHE_HOME/shardwise/calibration/` (default ~/.cache), one file per
 host, world size and threads per rank, or where `--out` says.
@@ -81,6 +83,23 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     return data
 
 
+STALE_S = 6 * 3600  # older than this, a calibration is said to be old
+
+
+def age_note(calibration: dict, now: float | None = None) -> str:
+    """How long ago `calibration` was measured, with a hint to measure again where it is old:
+    on a shared machine the rates drift (here the matmul rate by 7% in a day, and the step
+    times predicted with it)."""
+    at = calibration.get("measured_at")
+    if not isinstance(at, (int, float)):
+        return "calibrated at an unknown time: recalibrate before comparing with runs"
+    age_s = (time.time() if now is None else now) - at
+    note = f"calibrated {age_s / 3600:.1f} h ago"
+    if age_s > STALE_S:
+        note += ": rates drift on a shared machine; recalibrate before comparing with runs"
+    return note
+
+
 def _throughput(fn: Callable[[], object], window_s: float = 0.3, windows: int = 3) -> float:
     """Calls of `fn` per second: the median over `windows` windows, each long enough to
     include the time slices a rank loses to others on shared cores (one call's time would
@@ -116,6 +135,27 @@ def _compute_rates() -> dict[str, float]:
         "op_overhead_s": op_overhead,
         "sample_read_s": _sample_read_s(),
     }
+
+
+def _concurrency(is_main: bool, times: int = 3) -> float:
+    """How many ranks' worth of matmuls the machine does at once: the ranks' summed rate when
+    all run over one rank's alone, the median of `times` such ratios measured in turn. One
+    ratio can catch a neighbour's burst on a shared VM: 1.63 for 2 ranks on 2 cores, where
+    calibrations minutes before and after measured 1.99 and 2.0 (and a step's compute was
+    priced 23% too slow with it)."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    ratios = []
+    for _ in range(times):
+        dist.barrier()
+        alone = torch.tensor([_throughput(lambda: a @ b) if is_main else 0.0])
+        dist.barrier()
+        summed = torch.tensor([_throughput(lambda: a @ b)])
+        dist.all_reduce(summed)
+        dist.broadcast(alone, 0)
+        ratios.append(summed.item() / alone.item())
+    return statistics.median(ratios)
 
 
 def _sample_read_s() -> float:
@@ -416,10 +456,11 @@ def worker(out: str, passes: int, calls: int) -> None:
         "nproc": rt.world_size,
         "threads_per_rank": threads,
         "torch": torch.__version__,
+        "measured_at": time.time(),  # (Unix seconds: a shared machine's rates drift in hours)
         **alone,
         # How many ranks' worth of work the machine does at once: N on N free cores, fewer
         # when ranks share cores (then a step is bounded by all ranks' work over this).
-        "concurrency": rt.world_size * mean["flop_rate"] / alone["flop_rate"] if alone else 1,
+        "concurrency": _concurrency(rt.is_main),
         "shared": mean,
     }
     if rt.world_size > 1:

@@ -770,7 +770,10 @@ def versus_measured(
         rows["peak"] = _pair(predicted["peak"], memory["step_peak"])
     if "step_time_s" in predicted and step_time_s is not None:
         rows["step_time_s"] = _pair(predicted["step_time_s"]["total"], step_time_s)
-    return {"rows": rows, "notes": predicted.get("notes", [])}
+    out = {"rows": rows, "notes": predicted.get("notes", [])}
+    if "calibration" in predicted:  # how old the rates the step time was priced at are
+        out["calibration"] = predicted["calibration"]
+    return out
 
 
 def _pair(predicted: float, measured: float) -> dict:

@@ -227,7 +227,8 @@ def _plan_config(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{args.config} on {nproc} ranks of this machine, {len(rows)} strategies priced in "
-        f"{time.perf_counter() - started:.1f} s (rank 0: model state + activations)"
+        f"{time.perf_counter() - started:.1f} s (rank 0: model state + activations; "
+        f"{calibrate.age_note(calibration)})"
     )
     print(f"{'#':>3} {'strategy':22s} {'step ms':>8} {'memory MiB':>11} {'comm MiB':>9}")
     for i, row in enumerate(rows[: args.top], 1):

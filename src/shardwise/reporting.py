@@ -122,6 +122,11 @@ def _versus(summary: dict, row: str, unit: Callable[[float], str] = human_bytes)
     return f"{unit(pair['predicted'])} / {unit(pair['measured'])}{error}"
 
 
+def _calibration(summary: dict) -> str:
+    """How old the calibration the step time was priced at is (a KeyError where none was)."""
+    return summary["predicted"]["calibration"]
+
+
 def _ms(seconds: float) -> str:
     return f"{1000 * seconds:,.1f} ms"
 
@@ -147,6 +152,7 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("activations predicted / measured", lambda s: _versus(s, "activations")),
     ("step peak predicted / measured", lambda s: _versus(s, "peak")),
     ("step time predicted / measured", lambda s: _versus(s, "step_time_s", _ms)),
+    ("step time priced at", _calibration),
     (
         "staleness (mean; histogram)",
         lambda s: f"{s['staleness_mean']:.2f}; {s['staleness_histogram']}",

@@ -318,6 +318,8 @@ def _predict(cfg: Config, job: Job, rt: sw.Runtime, out: Path) -> dict[str, Any]
         print(f"shardwise: {e}: no step time predicted", flush=True)
         calibration = None
     predicted = costs.for_run(cost_job, cfg.strategy, calibration)
+    if calibration is not None:
+        predicted["calibration"] = calibrate.age_note(calibration)
     (out / "prediction.json").write_text(json.dumps(predicted, indent=1))
     return predicted
 

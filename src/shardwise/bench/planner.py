@@ -13,9 +13,10 @@ predicted and measured step times over all runs, and whether the plan's top choi
 GPT on 4 ranks (the fastest predicted) ran within 10% of the fastest measured: first in the
 sweep, then on fresh runs of it and the three fastest measured, in turns (`--confirm`).
 
-The machine is calibrated afresh before each world size's first runs (`shardwise calibrate`,
-into the user's cache, where the runs read it), or, with `--stored-calibration`, only where
-no calibration is stored.
+The machine is calibrated afresh before each round's runs of each world size (`shardwise
+calibrate`, into the user's cache, where the runs read it; 3 passes over all rounds), and a
+configuration's predicted step time is the mean of its runs' predictions; with
+`--stored-calibration`, the stored calibration prices every run (calibrated where none is).
 Output: the table, `--out`/planner.json and one JSON line.
 """
 
@@ -64,7 +65,7 @@ def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
 
 
-def ensure_calibrated(nproc: int, fresh: bool = False) -> None:
+def ensure_calibrated(nproc: int, fresh: bool = False, passes: int = 3) -> None:
     """A calibration for `nproc` ranks in the user's cache, where the runs' predictions read
     it: measured now with `fresh` (a calibration from another hour measured another machine:
     a shared VM's rates drift, here its matmul rate by 7% in a day, and every prediction with
@@ -76,7 +77,7 @@ def ensure_calibrated(nproc: int, fresh: bool = False) -> None:
         stored = None
     if stored is None:
         argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", str(nproc)]
-        subprocess.run(argv, check=True, timeout=600)
+        subprocess.run([*argv, "--passes", str(passes)], check=True, timeout=600)
 
 
 def run_one(out: Path, config: str, name: str, sets: list[str], nproc: int, steps: int) -> dict:
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "--stored-calibration",
         action="store_true",
         help="price the runs at the stored calibration where there is one (default: calibrate "
-        "each world size afresh before its first runs)",
+        "each world size afresh before each round's runs)",
     )
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
@@ -152,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     jobs: dict[str, tuple] = {}  # key -> run_one's arguments after `out`
     for round_ in range(args.repeats):
         for nproc in worlds:
-            ensure_calibrated(nproc, fresh=round_ == 0 and not args.stored_calibration)
+            # Each round's runs are priced at a calibration made just before them, of 3 passes
+            # over all rounds: the machine's rates drift within the bench too (two 3-pass
+            # calibrations 20 minutes apart priced the GPT's DDP on 2 ranks 48 and 60 ms).
+            passes = max(1, 3 // args.repeats)
+            ensure_calibrated(nproc, fresh=not args.stored_calibration, passes=passes)
             for config in models:
                 candidates = config_candidates(load_config(config, MODELS[config]), nproc)
                 for name, sets in candidates.items():
@@ -218,8 +223,9 @@ def _print_row(key: str, result: dict) -> None:
 
 
 def _combined(tries: list[dict]) -> dict:
-    """One configuration's runs as one: the first's rows, and the median of the measured step
-    times with the range of them all (`runs_s`)."""
+    """One configuration's runs as one: the first's rows, the median of the measured step
+    times with the range of them all (`runs_s`), and the mean of their predicted step times
+    (each run's, made before it at the calibration of its round: `predicted_runs_s`)."""
     failed = next((t for t in tries if "error" in t), None)
     if failed is not None:
         return failed
@@ -228,9 +234,11 @@ def _combined(tries: list[dict]) -> dict:
         return first
     measured = [t["step_time_s"]["measured"] for t in tries]
     median = statistics.median(measured)
-    predicted = first["step_time_s"]["predicted"]
+    predictions = [t["step_time_s"]["predicted"] for t in tries]
+    predicted = statistics.mean(predictions)
     step = {"predicted": predicted, "measured": median, "error": predicted / median - 1}
-    return {**first, "step_time_s": {**step, "runs_s": measured}}
+    step |= {"runs_s": measured, "predicted_runs_s": predictions}
+    return {**first, "step_time_s": step}
 
 
 def _gpt4_choice(results: dict[str, dict]) -> tuple[dict[str, dict], str | None]:
