@@ -126,13 +126,18 @@ def breakdown(ranks: list[list[dict]]) -> list[dict[str, float]]:
     Of a step's blocked time, the part every rank spent is the transfer itself: the rank that
     arrived last at each meeting still waited that long. The rest of a rank's blocked time it
     spent idle, waiting for slower ranks to arrive. Per step: exposed = min over ranks of the
-    blocked time, idle = this rank's blocked time - exposed.
+    blocked time, idle = this rank's blocked time - exposed. The step that measured memory
+    is left out when there are others.
     """
     # The steps every rank measured by phase (on a GPU, a sample of them); without any, each
     # step's time outside collectives counts as compute.
     every = [{line["step"] for line in lines} for lines in ranks]
     phased = [{line["step"] for line in lines if "data_s" in line} for lines in ranks]
-    steps = sorted(set.intersection(*phased) or set.intersection(*every))
+    steps = set.intersection(*phased) or set.intersection(*every)
+    # The step that measured memory ran under the meters, which slow each rank by its own
+    # amount: a rank that waited there waited for a meter, not for a slower peer.
+    metered = {line["step"] for lines in ranks for line in lines if "memory" in line}
+    steps = sorted(steps - metered or steps)
     by_step = [{line["step"]: line for line in lines} for lines in ranks]
     out = []
     for mine in by_step:
