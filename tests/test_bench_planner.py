@@ -39,14 +39,14 @@ def test_choice_is_confirmed_on_fresh_runs(monkeypatch):
     wobble = itertools.cycle([1.0, 1.02, 0.98])
     made = []
 
-    def fresh_run(out, config, name, sets, nproc, steps):
+    def fresh_run(out, model, name, sets, nproc, steps):
         made.append(name)
         seconds = usual[name] * next(wobble)
         return {"step_time_s": {"predicted": predicted[name], "measured": seconds, "error": 0}}
 
     monkeypatch.setattr(bench, "run_one", fresh_run)
     results = {
-        f"tiny_gpt n4 {k}": {
+        f"gpt n4 {k}": {
             "step_time_s": {
                 "predicted": predicted[k],
                 "measured": sweep[k],
@@ -56,7 +56,7 @@ def test_choice_is_confirmed_on_fresh_runs(monkeypatch):
         }
         for k in usual
     }
-    jobs = {key: ("tiny_gpt", key.split()[2], [], 4, 30) for key in results}
+    jobs = {key: ("gpt", key.split()[2], [], 4, 30) for key in results}
     assert bench._summarise(results)["choice"]["measured_best"] == "zero2"
 
     confirmed = bench._confirm(Path("unused"), results, jobs, rounds=3)
@@ -78,7 +78,7 @@ def test_torch_memtracker_sees_a_plain_step_as_our_meter_does():
     from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs
     from shardwise.memory import PeakMeter, optimizer_tensors
 
-    sets = [*bench.MODELS["tiny_gpt"], "strategy.name=ddp", "data.batch_size=8"]
+    sets = [*bench.WORKLOADS["gpt"].sets, "strategy.name=ddp", "data.batch_size=8"]
     rival = memtracker_peak("tiny_gpt", sets, 8)
     cfg = load_config("tiny_gpt", sets)
     job = build_job(cfg)

@@ -137,6 +137,10 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     assert started < rates["measured_at"] < time.time()  # when: its age is told with its use
     assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2 and rates["sample_read_s"] > 0
     assert set(rates["collectives"]) == calibrate.KINDS
+    # A small collective's wait after each burst of compute, the bursts longer and longer.
+    bursts = [burst for burst, _ in rates["arrival_waits"]]
+    assert len(bursts) == len(calibrate.BURSTS) and bursts == sorted(bursts)
+    assert all(wait > 0 for _, wait in rates["arrival_waits"])
     # A mean time per payload, 8 B to 4 MiB (volumes as comm counts them).
     for kind in calibrate.KINDS:
         points = rates["collectives"][kind]["points"]

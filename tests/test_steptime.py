@@ -3,7 +3,7 @@ the bubble formula of the GPipe paper, and a call's price against the calibratio
 
 import pytest
 
-from shardwise.steptime import call_seconds, pipeline_finish
+from shardwise.steptime import arrival_wait, call_seconds, compute_rates, pipeline_finish
 from shardwise.strategies.pipeline import schedule_order
 
 
@@ -130,3 +130,31 @@ def test_zero3_calls_priced_as_exposed_are_those_a_step_waits_for_at_once(model_
 
     for exposed, predicted in run(_zero3_waits, 2, model_name, str(tmp_path), timeout_s=120):
         assert exposed == predicted
+
+
+def test_ranks_with_cores_of_their_own_compute_at_the_rates_measured_all_at_once():
+    # Every rank working at once, 2 ranks on 2 cores contend for memory: element-wise work at
+    # half its rate alone. 4 ranks on those cores take turns (priced by the concurrency) at
+    # the rates of one alone.
+    alone = {"flop_rate": 1e11, "bytes_rate": 7e10, "op_overhead_s": 4e-6, "sample_read_s": 3e-6}
+    shared = {"flop_rate": 0.98e11, "bytes_rate": 3.5e10, "op_overhead_s": 4e-6}
+    cal = {**alone, "concurrency": 1.97, "shared": shared}
+    two = compute_rates(cal, 2)
+    assert {k: two[k] for k in shared} == shared
+    assert two["sample_read_s"] == alone["sample_read_s"]  # (what was not measured shared)
+    assert compute_rates(cal, 4) is cal
+    assert compute_rates(alone, 2) is alone  # (a calibration without shared rates)
+
+
+def test_the_wait_for_ranks_to_arrive_follows_the_calibrated_bursts():
+    # A small collective waited 2, 4, 6 and 10 ms after bursts of 1, 5, 20 and 100 ms: the
+    # wait a step adds is the curve at its compute less what a call after the shortest burst
+    # (as every call was timed) already holds; past the longest, along the last segment.
+    cal = {"arrival_waits": [[0.001, 0.002], [0.005, 0.004], [0.020, 0.006], [0.100, 0.010]]}
+    assert arrival_wait(cal, 0.0) == 0.0
+    assert arrival_wait(cal, 0.001) == 0.0
+    assert arrival_wait(cal, 0.003) == pytest.approx(0.001)
+    assert arrival_wait(cal, 0.060) == pytest.approx(0.006)  # halfway from 20 to 100 ms
+    assert arrival_wait(cal, 0.200) == pytest.approx(0.013)  # 100 ms more at 4 ms / 80 ms
+    flat = {"arrival_waits": [[0.001, 0.002], [0.005, 0.003], [0.020, 0.0025]]}
+    assert arrival_wait(flat, 0.5) == pytest.approx(0.0005)  # (never a falling extrapolation)

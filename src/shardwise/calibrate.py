@@ -23,11 +23,12 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      + volume / bandwidth through them. A mean, not a median: a step's time
                      is the sum of its calls, and on shared cores a few calls in ten take
                      several times the typical one
-    wait_s, wait_per_compute
-                     what one small collective costs after a burst of compute, fitted to
-                     wait_s + wait_per_compute x burst: waking, and waiting for ranks that
-                     shared cores to arrive (about 0 per unit of compute when each rank has
-                     cores of its own)
+    arrival_waits    (burst, wait) seconds: what one small collective costs right after each
+                     rank's burst of about 1, 5, 20 and 80 ms of compute: waking, and waiting
+                     for ranks that share cores to arrive. It grows with the burst but less
+                     than in proportion, since ranks taking turns on cores drift apart by
+                     about a time slice, not by a share of their work (4 ranks on 2 cores:
+                     2.4, 4.9, 6.9 and 13.7 ms after 0.9, 4.1, 23 and 99 ms)
     measured_at      when, in Unix seconds: `plan` and `train` say how old the rates they
                      price at are (a shared machine's drift in hours)
 
@@ -75,6 +76,7 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
         raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
     collectives = data.get("collectives", {})
     timed = "points" in collectives.get("all_reduce", {}) and set(collectives) >= KINDS
+    timed = timed and "arrival_waits" in data
     if nproc > 1 and not timed:
         raise ValueError(
             f"{file} is from an older shardwise (no per-payload timings): run shardwise "
@@ -385,27 +387,21 @@ def _agreed(points: list[tuple[float, float]], among: int | None = None) -> list
     return [[v, t / n] for (v, _), t in zip(points, seconds.tolist(), strict=True)]
 
 
-def _waits(points: list[list[float]]) -> dict[str, float]:
-    """What a small collective costs after a burst of compute, fitted to wait_s +
-    wait_per_compute x the burst's time over (burst, wait) `points`: ranks that share cores
-    reach it at different times and must be woken and given a core (wait_per_compute is about
-    0 and wait_s the plain latency when every rank has cores of its own)."""
-    fit = _fit(points)
-    slope = 1 / fit["bandwidth"] if fit["bandwidth"] != float("inf") else 0.0
-    return {"wait_s": fit["latency_s"], "wait_per_compute": slope}
+BURSTS = (2, 10, 40, 160)  # 256 x 256 matmuls: about 1, 5, 20 and 80 ms of one rank's compute
 
 
 def _wait_points(calls: int = CALLS) -> list[list[float]]:
-    """(mean burst, mean wait) seconds of a 4-byte all-reduce after bursts of about 1, 5 and
-    20 ms of one rank's compute, the ranks' means."""
+    """(mean burst, mean wait) seconds of a 4-byte all-reduce right after each rank's burst of
+    BURSTS matmuls, the ranks' means: `calls` after the short bursts, fewer after the long
+    ones (about a second's worth, at least 10)."""
     import torch.distributed as dist
 
     a, flag = torch.randn(256, 256), torch.zeros(1)
     points = []
-    for matmuls in (2, 10, 40):  # about 1, 5 and 20 ms of one rank's compute
+    for matmuls in BURSTS:
         dist.barrier()
         waits, bursts = [], []
-        for _ in range(calls):
+        for _ in range(max(10, min(calls, calls * 10 // matmuls))):
             started = time.perf_counter()
             for _ in range(matmuls):
                 a @ a
@@ -475,7 +471,7 @@ def worker(out: str, passes: int, calls: int) -> None:
         result["collectives"] = _averaged(tables)
         bursts = range(len(waits[0]))  # (each pass's points: one per burst length)
         means = [[statistics.mean(w[b][i] for w in waits) for i in (0, 1)] for b in bursts]
-        result.update(_waits(means))
+        result["arrival_waits"] = means
     result["concurrency"] = min(result["concurrency"], rt.world_size)
     if rt.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -524,10 +520,11 @@ def run(args: argparse.Namespace) -> int:
         f"{result['op_overhead_s'] * 1e6:.1f} us per op alone; {result['concurrency']:.2f} "
         f"ranks at once -> {out}"
     )
-    if "wait_s" in result:
+    if "arrival_waits" in result:
+        waits = result["arrival_waits"]
         print(
-            f"  each collective: {result['wait_s'] * 1e6:.0f} us + "
-            f"{result['wait_per_compute']:.1%} of the compute before it"
+            "  a collective after compute: "
+            + ", ".join(f"{1e3 * w:.2f} ms after {1e3 * b:.0f}" for b, w in waits)
         )
     for op, fit in result.get("collectives", {}).items():
         print(

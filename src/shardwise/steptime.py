@@ -8,14 +8,16 @@ rates `shardwise calibrate` measured, plus its collectives from the cost model.
                 per sample
     collectives each call at the calibrated mean time of one of its kind and payload (its
                 bytes per call) after a little compute, and the waiting for ranks that share
-                cores to arrive: wait_per_compute x the compute. A call started a unit of
+                cores to arrive after the step's compute (`arrival_wait`: the calibrated
+                waits after bursts of compute). A call started a unit of
                 compute before it is waited for (ZeRO-3's prefetched gathers, ZeRO's
                 reduce-scatters but the last unit's of backward) at what the calibration
                 saw such a call add to its caller: its wait, and the cycles its copies
                 took from the compute meanwhile
-    sharing     compute takes the longer of this rank's critical path at the rate of a rank
-                alone, and all ranks' work over the machine's concurrency (ranks that share
-                cores take turns)
+    sharing     compute takes the longer of this rank's critical path and all ranks' work
+                over the machine's concurrency (ranks that share cores take turns), at the
+                rates of a rank alone; ranks with cores of their own at the rates measured
+                with every rank working, as they do (they contend for memory: `compute_rates`)
     schedules   a pipeline's critical path comes from running its schedule: each stage does
                 its forwards and backwards in order, each once its input has arrived (the
                 neighbour's op done, plus one message's calibrated time), and each op pays
@@ -145,20 +147,37 @@ def call_seconds(cal: dict, kind: str, volume: float, ranks: int | None = None) 
     linear between the payloads it measured, and past the largest at its fitted bandwidth."""
     rates = cal["collectives"][kind]
     rates = rates.get("groups", {}).get(str(ranks), rates)
-    points = rates["points"]
-    if volume <= points[0][0]:
+    return _piecewise(rates["points"], volume, 1 / rates["bandwidth"])
+
+
+def _piecewise(points: list[list[float]], x: float, slope_past: float) -> float:
+    """The line through (x, y) `points` at `x`: the first y below them, and past the last
+    point at `slope_past`."""
+    if x <= points[0][0]:
         return points[0][1]
-    for (v0, t0), (v1, t1) in itertools.pairwise(points):
-        if volume <= v1:
-            return t0 + (t1 - t0) * (volume - v0) / (v1 - v0)
-    v, t = points[-1]
-    return t + (volume - v) / rates["bandwidth"]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1] + (x - points[-1][0]) * slope_past
+
+
+def arrival_wait(cal: dict, compute_s: float) -> float:
+    """Seconds a rank waits for the others to arrive at the first collective after
+    `compute_s` of compute, beyond what a call after a short burst (as every collective was
+    calibrated) already includes: the calibration's `arrival_waits` between the bursts it
+    measured, and past the longest along their last segment. It grows less than in
+    proportion to the compute: a line through bursts of 1-20 ms put the GPT's wait after
+    85 ms of compute on 4 ranks of 2 cores at 22 ms, where bursts of 99 ms waited 14."""
+    points = cal["arrival_waits"]
+    (b0, w0), (b1, w1) = points[-2:]
+    last_slope = max(0.0, (w1 - w0) / (b1 - b0)) if b1 > b0 else 0.0
+    return max(0.0, _piecewise(points, compute_s, last_slope) - points[0][1])
 
 
 def comm_seconds(costs: cost_model.Costs, cal: dict, compute_s: float, world: int) -> float:
     """Every collective call (the trainer's loss all-reduce among them) at the calibrated
     time of its kind and payload (each call after a little compute, as in a step), and the
-    waiting for ranks that share cores to arrive: wait_per_compute x the compute. A
+    waiting for ranks that share cores to arrive after the step's compute (`arrival_wait`). A
     pipeline's messages are priced in its schedule (`pipeline_finish`) instead."""
     trainer = cost_model.trainer_comm(world)
     seconds = sum(call_seconds(cal, KIND[op], nbytes) for op, nbytes in trainer.items())
@@ -168,7 +187,7 @@ def comm_seconds(costs: cost_model.Costs, cal: dict, compute_s: float, world: in
             if t.prefetched:  # started a unit of compute before it is waited for
                 kind = f"prefetched_{kind}"
             seconds += t.calls * call_seconds(cal, kind, t.nbytes / t.calls, t.ranks)
-    return seconds + cal.get("wait_per_compute", 0.0) * compute_s
+    return seconds + arrival_wait(cal, compute_s)
 
 
 def posts_per_step(stage: int, stages: int, microbatches: int) -> int:
@@ -212,15 +231,29 @@ def pipeline_finish(
     return clock
 
 
+def compute_rates(cal: dict, world: int) -> dict:
+    """The rates a rank's compute is priced at among `world` ranks. Ranks that each have a core
+    (no more of them than the machine's concurrency) compute at once and contend only for
+    memory and caches: at the rates the calibration measured with every rank working
+    (`shared`; on this 2-core VM, 2 ranks' element-wise work ran at 36-60 GB/s each against
+    66-72 GB/s alone, and their steps' compute was priced 15-29% short at the rates of one
+    alone). Ranks that outnumber the cores take turns on them: at the rates of one alone,
+    their turns priced by the concurrency (`predict_step`)."""
+    if "shared" in cal and world <= round(cal.get("concurrency", 1)):
+        return {**cal, **cal["shared"]}
+    return cal
+
+
 def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> dict[str, float]:
     """Seconds per step by part (compute with the optimizer, the sharing of cores and the
     pipeline's waits, comm) and the total.
 
-    Compute is the longer of two bounds: this rank's critical path at the rate of a rank
-    alone (a pipeline's from running its schedule), and every rank's work over the machine's
-    concurrency (ranks that share cores wait for one another)."""
+    Compute is the longer of two bounds: this rank's critical path (a pipeline's from running
+    its schedule), and every rank's work over the machine's concurrency (ranks that share
+    cores wait for one another); both at the rates of `compute_rates`."""
     costs = cost_model.predict(job, strategy)
     n = job.world_size
+    rates = compute_rates(cal, n)
     replicas, tp, pp = cost_model.mesh_sizes(strategy, n)
     samples = job.global_batch // replicas
     if pp > 1:
@@ -231,12 +264,12 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         forward, backward, after = [], [], []
         for s, stage in enumerate(stages):
             before = layers[: bounds[s]]
-            both = training_work(job, samples // m, stage, before).seconds(cal)
-            forward.append(training_work(job, samples // m, stage, before, False).seconds(cal))
+            both = training_work(job, samples // m, stage, before).seconds(rates)
+            forward.append(training_work(job, samples // m, stage, before, False).seconds(rates))
             backward.append(both - forward[-1])
             numels = [p.numel() for layer in stage for p in layer.parameters()]
-            after.append(after_backward_work(numels, job.optimizer).seconds(cal))
-        loading = samples * cal.get("sample_read_s", 0.0)  # (every stage reads the batch)
+            after.append(after_backward_work(numels, job.optimizer).seconds(rates))
+        loading = samples * rates.get("sample_read_s", 0.0)  # (every stage reads the batch)
         after = [a + loading for a in after]
         boundary = cost_model.boundary_bytes(job, layers, bounds, samples // m)
         orders = [schedule_order(strategy.schedule, s, pp, m) for s in range(pp)]
@@ -260,9 +293,9 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         if tp > 1:  # this rank's share of the model, traced as it runs (replicated parts too)
             where = coordinates(job.rank, {"dp": replicas, "tp": tp, "pp": pp})
             local = cost_model.tp_local(job, strategy.loss_parallel, tp, where["tp"])
-        work = training_work(local, samples).seconds(cal)
-        work += after_backward_work(costs.optimizer_numels, job.optimizer).seconds(cal)
-        path = ideal = work + samples * cal.get("sample_read_s", 0.0)
+        work = training_work(local, samples).seconds(rates)
+        work += after_backward_work(costs.optimizer_numels, job.optimizer).seconds(rates)
+        path = ideal = work + samples * rates.get("sample_read_s", 0.0)
         everyone = n * path
     compute = max(path, everyone / cal.get("concurrency", 1))
     parts = {

@@ -1,6 +1,8 @@
 """`shardwise bench planner`: the cost model's predictions against whole runs.
 
-For the MLP on digits and a tiny GPT (2 blocks, 32 characters), at 2 and 4 ranks, every exact
+For the MLP on digits (2 x 512 hidden units; `--models mlp-small`: the digits config as it
+comes, whose steps are mostly wake-ups on shared cores) and a tiny GPT (2 blocks, 32
+characters), at 2 and 4 ranks, every exact
 strategy `shardwise plan --config` considers (DDP native and ring, ZeRO 1-3, tensor parallel,
 both pipeline schedules, dp x tp and dp x pp meshes; the GPT's also with activation
 checkpointing) trains `--steps` steps on the same global batch. Each run's rank 0 wrote its
@@ -29,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise import calibrate
@@ -36,18 +39,32 @@ from shardwise.bench import train_job
 from shardwise.config import load_config
 from shardwise.planner import config_candidates
 
-MODELS = {  # config -> the job's settings (small enough for a few dozen runs on 2 cores)
-    "digits": ["train.log_every=5", "train.tensorboard=false"],
-    "tiny_gpt": [
-        *("data.seq_len=32", "model.n_layer=2", "train.eval_batch_size=64"),
-        *("train.log_every=5", "train.tensorboard=false"),
-    ],
+QUIET = ("train.log_every=5", "train.tensorboard=false")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model the bench runs every strategy of: a built-in config, its settings (small
+    enough for a few dozen runs on 2 cores) and the steps of a run."""
+
+    config: str
+    sets: tuple[str, ...]
+    steps: int
+
+
+WORKLOADS = {  # `--models` names
+    # The MLP at 2 x 512 hidden units and 256 samples a replica: 11-70 ms steps, whose compute
+    # and messages the model prices.
+    "mlp": Workload("digits", (*QUIET, "model.hidden=[512, 512]", "data.batch_size=256"), 100),
+    # The digits config as it comes (2 x 128, 32 samples): 3-45 ms steps, mostly wake-ups of
+    # waiting ranks on shared cores, which vary 2-5x from step to step and up to 2x from one
+    # run to the next (the same configuration's runs: 2.8, 3.4 and 5.6 ms), so its median
+    # needs more steps (over 30, one run's ranged 2.8-7.9 ms; over 150, within about 10%).
+    "mlp-small": Workload("digits", QUIET, 150),
+    "gpt": Workload(
+        "tiny_gpt", (*QUIET, "data.seq_len=32", "model.n_layer=2", "train.eval_batch_size=64"), 30
+    ),
 }
-# Steps per run: the MLP's steps last a few milliseconds, mostly waiting on messages whose
-# wake-ups on shared cores vary from step to step by 2-5x, so its median needs more of them
-# (over 30 steps, one run's median ranged 2.8-7.9 ms between runs; over 150, within about 10%).
-STEPS = {"digits": 150, "tiny_gpt": 30}
-ALIASES = {"mlp": "digits", "gpt": "tiny_gpt"}  # `shardwise bench --models` names
 ROWS = ("model_state", "activations", "peak", "comm_bytes_per_step", "step_time_s")
 WHOLE_MODEL = ("ddp", "ddp-ring")  # every rank holds the model: torch's MemTracker answers
 
@@ -80,14 +97,19 @@ def ensure_calibrated(nproc: int, fresh: bool = False, passes: int = 3) -> None:
         subprocess.run([*argv, "--passes", str(passes)], check=True, timeout=600)
 
 
-def run_one(out: Path, config: str, name: str, sets: list[str], nproc: int, steps: int) -> dict:
-    base = load_config(config, MODELS[config])
-    cfg = load_config(config, [*MODELS[config], *sets])
+def run_one(out: Path, model: str, name: str, sets: list[str], nproc: int, steps: int) -> dict:
+    """Train `model` (a WORKLOADS name) under strategy `name` (`sets`) on `nproc` ranks for
+    `steps` steps, with the global batch of its data-parallel run: its predicted and measured
+    rows."""
     from shardwise.costs import replicas
 
+    work = WORKLOADS[model]
+    config = work.config
+    base = load_config(config, list(work.sets))
+    cfg = load_config(config, [*work.sets, *sets])
     batch = base.data.batch_size * nproc // replicas(cfg.strategy, nproc)
-    run_dir = out / f"{config}-n{nproc}-{name}"
-    job_sets = [*MODELS[config], *sets, f"train.steps={steps}", f"data.batch_size={batch}"]
+    run_dir = out / f"{model}-n{nproc}-{name}"
+    job_sets = [*work.sets, *sets, f"train.steps={steps}", f"data.batch_size={batch}"]
     job = train_job(run_dir, config, job_sets, extra=["--nproc", str(nproc)])
     if job.returncode != 0:
         return {"error": f"exit {job.returncode}", "output": (job.stdout + job.stderr)[-1500:]}
@@ -110,9 +132,14 @@ def _torch_peak(config: str, sets: tuple[str, ...], batch: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="shardwise bench planner")
     parser.add_argument(
-        "--steps", type=int, help="steps per run (default: the MLP 150, the GPT 30)"
+        "--steps", type=int, help="steps per run (default: MLP 100, small MLP 150, GPT 30)"
     )
-    parser.add_argument("--models", default="mlp,gpt", help="mlp (digits), gpt (tiny_gpt)")
+    parser.add_argument(
+        "--models",
+        default="mlp,gpt",
+        help="mlp (digits, 2 x 512 hidden, 256 samples a replica), mlp-small (digits as it "
+        "comes: its steps are mostly wake-ups), gpt (tiny_gpt)",
+    )
     parser.add_argument("--worlds", default="2,4", help="world sizes")
     parser.add_argument("--quick", action="store_true", help="the GPT on 4 ranks only")
     parser.add_argument(
@@ -140,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     worlds = [4] if args.quick else [int(w) for w in args.worlds.split(",")]
-    named = ["gpt"] if args.quick else args.models.split(",")
-    if unknown := set(named) - set(ALIASES):
-        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; known: mlp, gpt")
-    models = [ALIASES[m] for m in named]
+    models = ["gpt"] if args.quick else args.models.split(",")
+    if unknown := set(models) - set(WORKLOADS):
+        known = ", ".join(WORKLOADS)
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; known: {known}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.confirm < 0:
@@ -158,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             # calibrations 20 minutes apart priced the GPT's DDP on 2 ranks 48 and 60 ms).
             passes = max(1, 3 // args.repeats)
             ensure_calibrated(nproc, fresh=not args.stored_calibration, passes=passes)
-            for config in models:
-                candidates = config_candidates(load_config(config, MODELS[config]), nproc)
+            for model in models:
+                work = WORKLOADS[model]
+                candidates = config_candidates(load_config(work.config, list(work.sets)), nproc)
                 for name, sets in candidates.items():
-                    key = f"{config} n{nproc} {name}"
-                    jobs[key] = (config, name, sets, nproc, args.steps or STEPS[config])
+                    key = f"{model} n{nproc} {name}"
+                    jobs[key] = (model, name, sets, nproc, args.steps or work.steps)
                     runs.setdefault(key, []).append(run_one(out, *jobs[key]))
                     _print_row(key + (f" #{round_ + 1}" if args.repeats > 1 else ""), runs[key][-1])
     results = {key: _combined(tries) for key, tries in runs.items()}
@@ -243,7 +271,7 @@ def _combined(tries: list[dict]) -> dict:
 
 def _gpt4_choice(results: dict[str, dict]) -> tuple[dict[str, dict], str | None]:
     """The GPT's runs on 4 ranks, and the plan's top choice among them: the fastest predicted."""
-    gpt4 = {k: r for k, r in results.items() if k.startswith("tiny_gpt n4 ") and "step_time_s" in r}
+    gpt4 = {k: r for k, r in results.items() if k.startswith("gpt n4 ") and "step_time_s" in r}
     chosen = min(gpt4, key=lambda k: gpt4[k]["step_time_s"]["predicted"]) if gpt4 else None
     return gpt4, chosen
 
