@@ -2,8 +2,15 @@
 the bubble formula of the GPipe paper, and a call's price against the calibration's timings."""
 
 import pytest
+import torch
 
-from shardwise.steptime import arrival_wait, call_seconds, compute_rates, pipeline_finish
+from shardwise.steptime import (
+    arrival_wait,
+    call_seconds,
+    pipeline_finish,
+    predict_step,
+    shared_rates,
+)
 from shardwise.strategies.pipeline import schedule_order
 
 
@@ -132,18 +139,50 @@ def test_zero3_calls_priced_as_exposed_are_those_a_step_waits_for_at_once(model_
         assert exposed == predicted
 
 
-def test_ranks_with_cores_of_their_own_compute_at_the_rates_measured_all_at_once():
-    # Every rank working at once, 2 ranks on 2 cores contend for memory: element-wise work at
-    # half its rate alone. 4 ranks on those cores take turns (priced by the concurrency) at
-    # the rates of one alone.
+def _calibration(shared_bytes_rate: float, concurrency: float) -> dict:
     alone = {"flop_rate": 1e11, "bytes_rate": 7e10, "op_overhead_s": 4e-6, "sample_read_s": 3e-6}
-    shared = {"flop_rate": 0.98e11, "bytes_rate": 3.5e10, "op_overhead_s": 4e-6}
-    cal = {**alone, "concurrency": 1.97, "shared": shared}
-    two = compute_rates(cal, 2)
-    assert {k: two[k] for k in shared} == shared
-    assert two["sample_read_s"] == alone["sample_read_s"]  # (what was not measured shared)
-    assert compute_rates(cal, 4) is cal
-    assert compute_rates(alone, 2) is alone  # (a calibration without shared rates)
+    shared = {**alone, "bytes_rate": shared_bytes_rate}
+    points = {"points": [[8, 1e-4], [4 << 20, 2e-3]], "bandwidth": 2e9}
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "send", "post", "exchange")
+    return {
+        **alone,
+        "concurrency": concurrency,
+        "shared": shared,
+        "collectives": dict.fromkeys(kinds, points),
+        "arrival_waits": [[1e-3, 1e-4], [0.1, 1e-4]],
+    }
+
+
+def test_ranks_with_cores_of_their_own_compute_at_the_rates_measured_all_at_once():
+    # 2 ranks on 2 cores, working at once, contend for memory: element-wise work at half its
+    # rate alone. Data-parallel ranks always work at once: their step slows by the traced
+    # bytes at the shared rate. A 2-stage pipeline of 8 micro-batches works at once only part
+    # of the time: its critical path, at the rates alone, stays the longer bound. 4 ranks on
+    # those cores take turns (the concurrency), whatever the shared rates.
+    import small_models
+    from shardwise.costs import Job
+    from shardwise.strategies.ddp import DDPConfig
+    from shardwise.strategies.pipeline import PPConfig
+
+    uncontended, contended = _calibration(7e10, 2.0), _calibration(3.5e10, 2.0)
+    assert shared_rates(contended, 2)["bytes_rate"] == 3.5e10
+    assert shared_rates(contended, 4) is None and shared_rates({"flop_rate": 1.0}, 2) is None
+
+    def step(cal: dict, strategy, world: int = 2) -> dict:
+        with torch.device("meta"):
+            model = small_models.build("gpt")
+        batch, loss = small_models.fake_batch("gpt"), small_models.loss_fn("gpt")
+        job = Job(model, world, 0, batch=batch, loss_fn=loss, global_batch=16)
+        return predict_step(job, strategy, cal)
+
+    ddp = DDPConfig()
+    fast, slow = step(uncontended, ddp), step(contended, ddp)
+    assert slow["sharing"] > fast["sharing"] + 1e-6
+    assert slow["compute"] == pytest.approx(fast["compute"])  # (the path: one rank alone)
+    pipeline = PPConfig(microbatches=8)
+    assert step(contended, pipeline)["total"] == pytest.approx(step(uncontended, pipeline)["total"])
+    four = [step(cal, ddp, world=4)["total"] for cal in (uncontended, contended)]
+    assert four[0] == pytest.approx(four[1])
 
 
 def test_the_wait_for_ranks_to_arrive_follows_the_calibrated_bursts():

@@ -177,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to benchmark",
     )
     bench.add_argument("--world-size", type=int, default=2, help="ranks")
-    bench.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
+    bench.add_argument(
+        "--models", default="mlp,gpt", help="comma-separated: mlp, gpt (planner: also mlp-small)"
+    )
     bench.add_argument("--steps", type=int, help="timed steps per repetition (per suite)")
     bench.add_argument("--reps", type=int, help="interleaved repetitions (per suite)")
     bench.add_argument("--out", help="JSON result file (comm: output directory)")

@@ -14,10 +14,11 @@ rates `shardwise calibrate` measured, plus its collectives from the cost model.
                 reduce-scatters but the last unit's of backward) at what the calibration
                 saw such a call add to its caller: its wait, and the cycles its copies
                 took from the compute meanwhile
-    sharing     compute takes the longer of this rank's critical path and all ranks' work
-                over the machine's concurrency (ranks that share cores take turns), at the
-                rates of a rank alone; ranks with cores of their own at the rates measured
-                with every rank working, as they do (they contend for memory: `compute_rates`)
+    sharing     compute takes the longer of this rank's critical path, at the rates of a
+                rank alone, and all ranks' work done at once: where each rank has a core, at
+                the rates measured with every rank working (they contend for memory:
+                `shared_rates`); where ranks outnumber the cores, over the machine's
+                concurrency (they take turns)
     schedules   a pipeline's critical path comes from running its schedule: each stage does
                 its forwards and backwards in order, each once its input has arrived (the
                 neighbour's op done, plus one message's calibrated time), and each op pays
@@ -231,46 +232,50 @@ def pipeline_finish(
     return clock
 
 
-def compute_rates(cal: dict, world: int) -> dict:
-    """The rates a rank's compute is priced at among `world` ranks. Ranks that each have a core
-    (no more of them than the machine's concurrency) compute at once and contend only for
-    memory and caches: at the rates the calibration measured with every rank working
-    (`shared`; on this 2-core VM, 2 ranks' element-wise work ran at 36-60 GB/s each against
-    66-72 GB/s alone, and their steps' compute was priced 15-29% short at the rates of one
-    alone). Ranks that outnumber the cores take turns on them: at the rates of one alone,
-    their turns priced by the concurrency (`predict_step`)."""
+def shared_rates(cal: dict, world: int) -> dict | None:
+    """The rates of a rank while all `world` ranks compute at once, where each has a core of
+    its own (no more ranks than the machine's concurrency): they contend only for memory and
+    caches, as the calibration's `shared` rates measured (2 ranks on this 2-core VM: element-
+    wise work at 36-60 GB/s each against 66-72 GB/s alone; their steps' compute was priced
+    15-29% short at the rates of one alone). None where ranks outnumber the cores (they take
+    turns, priced by the concurrency) or the calibration has no shared rates."""
     if "shared" in cal and world <= round(cal.get("concurrency", 1)):
         return {**cal, **cal["shared"]}
-    return cal
+    return None
 
 
 def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> dict[str, float]:
-    """Seconds per step by part (compute with the optimizer, the sharing of cores and the
-    pipeline's waits, comm) and the total.
+    """Seconds per step by part (compute with the optimizer, the sharing of the machine and
+    the pipeline's waits, comm) and the total.
 
     Compute is the longer of two bounds: this rank's critical path (a pipeline's from running
-    its schedule), and every rank's work over the machine's concurrency (ranks that share
-    cores wait for one another); both at the rates of `compute_rates`."""
+    its schedule) at the rates of a rank alone, and every rank's work done at once: where
+    each rank has a core, at the rates of `shared_rates`, else over the machine's concurrency
+    (ranks that share cores take turns)."""
     costs = cost_model.predict(job, strategy)
     n = job.world_size
-    rates = compute_rates(cal, n)
+    shared = shared_rates(cal, n)
     replicas, tp, pp = cost_model.mesh_sizes(strategy, n)
     samples = job.global_batch // replicas
+
+    def reading(rates: dict) -> float:
+        return samples * rates.get("sample_read_s", 0.0)
+
     if pp > 1:
         m = strategy.microbatches
         layers, starts = cost_model.pipeline_stages(job, pp, getattr(strategy, "split", None))
         bounds = [*starts, len(layers)]
         stages = [layers[bounds[s] : bounds[s + 1]] for s in range(pp)]
-        forward, backward, after = [], [], []
+        forward, backward, after, traced = [], [], [], []
         for s, stage in enumerate(stages):
             before = layers[: bounds[s]]
-            both = training_work(job, samples // m, stage, before).seconds(rates)
-            forward.append(training_work(job, samples // m, stage, before, False).seconds(rates))
-            backward.append(both - forward[-1])
+            both = training_work(job, samples // m, stage, before)
+            forward.append(training_work(job, samples // m, stage, before, False).seconds(cal))
+            backward.append(both.seconds(cal) - forward[-1])
             numels = [p.numel() for layer in stage for p in layer.parameters()]
-            after.append(after_backward_work(numels, job.optimizer).seconds(rates))
-        loading = samples * rates.get("sample_read_s", 0.0)  # (every stage reads the batch)
-        after = [a + loading for a in after]
+            optimizer = after_backward_work(numels, job.optimizer)
+            after.append(optimizer.seconds(cal) + reading(cal))  # (every stage reads the batch)
+            traced.append((both, optimizer))
         boundary = cost_model.boundary_bytes(job, layers, bounds, samples // m)
         orders = [schedule_order(strategy.schedule, s, pp, m) for s in range(pp)]
         messages = [call_seconds(cal, "send", b) for b in boundary]
@@ -287,20 +292,32 @@ def predict_step(job: cost_model.Job, strategy: StrategySection, cal: dict) -> d
         finish = pipeline_finish(orders, forward, backward, messages)
         path = max(f + a for f, a in zip(finish, after, strict=True))
         work = [m * (f + b) + a for f, b, a in zip(forward, backward, after, strict=True)]
-        everyone, ideal = replicas * sum(work), max(work)
+        ideal = max(work)
+        if shared is not None:  # each stage's work, its compute at the shared rates
+            slower = [
+                m * (both.seconds(shared) - both.seconds(cal))
+                + optimizer.seconds(shared)
+                - optimizer.seconds(cal)
+                + reading(shared)
+                - reading(cal)
+                for both, optimizer in traced
+            ]
+            work = [w + extra for w, extra in zip(work, slower, strict=True)]
+        everyone = replicas * sum(work)
     else:
         local = job
         if tp > 1:  # this rank's share of the model, traced as it runs (replicated parts too)
             where = coordinates(job.rank, {"dp": replicas, "tp": tp, "pp": pp})
             local = cost_model.tp_local(job, strategy.loss_parallel, tp, where["tp"])
-        work = training_work(local, samples).seconds(rates)
-        work += after_backward_work(costs.optimizer_numels, job.optimizer).seconds(rates)
-        path = ideal = work + samples * rates.get("sample_read_s", 0.0)
-        everyone = n * path
-    compute = max(path, everyone / cal.get("concurrency", 1))
+        traced = training_work(local, samples)
+        traced += after_backward_work(costs.optimizer_numels, job.optimizer)
+        path = ideal = traced.seconds(cal) + reading(cal)
+        everyone = n * (path if shared is None else traced.seconds(shared) + reading(shared))
+    at_once = everyone / n if shared is not None else everyone / cal.get("concurrency", 1)
+    compute = max(path, at_once)
     parts = {
         "compute": min(ideal, compute),
-        "sharing": compute - min(ideal, compute),  # waiting for cores and pipeline inputs
+        "sharing": compute - min(ideal, compute),  # waiting for cores, memory, pipeline inputs
         "comm": comm_seconds(costs, cal, compute, n) if n > 1 else 0.0,
     }
     parts["total"] = sum(parts.values())

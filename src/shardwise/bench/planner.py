@@ -19,7 +19,8 @@ The machine is calibrated afresh before each round's runs of each world size (`s
 calibrate`, into the user's cache, where the runs read it; 3 passes over all rounds), and a
 configuration's predicted step time is the mean of its runs' predictions; with
 `--stored-calibration`, the stored calibration prices every run (calibrated where none is).
-Output: the table, `--out`/planner.json and one JSON line.
+Output: the table, `--out`/planner.json (and each round's calibrations beside it) and one JSON
+line.
 """
 
 from __future__ import annotations
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             # calibrations 20 minutes apart priced the GPT's DDP on 2 ranks 48 and 60 ms).
             passes = max(1, 3 // args.repeats)
             ensure_calibrated(nproc, fresh=not args.stored_calibration, passes=passes)
+            # (kept beside the runs it priced: their predictions can be remade from it)
+            stored = calibrate.cache_path(nproc)
+            (out / f"calibration-n{nproc}-round{round_ + 1}.json").write_bytes(stored.read_bytes())
             for model in models:
                 work = WORKLOADS[model]
                 candidates = config_candidates(load_config(work.config, list(work.sets)), nproc)
