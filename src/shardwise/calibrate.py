@@ -79,8 +79,8 @@ def load(nproc: int, path: str | Path | None = None) -> dict | None:
     timed = timed and "arrival_waits" in data
     if nproc > 1 and not timed:
         raise ValueError(
-            f"{file} is from an older shardwise (no per-payload timings): run shardwise "
-            f"calibrate --nproc {nproc}"
+            f"{file} is from an older shardwise (no per-payload timings or arrival waits): run "
+            f"shardwise calibrate --nproc {nproc}"
         )
     return data
 
