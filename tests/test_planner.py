@@ -1,6 +1,6 @@
 """The planner: model states against the ZeRO paper's Figure 1; the search over strategies
 for a 70B and a 1T transformer (in under a second, feasible, ranked; formulas that trade as
-they should); the command line."""
+they should); the command line. (Bad input to it: test_plan_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -41,15 +41,6 @@ def test_each_stage_shards_one_more_category():
     assert z2.grads_bytes == 4 * p / n and z2.params_bytes == 4 * p
     assert z3.params_bytes == 4 * p / n
     assert z3.comm_bytes_per_step == 1.5 * z2.comm_bytes_per_step == 1.5 * dp.comm_bytes_per_step
-
-
-def test_bad_plan_input_is_one_line():
-    argv = [sys.executable, "-m", "shardwise", "plan", "--params", "1e9", "--devices", "0"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "shardwise: plan: need params > 0 and devices >= 1, got 1000000000.0 and 0"
-    ]
 
 
 def test_seventy_billion_on_1024_devices_answers_in_under_a_second_and_fits():
@@ -183,10 +174,3 @@ def test_calibration_passes_are_averaged_point_by_point():
         assert [t for _, t in rates["points"]] == pytest.approx(means)
         assert rates["latency_s"] == pytest.approx(2e-3)  # the line through the means
         assert rates["bandwidth"] == pytest.approx(0.5e9)
-    for flag in ("--passes", "--calls"):
-        argv = [sys.executable, "-m", "shardwise", "calibrate", flag, "0"]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2
-        assert done.stderr.strip().splitlines() == [
-            f"shardwise: calibrate: {flag} must be >= 1, got 0"
-        ]

@@ -66,23 +66,127 @@ def cache_path(nproc: int, threads: int | None = None) -> Path:
     return root / "shardwise" / "calibration" / f"{socket.gethostname()}-n{nproc}-t{threads}.json"
 
 
+MAX_FILE_BYTES = 1 << 20  # (a calibration of 64 ranks is about 30 KB)
+# The ranges of what the step-time model reads, checked before it is used: rates are divided
+# by, and within these every sum and quotient of a prediction stays a finite number.
+RATE = (1.0, 1e18)  # FLOP/s, bytes/s
+SECONDS = (0.0, 3600.0)
+VOLUME = (0.0, 1e15)  # bytes
+ALONE = {"flop_rate": RATE, "bytes_rate": RATE, "op_overhead_s": SECONDS, "sample_read_s": SECONDS}
+
+
 def load(nproc: int, path: str | Path | None = None) -> dict | None:
-    """The stored calibration for `nproc` ranks (or the file `path`), or None."""
+    """The stored calibration for `nproc` ranks (or the file `path`), or None where there is
+    none; a one-line ValueError naming the file and the field where it cannot be used."""
     file = Path(path) if path else cache_path(nproc)
     if not file.is_file():
         return None
-    data = json.loads(file.read_text())
-    if not isinstance(data, dict) or data.get("nproc") != nproc:
-        raise ValueError(f"{file} is not a calibration of {nproc} ranks: run shardwise calibrate")
-    collectives = data.get("collectives", {})
-    timed = "points" in collectives.get("all_reduce", {}) and set(collectives) >= KINDS
-    timed = timed and "arrival_waits" in data
-    if nproc > 1 and not timed:
-        raise ValueError(
-            f"{file} is from an older shardwise (no per-payload timings or arrival waits): run "
-            f"shardwise calibrate --nproc {nproc}"
-        )
+    try:
+        data = _read(file)
+        check(data, nproc)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}: run shardwise calibrate --nproc {nproc} again") from None
     return data
+
+
+def _read(file: Path) -> object:
+    with file.open("rb") as f:
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"over {MAX_FILE_BYTES} bytes, not a calibration")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, nested too deep)
+        raise ValueError(f"not JSON ({(str(e) or type(e).__name__).splitlines()[0]})") from None
+
+
+def check(data: object, nproc: int) -> None:
+    """A ValueError naming the first field of the calibration `data` of `nproc` ranks that the
+    step-time model cannot use: missing, not a number, NaN, infinite or out of its range."""
+    data = _mapping("the file", data)
+    if type(data.get("nproc")) is not int or data["nproc"] != nproc:
+        raise ValueError(f"nproc must be {nproc}, got {_short(data.get('nproc'))}")
+    for key, bounds in ALONE.items():
+        if key != "sample_read_s" or key in data:  # (absent: a sample is read in no time)
+            _number(key, _get(data, key), *bounds)
+    for key, value in _mapping("shared", data.get("shared", {})).items():
+        if key not in ALONE:  # (the shared rates replace the others', and no other field)
+            raise ValueError(f"shared.{key}: not one of {sorted(ALONE)}")
+        _number(f"shared.{key}", value, *ALONE[key])
+    if "concurrency" in data:
+        _number("concurrency", data["concurrency"], 0.01, nproc)
+    if "measured_at" in data:
+        _number("measured_at", data["measured_at"], 0.0, 1e11)
+    if nproc > 1:
+        _check_collectives(data)
+
+
+def _check_collectives(data: dict) -> None:
+    """Each collective's timings (and its sub-groups') and the arrival waits."""
+    collectives = _mapping("collectives", _get(data, "collectives"))
+    for kind in sorted(KINDS):
+        _get(collectives, kind, "collectives")
+    for kind, timings in collectives.items():
+        _check_timings(f"collectives.{kind}", timings)
+        groups = _mapping(f"collectives.{kind}.groups", timings.get("groups", {}))
+        for ranks, group in groups.items():
+            _check_timings(f"collectives.{kind}.groups.{ranks}", group)
+    _pairs("arrival_waits", _get(data, "arrival_waits"), SECONDS, SECONDS, least=2)
+
+
+def _check_timings(where: str, value: object) -> None:
+    """One kind's timings: its (volume, seconds) points and the line through them."""
+    timings = _mapping(where, value)
+    _number(f"{where}.latency_s", _get(timings, "latency_s", where), *SECONDS)
+    bandwidth = _get(timings, "bandwidth", where)
+    if bandwidth != float("inf"):  # (_fit's, where the seconds do not grow with the bytes)
+        _number(f"{where}.bandwidth", bandwidth, *RATE)
+    _pairs(f"{where}.points", _get(timings, "points", where), VOLUME, SECONDS, least=1)
+
+
+def _get(mapping: dict, key: str, where: str = "") -> object:
+    if key not in mapping:
+        field = f"{where}.{key}" if where else key
+        raise ValueError(f"{field} is missing (a file from an older shardwise?)")
+    return mapping[key]
+
+
+def _mapping(where: str, value: object) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {_short(value)}")
+    return value
+
+
+def _number(where: str, value: object, least: float, most: float) -> None:
+    # (NaN fails every comparison; JSON's true is an int to Python, so it is turned away first)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= most:
+        raise ValueError(
+            f"{where} must be a number from {least:g} to {most:g}, got {_short(value)}"
+        )
+
+
+def _pairs(where: str, value: object, xs: tuple, ys: tuple, least: int) -> None:
+    """A list of at least `least` [x, y] pairs within the ranges `xs` and `ys`, x ascending."""
+    if not isinstance(value, list) or len(value) < least:
+        raise ValueError(f"{where} must be a list of {least} or more [x, y], got {_short(value)}")
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{where}[{i}] must be a pair [x, y], got {_short(pair)}")
+        _number(f"{where}[{i}][0]", pair[0], *xs)
+        _number(f"{where}[{i}][1]", pair[1], *ys)
+        if i and pair[0] < value[i - 1][0]:
+            raise ValueError(f"{where}[{i}][0] is below the x before it: x must ascend")
+
+
+def _short(value: object) -> str:
+    """`value` for a one-line message: a container by its kind (its repr may be long, or too
+    deeply nested to make), anything else by its repr, cut at 40 characters."""
+    if isinstance(value, list):
+        return f"an array of {len(value)}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 STALE_S = 6 * 3600  # older than this, a calibration is said to be old
@@ -481,30 +585,39 @@ def worker(out: str, passes: int, calls: int) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to calibrate for")
+    # (Counts are read as text and checked in `run`: argparse's own error is a usage screen.)
+    parser.add_argument("--nproc", default="2", help="ranks to calibrate for")
     parser.add_argument("--out", help="where to write it (default: the user's cache)")
     parser.add_argument(
-        "--passes", type=int, default=3, help="passes over the collectives' points, averaged"
+        "--passes", default="3", help="passes over the collectives' points, averaged"
     )
     parser.add_argument(
         "--calls",
-        type=int,
-        default=CALLS,
+        default=str(CALLS),
         help=f"calls timed per point, at most (default {CALLS}; fewer: quicker, noisier)",
     )
+
+
+def _count(flag: str, text: str) -> int:
+    """The whole number >= 1 that `text` spells, else a one-line ValueError."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--{flag} must be a whole number >= 1, got {_short(text)}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     from shardwise.launcher import LaunchError, launch
 
-    if args.nproc < 1:
-        print(f"shardwise: calibrate: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+    try:
+        for flag in ("nproc", "passes", "calls"):
+            setattr(args, flag, _count(flag, str(getattr(args, flag))))
+    except ValueError as e:
+        print(f"shardwise: calibrate: {e}", file=sys.stderr)
         return 2
-    for flag in ("passes", "calls"):
-        if getattr(args, flag) < 1:
-            got = getattr(args, flag)
-            print(f"shardwise: calibrate: --{flag} must be >= 1, got {got}", file=sys.stderr)
-            return 2
     out = Path(args.out) if args.out else cache_path(args.nproc)
     started = time.perf_counter()
     try:

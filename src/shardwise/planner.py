@@ -34,7 +34,17 @@ from pathlib import Path
 
 import yaml
 
-from shardwise.plan_search import PRESETS, Cluster, TransformerSpec, search
+from shardwise.plan_search import (
+    MAX_SIZE,
+    MIN_RATE,
+    PRESETS,
+    Cluster,
+    TransformerSpec,
+    check_rate,
+    check_size,
+    divisors,
+    search,
+)
 
 PRECISIONS = {  # name -> (bytes per parameter, per gradient, K: optimizer state per parameter)
     "mixed": (2, 2, 12),
@@ -56,8 +66,8 @@ class Plan:
 
 def model_states(params: float, devices: int, stage: int, precision: str = "mixed") -> Plan:
     """Bytes one device holds of parameters, gradients and optimizer state."""
-    if params <= 0 or devices < 1:
-        raise ValueError(f"need params > 0 and devices >= 1, got {params} and {devices}")
+    check_rate("params", params, least=1.0)
+    check_size("devices", devices)
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {sorted(STAGES)}, got {stage}")
     if precision not in PRECISIONS:
@@ -77,25 +87,27 @@ def plans(params: float, devices: int, precision: str = "mixed") -> list[Plan]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # (Numbers are taken as text and read by `read_numbers`: argparse's own error for a bad
+    # one is a usage screen, and its float() takes nan and inf.)
     model = parser.add_argument_group("model (model states only: --params)")
-    model.add_argument("--params", type=float, help="model parameters, e.g. 7.5e9")
+    model.add_argument("--params", help="model parameters, e.g. 7.5e9")
     model.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS))
     spec = parser.add_argument_group("transformer (every strategy, priced and ranked)")
     spec.add_argument("--preset", choices=sorted(PRESETS), help="a transformer spec by name")
     spec.add_argument("--spec", help="YAML file: a mapping of the flags below (model and cluster)")
     for name in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn"):
-        spec.add_argument(f"--{name}", type=int, help=SPEC_HELP[name])
+        spec.add_argument(f"--{name}", help=SPEC_HELP[name])
     cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--devices", type=int, help="devices (data-parallel ones for --params)")
-    cluster.add_argument("--memory-gb", type=float, help="memory per device (default 80)")
-    cluster.add_argument("--network-gbit", type=float, help="per device across nodes (400)")
-    cluster.add_argument("--tflops", type=float, help="sustained bf16 TFLOP/s per device (400)")
-    cluster.add_argument("--devices-per-node", type=int, help="devices sharing NVLink (8)")
+    cluster.add_argument("--devices", help="devices (data-parallel ones for --params)")
+    cluster.add_argument("--memory-gb", help="memory per device (default 80)")
+    cluster.add_argument("--network-gbit", help="per device across nodes (400)")
+    cluster.add_argument("--tflops", help="sustained bf16 TFLOP/s per device (400)")
+    cluster.add_argument("--devices-per-node", help="devices sharing NVLink (8)")
     machine = parser.add_argument_group("a config on this machine (priced at its calibration)")
     machine.add_argument("--config", help="a built-in config or YAML file, e.g. tiny_gpt")
-    machine.add_argument("--nproc", type=int, help="ranks (calibrate them first)")
+    machine.add_argument("--nproc", help="ranks (calibrate them first)")
     machine.add_argument("--set", action="append", default=[], help="key=value overrides")
-    parser.add_argument("--top", type=int, default=10, help="plans shown in the table")
+    parser.add_argument("--top", default="10", help="plans shown in the table")
     parser.add_argument("--runnable", action="store_true", help="only plans shardwise runs")
     parser.add_argument("--json", action="store_true", help="one JSON list of plans")
 
@@ -110,22 +122,56 @@ SPEC_HELP = {
     "ffn": "MLP hidden units (default 4 x hidden)",
 }
 CLUSTER_FLAGS = ("devices", "memory_gb", "network_gbit", "tflops", "devices_per_node")
+# Numbers a plan takes: whole ones (sizes and counts), and amounts with the least each may be.
+WHOLE = (*SPEC_HELP, "devices", "devices_per_node", "nproc", "top")
+AMOUNTS = {"params": 1.0, "memory_gb": MIN_RATE, "network_gbit": MIN_RATE, "tflops": MIN_RATE}
+
+
+def number(key: str, value: object, name: str) -> int | float:
+    """The plan's number `key` (one of WHOLE or AMOUNTS) from `value`, a flag's text or a
+    YAML value: a whole number from 1 to MAX_SIZE (1e9 and 1000000000 alike), or a finite
+    amount; else a one-line ValueError naming it `name`."""
+    if isinstance(value, str):
+        value = _parsed(value)
+    if key in WHOLE:
+        if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_SIZE:
+            value = int(value)
+        return check_size(name, value)
+    return check_rate(name, value, least=AMOUNTS[key])
+
+
+def _parsed(text: str) -> int | float | str:
+    for kind in (int, float):  # (int first: exact, at any size)
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_numbers(args: argparse.Namespace) -> None:
+    """Replace each numeric flag's text in `args` by its number (`number`)."""
+    for name in (*WHOLE, *AMOUNTS):
+        if getattr(args, name, None) is not None:
+            flag = "--" + name.replace("_", "-")
+            setattr(args, name, number(name, getattr(args, name), flag))
 
 
 def run(args: argparse.Namespace) -> int:
     """`shardwise plan`: model states of DP and ZeRO 1-3 (--params), or every strategy for a
     transformer on a cluster, ranked (--preset / --spec / --layers ...)."""
     try:
+        read_numbers(args)
         if args.params is not None:
             return _model_states(args)
         if args.config is not None:
             return _plan_config(args)
         spec, cluster = _spec_and_cluster(args)
-    except (ValueError, OSError, yaml.YAMLError) as e:
-        print(f"shardwise: plan: {str(e).splitlines()[0]}", file=sys.stderr)
+        started = time.perf_counter()
+        fits, rejected = search(spec, cluster)  # (a ValueError where it would take long)
+    except (ValueError, OSError) as e:
+        print(f"shardwise: plan: {(str(e) or type(e).__name__).splitlines()[0]}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
-    fits, rejected = search(spec, cluster)
     if args.runnable:
         fits = [p for p in fits if not p.unsupported]
         rejected = [p for p in rejected if not p.unsupported]
@@ -142,14 +188,7 @@ def _spec_and_cluster(args: argparse.Namespace) -> tuple[TransformerSpec, Cluste
     if args.preset:
         values.update(asdict(PRESETS[args.preset]))
     if args.spec:
-        loaded = yaml.safe_load(Path(args.spec).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{args.spec} must hold a mapping of plan flags")
-        known = set(SPEC_HELP) | set(CLUSTER_FLAGS)
-        unknown = sorted(set(loaded) - known)
-        if unknown:
-            raise ValueError(f"{args.spec}: unknown keys {unknown} (known: {sorted(known)})")
-        values.update(loaded)
+        values.update(_read_spec(args.spec))
     for name in (*SPEC_HELP, *CLUSTER_FLAGS):
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
@@ -159,12 +198,28 @@ def _spec_and_cluster(args: argparse.Namespace) -> tuple[TransformerSpec, Cluste
             "need --params (model states), or a transformer and devices: missing "
             + ", ".join(f"--{n}" for n in missing)
         )
-    for name, value in values.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ValueError(f"{name} must be a number, got {value!r}")
     spec = TransformerSpec(**{k: values[k] for k in SPEC_HELP if values.get(k) is not None})
     cluster = Cluster(**{k: values[k] for k in CLUSTER_FLAGS if values.get(k) is not None})
     return spec, cluster
+
+
+def _read_spec(path: str) -> dict:
+    """The plan flags a YAML file sets, each checked (`number`); a null is left unset."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ValueError(f"{path}: not YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} must hold a mapping of plan flags")
+    known = set(SPEC_HELP) | set(CLUSTER_FLAGS)
+    unknown = sorted(set(loaded) - known, key=str)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
+    return {k: number(k, v, f"{path}: {k}") for k, v in loaded.items() if v is not None}
 
 
 def _print_plans(spec, cluster, fits, rejected, elapsed: float, top: int) -> None:
@@ -174,6 +229,13 @@ def _print_plans(spec, cluster, fits, rejected, elapsed: float, top: int) -> Non
         f"{cluster.memory_gb:g} GB, {cluster.network_gbit:g} Gbit/s, {cluster.tflops:g} TFLOP/s: "
         f"{len(fits)} plans fit, {len(rejected)} do not ({1000 * elapsed:.0f} ms)"
     )
+    if not fits and not rejected:  # (no mesh at all: say what one needs)
+        print(
+            f"no dp x tp x pp makes {cluster.devices} devices with dp dividing the batch "
+            f"({spec.batch}), tp the heads ({spec.heads}; 64 at most) and pp at most the "
+            f"layers ({spec.layers})"
+        )
+        return
     header = f"{'#':>3} {'strategy':40s} {'step s':>8} {'mem GB':>7} {'act GB':>7} {'comm GB':>8}"
     print(header + "  shardwise")
     for i, plan in enumerate(fits[:top], 1):
@@ -289,7 +351,7 @@ def config_candidates(cfg, nproc: int) -> dict[str, list[str]]:
         layers = len(pipeline_layers(model))
     except ValueError:
         layers = 0
-    for split in (d for d in range(2, nproc + 1) if nproc % d == 0):
+    for split in divisors(nproc)[1:]:
         dp = nproc // split
         if heads and heads % split == 0 and hasattr(model, "TP_PLAN"):
             found[f"tp{split}" if dp == 1 else f"dp{dp}-tp{split}"] = (
