@@ -2,8 +2,9 @@
 
 A forkserver that has already imported torch and shardwise forks each rank, so a 4-rank test
 starts in well under a second instead of paying four torch imports. Each rank sets the
-environment torchrun would, calls `sw.init()`, runs the function and sends back its result (or
-its traceback). Results are returned in rank order.
+environment torchrun would and the job's store (`comm/jobstore.py`, hosted here as a launcher
+hosts it), calls `sw.init()`, runs the function and sends back its result (or its traceback).
+Results are returned in rank order.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from shardwise.comm.jobstore import JobStoreServer, new_secret
+
 _CTX = mp.get_context("forkserver")
 # torch.optim imports torch._dynamo on a process's first optimizer (~3 s of CPU): done once here.
 _CTX.set_forkserver_preload(["torch", "torch._dynamo", "shardwise"])
@@ -27,10 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, store: dict, fn: Callable, args: tuple, queue) -> None:
     os.environ.update(
+        **store,
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -59,9 +62,10 @@ def run(
     """Run `fn(*args)` on `world_size` ranks and return each rank's return value (None for the
     ranks in `dies`, which are expected to kill themselves and report nothing)."""
     queue = _CTX.Queue()
-    port = free_port()
+    server = JobStoreServer(new_secret())
+    env = server.environment()
     procs = [
-        _CTX.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        _CTX.Process(target=_worker, args=(r, world_size, env, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -81,6 +85,7 @@ def run(
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
+        server.close()
     if errors:
         raise AssertionError("\n".join(errors))
     return [results.get(r) for r in range(world_size)]

@@ -1,7 +1,8 @@
 """No process of a job outlives it: SIGKILL or SIGTERM to `shardwise train` (torchrun's agent
 runs in it) or to the parameter-server supervisor leaves nothing running after 5 s, counted
-from /proc; a single-machine job listens on 127.0.0.1 only (its sockets, read from /proc/net);
-and a script that forgets `sw.shutdown()` still exits cleanly."""
+from /proc, at any moment: training, or start-up (a worker still importing torch when its
+launcher dies); a single-machine job listens on 127.0.0.1 only (its sockets, read from
+/proc/net); and a script that forgets `sw.shutdown()` still exits cleanly."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def processes_of(run_dir: Path) -> list[int]:
 
 def listening_addresses(pids: list[int]) -> set[str]:
     """The local addresses (IPv4 or IPv6, hex as in /proc/net) that these processes listen on."""
+    return {address for address, _ in _listening(pids)}
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    """The TCP ports that these processes listen on."""
+    return {port for _, port in _listening(pids)}
+
+
+def _listening(pids: list[int]) -> set[tuple[str, int]]:
     inodes = set()
     for pid in pids:
         with contextlib.suppress(OSError):  # (gone meanwhile)
@@ -50,7 +60,8 @@ def listening_addresses(pids: list[int]) -> set[str]:
             fields = row.split()
             local, state, inode = fields[1], fields[3], fields[9]
             if state == "0A" and inode in inodes:  # 0A: LISTEN
-                found.add(local.split(":")[0])
+                address, port = local.split(":")
+                found.add((address, int(port, 16)))
     return found
 
 
@@ -105,6 +116,39 @@ def test_no_process_of_the_job_outlives_a_signal_to_its_launcher(tmp_path, kind,
         job.kill()
         for pid in processes_of(run_dir):  # (never leave them to the next test)
             os.kill(pid, signal.SIGKILL)
+
+
+def _none_left_after(run_dir: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = processes_of(run_dir)
+    for pid in left:  # (never leave them to the next test)
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes of the job still running {seconds:.0f} s after the kill"
+
+
+@pytest.mark.parametrize(
+    "kind, started",
+    [("train", 1), ("train", 2), ("ps", 1), ("ps", 3)],
+    ids=["train-first-worker", "train-all-workers", "ps-first-worker", "ps-all-workers"],
+)
+def test_no_process_outlives_a_launcher_killed_while_its_workers_start(tmp_path, kind, started):
+    """SIGKILL to the launcher as soon as `started` workers exist: they are then starting
+    Python and importing torch, before any of the job's own code has run."""
+    run_dir = tmp_path / "run"
+    job = _start(run_dir, *(PS if kind == "ps" else []))
+    try:
+        deadline = time.monotonic() + 60
+        while len(set(processes_of(run_dir)) - {job.pid}) < started:
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        job.kill()
+        job.wait(timeout=30)
+        assert not (run_dir / "timing").exists()  # (it was start-up: no rank had trained yet)
+        _none_left_after(run_dir, 5)
+    finally:
+        job.kill()
 
 
 def test_a_script_without_shutdown_exits_cleanly(tmp_path):

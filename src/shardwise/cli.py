@@ -49,21 +49,38 @@ def _quiet_torch_elastic() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _config_source(args: argparse.Namespace) -> str | None:
+    """The config to train with: CONFIG; with `--resume RUN_DIR` and no CONFIG, the run's own
+    RUN_DIR/config.yaml (`--set` applies over either, and a resume says which it uses)."""
+    if not args.resume:  # no resume, or a restarted rank (its launcher passes the config)
+        return args.config
+    run = Path(args.resume)
+    if not run.is_dir():
+        raise ConfigError(f"--resume: no run directory {args.resume}")
+    if args.config is None and not (run / "config.yaml").is_file():
+        raise ConfigError(f"--resume {args.resume}: it has no config.yaml; give the run's CONFIG")
+    if os.environ.get("RANK", "0") == "0":  # (under torchrun: one line for the job)
+        sets = f" and --set {' '.join(args.set)}" if args.set else ""
+        base = f"{args.config} (not its config.yaml)" if args.config else "its own config.yaml"
+        print(f"shardwise: resuming {args.resume} with {base}{sets}", flush=True)
+    return args.config or str(run / "config.yaml")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.set or [])
     if args.nproc is not None:
         overrides.append(f"launch.nproc={args.nproc}")
     if args.max_restarts is not None:
         overrides.append(f"launch.max_restarts={args.max_restarts}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(_config_source(args), overrides)
     if _in_worker():  # a rank of the job (under our launcher, or torchrun on any machine)
         import shardwise as sw
+        from shardwise.boot import die_with_parent
         from shardwise.trainer import train
-        from shardwise.worker import die_with_parent
 
         die_with_parent()
         try:
-            train(cfg, args.run_dir, resume=args.resume is not None)
+            train(cfg, args.resume or args.run_dir, resume=args.resume is not None)
         finally:
             sw.shutdown()
         return 0
@@ -72,8 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     _quiet_torch_elastic()
     run_dir, resume = args.run_dir, args.resume is not None
     if resume:
-        if not args.resume or not Path(args.resume).is_dir():
-            raise ConfigError(f"--resume: no run directory {args.resume}")
+        if not args.resume:
+            raise ConfigError("--resume: which run directory? (--resume RUN_DIR)")
         run_dir = args.resume
     return run_job(fit_ranks(cfg, nproc_given=args.nproc is not None), run_dir, resume)
 
@@ -82,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shardwise.launcher import launch_script
 
     _quiet_torch_elastic()
-    launch_script(args.script, args.args, args.nproc, args.threads_per_rank)
+    launch_script(args.script, args.args, args.nproc, args.threads_per_rank, args.hang_timeout)
     return 0
 
 
@@ -158,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="",
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its newest complete checkpoint",
+        help="continue the run in RUN_DIR from its newest complete checkpoint, with the run's "
+        "own config.yaml unless CONFIG is given (--set applies over either)",
     )
     train.add_argument(
         "--max-restarts",
@@ -197,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")
     run.add_argument("--nproc", type=int, default=2, help="local ranks")
     run.add_argument("--threads-per-rank", type=int, help="default: cores / ranks")
+    run.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a collective unfinished this long (or a rank that left early) ends every rank "
+        "with a report naming the rank that hangs (default 60)",
+    )
     run.add_argument("script", help="a Python file that calls shardwise.init()")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(func=cmd_run)

@@ -17,8 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import jobstore
+
 DEFAULT_TIMEOUT_S = 300.0
-TOKEN_ENV = "SHARDWISE_JOB_TOKEN"  # set by `shardwise train` / `run` and the PS supervisor
+TOKEN_ENV = jobstore.SECRET_ENV  # set by `shardwise train` / `run` and the PS supervisor
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ class Runtime:
 
 _runtime: Runtime | None = None
 _store: dist.Store | None = None  # the job's keys: below its token and attempt
+_client: jobstore.JobStoreClient | None = None  # this rank's connection to the job's store
+_watchdog = None  # a user's script's watchdog (`shardwise run`); the trainer runs its own
+_announced = False  # this rank said it leaves
+_failed = False  # ... before its work was done
+WATCHDOG_ENV = "SHARDWISE_WATCHDOG_S"  # set by `shardwise run`: the scripts' hang timeout
 
 
 def key_prefix(token: str, attempt: int) -> str:
@@ -85,14 +92,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
         # NCCL binds its communicators to this rank's GPU up front (barriers included).
         bound = {"device_id": device} if backend == "nccl" else {}
         if "RANK" in env and "WORLD_SIZE" in env:
-            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-            # torchrun's agent keeps its store when it restarts the ranks after a failure: the
-            # keys of each attempt (gloo's addresses among them) must not meet the last one's.
-            attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-            # Under our launchers, every key lives below the job's random token: a process that
-            # reaches the store but was not given the token cannot name (or forge) any of them.
-            token = env.get(TOKEN_ENV, "")
-            store = dist.PrefixStore(key_prefix(token, attempt), store)
+            store, rank, world_size = _job_store(env, timeout)
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
             )
@@ -115,7 +115,36 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
         backend=backend,
         timeout=timeout,
     )
+    if WATCHDOG_ENV in env and world_size > 1:
+        _start_watchdog(float(env[WATCHDOG_ENV]))
     return _runtime
+
+
+def _start_watchdog(timeout_s: float) -> None:
+    """A user's script under `shardwise run` gets the trainer's watchdog: a hang, or a rank
+    that left early, ends every rank with a report naming it (on stderr)."""
+    global _watchdog
+    from shardwise.watchdog import Watchdog  # (it reads the store and recorder set up here)
+
+    _watchdog = Watchdog(_runtime.rank, _runtime.world_size, timeout_s, report_dir=None).start()
+
+
+def _job_store(env, timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """The store the job's ranks meet in, below this start's prefix: the job's own
+    authenticated store where a shardwise launcher hosts one, else torchrun's (several
+    machines under torchrun: README, trusted network)."""
+    # torchrun's agent keeps its store when it restarts the ranks after a failure: the keys of
+    # each attempt (gloo's addresses among them) must not meet the last one's.
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if jobstore.ADDRESS_ENV in env:
+        global _client
+        # Kept here: the C++ side of a Python store does not keep its Python object alive, and
+        # without it every request would fall through to the base class ("Not implemented").
+        _client = jobstore.JobStoreClient.from_environment(timeout.total_seconds())
+        store = dist.PrefixStore(f"attempt-{attempt}", _client)
+        return store, int(env["RANK"]), int(env["WORLD_SIZE"])
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(key_prefix(env.get(TOKEN_ENV, ""), attempt), store), rank, world_size
 
 
 def current() -> Runtime:
@@ -135,20 +164,44 @@ def current_or_alone() -> Runtime:
 
 
 def store() -> dist.Store:
-    """The job's c10d store (its keys below the job's token): what ranks tell each other
-    outside collectives (heartbeats, checkpoint sums), and what a launcher can read."""
+    """The job's store, below this start's prefix: what ranks tell each other outside
+    collectives (heartbeats, checkpoint sums, the watchdog's records), and what a launcher
+    reads. Under a shardwise launcher, the job's own authenticated store (`comm/jobstore.py`)."""
     if _store is None:
         return dist.distributed_c10d._get_default_store()  # a group someone else made
     return _store
 
 
+def announce_leaving(reason: str) -> None:
+    """Tell the job's other ranks that this one is leaving before its work is done (a failure:
+    `reason` says which), so that a rank waiting for it in a collective names it at once
+    instead of waiting out its timeouts. Best effort: never raises."""
+    global _announced, _failed
+    _failed = _failed or bool(reason)
+    if _runtime is None or _announced or _runtime.world_size == 1:
+        return
+    _announced = True
+    from shardwise import watchdog  # (it reads the flight recorder; imported on demand)
+
+    with contextlib.suppress(Exception):  # the store may be gone with the job
+        watchdog.announce_leaving(store(), _runtime.rank, reason)
+
+
 def shutdown() -> None:
     """Leave the process group. Safe to call twice."""
-    global _runtime, _store
+    global _runtime, _store, _client, _watchdog, _announced, _failed
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+    announce_leaving("")  # the end: a rank still waiting for this one is told at once
     if dist.is_initialized():
-        _quiesce()
+        if not _failed:  # (a failed rank's peers are not in a barrier to meet it there)
+            _quiesce()
         dist.destroy_process_group()
-    _runtime = _store = None
+    if _client is not None:
+        _client.close()
+    _runtime = _store = _client = None
+    _announced = _failed = False
 
 
 def _quiesce(timeout_s: float = 5.0) -> None:

@@ -7,7 +7,10 @@ in one collective for `hang_timeout_s`, it asks every rank to publish its Python
 all heartbeats and writes the report: the ranks that never arrived at that collective, the
 ones that issued a different call in its place (a desync), where each rank is, and the stacks.
 Then every rank exits (code `EXIT_HUNG`), well before the backend's own timeout, which names
-nobody.
+nobody. A rank that leaves the job (its script ended, or it failed: `runtime.announce_leaving`)
+says so in the store with how many calls it issued; a rank waiting for it in a collective it
+never reached is a hang at once, not after the timeout. The report's last line, and the verdict
+the launcher prints last, name the rank that hung, not the one that reported it.
 
 Desyncs that do not hang are caught by `check_sequences`: every K steps the ranks compare the
 running hashes of their collectives through the store and, where they differ, name the first
@@ -26,9 +29,8 @@ import time
 import traceback
 from pathlib import Path
 
-import torch.distributed as dist
-
-from shardwise.comm.flight import P2P, Call, recorder
+from shardwise import runtime
+from shardwise.comm.flight import P2P, UNWATCHED, Call, collective_groups, recorder
 from shardwise.comm.store import wait_for
 
 INTERVAL = 0.5  # seconds between heartbeats (and checks)
@@ -60,29 +62,33 @@ def _call(data: dict | None) -> Call | None:
 
 
 def hang_report(
-    call: Call, waited_s: float, beats: dict[int, dict], stacks: dict[int, str], world_size: int
-) -> str:
-    """The report of a hang in `call` (this rank's view), from every rank's heartbeat."""
+    call: Call,
+    waited_s: float,
+    beats: dict[int, dict],
+    stacks: dict[int, str],
+    world_size: int,
+    left: dict[int, dict] | None = None,
+) -> tuple[str, str]:
+    """The report of a hang in `call` (this rank's view), from every rank's heartbeat and the
+    records of the ranks that left; and its verdict: one line naming the rank that hung."""
+    left = left or {}
     members = _members(call.group, world_size)
     if members is None:  # a message or a store wait: no group to compare; where everyone is
-        lines = [f"shardwise: hang: {call.describe()} has not completed after {waited_s:.1f} s"]
+        head = f"shardwise: hang: {call.describe()} has not completed after {waited_s:.1f} s"
+        lines = [head]
         for rank in range(world_size):
             beat = beats.get(rank)
-            lines.append(f"  rank {rank}: {_where(beat) if beat else 'no heartbeat at all'}")
+            lines.append(f"  rank {rank}: {_where(beat, left.get(rank))}")
         for rank in sorted(stacks):
             lines.append(f"  rank {rank} stack (main thread):")
             lines.extend(f"    {line}" for line in stacks[rank].rstrip().splitlines())
-        return "\n".join(lines)
+        return "\n".join(lines), head.removeprefix("shardwise: ")
     waiting, missing, other, lines = [], [], {}, []
     for rank in members:
         beat = beats.get(rank)
-        if beat is None:
-            missing.append(rank)
-            lines.append(f"  rank {rank}: no heartbeat at all (never started, or died early)")
-            continue
-        theirs = _call(beat.get("waiting"))
-        issued = beat["seq"].get(call.group, 0)
-        where = _where(beat)
+        gone = left.get(rank)
+        issued = (gone or beat or {}).get("seq", {}).get(call.group, 0)
+        theirs = _call(beat.get("waiting")) if beat and not gone else None
         if theirs and theirs.group == call.group and theirs.seq == call.seq:
             if theirs.signature() == call.signature():
                 waiting.append(rank)
@@ -90,9 +96,9 @@ def hang_report(
                 other.setdefault(theirs.describe(), []).append(rank)
         elif issued < call.seq:
             missing.append(rank)
-            lines.append(f"  rank {rank} never arrived: {where}")
+            lines.append(f"  rank {rank} never arrived: {_where(beat, gone)}")
         else:
-            lines.append(f"  rank {rank} went past it: {where}")
+            lines.append(f"  rank {rank} went past it: {_where(beat, gone)}")
     if other:  # the ranks issued different calls as the group's call number `seq`
         issued = {call.describe(): waiting, **other}
         head = (
@@ -115,10 +121,40 @@ def hang_report(
         if rank in missing or any(rank in r for r in other.values()):
             body.append(f"  rank {rank} stack (main thread):")
             body.extend(f"    {line}" for line in stacks[rank].rstrip().splitlines())
-    return "\n".join(body)
+    return "\n".join(body), _verdict(call, waited_s, waiting, missing, other, left)
 
 
-def _where(beat: dict) -> str:
+def _verdict(
+    call: Call,
+    waited_s: float,
+    waiting: list[int],
+    missing: list[int],
+    other: dict[str, list[int]],
+    left: dict[int, dict],
+) -> str:
+    """One line, the hung rank first: what the launcher prints last."""
+    if other:
+        named = "; ".join(f"{_ranks(r)} issued {d}" for d, r in other.items())
+        return f"desync: {named} where {_ranks(waiting)} issued {call.describe()}"
+    waited = f"{_ranks(waiting)} waited {waited_s:.1f} s in it"
+    if not missing:
+        return f"hang: {call.describe()} never completed, every rank in it; {waited}"
+    gone = [r for r in missing if r in left]
+    stayed = [r for r in missing if r not in left]
+    parts = []
+    if stayed:
+        parts.append(f"{_ranks(stayed)} never arrived at {call.describe()}")
+    for rank in gone:
+        reason = left[rank].get("reason") or "its script ended"
+        parts.append(f"rank {rank} left the job ({reason}) before {call.describe()}")
+    return "hang: " + "; ".join(parts) + f"; {waited}"
+
+
+def _where(beat: dict | None, gone: dict | None = None) -> str:
+    if gone is not None:
+        return f"left the job ({gone.get('reason') or 'its script ended'})"
+    if beat is None:
+        return "no heartbeat at all (never started, or died early)"
     age = time.time() - beat["time"]
     last = _call(beat.get("last"))
     waiting = _call(beat.get("waiting"))
@@ -128,15 +164,38 @@ def _where(beat: dict) -> str:
     return f"step {beat['step']}, {alive}, {state}; last call {last_text}"
 
 
+def announce_leaving(store, rank: int, reason: str) -> None:
+    """Record in the job's store that `rank` leaves (`reason`: '' for a normal end), with how
+    many calls it issued per group: a rank waiting for it in a later call is then a hang."""
+    order = store.add(f"{KEY}/left-count", 1)  # (the first to leave is the likely culprit)
+    record = {"reason": reason, "seq": collective_groups(dict(recorder.seq)), "order": order}
+    store.set(f"{KEY}/left/{rank}", json.dumps(record))
+
+
+def failed_ranks(store, world_size: int, but: int) -> list[int]:
+    """The ranks (other than `but`) that announced they left the job on a failure."""
+    found = []
+    for rank in range(world_size):
+        key = f"{KEY}/left/{rank}"
+        if rank != but and store.check([key]) and json.loads(store.get(key)).get("reason"):
+            found.append(rank)
+    return found
+
+
 class Watchdog:
     """This rank's watchdog thread; `step` is set by the training loop."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, report_dir: Path) -> None:
+    def __init__(
+        self, rank: int, world_size: int, timeout_s: float, report_dir: Path | None
+    ) -> None:
+        """`report_dir`: where `hang_report.txt` goes (None: stderr only, a user's script)."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.report_path = Path(report_dir) / "hang_report.txt"
-        self.store = dist.distributed_c10d._get_default_store()
+        self.report_path = Path(report_dir) / "hang_report.txt" if report_dir else None
+        self.store = runtime.store()
         self.step = 0
         self.checks = 0
+        self.left: dict[int, dict] = {}  # ranks that left the job: their records
+        self._left_count = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardwise-watchdog", daemon=True)
 
@@ -156,7 +215,9 @@ class Watchdog:
                 if self.store.check([f"{KEY}/abort"]):
                     self._join_abort()
                 waited = recorder.longest_wait()
-                if waited is not None and waited[1] > self.timeout_s:
+                if waited is not None and (
+                    waited[1] > self.timeout_s or self._left_before(waited[0])
+                ):
                     self._declare_hang(*waited)
             except Exception as e:  # the store is gone: the job is ending anyway
                 if not self._stop.is_set():
@@ -170,11 +231,27 @@ class Watchdog:
             "rank": self.rank,
             "time": time.time(),
             "step": self.step,
-            "seq": {g: n for g, n in dict(recorder.seq).items() if g != P2P},
+            "seq": collective_groups(dict(recorder.seq)),
             "last": last.to_json() if last else None,
             "waiting": waited[0].to_json() if waited else None,
         }
         self.store.set(f"{KEY}/beat/{self.rank}", json.dumps(beat))
+
+    def _left_before(self, call: Call) -> bool:
+        """Whether a member of `call`'s group left the job before issuing it (it never will)."""
+        count = self.store.add(f"{KEY}/left-count", 0)
+        if count > len(self.left):  # someone left since the last look: read who
+            self._left_count = count
+            for r in range(self.world_size):
+                key = f"{KEY}/left/{r}"
+                if r not in self.left and self.store.check([key]):
+                    self.left[r] = json.loads(self.store.get(key))
+        members = _members(call.group, self.world_size) or []
+        return any(
+            self.left[r].get("seq", {}).get(call.group, 0) < call.seq
+            for r in members
+            if r in self.left and r != self.rank
+        )
 
     def _publish_stack(self) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)
@@ -198,6 +275,10 @@ class Watchdog:
         deadline = time.monotonic() + 4 * INTERVAL
         stack_keys = [f"{KEY}/stack/{r}" for r in range(self.world_size)]
         while time.monotonic() < deadline and not self.store.check(stack_keys):
+            if self._left_count and all(
+                self.store.check([k]) for r, k in enumerate(stack_keys) if r not in self.left
+            ):
+                break  # (a rank that left publishes no stack)
             time.sleep(INTERVAL / 5)
         beats, stacks = {}, {}
         for r in range(self.world_size):
@@ -205,10 +286,14 @@ class Watchdog:
                 beats[r] = json.loads(self.store.get(f"{KEY}/beat/{r}"))
             if self.store.check([stack_keys[r]]):
                 stacks[r] = self.store.get(stack_keys[r]).decode()
-        report = hang_report(call, waited_s, beats, stacks, self.world_size)
-        print(report, file=sys.stderr, flush=True)
-        with contextlib.suppress(OSError):
-            self.report_path.write_text(report + "\n")
+        report, verdict = hang_report(call, waited_s, beats, stacks, self.world_size, self.left)
+        self.store.set(f"{KEY}/verdict", verdict)  # what the launcher prints last
+        where = ""
+        if self.report_path is not None:
+            with contextlib.suppress(OSError):
+                self.report_path.write_text(report + "\n")
+                where = f" (report: {self.report_path})"
+        print(f"{report}\nshardwise: {verdict}{where}", file=sys.stderr, flush=True)
 
     def _join_abort(self) -> None:
         """Another rank declared a hang: give it this rank's stack, wait for its report, go."""
@@ -216,11 +301,11 @@ class Watchdog:
         deadline = time.monotonic() + 10 * INTERVAL
         while time.monotonic() < deadline and not self.store.check([f"{KEY}/done"]):
             time.sleep(INTERVAL / 5)
-        print(
-            f"shardwise: rank {self.rank}: ending: the job hangs (report: {self.report_path})",
-            file=sys.stderr,
-            flush=True,
-        )
+        verdict = "the job hangs"
+        with contextlib.suppress(Exception):
+            if self.store.check([f"{KEY}/verdict"]):
+                verdict = self.store.get(f"{KEY}/verdict").decode()
+        print(f"shardwise: rank {self.rank}: ending: {verdict}", file=sys.stderr, flush=True)
         os._exit(EXIT_HUNG)
 
     # ---- desync checks (training thread) --------------------------------------------------------
@@ -230,9 +315,9 @@ class Watchdog:
         key = f"{KEY}/sequence/{self.checks}"
         self.checks += 1
         mine = {
-            "seq": {g: n for g, n in recorder.seq.items() if g != P2P},
-            "hash": {g: h for g, h in recorder.hash.items() if g != P2P},
-            "history": [c.to_json() for c in recorder.history if c.group != P2P],
+            "seq": collective_groups(recorder.seq),
+            "hash": collective_groups(recorder.hash),
+            "history": [c.to_json() for c in recorder.history if c.group not in (P2P, UNWATCHED)],
         }
         self.store.set(f"{key}/{self.rank}", json.dumps(mine))
         keys = [f"{key}/{r}" for r in range(self.world_size)]

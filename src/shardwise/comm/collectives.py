@@ -216,6 +216,7 @@ def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> H
         _nbytes(tensor),
         lambda: dist.isend(tensor, group=group, group_dst=dst),
         async_op=True,
+        group=group,
         tensor=tensor,
     )
 
@@ -226,7 +227,7 @@ def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> 
     Posting early lets the transfer happen while this rank computes: gloo moves a message
     only once its receive is posted."""
     return _issue(
-        "recv", 0, lambda: dist.irecv(tensor, group=group, group_src=src), True, tensor=tensor
+        "recv", 0, lambda: dist.irecv(tensor, group=group, group_src=src), True, group, tensor
     )
 
 

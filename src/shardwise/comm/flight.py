@@ -25,6 +25,14 @@ import torch.distributed as dist
 COMM_DIR = str(Path(__file__).resolve().parent)
 KEEP = 64  # calls remembered per rank
 P2P = "p2p"  # point-to-point traffic is recorded under one name, never compared across ranks
+# Messages of groups whose waits have no bound (a parameter server waits for a worker's next
+# message as long as the worker computes; its heartbeats watch it): never a hang.
+UNWATCHED = "p2p-unwatched"
+
+
+def collective_groups(counts: dict[str, int]) -> dict[str, int]:
+    """`counts` without the point-to-point entries: what ranks of a group must agree on."""
+    return {g: n for g, n in counts.items() if g not in (P2P, UNWATCHED)}
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,11 @@ class FlightRecorder:
         self.waiting: dict[int, tuple[Call, float]] = {}
         self.check_call = None  # debug mode: compares each call across ranks before it runs
         self._names: dict[int, str] = {}
+        self._unwatched: set[int] = set()  # ids of groups whose waits are never hangs
+
+    def unwatch(self, group: dist.ProcessGroup) -> None:
+        """Waits in `group` have no bound (see UNWATCHED)."""
+        self._unwatched.add(id(group))
 
     def group_name(self, group: dist.ProcessGroup | None) -> str:
         if group is None or group is dist.GroupMember.WORLD:
@@ -82,7 +95,10 @@ class FlightRecorder:
     def issue(
         self, op: str, group: dist.ProcessGroup | None, tensor: torch.Tensor | None = None
     ) -> Call:
-        name = P2P if op in ("send", "recv", "p2p") else self.group_name(group)
+        if group is not None and id(group) in self._unwatched:
+            name = UNWATCHED
+        else:
+            name = P2P if op in ("send", "recv", "p2p") else self.group_name(group)
         seq = self.seq.get(name, 0) + 1
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "-"
@@ -90,7 +106,7 @@ class FlightRecorder:
         self.seq[name] = seq
         self.hash[name] = zlib.crc32(call.signature().encode(), self.hash.get(name, 0))
         self.history.append(call)
-        if self.check_call is not None and name != P2P:
+        if self.check_call is not None and name not in (P2P, UNWATCHED):
             self.check_call(call, group)
         return call
 
@@ -105,8 +121,8 @@ class FlightRecorder:
             self.waiting.pop(thread, None)
 
     def longest_wait(self) -> tuple[Call, float] | None:
-        """The call waited for longest, and for how many seconds."""
-        waits = list(self.waiting.values())
+        """The call waited for longest, and for how many seconds (unbounded waits left out)."""
+        waits = [w for w in self.waiting.values() if w[0].group != UNWATCHED]
         if not waits:
             return None
         call, since = min(waits, key=lambda w: w[1])
