@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.models import MLP
 from shardwise.ps.sharding import describe_mismatch, plan_shards, signature
+from shardwise.ps.snapshots import EXIT_NO_SNAPSHOT, ShardSnapshots, SnapshotError
 from spawn import run
 
 BATCH = 4  # per worker
@@ -32,12 +39,18 @@ def _global_batch(step: int, workers: int):
     return x, torch.randint(0, 5, (workers * BATCH,), generator=g)
 
 
-def _reference(workers: int, steps: int = STEPS) -> dict:
+def _reference(workers: int, steps: int = STEPS, skips: dict | None = None) -> dict:
+    """Single-process training on the global batches; `skips`: worker -> the steps whose
+    slice it left out (a non-finite gradient: the step is the others' mean, or none at all)."""
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
         x, y = _global_batch(step, workers)
-        F.cross_entropy(model(x), y).backward()
+        kept = [w for w in range(workers) if step not in (skips or {}).get(w, ())]
+        if not kept:
+            continue
+        rows = torch.cat([torch.arange(w * BATCH, (w + 1) * BATCH) for w in kept])
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
         opt.step()
         opt.zero_grad()
     return model.state_dict()
@@ -50,6 +63,7 @@ def _sync_run(
     snap=None,
     relays: int = 0,
     lr: float = 1e-2,
+    skips: dict | None = None,
 ):
     """Sync PS; worker w trains on slice w of global batch `clock` (so a resumed job picks up
     exactly where the snapshot left it)."""
@@ -88,7 +102,10 @@ def _sync_run(
             x, y = _global_batch(client.clock, workers)
             part = slice(index * BATCH, (index + 1) * BATCH)
             F.cross_entropy(model(x[part]), y[part]).backward()
-            opt.step()
+            if client.clock in (skips or {}).get(index, ()):
+                model.skip_step()  # (as `train.nonfinite: skip` does: nothing pushed)
+            else:
+                opt.step()
             opt.zero_grad()
     except Exception as e:  # the server died: this run ends here
         return {"error": type(e).__name__}
@@ -120,6 +137,18 @@ def test_two_level_sync_equals_single_process():
         (2 * STEPS, STEPS),
         (STEPS, STEPS),
     ]
+
+
+@pytest.mark.parametrize("relays", [0, 1], ids=["flat", "relay"])
+def test_a_skipped_step_leaves_that_workers_slice_out_of_the_update(relays):
+    """A worker that skips a clock (`train.nonfinite: skip`) pushes nothing: that update is the
+    other worker's mean alone, and a clock both skip is no update at all."""
+    skips = {0: {3, 11}, 1: {7, 11}}
+    expected = _reference(workers=2, skips=skips)
+    results = run(_sync_run, 3 + relays, 1, STEPS, None, None, relays, 1e-2, skips)
+    for state in results[1 + relays :]:
+        assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+    assert results[0]["updates"] == STEPS - 1  # the clock both skipped applied nothing
 
 
 def test_shards_are_balanced_by_bytes_and_signatures_compared():
@@ -207,10 +236,17 @@ def test_a_worker_with_another_model_is_refused_and_the_others_go_on():
 
 
 def _digits_run(
-    mode: str, die_at: int | None, relays: int = 0, servers: int = 1, hang: bool = False
+    log_dir: str,
+    mode: str,
+    die_at: int | None,
+    relays: int = 0,
+    servers: int = 1,
+    hang: bool = False,
 ):
     """Workers take batches from server 0's work queue (EPOCHS passes over the digits training set);
-    one may SIGKILL itself mid-run, or (`hang`) stop training while its process lives on."""
+    one may SIGKILL itself mid-run, or (`hang`) stop training while its process lives on. Each
+    worker logs the indices of every batch it trained to `log_dir` (flushed: a killed worker's
+    log holds all it trained)."""
     from shardwise.datasets import digits
 
     splits = digits()
@@ -230,7 +266,7 @@ def _digits_run(
         work = sw.ps.WorkQueue(size, 32, epochs=EPOCHS, seed=0)
         report = sw.ps.serve(_mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
         return {
-            "consumed": sorted(report.consumed),
+            "consumed": report.consumed_samples,
             "dead": report.dead_workers,
             "size": size,
             "updates": report.updates,
@@ -238,6 +274,7 @@ def _digits_run(
         }
     model, opt = sw.prepare(_mlp((64, 128, 10)), strategy, optimizer=torch.optim.AdamW, lr=3e-3)
     steps = 0
+    log = open(Path(log_dir) / f"trained{rank}.jsonl", "a")  # noqa: SIM115 (SIGKILLed with it)
     while (indices := model.client.next_batch()) is not None:
         if rank == die_at and steps == 5:
             if hang:  # its heartbeats go on: only its progress says it is stuck
@@ -248,7 +285,10 @@ def _digits_run(
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        log.write(json.dumps(indices) + "\n")
+        log.flush()
         steps += 1
+    log.close()
     state = sw.full_state_dict(model)
     strategy.close(model)
     with torch.no_grad():
@@ -259,25 +299,41 @@ def _digits_run(
     return {"accuracy": accuracy, "steps": steps}
 
 
-def test_async_reaches_90_percent_on_digits():
-    server, *workers = run(_digits_run, 3, "async", None, timeout_s=180)
+def _each_batch_trained_once(server: dict, log_dir: Path) -> None:
+    """The workers' own logs hold every batch of the EPOCHS seeded passes (each dropping its last
+    partial batch) exactly once, and the server counted them all as consumed."""
+    planned = collections.Counter()
+    for epoch in range(EPOCHS):
+        order = torch.randperm(server["size"], generator=torch.Generator().manual_seed(epoch))
+        for start in range(0, server["size"] - 32 + 1, 32):
+            planned[tuple(order[start : start + 32].tolist())] += 1
+    logs = [path.read_text().splitlines() for path in log_dir.glob("trained*.jsonl")]
+    trained = collections.Counter(tuple(json.loads(line)) for lines in logs for line in lines)
+    assert trained == planned  # (the dead worker's batches before it died included)
+    assert server["consumed"] == sum(planned.values()) * 32
+
+
+def test_async_reaches_90_percent_on_digits(tmp_path):
+    server, *workers = run(_digits_run, 3, str(tmp_path), "async", None, timeout_s=180)
     assert all(w["accuracy"] >= 0.90 for w in workers), workers
-    assert len(server["consumed"]) == EPOCHS * (server["size"] // 32) * 32  # every batch
+    _each_batch_trained_once(server, tmp_path)
 
 
-def test_a_killed_worker_is_declared_dead_and_its_data_is_consumed_by_the_others():
-    server, _, alive = run(_digits_run, 3, "ssp", 1, timeout_s=180, dies=(1,))
+def test_a_killed_worker_is_declared_dead_and_its_data_is_consumed_by_the_others(tmp_path):
+    server, _, alive = run(_digits_run, 3, str(tmp_path), "ssp", 1, timeout_s=180, dies=(1,))
     assert list(server["dead"]) == [1] and server["dead"][1] <= 2.0 + 1.0  # timeout + a check
-    batches = server["size"] // 32
-    assert len(server["consumed"]) == EPOCHS * batches * 32  # nothing lost with the dead worker
+    assert len((tmp_path / "trained1.jsonl").read_text().splitlines()) == 5  # then it died
+    _each_batch_trained_once(server, tmp_path)  # nothing lost with the dead worker
     assert alive["accuracy"] >= 0.85
 
 
-def test_a_worker_whose_training_hangs_is_declared_stuck_and_its_batch_trained_by_another():
-    server, _, alive = run(_digits_run, 3, "ssp", 1, 0, 1, True, timeout_s=180, dies=(1,))
+def test_a_worker_whose_training_hangs_is_declared_stuck_and_its_batch_trained_by_another(
+    tmp_path,
+):
+    args = (str(tmp_path), "ssp", 1, 0, 1, True)
+    server, _, alive = run(_digits_run, 3, *args, timeout_s=180, dies=(1,))
     assert list(server["dead"]) == [1] and 3.0 < server["dead"][1] <= 3.0 + 2.0
-    batches = server["size"] // 32
-    assert len(server["consumed"]) == EPOCHS * batches * 32  # its batch was trained again
+    _each_batch_trained_once(server, tmp_path)  # its batch was trained again
     assert alive["accuracy"] >= 0.85
 
 
@@ -298,43 +354,161 @@ def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
         assert all(torch.equal(state[k], resumed[k]) for k in state)
 
 
-def test_a_snapshot_of_another_job_is_refused(tmp_path):
-    """The same snapshot directory, another learning rate: the server refuses to resume (it
-    used to resume silently, do no update and report the old job's figures)."""
-    snap = str(tmp_path / "snapshots")
-    run(_sync_run, 3, 1, 10, None, snap)
-    with pytest.raises(Exception, match="a snapshot of another job"):
-        run(_sync_run, 3, 1, 10, None, snap, 0, 2e-2, timeout_s=60)
+IDENTITY = json.dumps({"job": "a"})
+
+
+def _shard_state(version: int) -> dict:
+    """What a server snapshots: its shard and its AdamW's state after a step."""
+    torch.manual_seed(version)
+    shard = torch.nn.Parameter(torch.randn(7))
+    opt = torch.optim.AdamW([shard], lr=1e-2)
+    shard.grad = torch.randn(7)
+    opt.step()
+    return {
+        "version": version,
+        "bounds": [0, 7],
+        "params": [shard.detach().clone()],
+        "optimizer": opt.state_dict(),
+    }
+
+
+def _snapshots(directory, store=None, identity=IDENTITY, servers=1) -> ShardSnapshots:
+    return ShardSnapshots(directory, 0, servers, store or dist.HashStore(), identity, [7])
+
+
+def test_snapshots_are_kept_two_and_a_damaged_or_foreign_one_is_passed_over(tmp_path, capsys):
+    """Each way a snapshot goes bad costs one line naming the file and why, and the server
+    falls back to the version before; no file is unpickled (a pickle is refused unread)."""
+    snaps = _snapshots(tmp_path)
+    for version in (5, 10, 15):
+        snaps.save(_shard_state(version))
+    assert snaps.versions() == [10, 15]  # the last two
+    saved, loaded = _shard_state(15), snaps.load(15)
+    assert torch.equal(loaded["params"][0], saved["params"][0])
+    assert loaded["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]  # betas too
+    for key, value in saved["optimizer"]["state"][0].items():
+        assert torch.equal(loaded["optimizer"]["state"][0][key], value)
+    newest = snaps._path(15)
+    good = newest.read_bytes()
+    torch.save(saved, newest.with_suffix(".pt"))
+    damages = {
+        "unreadable (Error while deserializing header: incomplete metadata": good[:-9],
+        "damaged (its SHA-256 does not match its contents)": good[:-1] + bytes([good[-1] ^ 1]),
+        "unreadable (Error while deserializing header: header too large)": newest.with_suffix(
+            ".pt"
+        ).read_bytes(),  # torch.save's pickle
+        "a snapshot of another job": None,  # another job's, written under the same name
+    }
+    for why, data in damages.items():
+        if data is None:
+            _snapshots(tmp_path, identity=json.dumps({"job": "b"})).save(_shard_state(15))
+        else:
+            newest.write_bytes(data)
+        path, state = _snapshots(tmp_path).newest_common()
+        assert path == snaps._path(10) and state["version"] == 10
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"shardwise: ps server 0: {newest}: {why}"), line
+    snaps._path(10).write_bytes(b"")  # both damaged: no version left to resume from
+    with pytest.raises(SnapshotError, match=r"^no snapshot in .* is usable by every server"):
+        _snapshots(tmp_path).newest_common()
+    assert len(capsys.readouterr().err.splitlines()) == 2  # one line per damaged file
+    snaps.save(_shard_state(5))  # resumed from scratch: the later versions are given up
+    assert snaps.versions() == [5]
+
+
+def test_servers_resume_from_the_newest_version_all_of_them_can_use(tmp_path):
+    """Server 0 has two usable snapshots; what server 1 says it kept and can use decides."""
+    snaps = _snapshots(tmp_path)
+    for version in (5, 10):
+        snaps.save(_shard_state(version))
+    cases = [([5, 10], [5, 10], 10), ([5, 10], [5], 5), ([5, 10], [], "error"), ([], [], None)]
+    for kept, usable, expected in cases:
+        store = dist.HashStore()
+        store.set("shardwise/ps/snapshots/server1", json.dumps({"kept": kept, "usable": usable}))
+        if expected == "error":
+            with pytest.raises(SnapshotError, match=r"versions \[5, 10\] .* server\(s\) \[1\]"):
+                _snapshots(tmp_path, store, servers=2).newest_common()
+            continue
+        found = _snapshots(tmp_path, store, servers=2).newest_common()
+        assert (found and found[1]["version"]) == expected
+
+
+def _identities() -> list[str]:
+    """The identities (what a snapshot must have been written by) of servers of four jobs: a
+    job, the same again, with another learning rate, and with another data order."""
+    strategy = sw.ParameterServer(servers=1, mode="sync")
+    identities = []
+    for lr, seed in [(1e-2, 0), (1e-2, 0), (2e-2, 0), (1e-2, 1)]:
+        work = sw.ps.WorkQueue.for_batches(10**7, size=1437, batch=32, seed=seed)
+        server = sw.ps.server.Server(_mlp(), strategy, torch.optim.AdamW, {"lr": lr}, 0, [], work)
+        server._beats.stop()
+        identities.append(server.identity)
+    return identities
+
+
+def test_a_server_tells_its_own_job_s_snapshots_from_another_job_s():
+    job, again, other_lr, other_order = run(_identities, 1)[0]
+    assert job == again and len({job, other_lr, other_order}) == 3
+    # The data plan is named, not the queue of 10^7 batches written out.
+    assert json.loads(job)["work"] == {"size": 1437, "batch": 32, "seed": 0, "batches": 10**7}
+
+
+def test_a_ps_job_left_no_usable_snapshot_fails_at_once_with_one_line_and_no_restart(tmp_path):
+    """Under the supervisor: the server names the file and why, ends with EXIT_NO_SNAPSHOT, and
+    the supervisor does not restart a job that would find the same files."""
+    run_dir = tmp_path / "run"
+    (run_dir / "ps-snapshots").mkdir(parents=True)
+    foreign = run_dir / "ps-snapshots" / "server0-v000000010.safetensors"
+    torch.save({"params": [torch.zeros(3)]}, foreign)  # a pickle: refused unread
+    sets = ["strategy.name=ps", "strategy.workers=1", "strategy.snapshot_every=10"]
+    result = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", "digits", "--run-dir", str(run_dir)]
+        + [arg for kv in sets for arg in ("--set", kv)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    assert f"shardwise: ps server 0: {foreign}: unreadable (" in out
+    assert f"shardwise: ps server 0: no snapshot in {foreign.parent} is usable" in out
+    assert f"shardwise: ps server rank 0 exited with code {EXIT_NO_SNAPSHOT}" in out
+    assert "shardwise: not restarting the job: the servers have no usable snapshot" in out
+    assert "restarting the job; servers resume" not in out
+    assert foreign.exists()  # nothing removed
 
 
 @pytest.mark.parametrize("mode, hang", [("async", False), ("sync", True)], ids=["kill", "hang"])
-def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(mode, hang):
+def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(mode, hang, tmp_path):
     """1 server, relays 1 and 2 over workers 3, 4 and 5; worker 3 dies (async), or its training
     hangs while it keeps beating (sync): its relay declares it dead (silent) or stuck (its clock
     still while worker 4's moves on), server 0 deals its batch again, and the others finish
     every batch of every epoch (in sync mode through the end of the queue, where workers wait
     for the lost one's batch)."""
-    args = (mode, 3, 2, 1, hang)
+    args = (str(tmp_path), mode, 3, 2, 1, hang)
     server, relay_a, relay_b, _, *alive = run(_digits_run, 6, *args, timeout_s=180, dies=(3,))
     silence = relay_a["dead"][3]
     assert list(relay_a["dead"]) == [3]
     assert 3.0 < silence <= 3.0 + 2.0 if hang else silence <= 2.0 + 1.0
     assert not relay_b["dead"] and not server["dead"]
-    assert len(server["consumed"]) == EPOCHS * (server["size"] // 32) * 32
+    _each_batch_trained_once(server, tmp_path)
     assert all(w["accuracy"] >= 0.85 for w in alive), alive
 
 
-def test_sync_servers_apply_the_same_rounds_when_a_worker_dies():
+def test_sync_servers_apply_the_same_rounds_when_a_worker_dies(tmp_path):
     """2 servers, 3 workers, sync; worker 2 dies, and at the end of the queue the others wait
     for its batch. Server 0 decides each round's members and server 1 follows: both apply the
     same number of updates, and every batch is consumed."""
-    server0, server1, _, *alive = run(_digits_run, 5, "sync", 2, 0, 2, timeout_s=180, dies=(2,))
+    args = (str(tmp_path), "sync", 2, 0, 2)
+    server0, server1, _, *alive = run(_digits_run, 5, *args, timeout_s=180, dies=(2,))
     assert list(server0["dead"]) == [2] and list(server1["dead"]) == [2]
     assert server0["updates"] == server1["updates"]
     assert server0["rounds"] == server1["rounds"]  # the same members, round by round
     assert {2, 3, 4} in [set(r) for r in server0["rounds"]]  # lock-step before the death
     assert [3, 4] in server0["rounds"]  # and without the dead worker after it
-    assert len(server0["consumed"]) == EPOCHS * (server0["size"] // 32) * 32
+    _each_batch_trained_once(server0, tmp_path)
     assert all(w["accuracy"] >= 0.85 for w in alive), alive
 
 
@@ -343,10 +517,35 @@ def test_the_work_queue_holds_exactly_the_batches_asked_for():
     one dropped), so 91 epochs are needed, not ceil(4000 * 32 / 1437) = 90 (a job of 4000 steps
     used to do 3960)."""
     work = sw.ps.WorkQueue.for_batches(4000, size=1437, batch=32, seed=0)
-    batches = list(work.queue)
+    assert len(work) == 4000
+    batches = []
+    while (batch := work.next(worker=7)) is not None:
+        batches.append(batch)
     assert len(batches) == 4000 and all(len(indices) == 32 for _, indices in batches)
     for epoch in {e for e, _ in batches}:
         seen = [i for e, indices in batches if e == epoch for i in indices]
         assert len(seen) == len(set(seen)) and all(0 <= i < 1437 for i in seen)
+    assert work.consumed_samples == 4000 * 32  # (asking past the end finished the last)
     with pytest.raises(ValueError, match="holds no batch"):
         sw.ps.WorkQueue.for_batches(10, size=20, batch=32, seed=0)
+
+
+def test_a_work_queue_of_ten_million_batches_is_built_at_once_in_little_memory():
+    """Batches are computed when dealt (every one was built up front: ~15 GiB here); a batch
+    given back is dealt first, and each is consumed once, across an epoch's end too."""
+    tracemalloc.start()
+    started = time.perf_counter()
+    work = sw.ps.WorkQueue.for_batches(10**7, size=1437, batch=32, seed=0)
+    work.skip(43)  # (resumed at the last batch of epoch 0)
+    dealt = [work.next(worker) for worker in range(3)]
+    work.give_back(1)
+    again = work.next(worker=3)
+    for worker in (0, 2, 3):
+        work.finish(worker)
+    elapsed, (_, peak) = time.perf_counter() - started, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert elapsed < 0.5 and peak < 2**20, (elapsed, peak)
+    assert len(work) == 10**7 - 46 and work.consumed_batches == 46
+    assert [e for e, _ in dealt] == [0, 1, 1] and again == dealt[1]
+    order = torch.randperm(1437, generator=torch.Generator().manual_seed(1)).tolist()
+    assert dealt[2][1] == order[32:64]  # batch 45: the second of epoch 1

@@ -1,12 +1,19 @@
-"""A hostile client among honest ones: 10,000 random, malformed, oversized and out-of-turn
-messages to a live parameter server while two honest workers train in sync mode. The server
-never dies, answers every hostile message with an ERROR (counted by the hostile client), and
-the honest workers end where single-process training on their batches ends."""
+"""A hostile client among honest ones, against a live server and against a live relay: a flood
+of truncated, oversized, short-payload, NaN, unknown-kind and out-of-turn messages while two
+honest workers train in sync mode. The hostile client says HELLO, then IDLE (so that no round
+waits for it), and stays connected: every message it sends reaches the server's (the relay's)
+checks, each gets one ERROR naming what is wrong, nobody is declared dead for it, and the honest
+workers end where single-process training on their batches ends.
+
+Never sent: a message longer than the buffer its receiver posts (gloo aborts the receiving
+process on one, below anything Python can catch; README)."""
 
 from __future__ import annotations
 
+import collections
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,78 +25,120 @@ from shardwise.ps.protocol import Kind
 from spawn import run
 from test_ps import BATCH, STEPS, _global_batch, _mlp, _reference
 
-HOSTILE = 3
-MESSAGES = 10_000
-DONE_KEY = "test/hostile-done"
+CATEGORIES = ("truncated", "oversized", "short", "nan", "unknown", "out-of-turn")
+# What the ERROR says, for each category (the server's or relay's own words)
+SAYS = {
+    "truncated": "truncated or malformed header",
+    "oversized": "announces",
+    "short": "carried fewer values than",
+    "nan": "non-finite values",
+    "unknown": "unknown message kind",
+    "out-of-turn": "",  # (several wordings: checked to be refusals, below)
+}
 
 
-def _hostile_message(rng: random.Random, shard_numel: int):
-    """(header ints, payload or None): always consistent on the wire (a payload only where the
-    server reads one, in the dtype it reads), wrong in every other way it can be."""
-    kind = rng.choice([*range(0, 20), *[int(k) for k in Kind]])
-    ints = [rng.choice([-5, 0, 1, 7, 2**40]) for _ in range(6)]
-    if kind not in set(Kind):  # an unknown kind: a header only (its length may say anything)
-        return [kind, *ints, rng.choice([0, 3, 2**40])], None
-    limit = protocol.PAYLOAD_LIMIT.get(Kind(kind), shard_numel)
-    choice = rng.random()
-    if choice < 0.2:  # an oversized announcement, refused before any payload is read
-        return [kind, *ints, limit + rng.choice([1, 2**33])], None
-    if choice < 0.5:
-        return [kind, *ints, 0], None
-    dtype = protocol.PAYLOAD_DTYPE.get(Kind(kind), torch.float32)
-    numel = rng.choice([1, max(1, shard_numel - 1), shard_numel, min(limit, shard_numel + 7)])
-    payload = torch.randint(0, 255, (numel,)).to(dtype) if dtype != torch.float32 else None
-    if payload is None:
-        payload = torch.randn(numel).mul_(rng.choice([1.0, float("nan"), 1e30]))
-    return [kind, *ints, numel], payload
+def _header(kind: int, *ints: int, numel: int = 0) -> torch.Tensor:
+    head = messages.header(kind, *ints)
+    head[-2], head[-1] = protocol.HEADER_MARK, numel
+    return head
 
 
-def _fuzz_run():
-    strategy = sw.ParameterServer(servers=1, mode="sync", timeout_s=30.0)
+def _send(dst: int, group, *tensors: torch.Tensor) -> None:
+    for handle in [sw.comm.send(t.contiguous(), dst, group) for t in tensors]:
+        handle.wait()
+
+
+def _marked(values: torch.Tensor) -> torch.Tensor:
+    return torch.cat([values, protocol._mark(values.dtype)])
+
+
+def _hostile(rng: random.Random, category: str, clock: int, shard: int):
+    """(tensors to send, in order): one message of `category`, wrong in that way only where it
+    can be (the clock is right unless the category is out-of-turn)."""
+    if category == "truncated":
+        return [torch.tensor([Kind.PUSH, clock, 0][: rng.randint(1, 3)], dtype=torch.int64)]
+    if category == "oversized":
+        kind = rng.choice([Kind.PUSH, Kind.HELLO, Kind.PULL])
+        limit = protocol.PAYLOAD_LIMIT.get(kind, shard)
+        return [_header(kind, clock, numel=limit + rng.choice([1, 2**33]))]
+    if category == "short":
+        values = torch.randn(rng.randint(1, shard - 1))  # (no mark: it stops short)
+        return [_header(Kind.PUSH, clock, 0, numel=shard), values]
+    if category == "nan":
+        values = torch.randn(shard)
+        values[rng.randrange(shard)] = rng.choice([float("nan"), float("inf")])
+        return [_header(Kind.PUSH, clock, 0, numel=shard), _marked(values)]
+    if category == "unknown":
+        return [_header(rng.choice([0, 16, 99, -3]), clock)]
+    wrong = rng.choice(["hello", "clock", "pull", "round", "lost", "next"])
+    if wrong == "hello":  # a second HELLO
+        text = protocol.pack([])
+        return [_header(Kind.HELLO, numel=text.numel()), _marked(text)]
+    if wrong == "clock":  # a PUSH for another clock
+        values = torch.randn(shard)
+        return [_header(Kind.PUSH, clock + rng.choice([-1, 1, 7]), 0, numel=shard), _marked(values)]
+    if wrong == "pull":
+        return [_header(Kind.PULL, clock + rng.choice([1, 5]))]
+    if wrong == "round":  # only server 0 announces rounds
+        members = torch.tensor([1, 2])
+        return [_header(Kind.ROUND, numel=2), _marked(members)]
+    if wrong == "lost":  # only relays report their workers' deaths
+        return [_header(Kind.LOST, 1)]
+    return [_header(Kind.NEXT, rng.choice([1, 2]))]  # a batch for another worker
+
+
+def _fuzz_run(relays: int, hostile: int, messages_count: int):
+    strategy = sw.ParameterServer(servers=1, mode="sync", relays=relays, timeout_s=30.0)
     rank = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    if strategy.is_relay():
+        report = sw.ps.relay(_mlp(), strategy)
+        return {"refused": report.refused, "dead": report.dead_workers}
     if strategy.is_server():
         report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=1e-2)
-        return {"refused": report.refused, "updates": report.updates}
+        return {"refused": report.refused, "updates": report.updates, "dead": report.dead_workers}
     model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
     client = model.client
-    if rank == HOSTILE:  # a client that turns hostile after its HELLO
+    upstream = client.servers[0]  # the server, or the relay
+    if rank == hostile:
+        protocol.send(upstream, Kind.IDLE, group=client.group)  # no round waits for it
         rng = random.Random(0)
         shard = sum(p.numel() for p in model.parameters())
-        errors = 0
-        # its first message breaks the protocol (a second HELLO): it is never served after
-        protocol.send(0, Kind.HELLO, payload=protocol.pack([]), group=client.group)
-        for i in range(MESSAGES):
-            if i:
-                ints, payload = _hostile_message(rng, shard)
-                head = messages.header(*ints)
-                handles = [messages.send_header(head, 0, client.group)]
-                if payload is not None:
-                    handles.append(sw.comm.send(payload.contiguous(), 0, client.group))
-                for handle in handles:
-                    handle.wait()
-            h, reply = protocol.recv(0, group=client.group)
-            errors += Kind(int(h[0])) == Kind.ERROR and isinstance(protocol.unpack(reply), str)
-        store.set(DONE_KEY, "1")
-        return {"errors": errors}
-    index = rank - 1
+        errors: dict[str, list[str]] = collections.defaultdict(list)
+        for i in range(messages_count):
+            category = CATEGORIES[i % len(CATEGORIES)]
+            _send(upstream, client.group, *_hostile(rng, category, client.clock, shard))
+            h, reply = protocol.recv(upstream, group=client.group)
+            if Kind(int(h[0])) == Kind.ERROR:
+                errors[category].append(protocol.unpack(reply))
+        client.close()
+        return {"errors": dict(errors)}
+    index = rank - strategy.servers - strategy.relays
     while client.clock < STEPS:
         x, y = _global_batch(client.clock, 2)
         part = slice(index * BATCH, (index + 1) * BATCH)
         F.cross_entropy(model(x[part]), y[part]).backward()
         opt.step()
         opt.zero_grad()
-    # (polling: a blocking wait would hold the store client that the heartbeats need)
-    sw.comm.store.wait_for(store, [DONE_KEY], 600)  # the honest ones end after the flood
     state = sw.full_state_dict(model)
     strategy.close(model)
     return state
 
 
-def test_a_hostile_client_never_stops_the_server_nor_changes_the_honest_result():
-    server, *honest, hostile = run(_fuzz_run, 4, timeout_s=600)
-    assert hostile["errors"] == MESSAGES  # an ERROR for every hostile message
-    assert server["refused"] == MESSAGES and server["updates"] == STEPS
+@pytest.mark.parametrize("relays, messages_count", [(0, 6000), (1, 3000)], ids=["server", "relay"])
+def test_a_hostile_client_never_stops_the_server_nor_changes_the_honest_result(
+    relays, messages_count
+):
+    world = 1 + relays + 3
+    results = run(_fuzz_run, world, relays, world - 1, messages_count, timeout_s=600)
+    *honest, hostile = results[1 + relays :]
+    errors = hostile["errors"]
+    per_category = messages_count // len(CATEGORIES)
+    for category in CATEGORIES:  # each message answered by an ERROR saying what was wrong
+        assert len(errors[category]) == per_category, category
+        assert all(SAYS[category] in text for text in errors[category]), errors[category][:3]
+    assert sum(results[r]["refused"] for r in range(1 + relays)) == messages_count
+    assert all(results[r]["dead"] == {} for r in range(1 + relays))  # nobody declared dead
+    assert results[0].get("updates", STEPS) == STEPS
     expected = _reference(workers=2)
     for state in honest:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5

@@ -89,7 +89,7 @@ def test_a_sigstopped_server_is_named_in_time_and_the_job_resumes_from_its_snaps
     try:
         snapshots = run_dir / "ps-snapshots"
         deadline = time.monotonic() + 120
-        while not list(snapshots.glob("server0-v*.pt")):
+        while not list(snapshots.glob("server0-v*.safetensors")):
             assert job.proc.poll() is None and time.monotonic() < deadline, job.output()
             time.sleep(0.05)
         os.kill(int((run_dir / "ps" / "pid0").read_text()), signal.SIGSTOP)
@@ -139,7 +139,7 @@ def test_a_worker_whose_training_hangs_is_named_stuck_and_the_job_fails_naming_i
     try:
         assert job.wait() == 1, job.output()[-3000:]
         fired = float((run_dir / "faults" / "hang-rank2-step10").read_text())
-        said = job.first("ps server 0: worker rank 2 stuck at clock")
+        said = job.first("ps server 0: worker rank 2: stuck at clock")
         assert said <= fired + PROGRESS_S + 2
         assert job.first("ps worker rank 2 still running") > said  # stopped by the supervisor
         assert "failed: worker rank 2 (exit code -9)" in job.output()

@@ -20,10 +20,11 @@ before the step):
     relay      its model (filled by its first pull) and the flat fp32 vector it answers its
                workers' pulls with: the model's bytes + 4P
 
-Every message is a header of 8 int64 (H = 64 bytes) and at most one payload (`protocol`):
-parameters and gradients as fp32 (4 bytes an element, whatever the model's dtype), sample
-indices and member ranks as int64, a HELLO's model signature as UTF-8 JSON, whose length is
-found by building it as the worker does (`protocol.pack(signature(model))`). A client (a worker,
+Every message is a header of 8 int64 (H = 64 bytes) and at most one payload (`protocol`),
+which ends with one more element of its dtype (its mark): parameters and gradients as fp32 (4
+bytes an element, whatever the model's dtype), sample indices and member ranks as int64, a
+HELLO's model signature as UTF-8 JSON, whose length is found by building it as the worker does
+(`protocol.pack(signature(model))`). The formulas below leave the mark out. A client (a worker,
 or a relay towards the servers) talks to its upstream ranks U (every server; a two-level
 worker's relay, which holds the whole vector):
 
@@ -51,11 +52,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import nn
 
 from shardwise.comm.messages import HEADER
 from shardwise.costs import FP32, Costs, Job, optimizer_bytes
-from shardwise.ps.protocol import COORDINATOR, Kind, pack
+from shardwise.ps.protocol import COORDINATOR, PAYLOAD_DTYPE, Kind, pack
 from shardwise.ps.sharding import plan_shards, signature, trainable
 from shardwise.ps.worker import ParameterServer, PSConfig
 
@@ -76,7 +78,15 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return self.count * (HEADER_BYTES + self.payload)
+        return self.count * (
+            HEADER_BYTES + self.payload + (_mark(self.kind) if self.payload else 0)
+        )
+
+
+def _mark(kind: Kind) -> int:
+    """The bytes of the element that ends a payload of `kind` (`protocol`: one element of its
+    dtype)."""
+    return PAYLOAD_DTYPE.get(kind, torch.float32).itemsize
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -26,14 +27,17 @@ from torch.utils.data import default_collate
 import shardwise as sw
 from shardwise import runtime
 from shardwise.checkpoint import save_model
+from shardwise.comm.broken import broken_connection
 from shardwise.config import Config
 from shardwise.faults import FaultInjector
 from shardwise.jobs import OPTIMIZERS, Job, build_job, straggler_delay
 from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
+from shardwise.ps import PSError
+from shardwise.ps.liveness import EXIT_SERVER_LOST
 from shardwise.ps.sharding import trainable
 from shardwise.ps.work_queue import WorkQueue
 from shardwise.reporting import MetricsFile, write_summary
-from shardwise.trainer import agree_run_dir, evaluate
+from shardwise.trainer import EXIT_NONFINITE, agree_run_dir, all_finite, evaluate
 
 SUPERVISED = "SHARDWISE_PS_ATTEMPT"  # set by our supervisor (`ps_supervisor.py`) in each process
 
@@ -67,7 +71,10 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
         (out / f"server{rt.rank}.json").write_text(json.dumps(fields))
         save_file({"flat": report.final.contiguous()}, str(out / f"server{rt.rank}.safetensors"))
     else:
-        _work(cfg, job, strategy, rt, out, opt_cls, opt_kwargs, faults)
+        try:
+            _work(cfg, job, strategy, rt, out, opt_cls, opt_kwargs, faults)
+        except (PSError, RuntimeError) as e:
+            _leave_upstream_gone(rt.rank, e)
     if strategy.is_server() or strategy.is_relay():
         _report_written(cfg, strategy, rt.rank, run_dir, started)
     # Roles finish at different times. Tearing down gloo groups whose peers have already gone
@@ -77,6 +84,21 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _leave_upstream_gone(rank: int, error: Exception) -> None:
+    """A worker whose server refused it, or whose connection to it broke (the server ended or
+    died: the supervisor and the server's own lines say why), ends in one line; anything else
+    is a bug, and keeps its traceback."""
+    if isinstance(error, PSError):
+        text = str(error)
+    elif broken := broken_connection(str(error)):
+        text = f"lost its connection to its server or relay ({broken})"
+    else:
+        raise error
+    print(f"shardwise: ps worker rank {rank}: {text}; ending", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_SERVER_LOST)
 
 
 def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: float) -> None:
@@ -121,19 +143,28 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
     index = rt.rank - strategy.servers - strategy.relays
     model, opt = sw.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
     metrics = MetricsFile(out / f"worker{rt.rank}.jsonl")
-    start, step = time.perf_counter(), 0
+    start, step, bad = time.perf_counter(), 0, BadSteps(cfg.train, f"ps worker rank {rt.rank}")
     while (indices := model.client.next_batch()) is not None:
         faults.before_step(step + 1)  # (kill, or hang with the heartbeats going on)
         x, y = default_collate([job.splits.train[i] for i in indices])
         t0 = time.perf_counter()
         if delay := straggler_delay(cfg.train, index, cfg.strategy.workers, step):
             time.sleep(delay)  # a straggler: it computes slowly
-        loss = sw.train_step(model, x, y, job.loss_fn)
+        loss_fn = job.loss_fn
+        if faults.poisons_loss(step + 1):  # an injected fault: this step's loss is NaN
+            loss_fn = _poisoned(job.loss_fn)
+        loss = sw.train_step(model, x, y, loss_fn)
         faults.observe_work(len(indices), time.perf_counter() - t0)
         faults.slow_ahead(len(indices), step=step + 1)
-        opt.step()
-        opt.zero_grad()
         step += 1
+        what = _nonfinite(loss, model)
+        if what is None:
+            bad.good()
+            opt.step()
+        else:  # nothing of it reaches the servers (they would refuse it anyway)
+            model.skip_step()
+            bad.bad(step, what, indices)  # (ends the process under `stop`, or a long streak)
+        opt.zero_grad()
         record = {
             "step": step,
             "t": time.perf_counter() - start,
@@ -142,6 +173,7 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
             "step_time_s": time.perf_counter() - t0,
             "wait_s": model.last_wait_s,
             "version": model.client.version,
+            **({"skipped": True} if what else {}),
         }
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
             batch = cfg.train.eval_batch_size
@@ -149,6 +181,46 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
         metrics.write(record)
     metrics.close()
     strategy.close(model)
+
+
+def _poisoned(loss_fn):
+    return lambda output, target: loss_fn(output, target) * float("nan")
+
+
+def _nonfinite(loss: torch.Tensor, model) -> str | None:
+    """'loss' or 'gradient' where this worker's step is not finite, else None."""
+    if not math.isfinite(loss.item()):
+        return "loss"
+    grads = [p.grad for p in model.client.params if p.grad is not None]
+    return None if not grads or bool(all_finite(grads)) else "gradient"
+
+
+class BadSteps:
+    """`train.nonfinite` on a parameter-server worker: a non-finite step is skipped (nothing
+    pushed); under `stop`, or after `max_bad_steps` in a row, the worker ends (exit code
+    EXIT_NONFINITE) and the supervisor stops the job. (`rollback` is refused for these jobs
+    before they start: the servers hold the state a rollback would restore.)"""
+
+    def __init__(self, train, who: str) -> None:
+        self.policy, self.limit, self.who, self.streak = (
+            train.nonfinite,
+            train.max_bad_steps,
+            who,
+            0,
+        )
+
+    def good(self) -> None:
+        self.streak = 0
+
+    def bad(self, step: int, what: str, indices: list[int]) -> None:
+        self.streak += 1
+        report = f"shardwise: {self.who}: step {step}: non-finite {what} (samples {indices[:4]}...)"
+        if self.policy == "stop" or self.streak >= self.limit:
+            print(f"{report}; {self.streak} bad step(s) in a row: stopping", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_NONFINITE)
+        print(f"{report}: update skipped", flush=True)
 
 
 def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int]) -> dict:
@@ -196,7 +268,7 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
         "staleness_histogram": histogram,
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "dead_workers": dead,
-        "consumed_samples": len(servers[0]["consumed"]),
+        "consumed_samples": servers[0]["consumed_samples"],
         "failed_processes": failures,
         "resumed_from": servers[0]["resumed_from"],
         "worker_steps": {k: len(v) for k, v in workers.items()},

@@ -2,13 +2,13 @@
 
 torchrun's agent ends every process when one fails: right for lock-step strategies, wrong here,
 where surviving a dead worker is the point. So this supervisor starts the processes itself (the
-environment torchrun would set), hosts the job's c10d store (on 127.0.0.1 only) as torchrun's
-agent does (so a frozen server cannot take everyone's heartbeats with it), reports a worker that
-dies and lets the others go on (the servers notice through the heartbeats), and when a server dies,
-goes silent (SIGSTOPped, say: its heartbeats stop) or stays stuck once every worker has given
-up on it, it stops the rest and starts the job again once: the servers resume from their
-snapshots and the workers from the servers' version. A relay (two-level job) counts as a server
-here: its workers cannot go on without it.
+environment torchrun would set), hosts the job's store (`comm/jobstore.py`, on 127.0.0.1 only)
+as torchrun's agent hosts its own (so a frozen server cannot take everyone's heartbeats with it),
+reports a worker that dies and lets the others go on (the servers notice through the
+heartbeats), and when a server dies, goes silent (SIGSTOPped, say: its heartbeats stop) or stays
+stuck once every worker has given up on it, it stops the rest and starts the job again once: the
+servers resume from their snapshots and the workers from the servers' version. A relay
+(two-level job) counts as a server here: its workers cannot go on without it.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from shardwise import loopback
+from shardwise.comm import jobstore
 from shardwise.config import Config
-from shardwise.launcher import worker_environment
-from shardwise.loopback import loopback_store
+from shardwise.launcher import boot_argv, worker_environment
 from shardwise.ps.liveness import EXIT_SERVER_LOST, FIRST_BEAT_S, HeartbeatWatch, gave_up_key
-from shardwise.runtime import TOKEN_ENV, key_prefix
+from shardwise.ps.snapshots import EXIT_NO_SNAPSHOT
 from shardwise.signals import handling_stop_signals
+from shardwise.trainer import EXIT_NONFINITE
 
 GRACE_S = 3.0  # seconds the job's processes get to leave after SIGTERM, before SIGKILL
 WORKERS_NOTICE_S = 1.5  # seconds the workers get to notice a failed server themselves
@@ -59,8 +61,9 @@ class Attempt:
     """One start of the job's processes, with the store they meet in (hosted here)."""
 
     procs: list[subprocess.Popen]
-    store: dist.TCPStore
-    keys: dist.Store  # the store below the job's token and attempt: what the ranks write
+    store: jobstore.JobStoreServer
+    client: jobstore.JobStoreClient  # (held: `keys` does not keep its Python object alive)
+    keys: dist.Store  # the store below the attempt's prefix: what the ranks write
     watch: HeartbeatWatch  # the serving ranks' heartbeats
     failures: dict[int, int] = field(default_factory=dict)  # rank -> exit code
     servers_done_at: float | None = None  # when every serving rank had finished well
@@ -72,20 +75,19 @@ class Attempt:
 def _start(
     argv: list[str], nproc: int, threads: int | None, attempt: int, layout: Layout
 ) -> Attempt:
-    # The store lives in the supervisor, as torchrun's agent hosts it: every rank is a client
-    # (TORCHELASTIC_USE_AGENT_STORE), and a rank that freezes freezes nobody's store requests.
-    store = loopback_store()
-    env = {**os.environ, **worker_environment(nproc, threads)}
+    # The job's store lives in the supervisor, as torchrun's agent hosts its own: a rank that
+    # freezes freezes nobody's store requests (heartbeats).
+    server = jobstore.JobStoreServer(jobstore.new_secret())
+    env = {**os.environ, **worker_environment(nproc, threads), **server.environment()}
     env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
+        MASTER_ADDR=loopback.HOST,  # gloo's sockets follow it: 127.0.0.1 only
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
-        TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_RESTART_COUNT=str(attempt),
         SHARDWISE_PS_ATTEMPT=str(attempt),
     )
-    keys = dist.PrefixStore(key_prefix(env[TOKEN_ENV], attempt), store)
+    client = jobstore.JobStoreClient(server.address, server.secret)
+    keys = dist.PrefixStore(f"attempt-{attempt}", client)
     watch = HeartbeatWatch(
         list(range(layout.serving)),
         layout.timeout_s,
@@ -99,8 +101,9 @@ def _start(
     for r in range(nproc):
         group = procs[0].pid if procs else 0
         env_r = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env_r, process_group=group))
-    return Attempt(procs, store, keys, watch)
+        command = [sys.executable, *boot_argv(argv)]
+        procs.append(subprocess.Popen(command, env=env_r, process_group=group))
+    return Attempt(procs, server, client, keys, watch)
 
 
 @contextlib.contextmanager
@@ -139,6 +142,15 @@ def supervise(
             if _watch(job, layout):
                 serving = job.procs[: layout.serving]
                 return all(p.returncode == 0 for p in serving), job.failures
+            if EXIT_NO_SNAPSHOT in [job.failures.get(r) for r in range(layout.servers)]:
+                print(
+                    "shardwise: not restarting the job: the servers have no usable snapshot "
+                    "to resume from (their own lines say why), and a restart cannot help",
+                    flush=True,
+                )
+                return False, job.failures
+            if EXIT_NONFINITE in job.failures.values():  # (the same data would do it again)
+                return False, job.failures
             if attempt < restarts:
                 print(
                     "shardwise: restarting the job; servers resume from their snapshots",
@@ -150,6 +162,13 @@ def supervise(
 def _watch(job: Attempt, layout: Layout) -> bool:
     """Until every process has ended; False if a server or relay failed (died, went silent, or
     was given up on by a rank waiting on it), after stopping the others."""
+    try:
+        return _watch_until_done(job, layout)
+    finally:
+        job.store.close()
+
+
+def _watch_until_done(job: Attempt, layout: Layout) -> bool:
     while True:
         running = job.running()  # (before the exits are noted: the last one is noted too)
         failed = _note_exits(job, layout)
@@ -192,7 +211,14 @@ def _note_exits(job: Attempt, layout: Layout) -> bool:
             continue
         job.failures[rank] = code
         culprit = _given_up_on(job, rank) if code == EXIT_SERVER_LOST else None
-        if culprit is not None:
+        if code == EXIT_NONFINITE:
+            print(
+                f"shardwise: ps {layout.role(rank)} stopped on non-finite values "
+                "(train.nonfinite; its own line says which): stopping the job",
+                flush=True,
+            )
+            failed = True
+        elif culprit is not None:
             print(
                 f"shardwise: ps {layout.role(rank)} gave up on {layout.role(culprit)} (silent "
                 "or stuck; its own line says which)",

@@ -48,7 +48,12 @@ class Async:
 
     def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
         # (a relay forwards each of its workers' pushes on its own in this mode: count is 1)
-        server.apply(value / count, staleness=server.version - version_used)
+        if value is not None:  # (None: the client skipped this clock)
+            server.apply(value / count, staleness=server.version - version_used)
+
+    def holds(self, client: int) -> bool:
+        """Whether a push of `client` waits to be applied (it may not push again before)."""
+        return False
 
     def may_answer(self, server: Server, client: int, clock: int) -> bool:
         return True
@@ -81,8 +86,11 @@ class Sync:
         return workers  # one update averages every worker's batch
 
     def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
-        self.pending[client] = (value, count)
+        self.pending[client] = (value, count)  # (value None: it skipped; still a member)
         self.settle(server)
+
+    def holds(self, client: int) -> bool:
+        return client in self.pending
 
     def may_answer(self, server: Server, client: int, clock: int) -> bool:
         return sync_pull_ready(client, self.pending, server.version, clock, server.peers.active())

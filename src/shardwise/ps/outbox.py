@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from shardwise.comm.broken import describe
 from shardwise.ps import protocol
 from shardwise.ps.protocol import Kind
 
@@ -46,7 +47,7 @@ class Outbox:
                 protocol.send(dst, kind, *ints, payload=payload, group=self.group)
             except Exception as e:
                 broken = True
-                self.inbox.put((dst, None, f"a send to it failed: {str(e).splitlines()[0][:200]}"))
+                self.inbox.put((dst, None, f"a send to it failed ({describe(e)})"))
 
     def close(self) -> None:
         """Send what is queued (each destination at most CLOSE_TIMEOUT_S more), then stop."""

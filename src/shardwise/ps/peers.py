@@ -16,15 +16,32 @@ import time
 
 import torch
 
+from shardwise.comm.broken import describe
 from shardwise.ps import protocol
 from shardwise.ps.liveness import HeartbeatWatch
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import describe_mismatch
 
+LOG_PER_CLIENT = 5  # lines logged about one client's refused messages before only every 1000th
+
+
+class RefusalLog:
+    """One line per refused message of a peer, until a flood: then every 1000th, with a count."""
+
+    def __init__(self, who: str) -> None:
+        self.who, self.counts = who, {}
+
+    def say(self, src: int, text: str) -> None:
+        count = self.counts[src] = self.counts.get(src, 0) + 1
+        if count <= LOG_PER_CLIENT or count % 1000 == 0:
+            more = f" ({count} so far)" if count > LOG_PER_CLIENT else ""
+            print(f"shardwise: {self.who}: rank {src}: refused: {text}{more}", flush=True)
+
 
 class Peers:
     def __init__(self, ranks: list[int], timeout_s: float, heartbeat_s: float) -> None:
-        self.live, self.done, self.idle, self.lost = set(ranks), set(), set(), set()
+        self.live, self.done, self.idle = set(ranks), set(), set()
+        self.lost: dict[int, str] = {}  # rank -> why: its connection broke while we answered it
         self.dead: dict[int, float] = {}  # rank -> seconds of silence when declared dead
         self.heartbeats = HeartbeatWatch(ranks, timeout_s, heartbeat_s / 2)
         now = time.monotonic()
@@ -39,7 +56,7 @@ class Peers:
 
     def silent(self) -> list[tuple[int, float]]:
         """Peers whose heartbeats stopped for longer than the timeout, with their silence."""
-        return self.heartbeats.dead(self.live - self.done - self.lost)
+        return self.heartbeats.dead(self.live - self.done - set(self.lost))
 
     def note_clock(self, rank: int, clock: int) -> None:
         if clock != self.progress[rank][0]:
@@ -57,8 +74,8 @@ class Peers:
         end of the queue, waiting for a batch that a stuck peer holds). Alive, but their
         training stalled; peers all waiting together, or waiting for our answer
         (`waiting_on_us`: a pull held for a sync round, say), are not stuck."""
-        active = self.active() - self.lost - waiting_on_us
-        others = self.live - self.done - self.lost
+        active = self.active() - set(self.lost) - waiting_on_us
+        others = self.live - self.done - set(self.lost)
         idle = bool(others & self.idle)
         now = time.monotonic()
         lead = max((self.progress[r][0] for r in others), default=0)
@@ -69,9 +86,12 @@ class Peers:
             if now - since > timeout_s and (clock < lead or idle)
         ]
 
-    def lost_undeclared(self) -> list[tuple[int, float]]:
-        """Peers whose connection broke while we answered them, not declared dead yet."""
-        return [(r, self.heartbeats.silent_for(r)) for r in sorted(self.lost - set(self.dead))]
+    def lose(self, rank: int, why: str) -> None:
+        self.lost.setdefault(rank, why)
+
+    def lost_undeclared(self) -> list[tuple[int, str]]:
+        """Peers whose connection broke, not declared dead yet, and why."""
+        return [(r, why) for r, why in sorted(self.lost.items()) if r not in self.dead]
 
     def mark_dead(self, rank: int, silent_s: float) -> None:
         self.live.discard(rank)
@@ -103,7 +123,7 @@ def start_receivers(
                 inbox.put((rank, None, e))
                 continue
             except Exception as e:  # its connection closed or broke
-                inbox.put((rank, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                inbox.put((rank, None, describe(e)))
                 return
             inbox.put((rank, h, payload))
             ends = until_done is None or rank in until_done

@@ -1,11 +1,19 @@
 """Messages between workers and servers: a header, then (maybe) one tensor.
 
 Everything travels as tensors over c10d point-to-point messages (`comm.messages`). The header
-is 8 int64 values: kind, then up to 6 integers whose meaning depends on the kind, then the
+is 8 int64 values: kind, up to 5 integers whose meaning depends on the kind, a mark, then the
 payload's element count (0: no payload). Objects that are not tensors (a model's signature, an
 error message) travel as UTF-8 JSON in a uint8 payload: nothing received is ever executed. A
 header's length is checked against the kind's bound before it sizes anything. Every message
 written or read is counted in `traffic` (by peer, direction and kind).
+
+gloo delivers a message shorter than the buffer posted for it as if it were whole (the rest of
+the buffer keeps what it held), so each message ends with a mark where a short one cannot put
+it: the header's seventh value, and one element of all-0xA5 bytes after the payload's values.
+A receive prefills those places with zeros and refuses a message that did not overwrite them
+(`ProtocolError`): a truncated header or a payload shorter than its header announced. (A message
+longer than the buffer posted for it makes gloo abort the receiving process, below anything
+Python can catch: the bounds below keep honest peers from ever sending one.)
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class Kind(IntEnum):
     END = 12
     WAIT = 13
     BATCH = 14
+    SKIP = 15  # worker -> server: [clock, version used] no update from it this clock (its
+    #            gradient was not finite: `train.nonfinite: skip`); answered like a PUSH
 
 
 class Traffic:
@@ -76,20 +86,36 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+HEADER_MARK = 0x5348_4152_4457_4953  # a header's seventh value ("SIWDRAHS")
+MARK_BYTE = 0xA5  # every byte of the element that ends a payload
+MAX_INTS = messages.HEADER - 3  # a header's integers: after the kind, before mark and length
+
+
+def _mark(dtype: torch.dtype) -> torch.Tensor:
+    """One element of `dtype` whose bytes are all MARK_BYTE."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.full((size,), MARK_BYTE, dtype=torch.uint8).view(dtype)
+
+
 def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, group=None) -> None:
-    """Send a header (and its payload) to rank `dst` of `group`, waiting until both are out."""
+    """Send a header (and its payload, then its mark) to rank `dst` of `group`, waiting until
+    both are out."""
+    if len(ints) > MAX_INTS:
+        raise ValueError(f"a {kind.name} holds at most {MAX_INTS} integers, got {len(ints)}")
     head = messages.header(int(kind), *ints)
-    head[-1] = 0 if payload is None else payload.numel()
+    head[-2], head[-1] = HEADER_MARK, 0 if payload is None else payload.numel()
     handles = [messages.send_header(head, dst, group)]
     if payload is not None:
-        handles.append(comm.send(payload.contiguous(), dst, group))
+        payload = torch.cat([payload.reshape(-1), _mark(payload.dtype)])
+        handles.append(comm.send(payload, dst, group))
     for h in handles:
         h.wait()
     traffic.add("sent", dst, kind, _nbytes(head) + (0 if payload is None else _nbytes(payload)))
 
 
 class ProtocolError(ValueError):
-    """A malformed message: unknown kind, a length out of bounds, a payload that is not JSON."""
+    """A malformed message: truncated, of an unknown kind, a length out of bounds, a payload
+    shorter than announced or not JSON. The message was read whole: the stream goes on."""
 
 
 MAX_TEXT = 1 << 20  # bytes of a JSON payload (a model's signature, an error message)
@@ -104,11 +130,16 @@ PAYLOAD_DTYPE = {
 }
 
 
+# The most values a payload of each kind may hold (`recv`'s `max_numel` for the others: a range
+# of parameters or gradients). Kinds that never carry one announce none: a header that does is
+# refused before anything is waited for.
+NO_PAYLOAD = (Kind.PULL, Kind.DONE, Kind.NEXT, Kind.IDLE, Kind.LOST, Kind.FINISHED, Kind.SKIP)
 PAYLOAD_LIMIT = {
     Kind.HELLO: MAX_TEXT,
     Kind.ERROR: MAX_TEXT,
     Kind.BATCH: MAX_INDICES,
     Kind.ROUND: MAX_INDICES,
+    **dict.fromkeys((*NO_PAYLOAD, Kind.END, Kind.WAIT), 0),
 }
 
 
@@ -116,11 +147,15 @@ def recv(
     src: int, dtype: torch.dtype | None = None, group=None, max_numel: int = 1 << 31
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A header and its payload from rank `src` of `group` (blocking); the payload's dtype is
-    `dtype`, or the one its kind implies. `ProtocolError` for an unknown kind or a length out
-    of bounds (`max_numel` for tensors of parameters or gradients): the stream from that rank
-    can no longer be trusted to be in step."""
-    h = messages.recv_header(src, group)
+    `dtype`, or the one its kind implies. `ProtocolError` for a truncated header, an unknown
+    kind, a length out of bounds (`max_numel` for tensors of parameters or gradients) or a
+    payload shorter than announced: each message was read whole, so the next one is read as
+    the sender sent it."""
+    h = torch.zeros(messages.HEADER, dtype=torch.int64)  # (zeros: where a short one stops)
+    comm.recv(h, src, group)
     traffic.add("received", src, int(h[0]), _nbytes(h))  # (counted even if refused below)
+    if int(h[-2]) != HEADER_MARK:
+        raise ProtocolError(f"a truncated or malformed header from rank {src}")
     try:
         kind = Kind(int(h[0]))
     except ValueError:
@@ -133,10 +168,16 @@ def recv(
         )
     if numel == 0:
         return h, None
-    out = torch.empty(numel, dtype=PAYLOAD_DTYPE.get(kind, dtype or torch.float32))
+    out = torch.empty(numel + 1, dtype=PAYLOAD_DTYPE.get(kind, dtype or torch.float32))
+    end = out[-1:].view(torch.uint8)
+    end.zero_()
     comm.recv(out, src, group)
     traffic.add("received", src, int(kind), _nbytes(out), messages=0)  # (the header's message)
-    return h, out
+    if not bool((end == MARK_BYTE).all()):
+        raise ProtocolError(
+            f"{kind.name} from rank {src} carried fewer values than the {numel} it announced"
+        )
+    return h, out[:-1]
 
 
 def pack(obj: object) -> torch.Tensor:
@@ -160,4 +201,6 @@ def make_group() -> dist.ProcessGroup:
     A server waits for each worker's next message in a thread of its own, for as long as that
     worker computes: no collective timeout should end the wait, so the group's is a day.
     Liveness is the heartbeats' job."""
-    return dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    comm.flight.recorder.unwatch(group)  # (nor is any wait in it a hang for the watchdog)
+    return group

@@ -14,13 +14,14 @@ server (the whole parameter vector, the same messages) and speaks to the servers
 It also asks server 0 for its workers' batches (server 0 keeps the one work queue), watches their
 heartbeats, and tells server 0 when one dies so that its batch is dealt again. Everything comes
 in through one inbox (a thread per peer), so the relay never blocks on one side while the other
-needs an answer.
+needs an answer. Its workers' messages pass the server's own checks (`validation.py`) before
+anything is done with them: a refused one gets its sender an ERROR and a log line, and is
+dropped.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import queue
 import time
 from dataclasses import dataclass, field
@@ -30,9 +31,11 @@ from torch import nn
 
 from shardwise.ps import protocol
 from shardwise.ps.consistency import round_complete, sync_pull_ready
-from shardwise.ps.peers import Peers, check_hello, start_receivers
+from shardwise.ps.outbox import Outbox
+from shardwise.ps.peers import Peers, RefusalLog, check_hello, start_receivers
 from shardwise.ps.protocol import COORDINATOR, Kind
 from shardwise.ps.sharding import flat_values, signature
+from shardwise.ps.validation import Rules, Turn, check
 from shardwise.ps.worker import ParameterServer, PSClient
 from shardwise.runtime import Runtime
 
@@ -45,6 +48,7 @@ class RelayReport:
     pushes_forwarded: int = 0  # to each server
     dead_workers: dict[int, float] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
+    refused: int = 0  # messages refused (malformed, out of turn, from a worker not served)
 
 
 class Relay:
@@ -59,14 +63,30 @@ class Relay:
         self.flat = flat_values(self.up.params)
         self.version, self.clock = self.up.version, self.up.clock
         self.peers = Peers(self.workers, options.timeout_s, options.heartbeat_s)
-        self.pending: dict[int, torch.Tensor] = {}  # sync: worker -> its push of this clock
+        # sync: worker -> its push of this clock (None: it skipped it)
+        self.pending: dict[int, torch.Tensor | None] = {}
         self.waiting_pulls: list[tuple[int, int]] = []  # (worker, clock)
         self.reply_needed: dict[int, int] = {}  # async: worker -> the pull reply to wait for
         self.pulls_sent = self.replies = 0
         self.pieces: dict[int, collections.deque] = {s: collections.deque() for s in self.servers}
         self.told_idle = False
         self.inbox: queue.Queue = queue.Queue()
+        self.outbox = Outbox(self.group, self.inbox)
         self.report = RelayReport(rank=rt.rank, workers=list(self.workers))
+        self.greeted: set[int] = set()
+        self.clocks = dict.fromkeys(self.workers, 0)  # worker -> the clock of its next push
+        self.refusals = RefusalLog(f"ps relay {rt.rank}")
+        # Towards its workers the relay is their server: the same rules, over the whole vector.
+        self.rules = Rules(
+            server=rt.rank,
+            world_size=rt.world_size,
+            clients=frozenset(self.workers),
+            relays=False,
+            coordinates=True,  # it asks server 0 for their batches
+            hears_rounds=False,
+            shard_numel=self.flat.numel(),
+            workers=1,
+        )
 
     def serve(self) -> RelayReport:
         # All along, the relay waits on its servers: one that goes silent ends it (its workers
@@ -75,7 +95,9 @@ class Relay:
             return self._serve()
 
     def _serve(self) -> RelayReport:
-        start_receivers([*self.workers, *self.servers], self.group, self.inbox, set(self.workers))
+        everyone = [*self.workers, *self.servers]
+        numel = self.flat.numel()  # (the most a PUSH or a pull's answer holds)
+        start_receivers(everyone, self.group, self.inbox, set(self.workers), max_numel=numel)
         while self.peers.serving():
             for worker, silent_s in self.peers.silent():
                 self._declare_dead(worker, silent_s)
@@ -86,11 +108,15 @@ class Relay:
                 src, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
                 continue
-            if h is None:  # a connection closed: a worker's death shows in its heartbeats
-                continue
+            if h is None:
+                if isinstance(payload, protocol.ProtocolError):  # read whole: it may go on
+                    self._refuse(src, str(payload))
+                continue  # (a connection closed: a worker's death shows in its heartbeats)
             if src in self.servers:
                 self._from_server(src, Kind(int(h[0])), h, payload)
-            elif src in self.peers.live:
+            elif problem := self._problem(src, h, payload):
+                self._refuse(src, problem)
+            else:
                 self._from_worker(src, Kind(int(h[0])), h, payload)
             self._answer_pulls()
         while self.replies < self.pulls_sent:  # the servers' last answers, before leaving
@@ -101,14 +127,43 @@ class Relay:
                 self._from_server(src, Kind(int(h[0])), h, payload)
         for server in self.servers:
             protocol.send(server, Kind.DONE, group=self.group)
+        self.outbox.close()
         self.up.close(say_done=False)
         return self.report
 
     # ---- the workers' side: the relay is their server
+    def _problem(self, w: int, h: torch.Tensor, payload) -> str | None:
+        """What is wrong with a worker's message: the server's checks, then whether it is
+        still served."""
+        turn = Turn(
+            greeted=w in self.greeted,
+            clock=self.clocks.get(w, 0),
+            pulling=any(x == w for x, _ in self.waiting_pulls),
+            pushed=self.o.mode == "sync" and w in self.pending,
+        )
+        if problem := check(self.rules, w, h, payload, turn):
+            return problem
+        if w not in self.peers.live:
+            why = self.report.rejected.get(w, "it was declared dead")
+            return f"rank {w} is no longer served ({why})"
+        if w in self.peers.done:
+            return f"{Kind(int(h[0])).name} after its DONE"
+        if Kind(int(h[0])) == Kind.HELLO:
+            self.greeted.add(w)
+        return None
+
+    def _refuse(self, w: int, problem: str) -> None:
+        """ERROR to the worker and one line in the log (a flood is summed up); the message is
+        dropped, the worker stays connected."""
+        self.report.refused += 1
+        self.refusals.say(w, problem)
+        self._send(w, Kind.ERROR, payload=protocol.pack(problem))
+
     def _from_worker(self, w: int, kind: Kind, h: torch.Tensor, payload) -> None:
         if kind == Kind.HELLO:
             problem = check_hello(self.signature, payload)
             if problem is None:
+                self.clocks[w] = self.version
                 self._send(w, Kind.OK, self.version)
             else:
                 self.report.rejected[w] = problem
@@ -117,16 +172,11 @@ class Relay:
                 self._forward_sync()
         elif kind == Kind.PULL:
             self.waiting_pulls.append((w, int(h[1])))
-        elif kind == Kind.PUSH:
-            self.peers.idle.discard(w)
-            self.peers.note_clock(w, int(h[1]) + 1)
-            self.report.pushes_received += 1
-            if self.o.mode == "sync":
-                self.pending[w] = payload
-                self._forward_sync()
-            else:  # forward at once; answer its pull with what comes back
-                self._push_up(payload, version_used=int(h[2]), count=1)
-                self.reply_needed[w] = self.pulls_sent
+        elif kind in (Kind.PUSH, Kind.SKIP):
+            self._on_push(w, h, payload if kind == Kind.PUSH else None)
+        elif kind == Kind.IDLE:  # it waits for a batch: do not wait for its push
+            self.peers.idle.add(w)
+            self._forward_sync()
         elif kind == Kind.NEXT:
             protocol.send(COORDINATOR, Kind.NEXT, w, group=self.group)
         elif kind == Kind.DONE:
@@ -134,10 +184,23 @@ class Relay:
             protocol.send(COORDINATOR, Kind.FINISHED, w, group=self.group)
             self._forward_sync()
 
+    def _on_push(self, w: int, h: torch.Tensor, payload: torch.Tensor | None) -> None:
+        """A worker's push (payload None: it skipped this clock)."""
+        self.peers.idle.discard(w)
+        self.clocks[w] = int(h[1]) + 1
+        self.peers.note_clock(w, self.clocks[w])
+        self.report.pushes_received += 1
+        if self.o.mode == "sync":
+            self.pending[w] = payload
+            self._forward_sync()
+        else:  # forward at once; answer its pull with what comes back
+            self._push_up(payload, version_used=int(h[2]), count=1)
+            self.reply_needed[w] = self.pulls_sent
+
     def _send(self, w: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None) -> None:
-        # It may have died between asking and our answer: its heartbeats will tell.
-        with contextlib.suppress(RuntimeError):
-            protocol.send(w, kind, *ints, payload=payload, group=self.group)
+        """Queued for the worker's sending thread: one that stopped reading blocks nobody (it
+        may have died between asking and our answer: its heartbeats will tell)."""
+        self.outbox.send(w, kind, *ints, payload=payload)
 
     def _forward_sync(self) -> None:
         """Sync: once every active worker of the group pushed this clock, push their sum."""
@@ -145,29 +208,26 @@ class Relay:
             return
         active = self.peers.active()
         if round_complete(self.pending, active):
-            total = torch.stack(list(self.pending.values())).sum(dim=0)
-            count = len(self.pending)
+            pushed = [value for value in self.pending.values() if value is not None]
             self.pending.clear()
-            self._push_up(total, version_used=self.version, count=count)
+            total = torch.stack(pushed).sum(dim=0) if pushed else None  # (None: all skipped)
+            self._push_up(total, version_used=self.version, count=len(pushed))
         elif not active and self.peers.serving() and not self.told_idle:
             for server in self.servers:  # all of the group waits for batches: skip us
                 protocol.send(server, Kind.IDLE, group=self.group)
             self.told_idle = True
 
-    def _push_up(self, flat: torch.Tensor, version_used: int, count: int) -> None:
-        """Push to every server its slice, then ask for the parameters after it."""
+    def _push_up(self, flat: torch.Tensor | None, version_used: int, count: int) -> None:
+        """Push to every server its slice (or SKIP, with nothing to push), then ask for the
+        parameters after it."""
         started = time.perf_counter()
         if self.faults is not None:  # (kill, or hang with the heartbeats going on)
             self.faults.before_step(self.clock + 1)
-        for server, piece in zip(self.servers, self.up.plan.split(flat), strict=True):
+        for server, piece in zip(self.servers, self._slices(flat), strict=True):
+            kind = Kind.SKIP if flat is None else Kind.PUSH
+            payload = piece if piece is not None and piece.numel() else None
             protocol.send(
-                server,
-                Kind.PUSH,
-                self.clock,
-                version_used,
-                count,
-                payload=piece if piece.numel() else None,
-                group=self.group,
+                server, kind, self.clock, version_used, count, payload=payload, group=self.group
             )
         self.clock += 1
         for server in self.servers:
@@ -177,6 +237,9 @@ class Relay:
         self.told_idle = False
         if self.faults is not None:  # (forwarding, slowed)
             self.faults.slow_down(started, step=self.report.pushes_forwarded)
+
+    def _slices(self, flat: torch.Tensor | None) -> list[torch.Tensor | None]:
+        return [None] * len(self.servers) if flat is None else self.up.plan.split(flat)
 
     def _answer_pulls(self) -> None:
         still = []
@@ -227,8 +290,8 @@ class Relay:
         self.report.dead_workers[worker] = silent_s
         protocol.send(COORDINATOR, Kind.LOST, worker, group=self.group)
         print(
-            f"shardwise: ps relay {self.rank}: worker rank {worker} {why} for "
-            f"{silent_s:.1f} s, declared dead",
+            f"shardwise: ps relay {self.rank}: worker rank {worker}: {why} for "
+            f"{silent_s:.1f} s; declared dead",
             flush=True,
         )
         self._forward_sync()

@@ -18,9 +18,10 @@ behalf (the worker's rank travels in the message, and the answer goes back throu
 from __future__ import annotations
 
 import json
+import os
 import queue
+import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,19 +29,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise import runtime
 from shardwise.comm.flat import flatten
 from shardwise.ps import protocol
 from shardwise.ps.consistency import mode_for
 from shardwise.ps.liveness import HeartbeatSender
 from shardwise.ps.outbox import Outbox
-from shardwise.ps.peers import Peers, check_hello, start_receivers
+from shardwise.ps.peers import Peers, RefusalLog, check_hello, start_receivers
 from shardwise.ps.protocol import COORDINATOR, Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
-from shardwise.ps.snapshots import ShardSnapshots
-from shardwise.ps.validation import Rules, check
+from shardwise.ps.snapshots import EXIT_NO_SNAPSHOT, ShardSnapshots, SnapshotError, first_line
+from shardwise.ps.validation import Rules, Turn, check
 from shardwise.ps.work_queue import WorkQueue
-
-LOG_PER_CLIENT = 5  # lines logged about one client's refused messages before only every 1000th
 
 
 @dataclass
@@ -53,7 +53,8 @@ class ServerReport:
     # client rank (worker, or relay) -> seconds of silence before it was declared dead
     dead_workers: dict[int, float] = field(default_factory=dict)
     clocks: dict[int, int] = field(default_factory=dict)
-    consumed: list[int] = field(default_factory=list)
+    consumed_batches: int = 0  # server 0: batches of its work queue consumed (trained)
+    consumed_samples: int = 0
     rejected: dict[int, str] = field(default_factory=dict)
     pushes_received: int = 0  # push messages (one per worker, or one per relay and clock)
     refused: int = 0  # messages refused (malformed, out of turn, from a client no longer served)
@@ -90,7 +91,7 @@ class Server:
                 "bounds": list(self.bounds),
                 "optimizer": [optimizer_cls.__name__, repr(sorted(optimizer_kwargs.items()))],
                 "mode": [options.mode, options.staleness, options.servers],
-                "work": None if work is None else zlib.crc32(json.dumps(list(work.queue)).encode()),
+                "work": None if work is None else work.plan(),
             },
             sort_keys=True,
         )
@@ -110,12 +111,12 @@ class Server:
         self.outbox = Outbox(self.group, self.inbox)
         self.workers = workers or len(clients)
         self.greeted: set[int] = set()
-        self.refused: dict[int, str] = {}  # client -> the first problem it was refused for
-        self.logged: dict[int, int] = {}  # client -> lines logged about it
+        self.refusals = RefusalLog(f"ps server {rank}")
         self.handlers = {
             Kind.HELLO: self._on_hello,
             Kind.PULL: self._on_pull,
             Kind.PUSH: self._on_push,
+            Kind.SKIP: self._on_skip,
             Kind.IDLE: self._on_idle,
             Kind.NEXT: self._on_next,
             Kind.LOST: self._on_lost,
@@ -128,10 +129,19 @@ class Server:
             self._resume(workers or len(clients))
 
     def _resume(self, workers: int) -> None:
-        """Start from the servers' newest common snapshot; its batches are consumed."""
-        store = dist.distributed_c10d._get_default_store()
-        self.snapshots = ShardSnapshots(self.o.snapshot_dir, self.rank, self.o.servers, store)
-        self._restore()
+        """Start from the servers' newest common usable snapshot; its batches are consumed.
+        With none left of a version they all kept, this process ends (one line, exit code
+        EXIT_NO_SNAPSHOT): a restart would find the same files."""
+        store = runtime.store()
+        self.snapshots = ShardSnapshots(
+            self.o.snapshot_dir, self.rank, self.o.servers, store, self.identity, self.numels
+        )
+        try:
+            self._restore()
+        except SnapshotError as e:
+            print(f"shardwise: ps server {self.rank}: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_NO_SNAPSHOT)
         if self.work is not None:
             self.work.skip(self.version * self.mode.batches_per_update(workers))
 
@@ -168,7 +178,8 @@ class Server:
                 self._declare_dead(client, silent_s)
             held = {client for client, _ in self.waiting_pulls}
             for client, clock, still_s in self.peers.stuck(self.stuck_after_s, held):
-                self._declare_dead(client, still_s, f"stuck at clock {clock} (alive, no progress)")
+                why = f"stuck at clock {clock} for {still_s:.1f} s (alive, no progress)"
+                self._declare_dead(client, still_s, why)
             try:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
@@ -180,8 +191,8 @@ class Server:
             else:
                 self.handlers[Kind(int(h[0]))](client, h, payload)
                 self._answer_pulls()
-            for lost, silent_s in self.peers.lost_undeclared():  # a send to it failed
-                self._declare_dead(lost, silent_s)
+            for lost, why in self.peers.lost_undeclared():  # its connection broke
+                self._declare_dead(lost, self.peers.heartbeats.silent_for(lost), why)
         self.outbox.close()
         self._beats.stop()
         self.report.clocks = dict(self.clock)
@@ -189,7 +200,8 @@ class Server:
             [p.detach().reshape(-1) for p in self.params] or [torch.zeros(0)]
         )
         if self.work is not None:
-            self.report.consumed = list(self.work.consumed)
+            self.report.consumed_batches = self.work.consumed_batches
+            self.report.consumed_samples = self.work.consumed_samples
         return self.report
 
     def _send(self, dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None):
@@ -199,41 +211,38 @@ class Server:
 
     # ---- what is not handled: broken connections and refused messages
     def _problem(self, src: int, h: torch.Tensor, payload) -> str | None:
-        """What is wrong with the message (its form first, then whether its sender is served)."""
-        greeted = src in self.greeted
-        if problem := check(self.rules, src, h, payload, greeted):
+        """What is wrong with the message (its form and turn first, then whether its sender is
+        served)."""
+        turn = Turn(
+            greeted=src in self.greeted,
+            clock=self.clock.get(src, 0),
+            pulling=any(client == src for client, _ in self.waiting_pulls),
+            pushed=self.mode.holds(src),
+        )
+        if problem := check(self.rules, src, h, payload, turn):
             return problem
         if src not in self.peers.live and src != COORDINATOR:
-            why = self.refused.get(src, "it was declared dead")
+            why = self.report.rejected.get(src, "it was declared dead")
             return f"rank {src} is no longer served ({why})"
+        if src in self.peers.done:
+            return f"{Kind(int(h[0])).name} after its DONE"
         if Kind(int(h[0])) == Kind.HELLO:
             self.greeted.add(src)
         return None
 
     def _not_a_message(self, src: int, reason) -> None:
-        if isinstance(reason, protocol.ProtocolError):  # a header refused: the peer may go on
+        if isinstance(reason, protocol.ProtocolError):  # read whole: the peer may go on
             self._refuse(src, str(reason))
             return
         if src in self.peers.live and src not in self.peers.done:
-            self._log(src, f"its messages ended ({reason}); marked lost")
-            self.peers.lost.add(src)
+            self.peers.lose(src, f"its connection broke ({reason})")
 
     def _refuse(self, src: int, problem: str) -> None:
-        """ERROR to the sender, one line in the log; a client that broke the protocol is lost
-        (and gets ERROR for whatever it sends after)."""
+        """ERROR to the sender and one line in the log; the message is dropped, its sender
+        stays connected (its next message is judged on its own)."""
         self.report.refused += 1
-        self._log(src, f"refused: {problem}")
+        self.refusals.say(src, problem)
         self.outbox.send(src, Kind.ERROR, payload=protocol.pack(problem))
-        if src in self.peers.live:
-            self.refused.setdefault(src, problem)
-            self.peers.lost.add(src)
-
-    def _log(self, src: int, text: str) -> None:
-        count = self.logged.get(src, 0) + 1
-        self.logged[src] = count
-        if count <= LOG_PER_CLIENT or count % 1000 == 0:  # a flood is summed up, not repeated
-            more = f" ({count} so far)" if count > LOG_PER_CLIENT else ""
-            print(f"shardwise: ps server {self.rank}: rank {src}: {text}{more}", flush=True)
 
     # ---- the handlers, one per kind of message
     def _on_hello(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:
@@ -256,6 +265,14 @@ class Server:
         self.clock[src] = int(h[1]) + 1
         self.peers.note_clock(src, self.clock[src])
         self.mode.push(self, src, version_used=int(h[2]), value=payload, count=max(1, int(h[3])))
+
+    def _on_skip(self, src: int, h: torch.Tensor, payload) -> None:
+        """A client with no update this clock (a non-finite gradient): its clock moves on, its
+        round (sync) counts it as pushed, and nothing of it is applied."""
+        self.peers.idle.discard(src)
+        self.clock[src] = int(h[1]) + 1
+        self.peers.note_clock(src, self.clock[src])
+        self.mode.push(self, src, version_used=int(h[2]), value=None, count=0)
 
     def _on_idle(self, src: int, h: torch.Tensor, payload) -> None:
         self.peers.idle.add(src)  # it waits for a batch from server 0: do not wait for it here
@@ -330,7 +347,8 @@ class Server:
     def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
         """A sync round: the mean over the workers behind `pushes` ((sum, count) per client)."""
         self.report.rounds.append(members)
-        if not pushes:  # every member died before its push reached this server
+        pushes = [(value, n) for value, n in pushes if value is not None]  # (SKIPs: nothing)
+        if not pushes:  # every member died before its push reached this server, or skipped
             self.version += 1
             return
         total = torch.stack([value for value, _ in pushes]).sum(dim=0)
@@ -392,12 +410,8 @@ class Server:
         if self.work is not None:
             self._deal()
         role = "relay" if self.o.relays else "worker"
-        why = why or "silent"
-        print(
-            f"shardwise: ps server {self.rank}: {role} rank {client} {why} for "
-            f"{silent_s:.1f} s, declared dead",
-            flush=True,
-        )
+        why = why or f"silent for {silent_s:.1f} s"
+        print(f"shardwise: ps server {self.rank}: {role} rank {client}: {why}; declared dead")
         self.mode.settle(self)
         self._answer_pulls()
 
@@ -406,7 +420,6 @@ class Server:
         self.snapshots.save(
             {
                 "version": self.version,
-                "identity": self.identity,
                 "bounds": list(self.bounds),
                 "params": [p.detach().clone() for p in self.params],
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
@@ -415,20 +428,19 @@ class Server:
 
     @torch.no_grad()
     def _restore(self) -> None:
-        """Resume from the newest version that every server has a snapshot of, or start
-        afresh if there is none."""
+        """Resume from the newest version that every server has a usable snapshot of (checked
+        by `ShardSnapshots`: this job's, undamaged), or start afresh if they kept none."""
         found = self.snapshots.newest_common()
         if found is None:
             return
         path, state = found
-        if state.get("identity") != self.identity:
-            raise ValueError(
-                f"{path}: a snapshot of another job (model, optimizer, options or data differ): "
-                "refusing to resume from it"
-            )
         for p, value in zip(self.params, state["params"], strict=True):
             p.copy_(value)
         if self.optimizer and state["optimizer"]:
-            self.optimizer.load_state_dict(state["optimizer"])
+            try:
+                self.optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                why = first_line(e)
+                raise SnapshotError(f"{path}: its optimizer state does not load ({why})") from None
         self.version = state["version"]
         self.report.resumed_from = self.version

@@ -3,6 +3,12 @@
 Server 0 keeps it. A worker asks for its next batch when it finished the last one (which then
 counts as consumed); a dead worker's unfinished batch goes back to the front of the queue, so
 every sample of every epoch is consumed exactly once, whoever dies.
+
+Nothing is built up front (every batch was, about 1.5 GiB per million batches). The job's
+batches are numbered 0, 1, ...: batch b is the (b mod E)-th slice of epoch b // E's seeded order
+(E full batches an epoch), computed when it is dealt. Memory is the current epoch's order (and
+the one before, for batches given back across an epoch's end), the batches given back, those
+outstanding, and the consumed ones above the mark below which all are consumed.
 """
 
 from __future__ import annotations
@@ -18,15 +24,16 @@ class WorkQueue:
     def __init__(
         self, size: int, batch: int, epochs: int, seed: int, limit: int | None = None
     ) -> None:
-        self.queue: collections.deque[tuple[int, list[int]]] = collections.deque()
-        for epoch in range(epochs):
-            order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
-            for start in range(0, size - batch + 1, batch):  # drop_last, as the loaders do
-                self.queue.append((epoch, order[start : start + batch].tolist()))
-        while limit is not None and len(self.queue) > limit:  # `limit` batches in all
-            self.queue.pop()
-        self.outstanding: dict[int, tuple[int, list[int]]] = {}
-        self.consumed: list[int] = []
+        self.size, self.batch, self.seed = size, batch, seed
+        self.per_epoch = size // batch if batch > 0 else 0  # drop_last, as the loaders do
+        total = epochs * self.per_epoch
+        self.total = total if limit is None else min(total, limit)  # `limit` batches in all
+        self.cursor = 0  # the next batch never dealt
+        self.returned: collections.deque[int] = collections.deque()  # given back: dealt first
+        self.outstanding: dict[int, int] = {}  # worker -> the batch it trains
+        self.below = 0  # every batch below this one is consumed...
+        self.above: set[int] = set()  # ...and so are these (consumed out of order)
+        self._orders: dict[int, torch.Tensor] = {}  # epoch -> its order (two epochs at most)
 
     @classmethod
     def for_batches(cls, batches: int, size: int, batch: int, seed: int) -> WorkQueue:
@@ -37,25 +44,63 @@ class WorkQueue:
             raise ValueError(f"a dataset of {size} samples holds no batch of {batch}")
         return cls(size, batch, -(-batches // per_epoch), seed, limit=batches)
 
+    def plan(self) -> dict[str, int]:
+        """What fixes every batch's samples (a resumed job must deal the same ones)."""
+        return {"size": self.size, "batch": self.batch, "seed": self.seed, "batches": self.total}
+
+    def __len__(self) -> int:
+        """Batches still to deal (not counting those outstanding)."""
+        return len(self.returned) + self.total - self.cursor
+
+    @property
+    def consumed_batches(self) -> int:
+        return self.below + len(self.above)
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.consumed_batches * self.batch
+
     def next(self, worker: int) -> tuple[int, list[int]] | None:
-        """The worker finished its previous batch (if any) and wants another."""
-        if worker in self.outstanding:
-            self.consumed.extend(self.outstanding.pop(worker)[1])
-        if not self.queue:
+        """The worker finished its previous batch (if any) and wants another: (epoch, indices),
+        or None when none is left to deal."""
+        self.finish(worker)
+        if self.returned:
+            b = self.returned.popleft()
+        elif self.cursor < self.total:
+            b, self.cursor = self.cursor, self.cursor + 1
+        else:
             return None
-        self.outstanding[worker] = self.queue.popleft()
-        return self.outstanding[worker]
+        self.outstanding[worker] = b
+        return self.batch_of(b)
 
     def finish(self, worker: int) -> None:
+        """The worker's batch (if it holds one) is trained: it counts as consumed."""
         if worker in self.outstanding:
-            self.consumed.extend(self.outstanding.pop(worker)[1])
+            self._consume(self.outstanding.pop(worker))
 
     def skip(self, batches: int) -> None:
         """A resumed job: the snapshot already holds the first `batches` batches' updates."""
-        for _ in range(min(batches, len(self.queue))):
-            self.consumed.extend(self.queue.popleft()[1])
+        assert not self.outstanding and not self.returned and self.cursor == self.below == 0
+        self.cursor = self.below = min(batches, self.total)
 
     def give_back(self, worker: int) -> None:
         """A dead worker's unfinished batch goes to the front of the queue."""
         if worker in self.outstanding:
-            self.queue.appendleft(self.outstanding.pop(worker))
+            self.returned.appendleft(self.outstanding.pop(worker))
+
+    def batch_of(self, b: int) -> tuple[int, list[int]]:
+        """Batch `b` of the job: (its epoch, its sample indices)."""
+        epoch, start = divmod(b, self.per_epoch)
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = torch.randperm(self.size, generator=g)
+        start *= self.batch
+        return epoch, self._orders[epoch][start : start + self.batch].tolist()
+
+    def _consume(self, b: int) -> None:
+        assert b >= self.below and b not in self.above, f"batch {b} consumed twice"
+        self.above.add(b)
+        while self.below in self.above:  # (raise the mark over what is now contiguous)
+            self.above.remove(self.below)
+            self.below += 1

@@ -231,6 +231,13 @@ class PSClient:
             self._send(server, Kind.PUSH, self.clock, self.version, payload=payload)
         self.clock += 1
 
+    def skip(self) -> None:
+        """No update from this worker for its clock (its gradient was not finite): every server
+        moves its clock on, and a sync round counts it without its values."""
+        for server in self.servers:
+            self._send(server, Kind.SKIP, self.clock, self.version)
+        self.clock += 1
+
     def next_batch(self) -> list[int] | None:
         """Indices of the next batch from the work queue on server 0 (None: no more); through
         the relay in a two-level job."""
@@ -285,6 +292,15 @@ class PSWorkerModel(DistributedModel):
         start = time.perf_counter()
         client.push(values)
         client.pull()
+        self.last_wait_s = time.perf_counter() - start
+
+    @torch.no_grad()
+    def skip_step(self) -> None:
+        """Instead of the optimizer's step, where this worker's loss or gradient is not finite
+        (`train.nonfinite`): nothing is pushed, the servers' parameters are pulled."""
+        start = time.perf_counter()
+        self.client.skip()
+        self.client.pull()
         self.last_wait_s = time.perf_counter() - start
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
