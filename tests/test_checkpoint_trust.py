@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import shardwise as sw
-from shardwise import checkpoint, runtime
+from shardwise import checkpoint, run_checkpoint, runtime
 from shardwise.checkpoint import CheckpointError, read_full_state, sha256_file
 from shardwise.models import MLP
 from shardwise.reporting import MetricsFile, write_summary
@@ -273,6 +273,59 @@ def test_a_directory_holding_more_than_a_checkpoint_is_not_replaced(ckpt):
     with pytest.raises(CheckpointError, match=r"holds other files \('notes\.txt'\)"):
         sw.save_checkpoint(model, opt, directory, step=3)
     assert (directory / "notes.txt").read_text() == "mine" and read_full_state(directory)[2] == 2
+
+
+# ---- a training run's checkpoint of another job --------------------------------------------------
+def _for_run(hidden: int, optimizer=torch.optim.AdamW, **kwargs):
+    torch.manual_seed(0)
+    model, opt = sw.prepare(MLP([5, hidden, 3]), sw.DDP(), optimizer=optimizer, lr=1e-2, **kwargs)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+
+def test_a_run_checkpoint_of_another_job_is_one_line_before_a_resume_and_at_load(tmp_path):
+    model, opt, schedule = _for_run(4)
+    _train(model, opt, 1)
+    job = run_checkpoint.job_signature(MLP([5, 4, 3]), "adamw", "ddp")
+    saver = run_checkpoint.Saver(tmp_path, runtime.current(), keep=1, sync=True, job=job)
+    saver.save(model, opt, schedule, 1, data={})
+    assert run_checkpoint.resumable(tmp_path, 1, job).step == 1
+    newest = run_checkpoint.complete(tmp_path / "checkpoints")[-1]
+
+    # Before any rank starts, from the job recorded in the manifest.
+    def signature(model: torch.nn.Module, optimizer: str = "adamw", strategy: str = "ddp"):
+        return run_checkpoint.job_signature(model, optimizer, strategy)
+
+    for other, why in [
+        (
+            signature(MLP([5, 6, 3])),
+            "another model: its 0.weight is [4, 5], this config's is [6, 5]",
+        ),
+        (
+            signature(MLP([5, 4, 3, 3])),
+            "another model: it has no parameter 4.weight (this config's is [3, 3])",
+        ),
+        (signature(MLP([5, 4])), "another model: this config's has no parameter 2.bias"),
+        (signature(MLP([5, 4, 3]), "sgd"), "optimizer 'adamw' saved it, this config has 'sgd'"),
+        (
+            signature(MLP([5, 4, 3]), strategy="zero"),
+            "strategy 'ddp' saved it, this config has 'zero'",
+        ),
+    ]:
+        with pytest.raises(run_checkpoint.JobMismatch) as info:
+            run_checkpoint.resumable(tmp_path, 1, other)
+        assert str(info.value) == f"{newest} was saved by another job: {why}"
+    # A checkpoint older than that record is caught by the ranks' load, in one line too.
+    _edit_manifest(newest, lambda manifest: manifest.pop("job"))
+    found = run_checkpoint.resumable(tmp_path, 1, signature(MLP([5, 6, 3]), "sgd"))
+    for (model, opt, schedule), why in [
+        (_for_run(6), "size mismatch for 0.weight"),
+        (_for_run(4, torch.optim.SGD, momentum=0.9), "another optimizer saved it"),
+    ]:
+        with pytest.raises(run_checkpoint.RunCheckpointError) as info:
+            run_checkpoint.load(found, model, opt, schedule)
+        message = str(info.value)
+        assert message.startswith(f"{newest} does not fit this run's model or optimizer (")
+        assert why in message and "\n" not in message and len(message) < 500
 
 
 # ---- strict JSON ---------------------------------------------------------------------------------

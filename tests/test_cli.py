@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -71,6 +72,70 @@ def test_bad_config_is_one_line_and_nonzero_before_any_process_starts(tmp_path):
         "shardwise: config error: strategy.bucket_mb = -1: Input should be greater than 0"
     ]
     assert not (tmp_path / "runs").exists()
+
+
+ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--set", "train.steps=[1"], "config error: --set train.steps: '[1' is not a YAML value"),
+        (["--set", "name=../x"], "config error: name: should be a plain name (no '/', not"),
+        (
+            ["--run-dir", "TMP/a_file"],
+            "--run-dir TMP/a_file: cannot create the run directory: "
+            "[Errno 20] Not a directory: TMP/a_file",
+        ),
+        (
+            ["--run-dir", "TMP/a_file/run"],
+            "--run-dir TMP/a_file/run: cannot create the run "
+            "directory: [Errno 20] Not a directory: TMP/a_file/run",
+        ),
+        pytest.param(
+            ["--run-dir", "TMP/locked/run"],
+            "--run-dir TMP/locked/run: cannot create the run directory: [Errno 13] Permission "
+            "denied: TMP/locked/run",
+            marks=pytest.mark.skipif(ROOT_USER, reason="root creates it anyway"),
+        ),
+        pytest.param(
+            ["--run-dir", "TMP/locked"],
+            "run directory TMP/locked is not writable",
+            marks=pytest.mark.skipif(ROOT_USER, reason="root writes there anyway"),
+        ),
+        (["--resume"], "--resume: which run directory? (--resume RUN_DIR)"),
+        (["--resume", "TMP/nope"], "--resume: no run directory TMP/nope"),
+        (
+            ["--resume", "TMP/locked"],
+            "--resume TMP/locked: it has no config.yaml; give the run's CONFIG",
+        ),
+    ],
+    ids=[
+        "bad-yaml",
+        "name-path",
+        "run-dir-file",
+        "run-dir-under-file",
+        "run-dir-uncreatable",
+        "run-dir-unwritable",
+        "resume-which",
+        "resume-nothing",
+        "resume-no-config",
+    ],
+)
+def test_bad_train_inputs_are_one_line_before_any_process_starts(
+    tmp_path, monkeypatch, capsys, args, expected
+):
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)  # (the default runs directory would be created here)
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "locked").mkdir(mode=0o500)
+    args = [arg.replace("TMP", str(tmp_path)) for arg in args]
+    assert main(["train", "--set", "train.steps=2", *args]) == 2
+    line = f"shardwise: {expected}".replace("TMP", str(tmp_path))
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err.startswith(line)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a_file", "locked"]
 
 
 def test_missing_dataset_file_is_one_line_and_nonzero(tmp_path):
@@ -293,7 +358,7 @@ def test_ps_job_survives_a_killed_worker_and_restarts_after_a_killed_server(tmp_
     sync = ["strategy.mode=sync", "train.steps=60", "strategy.snapshot_every=10"]
     job = _start_ps_job(tmp_path, run_dir, *base, *sync)
     snapshots = run_dir / "ps-snapshots"
-    _wait_for(lambda: len(list(snapshots.glob("server*-v*.pt"))) >= 2)
+    _wait_for(lambda: len(list(snapshots.glob("server*-v*.safetensors"))) >= 2)
     os.kill(int((run_dir / "ps" / "pid1").read_text()), signal.SIGKILL)
     out, _ = job.communicate(timeout=180)
     assert job.returncode == 0, out[-3000:]
@@ -329,5 +394,5 @@ def test_two_ps_jobs_one_after_the_other_share_no_snapshot_nor_log(tmp_path):
     for run_dir in runs:
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["resumed_from"] is None and summary["updates"] == 30
-        assert len(list((run_dir / "ps-snapshots").glob("server0-v*.pt"))) == 2
+        assert len(list((run_dir / "ps-snapshots").glob("server0-v*.safetensors"))) == 2
         assert len((run_dir / "ps" / "worker1.jsonl").read_text().splitlines()) == 30

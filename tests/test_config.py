@@ -34,6 +34,14 @@ def test_overrides_are_parsed_as_yaml_scalars():
         ("optim.gamma=0", "config error: optim.gamma = 0: Input should be greater than 0"),
         ("optim.schedule=linear", "config error: optim.schedule = 'linear': Input should be"),
         ("faults=['clock-skew:rank=1']", "expected clock-skew:rank=...:seconds=..."),
+        # no field means "never" by infinity: .inf overflowed the timeout's timedelta
+        ("launch.comm_timeout_s=.inf", "launch.comm_timeout_s = inf: Input should be a finite"),
+        ("optim.lr=.nan", "config error: optim.lr = nan: Input should be a finite number"),
+        ("train.delay_s=[0.1, .inf]", "config error: train.delay_s.1 = inf: Input should be a"),
+        ("name=../x", "config error: name: should be a plain name (no '/', not starting with '.')"),
+        ("name=.hidden", "config error: name: should be a plain name"),
+        ("train.steps=[1", "config error: --set train.steps: '[1' is not a YAML value (expected"),
+        ("optim.lr=a: b: c", "config error: --set optim.lr: 'a: b: c' is not a YAML value"),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_allowed(override, expected):
@@ -89,3 +97,9 @@ def test_config_command_lists_every_field_with_default_and_description(capsys):
     assert "zero" in capsys.readouterr().out
     assert main(["config", "nope"]) == 2
     assert "no section or strategy named 'nope'" in capsys.readouterr().err
+
+
+def test_a_parameter_server_job_refuses_rollback_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config("digits", ["strategy.name=ps", "train.nonfinite=rollback"])
+    assert "'rollback' is for data-parallel runs" in str(err.value) and "\n" not in str(err.value)

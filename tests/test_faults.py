@@ -1,12 +1,15 @@
 """Failures named in seconds and survived: a hung rank, ranks issuing different collectives, a
-NaN in one rank's gradient, and a kill in the middle of a checkpoint write. Each fault is
-injected into a real job; the evidence is what the job printed, its files, and its timing as
-seen from outside (the fault's marker time, the launcher's exit)."""
+NaN in one rank's gradient (and a rollback that makes no progress), a full disk, and a kill in
+the middle of a checkpoint write. Each fault is injected into a real job; the evidence is what
+the job printed, its files, and its timing as seen from outside (the fault's marker time, the
+launcher's exit)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 import textwrap
@@ -59,6 +62,9 @@ def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
     assert "ranks 0, 2 wait in it; rank 1 never arrived" in head
     assert "rank 1 stack (main thread):" in report and "faults.py" in report  # where it sleeps
     assert head in result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # the launcher's: the hung rank, not rank 0
+    assert last.startswith("shardwise: hang: rank 1 never arrived at all_reduce #"), last
+    assert result.returncode == 3
 
 
 def test_ranks_issuing_different_collectives_are_named_with_both_calls(tmp_path):
@@ -159,6 +165,71 @@ def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_p
     a = load_file(str(tmp_path / "rolled" / "checkpoint" / "model.safetensors"))
     b = load_file(str(tmp_path / "clean" / "checkpoint" / "model.safetensors"))
     assert clean.returncode == 0 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rollback_gives_up_when_rolling_back_makes_no_progress(tmp_path):
+    # SGD at lr 1e6: a step or two of finite losses, then every batch non-finite from weights
+    # that are finite but enormous. Before: a checkpoint saved inside each streak was a "newer"
+    # one to roll back to, and the run rolled back to the end and exited 0 (issue #29, 6).
+    run = tmp_path / "run"
+    sets = ["train.steps=30", "train.checkpoint_every=2", "train.nonfinite=rollback"]
+    sets += ["optim.name=sgd", "optim.lr=1e6", *NAN_JOB]
+    result = _job(run, *sets, nproc=1)
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "shardwise: the run stopped on non-finite values (train.nonfinite; see above)"
+    )
+    assert "Traceback" not in result.stderr
+    (rolled,) = re.findall(r"rolled back from step (\d+) to .* \(step (\d+)\)", result.stdout)
+    at, back_to = int(rolled[0]), int(rolled[1])
+    first_bad = min(int(n) for n in re.findall(r"step (\d+): non-finite", result.stdout))
+    given_up = re.search(
+        rf"shardwise: steps (\d+)-(\d+) non-finite again, before the run got past step {at} "
+        "where it rolled back: rolling back makes no progress: stopping",
+        result.stderr,
+    )
+    assert given_up and int(given_up[1]) <= at, result.stderr[-2000:]
+    # No checkpoint while bad steps were in a row: the one rolled back to came before them.
+    saved = [
+        int(p.name.removeprefix(run_checkpoint.PREFIX))
+        for p in run_checkpoint.complete(run / "checkpoints")
+    ]
+    assert back_to == max(saved) < first_bad
+    assert not (run / "summary.json").exists() and not (run / "checkpoint").exists()
+
+
+def test_a_full_disk_ends_the_job_in_seconds_and_keeps_the_checkpoint(tmp_path):
+    # A full disk, emulated without root: every process of the job may write files of at most
+    # LIMIT bytes (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write past it fails with EFBIG),
+    # and metrics.jsonl starts near the limit: rank 0 fails on it a few steps in. Before, its
+    # process lingered until rank 1's watchdog gave up on it, 71 s later (issue #29, 12).
+    run, limit = tmp_path / "run", 1 << 20
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n' * ((limit - 1500) // 12))
+
+    def full_disk() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--run-dir", str(run)]
+    for kv in ("train.steps=50", "train.checkpoint_every=2", "train.async_checkpoint=false"):
+        argv += ["--set", kv]
+    result = subprocess.run(
+        argv,
+        preexec_fn=full_disk,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    ended = time.time()
+    assert result.returncode != 0
+    line = f"shardwise: rank 0: cannot write {run}/metrics.jsonl: [Errno 27] File too large"
+    assert line in result.stderr.splitlines(), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (run / "hang_report.txt").exists()
+    found = run_checkpoint.newest(run, 2, "ddp", warn=False)  # checksums verified
+    assert found is not None and found.directory == run_checkpoint.complete(run / "checkpoints")[-1]
+    # rank 0 failed a step or two after that checkpoint; every rank was gone seconds later
+    assert ended - (found.directory / "manifest.json").stat().st_mtime < 10
 
 
 def test_nonfinite_stop_ends_the_run_naming_the_rank(tmp_path):

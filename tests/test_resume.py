@@ -4,7 +4,9 @@ to the same job run straight through: parameters, optimizer moments, strategy st
 error feedback and Q matrices, ZeRO's shards) and random generators, compared file by file.
 A run resumed on another number of ranks sees every sample of the epoch once (its ranks'
 sample ledger says) and ends where plain single-process training on the same global batches
-ends."""
+ends. A SIGTERM to one worker stops the whole job the same way (exit 143, no final model);
+`--resume` then uses the run's own config, and refuses another job's checkpoint in one line
+without touching the run directory."""
 
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, strategy, 
     )
     out = _finish(faulty)
     assert "fault injected on rank 1: kill-rank1-step37" in out
+    assert "shardwise: rank 1 was killed by SIGKILL; restarting every rank (restart 1 of 1)" in out
     assert (tmp_path / "faulty" / "faults" / "kill-rank1-step37").exists()  # fired once
     if corrupt:
         newest = tmp_path / "faulty" / "checkpoints" / f"{run_checkpoint.PREFIX}{30:09d}"
@@ -117,6 +120,70 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_pat
     resumed = _train(tmp_path / "stopped", extra=["--resume", str(tmp_path / "stopped")])
     assert f"(step {step})" in _finish(resumed)
     _same_end(tmp_path / "straight", tmp_path / "stopped")
+
+
+def _workers(run: Path) -> dict[int, int]:
+    """rank -> pid of each worker of the job in `run` (Linux: read from /proc)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if str(run).encode() not in (proc / "cmdline").read_bytes().split(b"\0"):
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # not a process, or one that just ended
+            continue
+        ranks = [int(e.removeprefix(b"RANK=")) for e in env if e.startswith(b"RANK=")]
+        found.update({rank: int(proc.name) for rank in ranks})
+    return found
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_sigterm_to_one_worker_saves_and_resume_uses_the_runs_own_config(tmp_path, capsys):
+    run = tmp_path / "run"
+    own = ["name=small", "model.hidden=[16]", "train.delay_s=[0.05, 0.05]"]  # not digits' own
+    job = _train(run, *own)
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 120
+    while not metrics.exists() or metrics.read_text().count('"loss"') < 15:
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.1)
+    os.kill(_workers(run)[1], signal.SIGTERM)  # one worker, not the launcher
+    out = _finish(job, code=128 + signal.SIGTERM)
+    newest = run_checkpoint.complete(run / "checkpoints")[-1]
+    step = int(newest.name.removeprefix(run_checkpoint.PREFIX))
+    assert (
+        f"shardwise: rank 1 got SIGTERM: stopped after step {step} of {STEPS} with a checkpoint; "
+        f"go on with: shardwise train --resume {run}"
+    ) in out.splitlines()
+    # Not all steps done: no final model, no summary (the exit code says it stopped).
+    assert not (run / "checkpoint").exists() and not (run / "summary.json").exists()
+
+    # Told to resume another job: one line, before anything in the run directory changes.
+    from shardwise.cli import main
+
+    before = _files(run)
+    for args, why in [
+        (["--set", "model.hidden=[32]"], "another model: its 0.weight is [16, 64], this config's"),
+        (["digits"], "another model: its 0.weight is [16, 64], this config's is [128, 64]"),
+        (["--set", "optim.name=sgd"], "optimizer 'adamw' saved it, this config has 'sgd'"),
+        (["--set", "strategy.name=zero"], "strategy 'ddp' saved it, this config has 'zero'"),
+    ]:
+        assert main(["train", *args, "--resume", str(run)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"shardwise: --resume {run}: {newest} was saved by another job: ")
+        assert why in line
+        assert _files(run) == before
+
+    # No CONFIG: the run's own config.yaml (its model, its name), from the step it stopped at.
+    argv = [sys.executable, "-m", "shardwise", "train", "--resume", str(run)]
+    resumed = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = _finish(resumed)
+    assert f"shardwise: resuming {run} with its own config.yaml" in out
+    assert f"resumed from {newest} (step {step})" in out
+    assert load_file(str(run / "checkpoint" / "model.safetensors"))["0.weight"].shape == (16, 64)
+    assert '"name": "small"' in (run / "summary.json").read_text()
 
 
 def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):

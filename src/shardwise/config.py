@@ -219,7 +219,9 @@ class TrainConfig(Section):
         "skip",
         description="a non-finite loss or gradient on any rank: skip the update on every rank; "
         "stop the run; or skip, and after max_bad_steps bad steps in a row roll back to the "
-        "last checkpoint and leave the offending batches out",
+        "last checkpoint and leave the offending batches out (no checkpoint is saved while bad "
+        "steps are in a row; the run stops, exit code 4, where bad steps come again before it "
+        "got past the step it rolled back at)",
     )
     max_bad_steps: int = Field(
         3,
@@ -277,7 +279,11 @@ class LaunchConfig(Section):
 
 
 class Config(Section):
-    name: str = Field("job", description="run name; the run directory starts with it")
+    name: str = Field(
+        "job",
+        description="run name; the run directory starts with it (a plain name: no '/', not "
+        "starting with '.')",
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     strategy: StrategyConfig = Field(default_factory=DDPConfig)
@@ -289,6 +295,28 @@ class Config(Section):
         description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: shardwise.faults; "
         "added to those of SHARDWISE_FAULT)",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # The run directory is `launch.runs_dir/<name>-<time>`: a path in the name would put it
+        # elsewhere (`../x` outside runs_dir), a leading dot would hide it.
+        if not name or "/" in name or "\\" in name or name.startswith("."):
+            raise ValueError(
+                f"should be a plain name (no '/', not starting with '.'), got {name!r}"
+            )
+        if not name.isprintable() or len(name) > 100:
+            raise ValueError("should be at most 100 printable characters")
+        return name
+
+    @model_validator(mode="after")
+    def _ps_keeps_no_rollback(self) -> Config:
+        if self.strategy.name == "ps" and self.train.nonfinite == "rollback":
+            raise ValueError(
+                "train.nonfinite 'rollback' is for data-parallel runs, which checkpoint every "
+                "rank; a parameter-server job's state lives on its servers: use skip or stop"
+            )
+        return self
 
     @model_validator(mode="after")
     def _queue_needs_replicas_that_pull(self) -> Config:
@@ -350,7 +378,13 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"config error: --set expects key=value, got {item!r}")
-        parsed.append((key.strip(), yaml.safe_load(value)))
+        try:
+            parsed.append((key.strip(), yaml.safe_load(value)))
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(
+                f"config error: --set {key.strip()}: {value!r} is not a YAML value ({problem})"
+            ) from None
     return parsed
 
 

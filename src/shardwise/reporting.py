@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -14,26 +15,49 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+class WriteError(OSError):
+    """A file of the run could not be written (a full disk, say): the message names it, which
+    the error of a write to an open file does not."""
+
+    def __str__(self) -> str:
+        return f"cannot write {self.filename}: [Errno {self.errno}] {self.strerror}"
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Inside, an `OSError` is a `WriteError` naming `path`."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as e:
+        raise WriteError(e.errno, e.strerror or str(e), str(path)) from e
+
+
 class MetricsFile:
     """One strict-JSON object per line (a NaN loss is null: see `strict_json`); flushed so a
-    crashed run keeps what it logged.
+    crashed run keeps what it logged. A write that fails is a `WriteError` naming the file.
 
     `keep_steps`: a resumed run first drops the lines of steps after its checkpoint (they are
     about to be run again)."""
 
     def __init__(self, path: Path, keep_steps: int | None = None) -> None:
-        if keep_steps is not None and path.exists():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            kept = [line for line in lines if _step(line) <= keep_steps]
-            path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-        self._file = path.open("a", encoding="utf-8")
+        self.path = path
+        with writing(path):
+            if keep_steps is not None and path.exists():
+                lines = path.read_text(encoding="utf-8").splitlines()
+                kept = [line for line in lines if _step(line) <= keep_steps]
+                path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+            self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(strict_json(record) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(strict_json(record) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with writing(self.path):
+            self._file.close()
 
 
 def _step(line: str) -> float:
@@ -179,7 +203,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     """`summary.json` in the run directory (strict JSON: see `strict_json`), and the table on
     the terminal."""
-    (run_dir / "summary.json").write_text(strict_json(summary, indent=2))
+    with writing(run_dir / "summary.json"):
+        (run_dir / "summary.json").write_text(strict_json(summary, indent=2))
     print_summary(summary)
 
 

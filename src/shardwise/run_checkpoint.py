@@ -9,12 +9,14 @@ the run can resume on another number of ranks.
 
 Layout: `RUN_DIR/checkpoints/step-000000030/` with `rank{r}.safetensors` (tensors) and
 `rank{r}.json` (everything else) per rank, `sharded/` (the reshardable part, with its own
-manifest) and `manifest.json` (step, world size, strategy, SHA-256 of every file). Saving
-copies the state (the only stall of training) and writes it from a background thread: into a
-hidden temporary directory, fsynced, the manifest last, and the directory is renamed into
-place. A checkpoint directory either is complete or does not exist, and a kill during a save
-leaves the previous one intact. The newest `train.keep_checkpoints` are kept. Nothing is
-unpickled: tensors come from safetensors, the rest from JSON.
+manifest) and `manifest.json` (step, world size, strategy, SHA-256 of every file, and the job:
+the model's parameter names and shapes, the optimizer, the strategy's section, which a resume
+checks before it starts any rank). Saving copies the state (the only stall of training) and
+writes it from a background thread: into a hidden temporary directory, fsynced, the manifest
+last, and the directory is renamed into place. A checkpoint directory either is complete or
+does not exist, and a kill during a save leaves the previous one intact. The newest
+`train.keep_checkpoints` are kept. Nothing is unpickled: tensors come from safetensors, the
+rest from JSON.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from shardwise import runtime, state_tree
 from shardwise.checkpoint import (
     CheckpointError,
     fsync_path,
@@ -54,33 +56,38 @@ class RunCheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
 
 
-# ---- one rank's state as tensors + JSON ----------------------------------------------------------
-def _split(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """`value` with every tensor moved into `tensors` (replaced by {"tensor": key})."""
-    if isinstance(value, torch.Tensor):
-        tensors[prefix] = value.detach().to("cpu").contiguous().clone()
-        return {"tensor": prefix}
-    if isinstance(value, dict):
-        return {"dict": [[k, _split(v, f"{prefix}/{k}", tensors)] for k, v in value.items()]}
-    if isinstance(value, (list, tuple)):
-        kind = "tuple" if isinstance(value, tuple) else "list"
-        return {kind: [_split(v, f"{prefix}/{i}", tensors) for i, v in enumerate(value)]}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return {"value": value}
-    raise TypeError(f"cannot checkpoint a {type(value).__name__} at {prefix}")
+class JobMismatch(RunCheckpointError):
+    """A whole checkpoint saved by another job (model, optimizer or strategy)."""
 
 
-def _join(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `_split`."""
-    ((kind, value),) = node.items()
-    if kind == "tensor":
-        return tensors[value]
-    if kind == "dict":
-        return {k: _join(v, tensors) for k, v in value}
-    if kind in ("list", "tuple"):
-        items = [_join(v, tensors) for v in value]
-        return tuple(items) if kind == "tuple" else items
-    return value
+def job_signature(model: torch.nn.Module, optimizer: str, strategy: str) -> dict[str, Any]:
+    """What a checkpoint records of the job that saved it, and what resuming it needs: the
+    unsplit model's parameter names and shapes, the optimizer's name (`optim.name`) and the
+    strategy's section (`strategy.name`)."""
+    params = [[name, list(p.shape)] for name, p in model.named_parameters()]
+    return {"model": params, "optimizer": optimizer, "strategy": strategy}
+
+
+def job_mismatch(saved: Any, job: dict[str, Any]) -> str | None:
+    """How `job` differs from the job a checkpoint recorded (None: it does not)."""
+    try:
+        theirs = {str(name): [int(n) for n in shape] for name, shape in saved["model"]}
+        their_optimizer, their_strategy = str(saved["optimizer"]), str(saved["strategy"])
+    except (KeyError, TypeError, ValueError):
+        return "its record of the job is malformed"
+    if their_strategy != job["strategy"]:
+        return f"strategy {their_strategy!r} saved it, this config has {job['strategy']!r}"
+    if their_optimizer != job["optimizer"]:
+        return f"optimizer {their_optimizer!r} saved it, this config has {job['optimizer']!r}"
+    mine = dict(job["model"])
+    for name, shape in mine.items():
+        if name not in theirs:
+            return f"another model: it has no parameter {name} (this config's is {shape})"
+        if theirs[name] != shape:
+            return f"another model: its {name} is {theirs[name]}, this config's is {shape}"
+    if extra := sorted(theirs.keys() - mine.keys()):
+        return f"another model: this config's has no parameter {extra[0]}"
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -138,7 +145,7 @@ def snapshot(
     model: DistributedModel, optimizer, scheduler, step: int, save_no: int, data: dict[str, Any]
 ) -> Snapshot:
     tensors: dict[str, torch.Tensor] = {}
-    meta = _split(rank_state(model, optimizer, scheduler, step, data), "s", tensors)
+    meta = state_tree.split(rank_state(model, optimizer, scheduler, step, data), "s", tensors)
     try:
         layout, shard = model.checkpoint_shard(optimizer)
     except NotImplementedError:  # model-parallel: resumes on the same ranks only
@@ -156,10 +163,13 @@ class Saver:
     directory into place and drops old checkpoints. No collective runs in the thread, so the
     training step's collectives go on undisturbed. One save is in flight at a time."""
 
-    def __init__(self, run_dir: Path, rt, keep: int, sync: bool = False) -> None:
+    def __init__(
+        self, run_dir: Path, rt, keep: int, sync: bool = False, job: dict | None = None
+    ) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.rt, self.keep, self.sync = rt, keep, sync
-        self.store = dist.distributed_c10d._get_default_store()
+        self.job = job  # `job_signature`, recorded in each manifest
+        self.store = runtime.store()
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.saves = 0
         self._thread: threading.Thread | None = None
@@ -240,6 +250,7 @@ class Saver:
             "strategy": snap.strategy,
             "sha256": exact,
             "reshardable": snap.layout is not None,
+            **({"job": self.job} if self.job is not None else {}),
         }
         if snap.layout is not None:
             shards = {n.removeprefix(f"{SHARDED}/"): s for n, s in sums.items() if n not in exact}
@@ -289,8 +300,12 @@ class Found:
     world_size: int  # the world it was saved on; another one means resharding
 
 
-def _check(directory: Path, world_size: int, strategy: str) -> Found:
-    """After every file's checksum and the run's shape were checked."""
+def _check(
+    directory: Path, world_size: int, strategy: str | None, job: dict[str, Any] | None = None
+) -> Found:
+    """After every file's checksum and the run's shape were checked: its world size, and, where
+    given, its strategy (the model's `checkpoint_name()`) and `job` (`job_signature`; a
+    checkpoint older than that record is checked by loading it)."""
     path = directory / "manifest.json"
     try:
         manifest = json.loads(path.read_text())
@@ -306,7 +321,9 @@ def _check(directory: Path, world_size: int, strategy: str) -> Found:
     expected = {f"rank{r}.{ext}" for r in range(saved_world) for ext in ("safetensors", "json")}
     if set(files) != expected:
         raise RunCheckpointError(f"{path}: lists {sorted(files)}, expected {sorted(expected)}")
-    if saved_strategy != strategy:
+    if job is not None and "job" in manifest and (why := job_mismatch(manifest["job"], job)):
+        raise JobMismatch(f"{directory} was saved by another job: {why}")
+    if strategy is not None and saved_strategy != strategy:
         raise RunCheckpointError(f"{directory}: saved by {saved_strategy}, this run is {strategy}")
     if saved_world != world_size and not reshardable:
         raise RunCheckpointError(
@@ -321,21 +338,49 @@ def _check(directory: Path, world_size: int, strategy: str) -> Found:
     return Found(directory, step, saved_world)
 
 
-def newest(run_dir: Path, world_size: int, strategy: str, warn: bool = True) -> Found | None:
+def newest(
+    run_dir: Path,
+    world_size: int,
+    strategy: str,
+    warn: bool = True,
+    job: dict[str, Any] | None = None,
+) -> Found | None:
     """The newest checkpoint this run can resume from; broken ones are skipped, each with a
     one-line warning naming the file (with `warn`)."""
     for directory in reversed(complete(Path(run_dir) / "checkpoints")):
         try:
-            return _check(directory, world_size, strategy)
+            return _check(directory, world_size, strategy, job)
         except (RunCheckpointError, CheckpointError, OSError) as e:
             if warn:
                 print(f"shardwise: skipping a checkpoint: {e}", flush=True)
     return None
 
 
+def resumable(run_dir: Path, world_size: int, job: dict[str, Any]) -> Found | None:
+    """Before a resume starts any rank (nothing in `run_dir` is written): the checkpoint it will
+    resume from, checked against `job` (`job_signature`) and its number of ranks; None where
+    the run has none. A `RunCheckpointError` where it was saved by another job, or where none
+    of the run's checkpoints can be resumed from (the first reason named)."""
+    existing = complete(Path(run_dir) / "checkpoints")
+    reasons = []
+    for directory in reversed(existing):
+        try:
+            return _check(directory, world_size, None, job)
+        except JobMismatch:
+            raise
+        except (RunCheckpointError, CheckpointError, OSError) as e:
+            reasons.append(str(e))  # a damaged one: the ranks fall back to the one before
+    if existing:
+        raise RunCheckpointError(
+            f"none of the {len(existing)} checkpoints in {run_dir} can be resumed from "
+            f"({reasons[0]}); move them away to start afresh"
+        )
+    return None
+
+
 def _rank_state(directory: Path, rank: int) -> dict[str, Any]:
     tensors = load_file(str(directory / f"rank{rank}.safetensors"))
-    return _join(json.loads((directory / f"rank{rank}.json").read_text()), tensors)
+    return state_tree.join(json.loads((directory / f"rank{rank}.json").read_text()), tensors)
 
 
 def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[str, Any]:
@@ -344,12 +389,38 @@ def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[st
     On the world it was saved on, everything is restored exactly. On another one, the model
     and optimizer come from the reshardable part, the schedule, step and data position from
     rank 0's state, and what belongs to one rank alone (codec residuals, random generators of
-    dropped ranks) starts afresh."""
+    dropped ranks) starts afresh. A checkpoint that does not fit the model or optimizer (one
+    older than the job record in its manifest) is a `RunCheckpointError`, in one line."""
+    try:
+        return _load(found, model, optimizer, scheduler)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        # torch's messages list every missing key over several lines: one, cut short
+        named = isinstance(e, (RuntimeError, ValueError))  # (a KeyError's is only the key)
+        message = " ".join((str(e) if named else f"{type(e).__name__}: {e}").split())
+        if len(message) > 300:
+            message = message[:297] + "..."
+        raise RunCheckpointError(
+            f"{found.directory} does not fit this run's model or optimizer ({message})"
+        ) from None
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """`optimizer.load_state_dict`, and a `ValueError` where the saved groups lack a setting
+    this optimizer needs (another optimizer saved them: torch loads them, and the first step
+    fails)."""
+    needed = [set(group) for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keys in zip(optimizer.param_groups, needed, strict=True):
+        if missing := sorted(keys - set(group)):
+            raise ValueError(f"its optimizer has no {missing[0]!r}: another optimizer saved it")
+
+
+def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[str, Any]:
     rank = model.runtime.rank
     if found.world_size == model.runtime.world_size:
         state = _rank_state(found.directory, rank)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         return {"step": int(state["step"]), "data": state["data"]}

@@ -4,10 +4,15 @@
 creates the run directory (`runs/<name>-<time>` unless one is given), writes the resolved
 config there, and starts the ranks, with torchrun's elastic agent, or, for a parameter-server
 job, with our supervisor (which survives dead workers). Each rank then runs `trainer.train`.
+A resume first checks, before it writes anything, that the run's checkpoint fits the config.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -17,9 +22,28 @@ from shardwise.ps.worker import PSConfig
 
 def new_run_dir(cfg: Config, requested: str | Path | None = None) -> Path:
     """`requested` (created if needed), or a new `runs/<name>-<time>[-k]`: two jobs started in
-    the same second never share one (the directory is created exclusively)."""
+    the same second never share one (the directory is created exclusively). A directory that
+    cannot be created or written is a one-line `ConfigError`."""
+    try:
+        run_dir = _make_run_dir(cfg, requested)
+    except OSError as e:
+        where = f"--run-dir {requested}" if requested else f"launch.runs_dir {cfg.launch.runs_dir}"
+        raise ConfigError(f"{where}: cannot create the run directory: {_os_reason(e)}") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"run directory {run_dir} is not writable")
+    return run_dir
+
+
+def _os_reason(error: OSError) -> str:
+    where = f": {error.filename}" if error.filename else ""
+    return f"[Errno {error.errno}] {error.strerror}{where}" if error.strerror else str(error)
+
+
+def _make_run_dir(cfg: Config, requested: str | Path | None) -> Path:
     if requested:
         run_dir = Path(requested).resolve()
+        if run_dir.exists() and not run_dir.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -32,7 +56,7 @@ def new_run_dir(cfg: Config, requested: str | Path | None = None) -> Path:
             return run_dir
         except FileExistsError:
             continue
-    raise RuntimeError(f"no free run directory name beside {base}")
+    raise FileExistsError(f"no free run directory name beside {base}")
 
 
 def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
@@ -57,16 +81,60 @@ def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False
     from shardwise.launcher import launch
 
     cfg = fit_ranks(cfg, nproc_given=True)
+    ps = isinstance(cfg.strategy, PSConfig)
+    if resume and not ps:
+        check_resume(cfg, Path(run_dir))
     run_dir = new_run_dir(cfg, run_dir)
-    resolved = run_dir / "config.yaml"
-    resolved.write_text(dump_config(cfg))
     print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
-    argv = ["shardwise", "train", str(resolved), "--run-dir", str(run_dir)]
-    if resume or cfg.launch.max_restarts:  # a restarted rank resumes from the newest checkpoint
-        argv.append("--resume")
-    if isinstance(cfg.strategy, PSConfig):  # a supervisor of our own: a dead worker must not end it
-        from shardwise.ps_supervisor import run_ps_job
+    # A resume's ranks write config.yaml once their checkpoint is loaded: until then nothing in
+    # the run directory changes (a checkpoint too old to record its job is checked then).
+    with _resolved_config(cfg, run_dir, in_run_dir=not resume or ps) as resolved:
+        argv = ["shardwise", "train", str(resolved), "--run-dir", str(run_dir)]
+        if resume or cfg.launch.max_restarts:  # a restarted rank resumes from the newest one
+            argv.append("--resume")
+        if ps:  # a supervisor of our own: a dead worker must not end it
+            from shardwise.ps_supervisor import run_ps_job
 
-        return run_ps_job(cfg, argv, run_dir)
-    launch(argv, cfg.launch.nproc, cfg.launch.threads_per_rank, cfg.launch.max_restarts)
+            return run_ps_job(cfg, argv, run_dir)
+        launch(argv, cfg.launch.nproc, cfg.launch.threads_per_rank, cfg.launch.max_restarts)
     return 0
+
+
+@contextlib.contextmanager
+def _resolved_config(cfg: Config, run_dir: Path, in_run_dir: bool):
+    """The resolved config as a file the ranks read: RUN_DIR/config.yaml, or a temporary file
+    removed afterwards."""
+    path = run_dir / "config.yaml"
+    if not in_run_dir:
+        fd, name = tempfile.mkstemp(prefix=f"shardwise-{cfg.name}-", suffix=".yaml")
+        os.close(fd)
+        path = Path(name)
+    try:
+        _write(path, dump_config(cfg))
+        yield path
+    finally:
+        if not in_run_dir:
+            path.unlink(missing_ok=True)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {_os_reason(e)}") from None
+
+
+def check_resume(cfg: Config, run_dir: Path) -> None:
+    """Before a resume starts any rank, and before anything in `run_dir` changes: the checkpoint
+    it will resume from was saved by the job `cfg` describes (the same model, optimizer and
+    strategy) on a number of ranks it can resume on; a one-line `ConfigError` where not."""
+    from shardwise import run_checkpoint
+    from shardwise.jobs import build_job
+
+    if not run_checkpoint.complete(run_dir / "checkpoints"):
+        return  # nothing to resume from: the ranks say so and start afresh
+    job = run_checkpoint.job_signature(build_job(cfg).model, cfg.optim.name, cfg.strategy.name)
+    try:
+        run_checkpoint.resumable(run_dir, cfg.launch.nproc, job)
+    except run_checkpoint.RunCheckpointError as e:
+        raise ConfigError(f"--resume {run_dir}: {e}") from None

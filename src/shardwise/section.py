@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No field means "never" by infinity: a timeout of .inf would overflow where it is used.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class StrategySection(Section):

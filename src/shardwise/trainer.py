@@ -10,19 +10,23 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import signal
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 import shardwise as sw
-from shardwise import calibrate, comm, costs, faults, ledger, memory, run_checkpoint
+from shardwise import calibrate, comm, costs, faults, ledger, memory, run_checkpoint, runtime
 from shardwise.balance import ThroughputBalancer, weighted_sizes
 from shardwise.board import Board
 from shardwise.checkpoint import save_model
@@ -48,7 +52,7 @@ from shardwise.signals import handling_stop_signals
 from shardwise.skew import format_report, skew_report
 from shardwise.strategies.base import DistributedModel
 from shardwise.timeline import Timeline, merge
-from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog
+from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog, failed_ranks
 from shardwise.work_queue import QueueLoader
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
@@ -56,17 +60,24 @@ RUN_DIR_KEY = "shardwise/run_dir"  # where rank 0 tells the others the run direc
 EXIT_NONFINITE = 4  # every rank's exit code when the non-finite policy stops the run
 
 
-def agree_run_dir(cfg: Config, requested: str | None, rt: sw.Runtime) -> Path:
+def agree_run_dir(cfg: Config, requested: str | None, rt: sw.Runtime, resume: bool = False) -> Path:
     """Rank 0 picks (and creates) the directory, a new one unless `requested`; the others
     read its path from the job's store (plain text: no object crosses the wire). Two jobs
-    never share one by accident. What killed saves left there is removed first."""
-    store = dist.distributed_c10d._get_default_store()
+    never share one by accident. What killed saves left there is removed first; a resumed run
+    changes nothing there before its checkpoint is loaded (`_claim_run_dir`)."""
+    store = runtime.store()
     if rt.is_main:
         path = new_run_dir(cfg, requested)
-        (path / "config.yaml").write_text(dump_config(cfg))
-        run_checkpoint.remove_partial(path)
+        if not resume:
+            _claim_run_dir(cfg, path)
         store.set(RUN_DIR_KEY, str(path))
     return Path(store.get(RUN_DIR_KEY).decode())
+
+
+def _claim_run_dir(cfg: Config, path: Path) -> None:
+    """Rank 0: the run's resolved config, and nothing left of killed saves."""
+    (path / "config.yaml").write_text(dump_config(cfg))
+    run_checkpoint.remove_partial(path)
 
 
 def _endless(loader: sw.data.ShardedLoader) -> Iterator:
@@ -77,27 +88,37 @@ def _endless(loader: sw.data.ShardedLoader) -> Iterator:
 
 def _agree(
     run: Run, local_loss: torch.Tensor, count: int, grads_finite: bool, desync: bool
-) -> tuple[float, bool, dict[int, str]]:
+) -> tuple[float, dict[int, int], dict[int, str]]:
     """One tiny all-reduce for what every rank must agree on after backward: the loss averaged
-    over the global batch (of the ranks whose loss is finite), whether any rank was asked to
-    stop, and which ranks saw a non-finite loss or gradient (the step is then skipped).
+    over the global batch (of the ranks whose loss is finite), which ranks were sent a signal
+    to stop (rank -> signal number), and which ranks saw a non-finite loss or gradient (the
+    step is then skipped).
 
     A non-finite loss names the rank it came from; gradients already averaged carry one rank's
     NaN to all, so a non-finite gradient with finite losses names every rank that holds one."""
     value = local_loss.item()
     finite = math.isfinite(value)
     t = torch.zeros(3 + run.rt.world_size, dtype=torch.float64, device=run.rt.device)
-    t[0], t[1], t[2] = value * count if finite else 0.0, count if finite else 0, run.stop_requested
-    t[3 + run.rt.rank] = 2.0 if not finite else 0.0 if grads_finite else 1.0
+    t[0], t[1] = value * count if finite else 0.0, count if finite else 0
+    t[2] = run.stop_signal > 0  # (summed: how many ranks were sent one)
+    # Each rank's own slot: 0 (fine), 1 (non-finite gradient) or 2 (non-finite loss), plus 4 x
+    # the signal it was sent (a whole number far below 2**53: exact in float64).
+    nonfinite = 2 if not finite else 0 if grads_finite else 1
+    t[3 + run.rt.rank] = nonfinite + 4 * run.stop_signal
     if desync:  # an injected fault: this rank issues another collective than the others
         comm.broadcast(t, src=0)
     comm.all_reduce(t)
     loss = (t[0] / t[1]).item() if t[1] > 0 else float("nan")
-    flags = t[3:].tolist()
-    bad = {r: "loss" for r, f in enumerate(flags) if f == 2}
+    slots = [round(f) for f in t[3:].tolist()]
+    bad = {r: "loss" for r, f in enumerate(slots) if f % 4 == 2}
     if not bad:
-        bad = {r: "gradient" for r, f in enumerate(flags) if f == 1}
-    return loss, bool(t[2] > 0), bad
+        bad = {r: "gradient" for r, f in enumerate(slots) if f % 4 == 1}
+    return loss, _signalled(slots, 4) if t[2] > 0 else {}, bad
+
+
+def _signalled(slots: list[int], unit: int) -> dict[int, int]:
+    """rank -> the signal it was sent, from each rank's slot of an agreement (signal x unit)."""
+    return {r: f // unit for r, f in enumerate(slots) if f // unit}
 
 
 def _grads_finite(model: DistributedModel) -> bool:
@@ -187,11 +208,11 @@ class Run:
     start_step: int = 0  # steps done before this process started (a resumed run)
     drawn: int = 0  # global batches drawn so far, skipped ones included
     skip: set[int] = field(default_factory=set)  # global batches (1-based) left out
-    stop_requested: bool = False  # SIGTERM / SIGINT: checkpoint after this step and leave
-    stopping: bool = False  # every rank agreed to stop
+    stop_signal: int = 0  # SIGTERM / SIGINT received: checkpoint after this step and leave
+    stopped_by: dict[int, int] = field(default_factory=dict)  # agreed: rank -> its signal
     bad_streak: int = 0  # consecutive steps with a non-finite loss or gradient
     bad_batches: list[int] = field(default_factory=list)  # the global batches of those steps
-    rolled_back_to: int | None = None  # the step of the last rollback
+    rolled_back_at: int = 0  # the step the last rollback was made at (0: none yet)
     loads: int = 0  # checkpoints loaded (each one agreed through the store)
     skipped_steps: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
@@ -203,6 +224,11 @@ class Run:
 
     def __post_init__(self) -> None:
         self.batches = _endless(self.loader)
+
+    @property
+    def stopping(self) -> bool:
+        """Every rank agreed to stop after this step (a rank was sent SIGTERM or SIGINT)."""
+        return bool(self.stopped_by)
 
     @property
     def global_batch(self) -> int:
@@ -241,7 +267,10 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     comm.flight.recorder.reset()
     job = build_job(cfg)
     data_bytes = _data_bytes(job.model, rt.device) if cfg.train.measure else 0
-    out = agree_run_dir(cfg, run_dir, rt)
+    out = agree_run_dir(cfg, run_dir, rt, resume)
+    # What each checkpoint records of the job, and a resume checks: the model before the
+    # strategy splits it.
+    signature = run_checkpoint.job_signature(job.model, cfg.optim.name, cfg.strategy.name)
     predicted = _predict(cfg, job, rt, out) if rt.is_main and not resume else {}
     model, opt = sw.prepare(
         job.model,
@@ -270,7 +299,7 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
     metrics = timing = board = None
     progress = ProgressReporter(cfg.train.steps, cfg.name, rt.is_main, cfg.train.log_every)
     saver = run_checkpoint.Saver(
-        out, rt, cfg.train.keep_checkpoints, sync=not cfg.train.async_checkpoint
+        out, rt, cfg.train.keep_checkpoints, sync=not cfg.train.async_checkpoint, job=signature
     )
     injector = FaultInjector(rt.rank, out, cfg.faults)
     watchdog = Watchdog(rt.rank, rt.world_size, cfg.launch.hang_timeout_s, out)
@@ -287,6 +316,8 @@ def setup(cfg: Config, run_dir: str | None, resume: bool = False) -> Run:
         run.timeline = Timeline(rt.rank, injector.clock())
     if resume:
         run.start_step = _resume(run)
+        if rt.is_main:  # the checkpoint fits: from here the run directory is this job's
+            _claim_run_dir(cfg, out)
     keep = run.start_step if resume else None
     (out / "timing").mkdir(exist_ok=True)
     run.timing = MetricsFile(out / "timing" / f"rank{rt.rank}.jsonl", keep_steps=keep)
@@ -327,12 +358,12 @@ def _predict(cfg: Config, job: Job, rt: sw.Runtime, out: Path) -> dict[str, Any]
 def _agree_checkpoint(run: Run, fresh_start_ok: bool) -> run_checkpoint.Found | None:
     """The checkpoint to load, chosen by rank 0 (after its saves are in place) and read by the
     others from the store: every rank loads the same one, and only rank 0 checks the files."""
-    store = dist.distributed_c10d._get_default_store()
+    store = runtime.store()
     key = f"shardwise/load/{run.loads}"
     run.loads += 1
     if run.rt.is_main:
         name = run.model.checkpoint_name()
-        found = run_checkpoint.newest(run.out, run.rt.world_size, name)
+        found = run_checkpoint.newest(run.out, run.rt.world_size, name, job=run.saver.job)
         choice: Any = (
             None if found is None else [str(found.directory), found.step, found.world_size]
         )
@@ -392,7 +423,7 @@ def make_loader(
             cfg.data.batch_size,
             replicas=shard[0],
             period=cfg.strategy.period,
-            store=dist.distributed_c10d._get_default_store(),
+            store=runtime.store(),
             seed=cfg.train.seed,
         )
     sizes = batch_sizes(cfg, shard[0])
@@ -455,7 +486,7 @@ def run_step(run: Run, step: int, loop_start: float) -> None:
             # lowers the scale); only the loss is ours to check then.
             grads_finite = model.scales_loss() or _grads_finite(model)
             count = y.shape[0] if tokens is None else tokens  # the logged loss: a mean over these
-            run.loss, run.stopping, bad_ranks = _agree(
+            run.loss, run.stopped_by, bad_ranks = _agree(
                 run, local_loss, count, grads_finite, run.faults.desyncs(step)
             )
             lr = run.scheduler.get_last_lr()[0]
@@ -579,11 +610,12 @@ def run_round(run: Run, step: int, loop_start: float) -> None:
         samples, loss_sum = samples + y.shape[0], loss_sum + loss.item() * y.shape[0]
     work_s = time.perf_counter() - t0 - (comm.stats.step_wait_s() - waited0)
     model.end_round(samples)
-    totals = torch.tensor(
-        [loss_sum, samples, run.stop_requested], dtype=torch.float64, device=run.rt.device
-    )
+    totals = torch.zeros(2 + run.rt.world_size, dtype=torch.float64, device=run.rt.device)
+    totals[0], totals[1] = loss_sum, samples
+    totals[2 + run.rt.rank] = run.stop_signal  # (each rank's slot: the signal it was sent)
     comm.all_reduce(totals)
-    run.loss, run.stopping = (totals[0] / totals[1]).item(), bool(totals[2] > 0)
+    run.loss = (totals[0] / totals[1]).item()
+    run.stopped_by = _signalled([round(f) for f in totals[2:].tolist()], 1)
     if not math.isfinite(run.loss):
         raise NonFiniteStop(f"shardwise: round {step}: non-finite loss: stopping")
     lr = run.scheduler.get_last_lr()[0]
@@ -672,30 +704,80 @@ def finish(run: Run, started: float) -> dict[str, Any]:
 
 def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict[str, Any]:
     """Run the job described by `cfg` in this process (one rank of it); return the summary.
-    With `resume`, continue from the run directory's newest checkpoint (if it has one)."""
+    With `resume`, continue from the run directory's newest checkpoint (if it has one).
+
+    Every rank ends the same way, with an exit code that says how: the non-finite policy
+    stopped the run (`EXIT_NONFINITE`), a hang or desync (`EXIT_HUNG`), a signal to any rank
+    (128 + its number, after a checkpoint: the steps were not all done, so no final model).
+    A rank that fails on its own leaves at once (`leave`)."""
     started = time.perf_counter()
     if isinstance(cfg.strategy, PSConfig):  # roles instead of replicas; the supervisor sums up
         from shardwise.ps_job import run_role
 
         run_role(cfg, run_dir)
         return {}
-    run = setup(cfg, run_dir, resume)
+    try:
+        run = setup(cfg, run_dir, resume)
+    except Exception as e:
+        leave(e)
     if cfg.launch.desync_check_per_call:
         comm.flight.recorder.check_call = run.watchdog.compare_each_call
     run.watchdog.start()
     try:
-        return _train(run, started)
+        summary = _train(run, started)
     except (NonFiniteStop, DesyncError) as e:
         if run.rt.is_main or isinstance(e, DesyncError):
             print(e, file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             run.saver.wait()  # a checkpoint being written is finished, not torn
         raise SystemExit(EXIT_NONFINITE if isinstance(e, NonFiniteStop) else EXIT_HUNG) from None
+    except Exception as e:
+        leave(e)
     finally:
         run.watchdog.stop()
         comm.flight.recorder.check_call = None
         if run.board:
             run.board.close()
+    if run.stopped_by:  # every rank leaves with the signal's code (the lowest rank's signal)
+        raise SystemExit(128 + run.stopped_by[min(run.stopped_by)])
+    return summary
+
+
+def leave(error: Exception) -> NoReturn:
+    """This rank failed on its own: one line for an expected error (a file of the run that
+    cannot be written, a checkpoint that does not fit), the traceback for anything else; the
+    other ranks are told (`runtime.announce_leaving`), and the process exits now. A graceful
+    teardown cannot finish: its barrier never completes while the others wait for this rank in
+    a collective, and the process, its barrier pending, did not exit until their watchdog
+    ended them (71 s on a full disk)."""
+    rank = os.environ.get("RANK", "0")
+    # Expected: a file of the run that cannot be written or read (OSError, SafetensorError), a
+    # checkpoint or config that does not fit (ValueError: RunCheckpointError, ConfigError).
+    if isinstance(error, (OSError, ValueError, SafetensorError)):
+        reason = " ".join(str(error).split())
+        print(f"shardwise: rank {rank}: {reason}", file=sys.stderr, flush=True)
+    elif gone := _ranks_that_left(int(rank)):  # a collective broken by their exit: no bug here
+        reason = f"{_ranks(gone)} left the job"
+        print(f"shardwise: rank {rank}: {reason}: stopping", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+    runtime.announce_leaving(reason)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2 if isinstance(error, ValueError) else 1)
+
+
+def _ranks_that_left(rank: int) -> list[int]:
+    """The other ranks that announced they left the job on a failure (`announce_leaving`)."""
+    try:
+        return failed_ranks(runtime.store(), runtime.current().world_size, but=rank)
+    except Exception:  # no job to ask (it failed before joining), or its store is gone
+        return []
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _train(run: Run, started: float) -> dict[str, Any]:
@@ -721,18 +803,41 @@ def _train(run: Run, started: float) -> dict[str, Any]:
                 step = _rollback(run, step)
                 continue
             every = cfg.train.checkpoint_every
-            if run.stopping or (every and step % every == 0):
-                _checkpoint(run, step)
+            saved = (run.stopping or (every and step % every == 0)) and _checkpoint(run, step)
             if cfg.launch.desync_check_every and step % cfg.launch.desync_check_every == 0:
                 run.watchdog.check_sequences()
             if run.stopping:
-                run.saver.wait()  # the checkpoint is complete before this rank leaves
-                if run.rt.is_main:
-                    _log_saves(run)
-                    print(f"shardwise: stopped after step {step}; resume with --resume {run.out}")
-                run.model.close()
+                _stop(run, step, saved)
                 return {}
     return finish(run, started)
+
+
+def _stop(run: Run, step: int, saved: bool) -> None:
+    """After the step every rank agreed to stop at: its checkpoint complete, and rank 0 says
+    who was sent which signal and how to go on."""
+    run.saver.wait()  # the checkpoint is complete before this rank leaves
+    if run.rt.is_main:
+        _log_saves(run)
+        who = _ranks(sorted(run.stopped_by))
+        names = "/".join(sorted({_signal_name(n) for n in run.stopped_by.values()}))
+        how = (
+            "with a checkpoint"
+            if saved
+            else f"with no checkpoint (non-finite steps since step {step - run.bad_streak + 1})"
+        )
+        print(
+            f"shardwise: {who} got {names}: stopped after step {step} of {run.cfg.train.steps} "
+            f"{how}; go on with: shardwise train --resume {run.out}",
+            flush=True,
+        )
+    run.model.close()
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _start_trace(run: Run) -> None:
@@ -765,18 +870,29 @@ def _end_trace(run: Run) -> None:
 
 
 def _rollback(run: Run, step: int) -> int:
-    """Back to the newest checkpoint, leaving out the batches of the bad steps; its step."""
+    """Back to the newest checkpoint, leaving out the batches of the bad steps; its step.
+
+    Gives up (`NonFiniteStop`) where rolling back made no progress: this streak of bad steps
+    began before the run got past the step the last rollback was made at. The batches left
+    out then were not the cause (the state they went back to was), and another rollback would
+    go back to the same state again, or to one saved since from no better weights."""
+    first_bad = step - run.bad_streak + 1
+    if run.rolled_back_at and first_bad <= run.rolled_back_at:
+        raise NonFiniteStop(
+            f"shardwise: steps {first_bad}-{step} non-finite again, before the run got past "
+            f"step {run.rolled_back_at} where it rolled back: rolling back makes no progress: "
+            "stopping"
+        )
     run.saver.wait()
     bad = set(run.bad_batches)
     found = _agree_checkpoint(run, fresh_start_ok=True)
-    if found is None or found.step == run.rolled_back_to:
-        why = "no checkpoint" if found is None else "only the checkpoint rolled back to before"
+    if found is None:
         raise NonFiniteStop(
-            f"shardwise: {run.bad_streak} non-finite steps in a row up to step {step}, and {why} "
-            "to roll back to: stopping"
+            f"shardwise: {run.bad_streak} non-finite steps in a row up to step {step}, and no "
+            "checkpoint to roll back to: stopping"
         )
     back_to = run.restore(run_checkpoint.load(found, run.model, run.opt, run.scheduler))
-    run.rolled_back_to = back_to
+    run.rolled_back_at = step
     run.skip |= bad
     run.bad_streak, run.bad_batches = 0, []
     if run.cfg.train.sample_ledger:
@@ -791,7 +907,12 @@ def _rollback(run: Run, step: int) -> int:
     return back_to
 
 
-def _checkpoint(run: Run, step: int) -> None:
+def _checkpoint(run: Run, step: int) -> bool:
+    """Save the run's state after `step`; False where it is not saved: under `rollback`, while
+    bad steps are in a row (a checkpoint is a state to go back to, known good, and the weights
+    after the last good step may be what makes every step since non-finite)."""
+    if run.bad_streak and run.cfg.train.nonfinite == "rollback":
+        return False
     started = time.perf_counter()
     path = run.saver.save(run.model, run.opt, run.scheduler, step, run.data_state())
     stall = time.perf_counter() - started
@@ -800,6 +921,7 @@ def _checkpoint(run: Run, step: int) -> None:
         if run.faults.corrupts_checkpoint(step):
             run.saver.wait()
             print(f"shardwise: fault injected: corrupted {faults.corrupt(path)}", flush=True)
+    return True
 
 
 def _log_saves(run: Run) -> None:
@@ -813,7 +935,7 @@ def _stop_on_signals(run: Run):
     checkpoint and leaves (instead of dying inside a collective)."""
 
     def ask_to_stop(signum, frame) -> None:
-        run.stop_requested = True
+        run.stop_signal = signum
 
     with handling_stop_signals(ask_to_stop):
         yield
