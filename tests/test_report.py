@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import os
 import re
 import shutil
@@ -92,6 +93,31 @@ def test_report_refuses_what_is_not_a_run_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"shardwise: report: {tmp_path / 'nowhere'} is not a finished run directory "
         "(no summary.json)"
+    ]
+
+
+def test_runs_of_one_strategy_get_rows_told_apart_and_names_stay_text(runs, tmp_path, capsys):
+    """Three copies of one real run (two in folders of one name) and a fourth whose strategy
+    is HTML: a row each, told apart; the HTML shown as text in the page and in the Markdown."""
+    copies = [tmp_path / "a" / "ddp", tmp_path / "b" / "ddp", tmp_path / "c", tmp_path / "evil"]
+    for copy in copies:
+        shutil.copytree(runs[0], copy, ignore=shutil.ignore_patterns("checkpoint", "tensorboard"))
+    evil = "<script>alert(1)</script> | </td>"
+    summary = json.loads((copies[3] / "summary.json").read_text())
+    (copies[3] / "summary.json").write_text(json.dumps({**summary, "strategy": evil}))
+    out = tmp_path / "page.html"
+    assert report.main([*map(str, copies), "-o", str(out)]) == 0
+    page, summary_md = out.read_text(), out.with_suffix(".md").read_text()
+    label = report.load_run(runs[0]).label
+    labels = [f"{label} [ddp]", f"{label} [ddp] #2", f"{label} [c]", f"{evil} (2 ranks)"]
+    assert re.findall(r"<tr><td>(.*?)</td>", page)[: len(copies)] == list(map(html.escape, labels))
+    assert "<script>" not in page and "<script>" not in summary_md
+    rows = summary_md.split("\n\n")[0].splitlines()
+    cells = [re.split(r"(?<!\\)\|", row)[1:-1] for row in rows]  # split at unescaped bars
+    assert {len(row) for row in cells} == {len(cells[0])}  # the name's bar splits no cell
+    assert [row[0].strip() for row in cells[2:]] == [
+        *labels[:3],
+        "&lt;script&gt;alert(1)&lt;/script&gt; \\| &lt;/td&gt; (2 ranks)",
     ]
 
 

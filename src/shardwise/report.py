@@ -5,6 +5,10 @@ Everything comes from what the runs left in their directories: summary.json, met
 collective, memory) and, where the run traced steps, trace.json. The page is one HTML file with
 its figures embedded (PNG, base64): it opens anywhere, offline. A Markdown summary of the same
 figures goes beside it (and to the terminal) for CI logs.
+
+Every field the report reads is checked before any figure is drawn: a file that is not what a
+finished run leaves gets one line naming it, its line and the field. Nothing is written until
+the page and its Markdown are whole.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ import html
 import io
 import json
 import math
+import os
+import re
+import stat
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.phases import breakdown
+from shardwise.phases import PHASES, breakdown
 
 MEMORY_CATEGORIES = ("params", "master_weights", "grads", "optimizer", "buffers", "activations")
 BREAKDOWN = (("compute", "#4c72b0"), ("exposed_comm", "#dd8452"), ("idle", "#c44e52"))
@@ -46,48 +54,246 @@ class Run:
     label: str
     summary: dict[str, Any]
     metrics: list[dict[str, Any]]
-    timing: list[list[dict[str, Any]]]  # per rank
+    timing: list[list[dict[str, Any]]]  # per rank that left a timing file
     trace: dict[str, Any] | None = None
+    ranks: list[int] | None = None  # the rank of each `timing` entry (default: 0, 1, ...)
     steps: list[dict[str, Any]] = field(init=False)  # metrics lines of training steps
 
     def __post_init__(self) -> None:
         self.steps = [m for m in self.metrics if "loss" in m]
+        if self.ranks is None:
+            self.ranks = list(range(len(self.timing)))
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    lines = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ReportError(f"{path}:{number}: not JSON ({e.msg})") from None
-    return lines
+# ---- reading run directories ---------------------------------------------------------------
+# Every field the report reads is checked here, once, so the figures can trust their data. The
+# files are strict JSON (the trainer writes a non-finite float as null: `reporting.strict_json`),
+# and a null number is one the run did not measure: it is left out, but for a step's loss,
+# where null marks a non-finite step.
+WHOLE, RANKS, NUMBER, TEXT, LIST, OBJECT = "whole", "ranks", "number", "text", "list", "object"
+NUMBERS = "numbers"  # an object whose values are numbers (bytes by category or collective)
+KINDS = {
+    WHOLE: "a whole number >= 0 (below 2**63)",
+    RANKS: "a whole number >= 1 (below 2**63)",
+    NUMBER: "a finite number (at most 1e100 either way)",  # so that sums and scales stay finite
+    TEXT: "a string",
+    LIST: "a list",
+    OBJECT: "an object",
+    NUMBERS: "an object of numbers",
+}
+SUMMARY = {"world_size": RANKS, "strategy": TEXT, "steps": WHOLE, "skipped_steps": LIST}
+SUMMARY |= {"predicted": OBJECT, "final_train_loss": NUMBER, "eval_accuracy": NUMBER}
+SUMMARY |= {"samples_per_s": NUMBER, "comm_bytes_per_step": NUMBER, "wall_time_s": NUMBER}
+METRICS = {"step": WHOLE, "loss": NUMBER, "t": NUMBER, "eval_accuracy": NUMBER}
+METRICS |= {"grad_norm": NUMBER, "lr": NUMBER}
+TIMING = {"step": WHOLE, "step_s": NUMBER, "wait_s": NUMBER, "overlap_s": NUMBER}
+TIMING |= {f"{phase}_s": NUMBER for phase in PHASES} | {"memory": NUMBERS, "comm_bytes": NUMBERS}
+PS_WORKER = {"step": WHOLE, "t": NUMBER, "loss": NUMBER, "step_time_s": NUMBER, "wait_s": NUMBER}
+SPAN = {"name": TEXT, "pid": WHOLE, "tid": WHOLE, "ts": NUMBER, "dur": NUMBER}
+PAIR = {"predicted": NUMBER, "measured": NUMBER, "error": NUMBER}
+LABEL_CHARS = 100  # a strategy's name beyond this is cut (it labels rows of tables and figures)
+
+
+def _is(kind: str, value: Any) -> bool:
+    if kind in (WHOLE, RANKS):  # (not a bool, which Python counts as an int)
+        least = 1 if kind == RANKS else 0
+        return type(value) is int and least <= value < 2**63
+    if kind == NUMBER:
+        return type(value) in (int, float) and abs(value) <= 1e100  # (NaN compares false)
+    return isinstance(value, {TEXT: str, LIST: list, OBJECT: dict, NUMBERS: dict}[kind])
+
+
+def _checked(record: Any, kinds: dict[str, str], where: str, required: tuple = ()) -> dict:
+    """`record` with the fields `kinds` names checked, null numbers left out (but a loss);
+    a one-line `ReportError` naming `where` and the field if one is not of its kind."""
+    if not isinstance(record, dict):
+        raise ReportError(f"{where}: not a JSON object")
+    out = dict(record)
+    for key, kind in kinds.items():
+        value = record.get(key)
+        if value is None:
+            if key in required:
+                raise ReportError(f"{where}: no {key!r}")
+            if key != "loss":  # (a null loss: a step whose loss was not finite)
+                out.pop(key, None)
+        elif not _is(kind, value):
+            raise ReportError(f"{where}: {key} must be {KINDS[kind]}, not {_shown(value)}")
+        elif kind == NUMBERS:
+            out[key] = {name: v for name, v in value.items() if v is not None}
+            for name, v in out[key].items():
+                if not _is(NUMBER, v):
+                    must = f"must be {KINDS[NUMBER]}, not {_shown(v)}"
+                    raise ReportError(f"{where}: {key}.{name} {must}")
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A wrong value in an error line: short, and its type where that is the trouble."""
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _exists(path: Path, kind: str) -> bool:
+    """Whether `path` is a regular file (`kind` "file") or a directory ("dir"); a one-line
+    `ReportError` where that cannot be told (no permission to look)."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise ReportError(f"{path}: {e.strerror or e}") from None
+    return stat.S_ISREG(mode) if kind == "file" else stat.S_ISDIR(mode)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ReportError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ReportError(f"{path}: {e.strerror or e}") from None
+
+
+def _json(text: str, where: str) -> Any:
+    """`text` parsed as strict JSON; a one-line `ReportError` naming `where` otherwise."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON ({constant})")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{where}: not JSON ({e.msg})") from None
+    except ValueError as e:  # a NaN or an integer too long to read
+        raise ReportError(f"{where}: {e}") from None
+    except RecursionError:
+        raise ReportError(f"{where}: JSON nested too deeply") from None
+
+
+def _jsonl(path: Path, kinds: dict[str, str], required: tuple) -> list[dict[str, Any]]:
+    """Each line of a JSON-lines file, checked (blank lines skipped; no file: none)."""
+    if not _exists(path, "file"):
+        return []
+    lines = _read(path).splitlines()
+    return [
+        _checked(_json(line, f"{path}:{n}"), kinds, f"{path}:{n}", required)
+        for n, line in enumerate(lines, 1)
+        if line.strip()
+    ]
+
+
+def _numbered(folder: Path, prefix: str) -> list[tuple[int, Path]]:
+    """The files `{prefix}{n}.jsonl` in `folder` (none if there is no folder), by n."""
+    if not _exists(folder, "dir"):
+        return []
+    try:
+        names = os.listdir(folder)
+    except OSError as e:
+        raise ReportError(f"{folder}: {e.strerror or e}") from None
+    pattern = re.compile(rf"{prefix}(0|[1-9][0-9]{{0,17}})\.jsonl")
+    found = [(int(m[1]), folder / name) for name in names if (m := pattern.fullmatch(name))]
+    return sorted((n, path) for n, path in found if _exists(path, "file"))
 
 
 def load_run(path: Path) -> Run:
-    """A finished run's files; a one-line `ReportError` if `path` is not one."""
-    if not (path / "summary.json").is_file():
+    """A finished run's files, every field the report reads checked; a one-line `ReportError`
+    if `path` is not one."""
+    if _exists(path, "file"):
+        raise ReportError(f"{path} is a file, not a run directory")
+    if not _exists(path / "summary.json", "file"):
         raise ReportError(f"{path} is not a finished run directory (no summary.json)")
-    try:
-        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path / 'summary.json'}: not JSON ({e.msg})") from None
-    trace_file = path / "trace.json"
-    trace = json.loads(trace_file.read_text(encoding="utf-8")) if trace_file.is_file() else None
-    if (path / "ps").is_dir():  # a parameter-server job: its workers' own logs
+    summary = _summary(path / "summary.json")
+    trace = _trace(path / "trace.json")
+    if _exists(path / "ps", "dir"):  # a parameter-server job: its workers' own logs
         return _parameter_server_run(path, summary, trace)
-    metrics = _jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
-    world = int(summary.get("world_size", 1))
-    timing_files = [path / "timing" / f"rank{r}.jsonl" for r in range(world)]
-    timing = [_jsonl(p) for p in timing_files if p.is_file()]
-    label = f"{summary.get('strategy', path.name)} ({world} ranks)"
-    return Run(path, label, summary, metrics, timing, trace)
+    metrics = _jsonl(path / "metrics.jsonl", METRICS, required=("step",))
+    # Never iterate over a world size read from a file: the rank files on disk bound the work
+    # (those of ranks past the world size, left by an earlier run on more ranks, are not read).
+    world = summary.get("world_size", 1)
+    files = [(r, file) for r, file in _numbered(path / "timing", "rank") if r < world]
+    timing = [_timing(file) for _, file in files]
+    label = f"{summary.get('strategy', _name(path))} ({world} ranks)"
+    return Run(path, _plain(label), summary, metrics, timing, trace, [r for r, _ in files])
+
+
+def _summary(file: Path) -> dict[str, Any]:
+    """The summary's fields the report reads, checked; of the prediction, the rows the report
+    compares that have both figures (a null one was not finite)."""
+    summary = _checked(_json(_read(file), str(file)), SUMMARY, str(file))
+    if "predicted" in summary:
+        rows = summary["predicted"].get("rows") or {}
+        if not isinstance(rows, dict):
+            raise ReportError(f"{file}: predicted.rows must be an object, not {_shown(rows)}")
+        where = f"{file}: predicted.rows"
+        pairs = {k: _checked(rows[k], PAIR, f"{where}.{k}") for k in PREDICTED if k in rows}
+        both = {k: pair for k, pair in pairs.items() if "predicted" in pair and "measured" in pair}
+        summary["predicted"] = {"rows": both}
+    return summary
+
+
+def _timing(file: Path) -> list[dict[str, Any]]:
+    """A rank's timing lines; where a line has phase times, it has all of them."""
+    lines = _jsonl(file, TIMING, required=("step", "step_s", "wait_s"))
+    phases = [f"{phase}_s" for phase in PHASES]
+    for n, line in enumerate(lines, 1):
+        missing = [key for key in phases if key not in line]
+        if "data_s" in line and missing:
+            raise ReportError(f"{file}:{n}: data_s but no {', '.join(missing)}")
+    return lines
+
+
+def _trace(file: Path) -> dict[str, Any] | None:
+    """The trace's spans (its "X" events, checked); None without a trace or spans."""
+    if not _exists(file, "file"):
+        return None
+    trace = _json(_read(file), str(file))
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ReportError(f"{file}: not a trace (an object with a traceEvents list)")
+    spans = []
+    for i, event in enumerate(trace["traceEvents"]):
+        where = f"{file}: event {i}"
+        if not isinstance(event, dict):
+            raise ReportError(f"{where}: not a JSON object")
+        if event.get("ph") == "X":
+            spans.append(_checked(event, SPAN, where, required=("pid", "tid", "ts", "dur")))
+    return {"traceEvents": spans} if spans else None
+
+
+def _name(path: Path) -> str:
+    """The run directory's own name (that of the folder `.` or `a/..` stands for)."""
+    return os.path.basename(os.path.abspath(path)) or str(path)
+
+
+def _plain(text: str, limit: int = LABEL_CHARS) -> str:
+    """`text` on one line of printable characters, cut to `limit` (a label: no terminal
+    escapes or line breaks from run data)."""
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def distinct_labels(runs: list[Run]) -> list[Run]:
+    """`runs`, each label told apart from the others': runs of one strategy get their
+    directory's name, and where that is shared too, a number (#2, #3, ...)."""
+    shared = {label for label, n in Counter(run.label for run in runs).items() if n > 1}
+    for run in runs:
+        if run.label in shared:
+            run.label = f"{run.label} [{_plain(_name(run.path))}]"
+    seen: Counter[str] = Counter()
+    for run in runs:
+        seen[run.label] += 1
+        if seen[run.label] > 1:
+            run.label = f"{run.label} #{seen[run.label]}"
+    return runs
 
 
 def _parameter_server_run(path: Path, summary: dict[str, Any], trace: dict | None) -> Run:
     """Worker 0's log stands for the run's curves; each worker's steps for its timing (its
     whole step outside the server's answer counts as compute)."""
-    workers = [_jsonl(p) for p in sorted((path / "ps").glob("worker*.jsonl"))]
+    numbered = _numbered(path / "ps", "worker")
+    required = ("step", "step_time_s", "wait_s")
+    workers = [_jsonl(file, PS_WORKER, required) for _, file in numbered]
     timing = [
         [
             {
@@ -101,16 +307,11 @@ def _parameter_server_run(path: Path, summary: dict[str, Any], trace: dict | Non
         for rows in workers
     ]
     summary = {"steps": max((len(rows) for rows in workers), default=0), **summary}
-    if workers and workers[0]:
+    if workers and workers[0] and workers[0][-1].get("loss") is not None:
         summary.setdefault("final_train_loss", workers[0][-1]["loss"])
-    return Run(
-        path,
-        summary.get("strategy", path.name),
-        summary,
-        workers[0] if workers else [],
-        timing,
-        trace,
-    )
+    label = _plain(summary.get("strategy", _name(path)))
+    metrics = workers[0] if workers else []
+    return Run(path, label, summary, metrics, timing, trace, [n for n, _ in numbered])
 
 
 # ---- the figures ---------------------------------------------------------------------------
@@ -129,7 +330,8 @@ def loss_figure(runs: list[Run]):
     for run in runs:
         steps = [m for m in run.steps if m.get("loss") is not None]
         by_step.plot([m["step"] for m in steps], [m["loss"] for m in steps], label=run.label)
-        by_time.plot([m["t"] for m in steps], [m["loss"] for m in steps], label=run.label)
+        timed = [m for m in steps if "t" in m]
+        by_time.plot([m["t"] for m in timed], [m["loss"] for m in timed], label=run.label)
     by_step.set(xlabel="step", ylabel="training loss", title="Loss per step")
     by_time.set(xlabel="seconds of training", ylabel="training loss", title="Loss over time")
     by_step.legend(fontsize=7)
@@ -169,7 +371,9 @@ def rank_breakdowns(run: Run) -> list[dict[str, float]]:
 
 def breakdown_figure(runs: list[Run]):
     rows = [
-        (f"{run.label}, rank {r}", b) for run in runs for r, b in enumerate(rank_breakdowns(run))
+        (f"{run.label}, rank {r}", b)
+        for run in runs
+        for r, b in zip(run.ranks, rank_breakdowns(run), strict=True)
     ]
     fig, (ax,) = _figure(height=0.8 + 0.35 * len(rows))
     segments = {name: [1000 * b[name] for _, b in rows] for name, _ in BREAKDOWN}
@@ -207,7 +411,11 @@ def rank_memory(run: Run) -> list[dict[str, int]]:
 
 
 def memory_figure(runs: list[Run]):
-    rows = [(f"{run.label}, rank {r}", m) for run in runs for r, m in enumerate(rank_memory(run))]
+    rows = [
+        (f"{run.label}, rank {r}", m)
+        for run in runs
+        for r, m in zip(run.ranks, rank_memory(run), strict=True)
+    ]
     fig, (ax,) = _figure(height=0.8 + 0.35 * len(rows))
     segments = {c: [m.get(c, 0) / 2**20 for _, m in rows] for c in MEMORY_CATEGORIES}
     _stacked(ax, [label for label, _ in rows], segments)
@@ -251,7 +459,8 @@ def stability(run: Run) -> dict[str, Any]:
         and losses[i] > 2 * statistics.median(losses[i - 10 : i])
     )
     norms = [m["grad_norm"] for m in run.steps if m.get("grad_norm") is not None]
-    spread = statistics.pstdev(norms) / statistics.mean(norms) if len(norms) > 1 else math.nan
+    mean = statistics.mean(norms) if len(norms) > 1 else 0.0
+    spread = statistics.pstdev(norms) / mean if mean else math.nan
     skipped = len(run.summary.get("skipped_steps", []))
     return {"loss_spikes": spikes, "skipped_steps": skipped, "grad_norm_cv": spread}
 
@@ -279,13 +488,13 @@ def timeline_figure(runs: list[Run]):
     y, labels = 0, []
     for run in traced:
         events = [e for e in run.trace["traceEvents"] if e.get("ph") == "X"]
-        for rank in range(_ranks(run.trace)):
+        for rank in sorted({e["pid"] for e in events}):
             for track, height in ((0, 0.55), (1, 0.25)):
                 mine = [e for e in events if e["pid"] == rank and e["tid"] == track]
                 mine.sort(key=lambda e: -e["dur"])  # nested spans: the inner ones on top
                 bars = [(e["ts"] / 1000, max(e["dur"] / 1000, 0.01)) for e in mine]
                 colours = [
-                    PHASE_COLOURS.get(e["name"], "#c44e52") if track == 0 else "#dd8452"
+                    PHASE_COLOURS.get(e.get("name"), "#c44e52") if track == 0 else "#dd8452"
                     for e in mine
                 ]
                 offset = 0.0 if track == 0 else 0.6
@@ -364,7 +573,7 @@ def prediction_table(runs: list[Run]) -> list[dict[str, str]]:
             if pair is None:
                 row[title] = "-"
                 continue
-            error = "" if pair["error"] is None else f" ({pair['error']:+.1%})"
+            error = "" if pair.get("error") is None else f" ({pair['error']:+.1%})"
             row[title] = (
                 f"{pair['predicted'] * scale:,.1f} / {pair['measured'] * scale:,.1f} {unit}{error}"
             )
@@ -442,9 +651,16 @@ def markdown(runs: list[Run]) -> str:
 
 def _markdown_table(rows: list[dict]) -> str:
     header = list(rows[0])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cell(k, row[k]) for k in header) + " |" for row in rows]
+    lines = ["| " + " | ".join(map(_md, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_md(_cell(k, row[k])) for k in header) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    """`text` as one table cell of Markdown: no HTML of its own (a run's name from its files
+    shows as written), no cell or row break."""
+    text = html.escape(text, quote=False).replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\n", " ")
 
 
 def _html_table(rows: list[dict]) -> str:
@@ -458,6 +674,8 @@ def _html_table(rows: list[dict]) -> str:
 
 def render(runs: list[Run]) -> str:
     """The whole page: the table, then every figure, embedded."""
+    import matplotlib
+
     tables = _html_table(table(runs))
     if any(predicted_rows(run) for run in runs):
         tables += "<h2>Predicted / measured (rank 0)</h2>" + _html_table(prediction_table(runs))
@@ -467,7 +685,9 @@ def render(runs: list[Run]) -> str:
             continue
         if title == "Predicted vs measured" and not any(predicted_rows(run) for run in runs):
             continue
-        image = _png(make(runs))
+        # A run's name is text, not TeX: `$` in a label must not start mathtext (which can fail).
+        with matplotlib.rc_context({"text.parse_math": False}):
+            image = _png(make(runs))
         sections.append(
             f'<section><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '
             f'src="data:image/png;base64,{image}"></section>'
@@ -501,30 +721,62 @@ def main(argv: list[str] | None = None) -> int:
         "-o",
         "--out",
         default=None,
-        help="HTML file (default: report.html in the first run directory)",
+        help="HTML file, .html (default: report.html in the first run directory); the Markdown "
+        "summary goes beside it, .md",
     )
     parser.add_argument("--screenshot", help="also a PNG of the page, by headless Chromium")
     args = parser.parse_args(argv)
     try:
-        runs = [load_run(Path(p)) for p in args.runs]
+        _check_outputs(args)
+        runs = distinct_labels([load_run(Path(p)) for p in args.runs])
+        out = Path(args.out) if args.out else runs[0].path / "report.html"
+        summary = markdown(runs)
+        write_whole({out: render(runs), out.with_suffix(".md"): summary})
+        print(summary)
+        print(f"shardwise: report in {out} (Markdown beside it)")
+        if args.screenshot:
+            screenshot(out, Path(args.screenshot))
+            print(f"shardwise: screenshot in {args.screenshot}")
     except ReportError as e:
         print(f"shardwise: report: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else runs[0].path / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(runs), encoding="utf-8")
-    summary = markdown(runs)
-    out.with_suffix(".md").write_text(summary, encoding="utf-8")
-    print(summary)
-    print(f"shardwise: report in {out} (Markdown beside it)")
-    if args.screenshot:
-        try:
-            screenshot(out, Path(args.screenshot))
-        except ReportError as e:
-            print(f"shardwise: report: {e}", file=sys.stderr)
-            return 2
-        print(f"shardwise: screenshot in {args.screenshot}")
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Before anything is read: the page, its Markdown beside it (same name, .md) and the
+    screenshot are three files, none of them a run's own."""
+    if args.out is not None:
+        out = Path(args.out)
+        if out.suffix.lower() not in (".html", ".htm"):
+            raise ReportError(
+                f"-o {out}: the page is HTML; name it .html (its Markdown goes beside it, .md)"
+            )
+        if _exists(out, "dir"):
+            raise ReportError(f"-o {out} is a directory; name the page's file (report.html)")
+    if args.screenshot is not None and Path(args.screenshot).suffix.lower() != ".png":
+        raise ReportError(f"--screenshot {args.screenshot}: the screenshot is a PNG; name it .png")
+
+
+def write_whole(files: dict[Path, str]) -> None:
+    """Each file whole or not at all: written under a temporary name beside it, then renamed
+    over it once every one is written."""
+    for path in files:
+        if _exists(path, "dir"):
+            raise ReportError(f"cannot write {path}: it is a directory")
+    partial: dict[Path, Path] = {}
+    try:
+        for path, text in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial[path] = path.with_name(f".{path.name}.partial")
+            partial[path].write_text(text, encoding="utf-8")
+        for path, temporary in partial.items():
+            os.replace(temporary, path)
+    except OSError as e:
+        for temporary in partial.values():
+            temporary.unlink(missing_ok=True)
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise ReportError(f"cannot write {path}: {e.strerror or e}{where}") from None
 
 
 def screenshot(page: Path, png: Path, width: int = 1200, height: int = 4000) -> None:
@@ -542,9 +794,12 @@ def screenshot(page: Path, png: Path, width: int = 1200, height: int = 4000) -> 
     for _ in range(4):
         argv = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
         argv += [f"--window-size={width},{height}", f"--screenshot={png.resolve()}"]
-        done = subprocess.run(
-            [*argv, page.resolve().as_uri()], capture_output=True, text=True, timeout=120
-        )
+        try:
+            done = subprocess.run(
+                [*argv, page.resolve().as_uri()], capture_output=True, text=True, timeout=120
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ReportError(f"Chromium did not draw the page: {e}") from None
         if done.returncode != 0 or not png.is_file():
             raise ReportError(f"Chromium failed ({done.returncode}): {done.stderr.strip()[-300:]}")
         with Image.open(png) as image:
