@@ -19,8 +19,12 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.models import MLP
+from shardwise.ps import protocol
+from shardwise.ps.peers import check_hello
+from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import describe_mismatch, plan_shards, signature
 from shardwise.ps.snapshots import EXIT_NO_SNAPSHOT, ShardSnapshots, SnapshotError
+from shardwise.ps.worker import PSClient
 from spawn import run
 
 BATCH = 4  # per worker
@@ -185,6 +189,57 @@ def _ssp_run(staleness: int):
         opt.zero_grad()
     strategy.close(model)
     return pushed, returned
+
+
+def _late_joiner_run(mode: str):
+    """Worker 2 trains throughout; worker 3 says HELLO to server 0, then, half a second of
+    worker 2's pushes later, to server 1: the versions the two servers tell it differ (every
+    async server counts its own updates), and its clock is server 0's."""
+    strategy = sw.ParameterServer(servers=2, mode=mode, staleness=1000)
+    rank = dist.get_rank()
+    if strategy.is_server():
+        return sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2).refused
+    told = {}  # server -> the version its HELLO's answer said
+    if rank == 3:
+        send, recv = PSClient._send, PSClient._recv
+
+        def late_hello(self, server, kind, *ints, payload=None):
+            if kind == Kind.HELLO and server == 1:
+                time.sleep(0.5)
+            return send(self, server, kind, *ints, payload=payload)
+
+        def noting(self, server, dtype=None):
+            h, payload = recv(self, server, dtype)
+            told.setdefault(server, int(h[1]))
+            return h, payload
+
+        PSClient._send, PSClient._recv = late_hello, noting
+    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.SGD, lr=1e-2)
+    for step in range(400 if rank == 2 else 20):
+        x, y = _global_batch(step, 1)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    strategy.close(model)
+    return told
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_worker_told_other_versions_by_its_servers_is_served(mode):
+    refused_0, refused_1, _, told = run(_late_joiner_run, 4, mode)
+    assert told[1] > told[0]  # worker 2's pushes reached server 1 between the HELLOs
+    assert refused_0 == refused_1 == 0  # no honest message refused as out of turn
+
+
+def test_a_hello_that_is_not_a_model_signature_is_refused_in_words():
+    """Whatever JSON a first HELLO carries, the server says why it refuses it, and lives."""
+    ours = signature(_mlp())
+    deep = b"[" * 500_000 + b"]" * 500_000  # (deeper than Python's JSON parser recurses)
+    for text in [deep, b'[["w", [Infinity]]]', b'[["w", [NaN]]]', b"{}", b"[1]", b"\xff"]:
+        payload = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        problem = check_hello(ours, payload)  # (malformed, or another model's: no parameter)
+        assert problem and ("malformed HELLO" in problem or "missing" in problem), problem
+    assert check_hello(ours, protocol.pack([[n, list(s)] for n, s in ours])) is None
 
 
 def test_ssp_never_lets_a_worker_run_more_than_s_clocks_ahead():

@@ -18,6 +18,7 @@ signal the job was stopped by.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -112,17 +113,30 @@ class _Agent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
-        if result.is_failed() and self._remaining_restarts > 0:
-            done = worker_group.spec.max_restarts - self._remaining_restarts + 1
-            rank, failure, reason = _culprit(result.failures, self.job_store, attempt=done - 1)
-            print(
-                f"shardwise: rank {rank} {f'failed: {reason}' if reason else _exit(failure)}; "
-                f"restarting every rank (restart {done} of {worker_group.spec.max_restarts}), "
-                "resuming from the newest checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
+        if not result.is_failed() or self._remaining_restarts <= 0:
+            return result
+        if any(f.exitcode == NONFINITE_EXIT for f in result.failures.values()):
+            self._remaining_restarts = 0  # the same batches would stop it again: no restart
+            return result
+        done = worker_group.spec.max_restarts - self._remaining_restarts + 1
+        print(
+            f"shardwise: {_what_failed(result.failures, self.job_store, done - 1)}; restarting "
+            f"every rank (restart {done} of {worker_group.spec.max_restarts}), resuming from "
+            "the newest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         return result
+
+
+def _what_failed(failures: dict[int, ProcessFailure], store, attempt: int) -> str:
+    """What ended a start of the job, in a few words: the watchdog's verdict, or the rank that
+    failed first and why."""
+    verdict = store.read(f"attempt-{attempt}/shardwise/watchdog/verdict")
+    if verdict is not None:
+        return verdict.decode(errors="replace")
+    rank, failure, reason = _culprit(failures, store, attempt)
+    return f"rank {rank} {f'failed: {reason}' if reason else _exit(failure)}"
 
 
 def _exit(failure: ProcessFailure) -> str:
@@ -137,17 +151,35 @@ def _launch(
 ) -> None:
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    with jobstore.JobStoreServer(jobstore.new_secret()) as store:
-        os.environ.update(worker_environment(nproc, threads_per_rank))
-        os.environ.update(store.environment())
+    with (
+        jobstore.JobStoreServer(jobstore.new_secret()) as store,
+        _environment({**worker_environment(nproc, threads_per_rank), **store.environment()}),
         # torchrun's agent keeps a log directory (and error files) per start: with the job.
-        with tempfile.TemporaryDirectory(prefix="shardwise-agent-") as logs:
-            try:
-                failures, attempt = _run_agent(python_args, nproc, max_restarts, logs, store)
-            except SignalException as e:  # SIGTERM / SIGINT: the agent stopped the ranks
-                raise Stopped(int(e.sigval)) from None
+        tempfile.TemporaryDirectory(prefix="shardwise-agent-") as logs,
+    ):
+        try:
+            failures, attempt = _run_agent(python_args, nproc, max_restarts, logs, store)
+        except SignalException as e:  # SIGTERM / SIGINT: the agent stopped the ranks
+            raise Stopped(int(e.sigval)) from None
         if failures:
             raise _failure(failures, store, attempt)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """`values` in this process's environment (the agent's workers inherit it) for the job,
+    and as it was after: a later job (or a torchrun rank started from here) must not take this
+    one's store, secret or parent for its own."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _run_agent(
@@ -187,9 +219,8 @@ def _failure(
 ) -> LaunchError:
     """The error that names what ended the job's start `attempt`: a hang's verdict (the rank
     that hung), a stop signal, or the first rank to fail and the reason it gave as it left."""
-    verdict = store.read(f"attempt-{attempt}/shardwise/watchdog/verdict")
-    if verdict is not None:
-        error = LaunchError(verdict.decode(errors="replace"))
+    if store.read(f"attempt-{attempt}/shardwise/watchdog/verdict") is not None:
+        error = LaunchError(_what_failed(failures, store, attempt))
         error.exit_code = 3
         return error
     rank, failure, reason = _culprit(failures, store, attempt)

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from shardwise.comm import jobstore
 
 DEFAULT_TIMEOUT_S = 300.0
-TOKEN_ENV = jobstore.SECRET_ENV  # set by `shardwise train` / `run` and the PS supervisor
 
 
 @dataclass(frozen=True)
@@ -54,11 +53,6 @@ _watchdog = None  # a user's script's watchdog (`shardwise run`); the trainer ru
 _announced = False  # this rank said it leaves
 _failed = False  # ... before its work was done
 WATCHDOG_ENV = "SHARDWISE_WATCHDOG_S"  # set by `shardwise run`: the scripts' hang timeout
-
-
-def key_prefix(token: str, attempt: int) -> str:
-    """Where a job's keys live in the c10d store (for a launcher that reads them too)."""
-    return f"shardwise/{token}/attempt-{attempt}"
 
 
 def _pick_backend(backend: str | None) -> str:
@@ -144,7 +138,7 @@ def _job_store(env, timeout: timedelta) -> tuple[dist.Store, int, int]:
         store = dist.PrefixStore(f"attempt-{attempt}", _client)
         return store, int(env["RANK"]), int(env["WORLD_SIZE"])
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    return dist.PrefixStore(key_prefix(env.get(TOKEN_ENV, ""), attempt), store), rank, world_size
+    return dist.PrefixStore(f"shardwise/attempt-{attempt}", store), rank, world_size
 
 
 def current() -> Runtime:

@@ -42,7 +42,7 @@ NONCE = 32
 MAX_KEY = 4096  # bytes of a key name
 MAX_VALUE = 64 << 20  # bytes of a value (gloo's addresses, heartbeats, stacks: far less)
 MAX_CONNECTIONS = 1024
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 5.0  # the whole proof, from the challenge on
 
 # Operations (one byte) and answers.
 SET, GET, ADD, CHECK, COMPARE_SET, DELETE, NUM_KEYS = range(1, 8)
@@ -59,9 +59,15 @@ def _proof(secret: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, role + nonce, hashlib.sha256).digest()
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; by `deadline` (monotonic), if given, however slowly they come."""
     chunks, left = [], n
     while left:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("too slow")
+            sock.settimeout(remaining)
         chunk = sock.recv(min(left, 1 << 20))
         if not chunk:
             raise ConnectionError("connection closed")
@@ -79,7 +85,6 @@ class _Handler(socketserver.BaseRequestHandler):
         if not self.server.admit():
             return
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if not self._handshake(sock):
                 return
             sock.settimeout(None)
@@ -99,8 +104,10 @@ class _Handler(socketserver.BaseRequestHandler):
     def _handshake(self, sock: socket.socket) -> bool:
         secret = self.server.secret
         challenge = secrets.token_bytes(NONCE)
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
         sock.sendall(challenge)
-        answer = _read_exactly(sock, 2 * NONCE)
+        # (in all, however it is trickled: a slot is not held for long without the secret)
+        answer = _read_exactly(sock, 2 * NONCE, time.monotonic() + HANDSHAKE_TIMEOUT_S)
         proof, theirs = answer[:NONCE], answer[NONCE:]
         if not hmac.compare_digest(proof, _proof(secret, b"client", challenge)):
             return False
@@ -229,6 +236,7 @@ class JobStoreClient(dist.Store):
         host, _, port = address.rpartition(":")
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
+        self._broken = ""  # why the connection can no longer be used
         self._sock = self._connect(host, int(port), bytes.fromhex(secret))
 
     @classmethod
@@ -247,6 +255,13 @@ class JobStoreClient(dist.Store):
                 time.sleep(0.1)
         try:
             challenge = _read_exactly(sock, NONCE)
+        except (OSError, ConnectionError):
+            sock.close()
+            raise JobStoreError(
+                f"the job's store at {host}:{port} closed the connection before its challenge "
+                f"(over {MAX_CONNECTIONS} connections to it?)"
+            ) from None
+        try:
             mine = secrets.token_bytes(NONCE)
             sock.sendall(_proof(secret, b"client", challenge) + mine)
             proof = _read_exactly(sock, NONCE)
@@ -258,7 +273,9 @@ class JobStoreClient(dist.Store):
         if not hmac.compare_digest(proof, _proof(secret, b"server", mine)):
             sock.close()
             raise JobStoreError(f"{host}:{port} is not this job's store (it failed its proof)")
-        sock.settimeout(None)
+        # A request answers at once (nothing waits on the server): one that does not within the
+        # job's timeout finds its launcher frozen or gone.
+        sock.settimeout(self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
@@ -267,12 +284,20 @@ class JobStoreClient(dist.Store):
         if len(raw_key) > MAX_KEY or len(value) > MAX_VALUE:
             raise JobStoreError(f"a store request over the size limits (key {key[:80]!r})")
         with self._lock:
+            if self._broken:
+                raise JobStoreError(f"the job's store is unreachable: {self._broken}")
             try:
                 self._sock.sendall(_REQUEST.pack(op, len(raw_key), len(value)) + raw_key + value)
                 status, length = _ANSWER.unpack(_read_exactly(self._sock, _ANSWER.size))
                 answer = _read_exactly(self._sock, length)
-            except (OSError, ConnectionError) as e:
-                raise JobStoreError(f"the job's store is unreachable: {e}") from None
+            except BaseException as e:
+                # A request cut off midway (an error, a timeout, Ctrl-C) leaves the stream out of
+                # step: no later request may read its answer.
+                self._broken = f"{type(e).__name__}: {e}"
+                self._sock.close()
+                if isinstance(e, (OSError, ConnectionError)):
+                    raise JobStoreError(f"the job's store is unreachable: {e}") from None
+                raise
         if status == REFUSED:
             raise JobStoreError(f"the job's store refused a request: {answer.decode()}")
         return status, answer
@@ -317,6 +342,7 @@ class JobStoreClient(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout_s = timeout.total_seconds()
+        self._sock.settimeout(self._timeout_s)
 
     def close(self) -> None:
         with self._lock:

@@ -49,7 +49,9 @@ class Async:
     def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
         # (a relay forwards each of its workers' pushes on its own in this mode: count is 1)
         if value is not None:  # (None: the client skipped this clock)
-            server.apply(value / count, staleness=server.version - version_used)
+            # A client's version is its word (and another server's, with several): never
+            # ahead of this one's, so an update is never scaled by more than 1 (staleness_lr).
+            server.apply(value / count, staleness=max(0, server.version - version_used))
 
     def holds(self, client: int) -> bool:
         """Whether a push of `client` waits to be applied (it may not push again before)."""

@@ -141,6 +141,6 @@ def check_hello(signature: list, payload: torch.Tensor | None) -> str | None:
     try:
         got = protocol.unpack(payload)
         theirs = [(str(name), tuple(int(d) for d in shape)) for name, shape in got]
-    except (protocol.ProtocolError, TypeError, ValueError) as e:
-        return f"malformed HELLO: {e}"
+    except Exception as e:  # (whatever a client's JSON makes of these conversions)
+        return f"malformed HELLO: {type(e).__name__}: {str(e)[:200]}"
     return describe_mismatch(signature, theirs)

@@ -99,7 +99,9 @@ def _mark(dtype: torch.dtype) -> torch.Tensor:
 
 def send(dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None, group=None) -> None:
     """Send a header (and its payload, then its mark) to rank `dst` of `group`, waiting until
-    both are out."""
+    both are out. An empty payload travels as none."""
+    if payload is not None and not payload.numel():
+        payload = None
     if len(ints) > MAX_INTS:
         raise ValueError(f"a {kind.name} holds at most {MAX_INTS} integers, got {len(ints)}")
     head = messages.header(int(kind), *ints)
@@ -190,9 +192,13 @@ def unpack(payload: torch.Tensor | None) -> object:
     if payload is None or payload.dtype != torch.uint8 or payload.numel() > MAX_TEXT:
         raise ProtocolError("expected a JSON payload")
     try:
-        return json.loads(payload.numpy().tobytes().decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ProtocolError(f"payload is not JSON: {e}") from None
+        return json.loads(payload.numpy().tobytes().decode(), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"payload is not JSON: {str(e)[:200]}") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def make_group() -> dist.ProcessGroup:

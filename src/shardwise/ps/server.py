@@ -111,6 +111,7 @@ class Server:
         self.outbox = Outbox(self.group, self.inbox)
         self.workers = workers or len(clients)
         self.greeted: set[int] = set()
+        self.clock_unsaid: set[int] = set()  # greeted clients that have not pulled yet
         self.refusals = RefusalLog(f"ps server {rank}")
         self.handlers = {
             Kind.HELLO: self._on_hello,
@@ -215,7 +216,7 @@ class Server:
         served)."""
         turn = Turn(
             greeted=src in self.greeted,
-            clock=self.clock.get(src, 0),
+            clock=None if src in self.clock_unsaid else self.clock.get(src, 0),
             pulling=any(client == src for client, _ in self.waiting_pulls),
             pushed=self.mode.holds(src),
         )
@@ -249,6 +250,7 @@ class Server:
         problem = check_hello(self.signature, payload)
         if problem is None:
             self.clock[src] = self.version  # a resumed server: workers continue from here
+            self.clock_unsaid.add(src)  # (its first PULL says which clock it goes on from)
             self._send(src, Kind.OK, self.version)
         else:  # refuse this worker, keep serving the others
             self.report.rejected[src] = problem
@@ -257,6 +259,9 @@ class Server:
 
     def _on_pull(self, src: int, h: torch.Tensor, payload) -> None:
         self.peers.idle.discard(src)
+        if src in self.clock_unsaid:
+            self.clock_unsaid.discard(src)
+            self.clock[src] = int(h[1])
         self.waiting_pulls.append((src, int(h[1])))
 
     def _on_push(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:

@@ -37,7 +37,10 @@ class Turn:
     """Where a client stands in the protocol, as the server sees it."""
 
     greeted: bool  # its HELLO was accepted
-    clock: int  # the clock of its next PUSH (and of the PULL after it)
+    # The clock of its next PUSH (and of the PULL after it); None until its first PULL says it
+    # (a client takes its clock from server 0's version, which another server's may not equal
+    # in async modes, where every server counts its own updates)
+    clock: int | None
     pulling: bool  # a PULL of its waits for an answer
     pushed: bool  # a PUSH of its waits to be applied (sync: its round is not complete)
 
@@ -82,7 +85,7 @@ def check(
     if kind in (Kind.PULL, Kind.DONE, Kind.IDLE):
         if problem := _payload(payload, None, None):
             return f"{kind.name} {problem}"
-        if kind == Kind.PULL and (a != turn.clock or turn.pulling):
+        if kind == Kind.PULL and (turn.pulling or a < 0 or turn.clock not in (None, a)):
             why = "another PULL waits" if turn.pulling else f"its clock is {turn.clock}"
             return f"PULL for clock {a} out of turn ({why})"
         return None
@@ -121,7 +124,13 @@ def _check_push(
     """A PUSH (or SKIP) for the client's clock, in turn, carrying this server's shard."""
     clock, version, count = fields
     if clock != turn.clock or turn.pushed:
-        why = "its last one waits to be applied" if turn.pushed else f"its clock is {turn.clock}"
+        why = (
+            "its last one waits to be applied"
+            if turn.pushed
+            else "before its first PULL"
+            if turn.clock is None
+            else f"its clock is {turn.clock}"
+        )
         return f"{kind.name} for clock {clock} out of turn ({why})"
     # (a server whose shard is empty gets pushes without a payload, and SKIP carries none)
     dtype = torch.float32 if rules.shard_numel and kind == Kind.PUSH else None

@@ -312,7 +312,8 @@ class PSWorkerModel(DistributedModel):
         return {"clock": torch.tensor(client.clock), "version": torch.tensor(client.version)}
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.client.clock, self.client.version = int(state["clock"]), int(state["version"])
+        """Nothing to restore: the servers hold the job's clock and parameters, and a worker
+        goes on from theirs (its HELLO and first PULL), whatever it saved."""
 
     def data_shard(self) -> tuple[int, int]:
         return self._data_shard
