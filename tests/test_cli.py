@@ -138,6 +138,27 @@ def test_bad_train_inputs_are_one_line_before_any_process_starts(
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a_file", "locked"]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--devices"],
+        ["plan", "--preset", "x"],
+        ["train", "--nproc", "two"],
+        ["frobnicate"],
+        ["bench", "nope"],
+        ["run"],
+    ],
+)
+def test_command_line_mistakes_are_one_line_not_the_usage(capsys, argv):
+    from shardwise.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err.startswith("shardwise: ") and err.endswith(" --help)")
+
+
 def test_missing_dataset_file_is_one_line_and_nonzero(tmp_path):
     result = shardwise("train", "tiny_gpt", "--set", "data.path=no_such.txt", cwd=tmp_path)
     assert result.returncode == 2

@@ -161,8 +161,15 @@ def cmd_configs(_: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line like every other bad input (not the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"shardwise: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="shardwise", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run a training job")
