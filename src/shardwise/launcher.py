@@ -97,11 +97,8 @@ def launch_script(
         raise ValueError(f"no such script: {script}")
     if not 0 < hang_timeout_s < float("inf"):
         raise ValueError(f"--hang-timeout must be a positive number of seconds: {hang_timeout_s}")
-    os.environ[WATCHDOG_ENV] = str(hang_timeout_s)
-    try:
+    with _environment({WATCHDOG_ENV: str(hang_timeout_s)}):
         _launch([script, *args], nproc, threads_per_rank)
-    finally:
-        os.environ.pop(WATCHDOG_ENV, None)
 
 
 class _Agent(LocalElasticAgent):
