@@ -52,7 +52,7 @@ from shardwise.signals import handling_stop_signals
 from shardwise.skew import format_report, skew_report
 from shardwise.strategies.base import DistributedModel
 from shardwise.timeline import Timeline, merge
-from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog, failed_ranks
+from shardwise.watchdog import EXIT_HUNG, DesyncError, Watchdog, failed_ranks, name_ranks
 from shardwise.work_queue import QueueLoader
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
@@ -757,7 +757,7 @@ def leave(error: Exception) -> NoReturn:
         reason = " ".join(str(error).split())
         print(f"shardwise: rank {rank}: {reason}", file=sys.stderr, flush=True)
     elif gone := _ranks_that_left(int(rank)):  # a collective broken by their exit: no bug here
-        reason = f"{_ranks(gone)} left the job"
+        reason = f"{name_ranks(gone)} left the job"
         print(f"shardwise: rank {rank}: {reason}: stopping", file=sys.stderr, flush=True)
     else:
         traceback.print_exc()
@@ -774,10 +774,6 @@ def _ranks_that_left(rank: int) -> list[int]:
         return failed_ranks(runtime.store(), runtime.current().world_size, but=rank)
     except Exception:  # no job to ask (it failed before joining), or its store is gone
         return []
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _train(run: Run, started: float) -> dict[str, Any]:
@@ -818,7 +814,7 @@ def _stop(run: Run, step: int, saved: bool) -> None:
     run.saver.wait()  # the checkpoint is complete before this rank leaves
     if run.rt.is_main:
         _log_saves(run)
-        who = _ranks(sorted(run.stopped_by))
+        who = name_ranks(sorted(run.stopped_by))
         names = "/".join(sorted({_signal_name(n) for n in run.stopped_by.values()}))
         how = (
             "with a checkpoint"

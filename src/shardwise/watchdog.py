@@ -53,7 +53,8 @@ def _members(group: str, world_size: int) -> list[int] | None:
     return None
 
 
-def _ranks(ranks: list[int]) -> str:
+def name_ranks(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 0, 2'."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
@@ -105,17 +106,17 @@ def hang_report(
             f"shardwise: desync: ranks issued different calls as call #{call.seq} of group "
             f"{call.group} (stuck {waited_s:.1f} s): "
             + "; ".join(
-                f"{_ranks(ranks)} issued {described}" for described, ranks in issued.items()
+                f"{name_ranks(ranks)} issued {described}" for described, ranks in issued.items()
             )
         )
     else:
         verb = "waits" if len(waiting) == 1 else "wait"
         head = (
             f"shardwise: hang: {call.describe()} has not completed after {waited_s:.1f} s; "
-            f"{_ranks(waiting)} {verb} in it"
+            f"{name_ranks(waiting)} {verb} in it"
         )
     if missing:
-        head += f"; {_ranks(missing)} never arrived"
+        head += f"; {name_ranks(missing)} never arrived"
     body = [head, *lines]
     for rank in sorted(stacks):
         if rank in missing or any(rank in r for r in other.values()):
@@ -134,16 +135,16 @@ def _verdict(
 ) -> str:
     """One line, the hung rank first: what the launcher prints last."""
     if other:
-        named = "; ".join(f"{_ranks(r)} issued {d}" for d, r in other.items())
-        return f"desync: {named} where {_ranks(waiting)} issued {call.describe()}"
-    waited = f"{_ranks(waiting)} waited {waited_s:.1f} s in it"
+        named = "; ".join(f"{name_ranks(r)} issued {d}" for d, r in other.items())
+        return f"desync: {named} where {name_ranks(waiting)} issued {call.describe()}"
+    waited = f"{name_ranks(waiting)} waited {waited_s:.1f} s in it"
     if not missing:
         return f"hang: {call.describe()} never completed, every rank in it; {waited}"
     gone = [r for r in missing if r in left]
     stayed = [r for r in missing if r not in left]
     parts = []
     if stayed:
-        parts.append(f"{_ranks(stayed)} never arrived at {call.describe()}")
+        parts.append(f"{name_ranks(stayed)} never arrived at {call.describe()}")
     for rank in gone:
         reason = left[rank].get("reason") or "its script ended"
         parts.append(f"rank {rank} left the job ({reason}) before {call.describe()}")
