@@ -18,7 +18,7 @@ import time
 import torch
 
 import shardwise as sw
-from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.nn.models import MLP, TinyGPT, lm_loss
 
 STEPS = 10
 VARIANTS = {
@@ -148,7 +148,7 @@ def main() -> int:
             if name == "zero3":
                 with tempfile.TemporaryDirectory() as d:
                     sw.save_checkpoint(wrapped, opt, d, step=STEPS)
-                    from shardwise.checkpoint import read_full_state
+                    from shardwise.checkpoint.reshardable import read_full_state
 
                     params, _, step = read_full_state(d)
                     back = max((params[k] - v.cpu()).abs().max().item() for k, v in got.items())

@@ -1,7 +1,7 @@
 """Predicted peak memory against CUDA's own count, on a machine with one GPU (not part of CI).
 
 For the tiny GPT in a world of one over NCCL, under each strategy (activation checkpointing
-too), the cost model's peak (`costs.predict(...).peak`, made before the run) is compared with
+too), the cost model's peak (`predictors.predict(...).peak`, made before the run) is compared with
 what the caching allocator reports for one training step (`torch.cuda.max_memory_allocated`,
 less what was allocated before the model was built, cuBLAS's workspace included) and with our
 `PeakMeter` on the same step (less what it found alive before the model was built).
@@ -21,10 +21,11 @@ import torch
 
 import shardwise as sw
 from shardwise.config import SECTIONS
-from shardwise.costs import Job, predict
-from shardwise.memory import PeakMeter, live_bytes
-from shardwise.models import TinyGPT, lm_loss
-from shardwise.recompute import checkpoint_activations
+from shardwise.nn.models import TinyGPT, lm_loss
+from shardwise.nn.recompute import checkpoint_activations
+from shardwise.observe.memory import PeakMeter, live_bytes
+from shardwise.plan.costs import Job
+from shardwise.plan.predictors import predict
 
 BATCH, SEQ, VOCAB = 16, 64, 64
 CASES = [

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.datasets import digits
-from shardwise.models import MLP
+from shardwise.data.datasets import digits
+from shardwise.nn.models import MLP
 
 rt = sw.init()  # process group from torchrun's environment; gloo on CPU, NCCL on CUDA
 torch.manual_seed(0)

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import default_collate
 
-from shardwise import ledger
 from shardwise.config import load_config
+from shardwise.data import ledger
 from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs, schedule
 
 

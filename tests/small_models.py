@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.nn.models import MLP, TinyGPT, lm_loss
 
 
 def build(name: str) -> torch.nn.Module:

@@ -19,8 +19,9 @@ from torch.utils.data import TensorDataset
 
 import shardwise as sw
 from ledger_replay import replay_ledger
-from shardwise import comm, ledger
-from shardwise.balance import ThroughputBalancer, weighted_sizes
+from shardwise import comm
+from shardwise.data import ledger
+from shardwise.data.balance import ThroughputBalancer, weighted_sizes
 from spawn import run as spawn
 
 WINDOW = 5  # steps per rebalancing window
@@ -30,7 +31,7 @@ def _emulated_training(seconds_per_sample: list[list[float]], change: int, steps
     """Ranks whose work takes a known time per sample (sleep: emulated hardware, exact to
     ~0.1 ms), from `seconds_per_sample[0]` and, from step `change`, `[1]`; each step ends in an
     all-reduce, as data parallel's does. Returns the batch size this rank got at each step."""
-    rt = sw.runtime.init()
+    rt = sw.init()
     world = rt.world_size
     loader = sw.data.loader(TensorDataset(torch.arange(100_000)), 64, seed=1)
     balancer = ThroughputBalancer(loader, WINDOW, rt)

@@ -76,7 +76,7 @@ def test_torch_memtracker_sees_a_plain_step_as_our_meter_does():
     from shardwise.bench.torch_estimates import memtracker_peak, training_step
     from shardwise.config import load_config
     from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs
-    from shardwise.memory import PeakMeter, optimizer_tensors
+    from shardwise.observe.memory import PeakMeter, optimizer_tensors
 
     sets = [*bench.WORKLOADS["gpt"].sets, "strategy.name=ddp", "data.batch_size=8"]
     rival = memtracker_peak("tiny_gpt", sets, 8)

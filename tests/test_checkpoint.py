@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import shardwise as sw
-from shardwise.checkpoint import CheckpointError, read_full_state
-from shardwise.models import MLP
+from shardwise.checkpoint.reshardable import CheckpointError, read_full_state
+from shardwise.nn.models import MLP
 from spawn import run
 
 GLOBAL_BATCH = 8  # fixed, so runs at different world sizes see the same global batches

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import shardwise as sw
-from shardwise import checkpoint, run_checkpoint, runtime
-from shardwise.checkpoint import CheckpointError, read_full_state, sha256_file
-from shardwise.models import MLP
-from shardwise.reporting import MetricsFile, write_summary
+from shardwise.checkpoint import reshardable as checkpoint
+from shardwise.checkpoint import run_checkpoint
+from shardwise.checkpoint.reshardable import CheckpointError, read_full_state, sha256_file
+from shardwise.distributed import runtime
+from shardwise.nn.models import MLP
+from shardwise.observe.run_output import MetricsFile, write_summary
 
 
 @pytest.fixture(autouse=True)

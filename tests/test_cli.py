@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise.models import MLP
+from shardwise.nn.models import MLP
 from spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -392,7 +392,7 @@ def test_ps_job_survives_a_killed_worker_and_restarts_after_a_killed_server(tmp_
 
 def test_jobs_started_in_the_same_second_never_share_a_run_directory(tmp_path):
     from shardwise.config import load_config
-    from shardwise.runner import new_run_dir
+    from shardwise.launch.job_runner import new_run_dir
 
     cfg = load_config("digits", [f"launch.runs_dir={tmp_path}"])
     made = [new_run_dir(cfg) for _ in range(5)]  # well within one second

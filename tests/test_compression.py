@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.comm.compression import Int8Codec, make_codec, pack_signs, unpack_signs
-from shardwise.models import MLP
+from shardwise.nn.models import MLP
 from spawn import run
 
 
@@ -203,7 +203,7 @@ def test_powersgd_sends_the_low_rank_factors_only():
 
 def test_ideal_powersgd_reduction_of_the_benchmark_models():
     from shardwise.bench.comm import ideal_powersgd_ratio
-    from shardwise.models import TinyGPT
+    from shardwise.nn.models import TinyGPT
 
     # About 39x for the tiny GPT (the figure) at rank 4.
     assert 38 < ideal_powersgd_ratio(TinyGPT(65)) < 40

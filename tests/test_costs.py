@@ -21,11 +21,12 @@ import shardwise as sw
 import small_models
 from shardwise import comm
 from shardwise.config import SECTIONS
-from shardwise.costs import Job, predict
-from shardwise.memory import ActivationMeter, PeakMeter, live_bytes
-from shardwise.mesh import coordinates
-from shardwise.recompute import checkpoint_activations
-from shardwise.steptime import posts_per_step
+from shardwise.distributed.mesh import coordinates
+from shardwise.nn.recompute import checkpoint_activations
+from shardwise.observe.memory import ActivationMeter, PeakMeter, live_bytes
+from shardwise.plan.costs import Job
+from shardwise.plan.predictors import predict
+from shardwise.plan.steptime import posts_per_step
 from spawn import run
 
 STEPS = 4  # a multiple of local SGD's period: its average happens inside the window

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.models import MLP, ConvNet
+from shardwise.nn.models import MLP, ConvNet
 from spawn import run
 
 STEPS = 20

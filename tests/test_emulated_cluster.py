@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from shardwise.emulated_cluster import available, emulated, our_namespaces
+from shardwise.distributed.emulated_cluster import available, emulated, our_namespaces
 
 pytestmark = pytest.mark.skipif(
     not available(), reason="network namespaces cannot be created here (needs root/iproute2)"

@@ -16,7 +16,7 @@ import shardwise as sw
 import spawn
 from shardwise.config import load_config
 from shardwise.jobs import build_job
-from shardwise.trainer import evaluate
+from shardwise.train.validator import evaluate
 
 DIGITS_TEST = 359  # the digits' test split
 

@@ -20,9 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise import faults, run_checkpoint
-from shardwise.trainer import all_finite
-from shardwise.watchdog import first_difference
+from shardwise.checkpoint import run_checkpoint
+from shardwise.faults import injection as faults
+from shardwise.faults.nonfinite import all_finite
+from shardwise.faults.watchdog import first_difference
 
 NAN_JOB = ["optim.schedule=constant", "optim.warmup_steps=0"]  # lr independent of step count
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.models import MLP
+from shardwise.nn.models import MLP
 from spawn import run
 
 BATCH = 4

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.mesh import check_sizes, coordinates, rank_of
-from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.distributed.mesh import check_sizes, coordinates, rank_of
+from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from shardwise.strategies.pipeline import check_stages, schedule_order
 from shardwise.strategies.pipeline_stages import balanced_split
 from spawn import run

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.phases import breakdown
+from shardwise.observe.phases import breakdown
 
 STEPS, BATCH, LR, SKEW = 30, 256, 0.01, 2.5
 SETS = [

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise import datasets
 from shardwise.bench import packing as bench_packing
 from shardwise.config import PACKAGE_DATA, ConfigError, load_config
-from shardwise.datasets import PAD_TARGET, DocumentRows
-from shardwise.models import TinyGPT, document_mask, lm_loss
-from shardwise.skew import skew_report
+from shardwise.data import datasets
+from shardwise.data.datasets import PAD_TARGET, DocumentRows
+from shardwise.data.skew import skew_report
+from shardwise.nn.models import TinyGPT, document_mask, lm_loss
 from test_cli import shardwise
 
 TEXT = PACKAGE_DATA / "genesis_kjv.txt"

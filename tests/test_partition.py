@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import shardwise as sw
-from shardwise.partition import Contiguous, Hashed, Stratified, Strided, Weighted
-from shardwise.skew import format_report, skew_report
+from shardwise.data.partition import Contiguous, Hashed, Stratified, Strided, Weighted
+from shardwise.data.skew import format_report, skew_report
 
 SIZE_FOR_LABELS = 1001
 LABELS = [i * 7 % 5 for i in range(SIZE_FOR_LABELS)]  # five labels, mixed through the dataset

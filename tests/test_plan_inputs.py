@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from shardwise import calibrate, cli
-from shardwise.plan_search import PRESETS, Cluster, TransformerSpec, candidates
+from shardwise import cli
+from shardwise.plan import calibrate
+from shardwise.plan.search import PRESETS, Cluster, TransformerSpec, candidates
 
 # (argv, what the one line says); "SPEC" stands for a YAML file holding the case's text.
 HUGE = [arg for n in ("devices", "batch", "heads", "hidden") for arg in (f"--{n}", "735134400")]

@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from shardwise import calibrate
-from shardwise.plan_search import PRESETS, Cluster, Plan, price, search
-from shardwise.planner import model_states
+from shardwise.plan import calibrate
+from shardwise.plan.command import model_states
+from shardwise.plan.search import PRESETS, Cluster, Plan, price, search
 
 FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.models import MLP
+from shardwise.nn.models import MLP
 from shardwise.ps import protocol
 from shardwise.ps.peers import check_hello
 from shardwise.ps.protocol import Kind
@@ -302,7 +302,7 @@ def _digits_run(
     one may SIGKILL itself mid-run, or (`hang`) stop training while its process lives on. Each
     worker logs the indices of every batch it trained to `log_dir` (flushed: a killed worker's
     log holds all it trained)."""
-    from shardwise.datasets import digits
+    from shardwise.data.datasets import digits
 
     splits = digits()
     strategy = sw.ParameterServer(

@@ -15,11 +15,11 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import comm
-from shardwise.memory import model_state_bytes
-from shardwise.models import MLP
+from shardwise.nn.models import MLP
+from shardwise.observe.memory import model_state_bytes
+from shardwise.plan.ps_costs import Message, predict_ps
 from shardwise.ps import protocol
 from shardwise.ps.server import Server
-from shardwise.ps_costs import Message, predict_ps
 from spawn import run
 
 SIZES = [13, 16, 9, 5]  # 427 parameters: two servers hold 214 and 213 of them

@@ -19,9 +19,9 @@ from torch.utils._pytree import tree_leaves
 import shardwise as sw
 from shardwise.config import ConfigError, load_config
 from shardwise.jobs import build_job
-from shardwise.memory import ActivationMeter
-from shardwise.models import MLP, TinyGPT, lm_loss
-from shardwise.recompute import checkpoint_activations, default_regions
+from shardwise.nn.models import MLP, TinyGPT, lm_loss
+from shardwise.nn.recompute import checkpoint_activations, default_regions
+from shardwise.observe.memory import ActivationMeter
 from spawn import run
 
 VOCAB, SEQ, BATCH, STEPS = 13, 32, 8, 4

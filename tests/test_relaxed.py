@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.models import MLP
+from shardwise.nn.models import MLP
 from shardwise.strategies.relaxed import flat_params, neighbours
 from spawn import run
 

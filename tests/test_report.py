@@ -16,7 +16,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from shardwise import report
+from shardwise.observe import report
 
 STRATEGIES = {
     "ddp": ["strategy.name=ddp", "train.trace_steps=[4, 6]"],

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise import cli, report
+from shardwise import cli
+from shardwise.observe import report
 
 STEPS = 4
 

@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from ledger_replay import replay_ledger
-from shardwise import ledger, run_checkpoint
+from shardwise.checkpoint import run_checkpoint
 from shardwise.config import load_config
+from shardwise.data import ledger
 from shardwise.jobs import build_job
 
 STEPS = 60

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from spawn import run
 
 K, M = 3, 3  # steps before the copy, steps after it

@@ -4,7 +4,7 @@ the bubble formula of the GPipe paper, and a call's price against the calibratio
 import pytest
 import torch
 
-from shardwise.steptime import (
+from shardwise.plan.steptime import (
     arrival_wait,
     call_seconds,
     pipeline_finish,
@@ -74,7 +74,8 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
     import shardwise as sw
     import small_models
     from shardwise import comm
-    from shardwise.costs import Job, predict
+    from shardwise.plan.costs import Job
+    from shardwise.plan.predictors import predict
     from shardwise.strategies.zero import ZeROConfig
     from shardwise.strategies.zero.stage3 import stage3_units
 
@@ -160,7 +161,7 @@ def test_ranks_with_cores_of_their_own_compute_at_the_rates_measured_all_at_once
     # of the time: its critical path, at the rates alone, stays the longer bound. 4 ranks on
     # those cores take turns (the concurrency), whatever the shared rates.
     import small_models
-    from shardwise.costs import Job
+    from shardwise.plan.costs import Job
     from shardwise.strategies.ddp import DDPConfig
     from shardwise.strategies.pipeline import PPConfig
 

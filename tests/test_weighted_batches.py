@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.models import MLP, ConvNet
+from shardwise.nn.models import MLP, ConvNet
 from spawn import run
 
 STEPS = 20

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset, default_collate
 
-from shardwise import ledger
 from shardwise.config import ConfigError, load_config
+from shardwise.data import ledger
+from shardwise.data.queue_loader import QueueLoader
 from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs
-from shardwise.work_queue import QueueLoader
 from test_cli import shardwise
 
 ROUNDS, PERIOD, BATCH = 14, 3, 64

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.memory import model_state_bytes
-from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.nn.models import MLP, TinyGPT, lm_loss
+from shardwise.observe.memory import model_state_bytes
 from spawn import run
 
 STEPS = 20

@@ -6,23 +6,26 @@ model, opt = sw.prepare(MyModel(), sw.DDP(), optimizer=torch.optim.AdamW, lr=1e-
 loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
 """
 
-from shardwise import comm, data, partition, ps
+from shardwise import comm, data, ps
 from shardwise.api import (
     clip_grad_norm_,
     data_shard,
     declare_batch,
     full_state_dict,
+    init,
     parallel_loss,
     predict,
     prepare,
     train_step,
 )
-from shardwise.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
-from shardwise.memory import memory_report
-from shardwise.mesh import DeviceMesh, build_mesh
+from shardwise.checkpoint.reshardable import export_checkpoint, load_checkpoint, save_checkpoint
+from shardwise.data import partition
+from shardwise.distributed.mesh import DeviceMesh, build_mesh
+from shardwise.distributed.runtime import Runtime, shutdown
+from shardwise.nn.schedules import Schedule, lr_scheduler, scaled_lr
+from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from shardwise.observe.memory import memory_report
 from shardwise.ps import ParameterServer
-from shardwise.runtime import Runtime, init, shutdown
-from shardwise.schedules import Schedule, lr_scheduler, scaled_lr
 from shardwise.strategies import (
     DDP,
     AdaptiveSync,
@@ -35,7 +38,6 @@ from shardwise.strategies import (
     TensorParallel,
     ZeRO,
 )
-from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __version__ = "0.1.0"
 

@@ -3,14 +3,28 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise import runtime
+from shardwise.distributed import runtime
+from shardwise.distributed.runtime import DEFAULT_TIMEOUT_S, WATCHDOG_ENV, Runtime
+from shardwise.faults.watchdog import Watchdog
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
+
+
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
+    """Join (or create) the process group and return this process's `Runtime` (see
+    `runtime.init`). Under `shardwise run --hang-timeout`, also start the trainer's watchdog: a
+    hang, or a rank that left early, ends every rank with a report naming it (on stderr)."""
+    rt = runtime.init(backend, timeout_s)
+    if WATCHDOG_ENV in os.environ and rt.world_size > 1 and not runtime.attached(Watchdog):
+        timeout = float(os.environ[WATCHDOG_ENV])
+        runtime.attach(Watchdog(rt.rank, rt.world_size, timeout, report_dir=None).start())
+    return rt
 
 
 def prepare(
@@ -27,7 +41,7 @@ def prepare(
         raise TypeError(f"strategy must be a shardwise strategy (e.g. sw.DDP()), got {strategy!r}")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
-    rt = runtime.init()  # the existing runtime, or a world of one
+    rt = init()  # the existing runtime, or a world of one
     wrapped = strategy.wrap(model.to(rt.device), rt)
     return wrapped, wrapped.make_optimizer(optimizer, **optimizer_kwargs)
 

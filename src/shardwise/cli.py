@@ -33,9 +33,9 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise import calibrate as calibrate_module
-from shardwise import planner
 from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
+from shardwise.plan import calibrate as calibrate_module
+from shardwise.plan import command as planner
 
 
 def _in_worker() -> bool:
@@ -75,16 +75,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(_config_source(args), overrides)
     if _in_worker():  # a rank of the job (under our launcher, or torchrun on any machine)
         import shardwise as sw
-        from shardwise.boot import die_with_parent
-        from shardwise.trainer import train
+        from shardwise.distributed.boot import die_with_parent
+        from shardwise.launch.job_runner import train_rank
 
         die_with_parent()
         try:
-            train(cfg, args.resume or args.run_dir, resume=args.resume is not None)
+            train_rank(cfg, args.resume or args.run_dir, resume=args.resume is not None)
         finally:
             sw.shutdown()
         return 0
-    from shardwise.runner import fit_ranks, run_job
+    from shardwise.launch.job_runner import fit_ranks, run_job
 
     _quiet_torch_elastic()
     run_dir, resume = args.run_dir, args.resume is not None
@@ -96,7 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from shardwise.launcher import launch_script
+    from shardwise.distributed.launcher import launch_script
 
     _quiet_torch_elastic()
     launch_script(args.script, args.args, args.nproc, args.threads_per_rank, args.hang_timeout)
@@ -104,21 +104,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from shardwise.bench import run_benchmark
+    from shardwise.bench.suites import run_benchmark
 
     _quiet_torch_elastic()
     return run_benchmark(args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from shardwise.report import main as report_main
+    from shardwise.observe.report import main as report_main
 
     argv = [*args.runs, *(["--out", args.out] if args.out else [])]
     return report_main(argv + (["--screenshot", args.screenshot] if args.screenshot else []))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardwise.checkpoint import export_checkpoint
+    from shardwise.checkpoint.reshardable import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out)
     print(f"shardwise: wrote full fp32 weights to {out}")
@@ -149,7 +149,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardwise.planner import run
+    from shardwise.plan.command import run
 
     return run(args)
 
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         print("shardwise: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # launch failures: the worker printed its own traceback
-        from shardwise.launcher import LaunchError
+        from shardwise.distributed.launcher import LaunchError
 
         if isinstance(e, LaunchError):
             print(f"shardwise: {e}", file=sys.stderr)

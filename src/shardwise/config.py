@@ -13,17 +13,17 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from shardwise.ps.worker import PSConfig
-from shardwise.section import Section, StrategySection
 from shardwise.strategies.ddp import DDPConfig
 from shardwise.strategies.mesh_parallel import MeshConfig
 from shardwise.strategies.pipeline import PPConfig
 from shardwise.strategies.relaxed import AdaptiveSyncConfig, GossipConfig, LocalSGDConfig
+from shardwise.strategies.section import Section, StrategySection
 from shardwise.strategies.tensor_parallel import TPConfig
 from shardwise.strategies.zero import ZeROConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILTIN_CONFIGS = PACKAGE_DIR / "configs"
-PACKAGE_DATA = PACKAGE_DIR / "datasets"
+PACKAGE_DATA = PACKAGE_DIR / "data" / "datasets"
 
 
 class ConfigError(ValueError):
@@ -292,7 +292,7 @@ class Config(Section):
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     faults: list[str] = Field(
         [],
-        description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: shardwise.faults; "
+        description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: faults/injection.py; "
         "added to those of SHARDWISE_FAULT)",
     )
 
@@ -346,7 +346,7 @@ class Config(Section):
     @field_validator("faults")
     @classmethod
     def _faults_parse(cls, faults: list[str]) -> list[str]:
-        from shardwise.faults import parse
+        from shardwise.faults.injection import parse
 
         parse(",".join(faults), source="")  # a one-line error when malformed
         return faults

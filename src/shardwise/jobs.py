@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise import datasets
 from shardwise.config import Config, OptimConfig, TrainConfig, resolve_data_path
-from shardwise.models import MLP, ConvNet, TinyGPT, lm_loss
-from shardwise.recompute import checkpoint_activations
-from shardwise.schedules import Schedule, scaled_lr
+from shardwise.data import datasets
+from shardwise.nn.models import MLP, ConvNet, TinyGPT, lm_loss
+from shardwise.nn.recompute import checkpoint_activations
+from shardwise.nn.schedules import Schedule, scaled_lr
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -96,7 +96,7 @@ def base_lr(cfg: OptimConfig, batch_size: int, replicas: int) -> float:
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> Schedule:
-    """The configured learning-rate multiplier per step (`shardwise.schedules`)."""
+    """The configured learning-rate multiplier per step (`shardwise.nn.schedules`)."""
     return Schedule(
         cfg.schedule,
         total_steps=total_steps,

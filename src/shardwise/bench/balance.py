@@ -42,7 +42,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from shardwise.bench import train_job
+from shardwise.bench.whole_jobs import train_job
 
 WARMUP = 5  # steps left out of the timings (allocation, lazy set-up, the first window)
 JOB = [

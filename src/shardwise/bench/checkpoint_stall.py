@@ -22,9 +22,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
-from shardwise import run_checkpoint
 from shardwise.bench.common import gpt_batch, gpt_model
-from shardwise.models import lm_loss
+from shardwise.checkpoint import run_checkpoint
+from shardwise.nn.models import lm_loss
 
 
 def main() -> None:

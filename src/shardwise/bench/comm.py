@@ -10,7 +10,7 @@ reduction, sum of m*n over sum of (m+n)*r (uncompressed tensors counted whole), 
 beside the measured one.
 
 Run: shardwise bench comm --hosts 2 --rate 100mbit   (needs network namespaces; see
-`shardwise.emulated_cluster`; without them it runs on loopback and says so)
+`shardwise.distributed.emulated_cluster`; without them it runs on loopback and says so)
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch import nn
 import shardwise as sw
 from shardwise.comm.compression import PowerSGD
 from shardwise.config import resolve_data_path
-from shardwise.datasets import digits, text
-from shardwise.models import MLP, TinyGPT, lm_loss, num_parameters
+from shardwise.data.datasets import digits, text
+from shardwise.nn.models import MLP, TinyGPT, lm_loss, num_parameters
 
 VARIANTS = {
     "torch_ddp": None,

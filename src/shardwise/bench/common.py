@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardwise.memory import model_state_bytes
-from shardwise.models import MLP, TinyGPT, lm_loss
+from shardwise.nn.models import MLP, TinyGPT, lm_loss
+from shardwise.observe.memory import model_state_bytes
 
 WARMUP_STEPS = 3
 VERBOSE = bool(int(os.environ.get("SHARDWISE_BENCH_VERBOSE", "0")))

@@ -17,7 +17,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.bench.common import make_workload, median_step_times, state_bytes_after_backward
 from shardwise.bench.report import main_for, ratio_table
-from shardwise.models import num_parameters
+from shardwise.nn.models import num_parameters
 
 
 def torch_ddp_bucket_bytes(model: nn.parallel.DistributedDataParallel) -> list[int]:

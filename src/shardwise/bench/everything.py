@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.bench import median_step_time, train_job
+from shardwise.bench.whole_jobs import median_step_time, train_job
 
 JOB = [
     *("data.seq_len=32", "model.n_layer=2", "optim.warmup_steps=5"),
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise: bench all: {i}/{len(names)} {name}: {state}", flush=True)
     scaling = run_scaling(out, steps)
     (out / "scaling.json").write_text(json.dumps(scaling, indent=1) + "\n")
-    from shardwise.report import main as report_main
+    from shardwise.observe.report import main as report_main
 
     finished = [str(out / n) for n in names if "error" not in results[n]]
     report_main([*finished, "--out", str(out / "report.html")])

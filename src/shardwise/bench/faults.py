@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.bench import train_job
+from shardwise.bench.whole_jobs import train_job
 
 
 def _job(run_dir: Path, config: str, sets: list[str], env: dict | None = None, extra=()) -> str:
@@ -89,7 +89,7 @@ def checkpoint_stall(out: Path, sync: bool, steps: int) -> dict:
 
 def stall_against_dcp(out: Path) -> dict:
     """Medians of our save and torch DCP's, async and sync, on one state (2 ranks)."""
-    from shardwise.launcher import launch
+    from shardwise.distributed.launcher import launch
 
     where = out / "stall-vs-dcp"
     shutil.rmtree(where, ignore_errors=True)

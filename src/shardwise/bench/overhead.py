@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from shardwise.bench import median_step_time, train_job
+from shardwise.bench.whole_jobs import median_step_time, train_job
 
 JOBS = {"digits": ("digits", []), "tiny_gpt": ("tiny_gpt", ["data.seq_len=64"])}
 SKIP = 5  # first steps: allocation, lazy set-up

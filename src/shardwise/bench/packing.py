@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from shardwise import datasets
-from shardwise.bench import default_out
+from shardwise.bench.whole_jobs import default_out
 from shardwise.config import PACKAGE_DATA
-from shardwise.datasets import PAD_TARGET, DocumentRows
-from shardwise.models import TinyGPT, lm_loss
+from shardwise.data import datasets
+from shardwise.data.datasets import PAD_TARGET, DocumentRows
+from shardwise.nn.models import TinyGPT, lm_loss
 
 SEQ_LEN = 256
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -19,7 +19,7 @@ per stage:
   implementations; beside it the formula (S-1)/(M+S-1), which assumes equal stages and free
   messages;
 - peak activation memory: the most bytes autograd held for backward at once
-  (`shardwise.memory.ActivationMeter`), which 1F1B bounds by S - stage micro-batches, measured
+  (`observe.memory.ActivationMeter`), which 1F1B bounds by S - stage micro-batches, measured
   in a separate step (its hooks cost time, so timed steps run without them).
 
 torch's 1F1B refuses M < S (reported as such); its schedules divide gradients by M, so the loss
@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.bench.common import gpt_batch, gpt_model
-from shardwise.memory import ActivationMeter
-from shardwise.models import lm_loss
+from shardwise.nn.models import lm_loss
+from shardwise.observe.memory import ActivationMeter
 from shardwise.strategies.pipeline_stages import PipelineStage, pipeline_layers
 
 SPLIT = 3  # stage 1 starts at layer 3 (block 2)

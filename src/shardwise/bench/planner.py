@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise import calibrate
-from shardwise.bench import train_job
+from shardwise.bench.whole_jobs import train_job
 from shardwise.config import load_config
-from shardwise.planner import config_candidates
+from shardwise.plan import calibrate
+from shardwise.plan.command import config_candidates
 
 QUIET = ("train.log_every=5", "train.tensorboard=false")
 
@@ -102,7 +102,7 @@ def run_one(out: Path, model: str, name: str, sets: list[str], nproc: int, steps
     """Train `model` (a WORKLOADS name) under strategy `name` (`sets`) on `nproc` ranks for
     `steps` steps, with the global batch of its data-parallel run: its predicted and measured
     rows."""
-    from shardwise.costs import replicas
+    from shardwise.plan.costs import replicas
 
     work = WORKLOADS[model]
     config = work.config

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from shardwise.config import load_config
-from shardwise.runner import fit_ranks, run_job
+from shardwise.launch.job_runner import fit_ranks, run_job
 
 VARIANTS = {
     "ps_sync": ["strategy.name=ps", "strategy.mode=sync"],

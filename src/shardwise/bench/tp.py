@@ -30,7 +30,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.bench.common import gpt_batch, gpt_model
 from shardwise.comm.accounting import native_volume
-from shardwise.models import TinyGPT, lm_loss
+from shardwise.nn.models import TinyGPT, lm_loss
 
 
 def expected_tp_bytes(model: TinyGPT, batch: int, seq: int, parts: int) -> dict[str, int]:

@@ -4,7 +4,7 @@ Per process group, each collective gets the next sequence number, and a running 
 group's calls (op, shape, dtype) summarises the whole sequence in one number: ranks that
 issued the same collectives in the same order have equal hashes. The recorder keeps the last
 calls with their call sites (the first frame outside `shardwise.comm`), and marks which call
-this rank is waiting in and since when: what the watchdog (`shardwise.watchdog`) reads to name
+this rank is waiting in and since when: what the watchdog (`faults/watchdog.py`) reads to name
 a hang or a desync. Recording costs a dictionary update and a CRC per call.
 """
 

@@ -1,5 +1,7 @@
-"""Parameter-server training: servers own parameter shards and apply updates; workers pull
-parameters, compute gradients on their data and push them back.
+"""Parameter-server training: servers own shards and apply updates; workers pull and push.
+
+Servers own parameter shards and apply updates; workers pull parameters, compute gradients on
+their data and push them back.
 
     strategy = sw.ParameterServer(servers=2, mode="ssp", staleness=2)
     if strategy.is_server():
@@ -19,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import runtime
-from shardwise.faults import FaultInjector
+from shardwise.distributed import runtime
+from shardwise.faults.injection import FaultInjector
 from shardwise.ps.relay import Relay, RelayReport
 from shardwise.ps.server import Server, ServerReport
 from shardwise.ps.sharding import ShardPlan, plan_shards

@@ -21,12 +21,32 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from shardwise.ps.server import Server
+
+class ServerView(Protocol):
+    """What a consistency mode sees of its server: the version, each client's clock, who is
+    active and alive, and the updates it may apply or announce."""
+
+    version: int
+    clock: dict[int, int]
+
+    def active(self) -> set[int]:
+        """The clients that still take part (alive, not done)."""
+
+    def is_live(self, client: int) -> bool:
+        """Whether `client` is alive (a push of a dead one will not come)."""
+
+    def apply(self, flat: torch.Tensor, staleness: int) -> None:
+        """Apply one update made `staleness` versions ago."""
+
+    def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
+        """Apply the mean of a sync round's pushes (value, count)."""
+
+    def announce_round(self, follower: int, members: list[int]) -> None:
+        """Tell another server which clients a sync round holds."""
 
 
 def round_complete(pending: Collection[int], active: set[int]) -> bool:
@@ -46,7 +66,7 @@ class Async:
     def batches_per_update(self, workers: int) -> int:
         return 1  # each push is an update
 
-    def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
+    def push(self, server: ServerView, client: int, version_used: int, value, count: int) -> None:
         # (a relay forwards each of its workers' pushes on its own in this mode: count is 1)
         if value is not None:  # (None: the client skipped this clock)
             # A client's version is its word (and another server's, with several): never
@@ -57,10 +77,10 @@ class Async:
         """Whether a push of `client` waits to be applied (it may not push again before)."""
         return False
 
-    def may_answer(self, server: Server, client: int, clock: int) -> bool:
+    def may_answer(self, server: ServerView, client: int, clock: int) -> bool:
         return True
 
-    def settle(self, server: Server) -> None:
+    def settle(self, server: ServerView) -> None:
         pass
 
     def forget(self, client: int) -> None:
@@ -71,8 +91,8 @@ class SSP(Async):
     def __init__(self, staleness: int) -> None:
         self.staleness = staleness
 
-    def may_answer(self, server: Server, client: int, clock: int) -> bool:
-        slowest = min((server.clock[w] for w in server.peers.active()), default=clock)
+    def may_answer(self, server: ServerView, client: int, clock: int) -> bool:
+        slowest = min((server.clock[w] for w in server.active()), default=clock)
         return clock - slowest <= self.staleness
 
 
@@ -87,19 +107,19 @@ class Sync:
     def batches_per_update(self, workers: int) -> int:
         return workers  # one update averages every worker's batch
 
-    def push(self, server: Server, client: int, version_used: int, value, count: int) -> None:
+    def push(self, server: ServerView, client: int, version_used: int, value, count: int) -> None:
         self.pending[client] = (value, count)  # (value None: it skipped; still a member)
         self.settle(server)
 
     def holds(self, client: int) -> bool:
         return client in self.pending
 
-    def may_answer(self, server: Server, client: int, clock: int) -> bool:
-        return sync_pull_ready(client, self.pending, server.version, clock, server.peers.active())
+    def may_answer(self, server: ServerView, client: int, clock: int) -> bool:
+        return sync_pull_ready(client, self.pending, server.version, clock, server.active())
 
-    def settle(self, server: Server) -> None:
+    def settle(self, server: ServerView) -> None:
         """Once every active client pushed this clock, apply the mean and announce it."""
-        if round_complete(self.pending, server.peers.active()):
+        if round_complete(self.pending, server.active()):
             members = sorted(self.pending)
             for follower in self.followers:
                 server.announce_round(follower, members)
@@ -122,12 +142,12 @@ class SyncFollower(Sync):
     def announce(self, members: list[int]) -> None:
         self.rounds.append(members)
 
-    def settle(self, server: Server) -> None:
+    def settle(self, server: ServerView) -> None:
         """Apply each announced round once its members' pushes are in (a member that died
         here before its push arrived is left out)."""
         while self.rounds:
             members = self.rounds[0]
-            if any(m not in self.pending and m in server.peers.live for m in members):
+            if any(m not in self.pending and server.is_live(m) for m in members):
                 return  # a push is still on its way
             self.rounds.popleft()
             pushes = [self.pending.pop(m) for m in members if m in self.pending]

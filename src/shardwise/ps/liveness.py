@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from shardwise import runtime
+from shardwise.distributed import runtime
 
 GIVE_UP_AFTER = 20  # consecutive failed beats: the store went away with the job
 EXIT_SERVER_LOST = 3  # exit code of a process that gave up on a silent or stuck server

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardwise.distributed.runtime import Runtime
 from shardwise.ps import protocol
 from shardwise.ps.consistency import round_complete, sync_pull_ready
 from shardwise.ps.outbox import Outbox
@@ -37,7 +38,6 @@ from shardwise.ps.protocol import COORDINATOR, Kind
 from shardwise.ps.sharding import flat_values, signature
 from shardwise.ps.validation import Rules, Turn, check
 from shardwise.ps.worker import ParameterServer, PSClient
-from shardwise.runtime import Runtime
 
 
 @dataclass

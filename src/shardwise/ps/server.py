@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import runtime
 from shardwise.comm.flat import flatten
+from shardwise.distributed import runtime
 from shardwise.ps import protocol
 from shardwise.ps.consistency import mode_for
 from shardwise.ps.liveness import HeartbeatSender
@@ -346,6 +346,12 @@ class Server:
             self.peers.idle.discard(client)
 
     # ---- updates
+    def active(self) -> set[int]:
+        return self.peers.active()
+
+    def is_live(self, client: int) -> bool:
+        return client in self.peers.live
+
     def announce_round(self, follower: int, members: list[int]) -> None:
         self.outbox.send(follower, Kind.ROUND, self.version + 1, payload=torch.tensor(members))
 

@@ -25,8 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from shardwise import state_tree
-from shardwise.checkpoint import fsync_path
+from shardwise.checkpoint import state_tree
+from shardwise.checkpoint.reshardable import fsync_path
 
 FORMAT = "shardwise-ps-snapshot-v1"
 EXIT_NO_SNAPSHOT = 5  # exit code of a server left with no usable snapshot: a restart cannot help

@@ -23,15 +23,15 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from shardwise import runtime
 from shardwise.comm.flat import split_bounds, unflatten
+from shardwise.distributed import runtime
+from shardwise.distributed.runtime import Runtime
 from shardwise.ps import protocol
 from shardwise.ps.liveness import HeartbeatSender, UpstreamGuard
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
-from shardwise.runtime import Runtime
-from shardwise.section import StrategySection
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
+from shardwise.strategies.section import StrategySection
 
 MODES = ("sync", "async", "ssp")
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.runtime import Runtime
+from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.batch_share import batch_samples
 
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
-from shardwise.runtime import Runtime
+from shardwise.distributed.runtime import Runtime
 
 
 def batch_samples(inputs: Any) -> int:

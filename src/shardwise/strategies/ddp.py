@@ -31,12 +31,12 @@ from shardwise import comm
 from shardwise.comm.algorithms import AllReduceName, NativeAllReduce, make_all_reduce
 from shardwise.comm.compression import CompressedAllReduce, make_codec
 from shardwise.comm.flat import flatten, unflatten
-from shardwise.runtime import Runtime
-from shardwise.section import StrategySection
+from shardwise.distributed.runtime import Runtime
+from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from shardwise.strategies.base import DistributedModel, Strategy, prefixed, unprefixed
 from shardwise.strategies.batch_share import BatchShare
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
-from shardwise.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from shardwise.strategies.section import StrategySection
 
 
 @dataclass

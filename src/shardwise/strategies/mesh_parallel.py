@@ -3,7 +3,7 @@
 With `dp=2, tp=2` on 4 ranks, ranks {0, 1} and {2, 3} each hold one tensor-parallel copy of
 the model, and ranks {0, 2} and {1, 3} (same slice, different data) average their gradients.
 With `dp=2, pp=2`, each pipeline stage is data parallel with its twin in the other pipeline.
-The mesh (`shardwise.mesh`) creates the groups once; each strategy sees only its axis's group
+The mesh (`distributed/mesh.py`) creates the groups once; each strategy sees only its axis's group
 through the runtime it is given, so DDP or ZeRO run unchanged along the data axis.
 
 Order of wrapping (`MeshParallel.wrap`, the one place where they are composed): the
@@ -24,12 +24,12 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from shardwise import comm
-from shardwise.mesh import DeviceMesh, build_mesh
-from shardwise.runtime import Runtime
-from shardwise.section import StrategySection
+from shardwise.distributed.mesh import DeviceMesh, build_mesh
+from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import DistributedModel, LossFn, Strategy, UnsplitCheckpointsOnly
 from shardwise.strategies.ddp import DDP
 from shardwise.strategies.pipeline import Pipeline
+from shardwise.strategies.section import StrategySection
 from shardwise.strategies.tensor_parallel import TensorParallel
 from shardwise.strategies.zero import ZeRO, ZeroStage1
 

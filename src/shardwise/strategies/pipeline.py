@@ -39,8 +39,7 @@ from shardwise.comm.messages import (
     send_header,
     tensor_header,
 )
-from shardwise.runtime import Runtime
-from shardwise.section import StrategySection
+from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import (
     DistributedModel,
     LossFn,
@@ -55,6 +54,7 @@ from shardwise.strategies.pipeline_stages import (
     measure_layer_times,
     pipeline_layers,
 )
+from shardwise.strategies.section import StrategySection
 
 SCHEDULES = ("gpipe", "1f1b")
 

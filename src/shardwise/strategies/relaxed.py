@@ -29,10 +29,10 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.flat import flatten, unflatten
-from shardwise.runtime import Runtime
-from shardwise.section import StrategySection
+from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import DistributedModel, Strategy
 from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.section import StrategySection
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:

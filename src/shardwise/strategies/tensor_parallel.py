@@ -44,8 +44,7 @@ from shardwise.comm.parallel_ops import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
-from shardwise.runtime import Runtime
-from shardwise.section import StrategySection
+from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import (
     DistributedModel,
     Strategy,
@@ -53,6 +52,7 @@ from shardwise.strategies.base import (
     square_sum,
 )
 from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.section import StrategySection
 
 
 # ---- the parallel layers -----------------------------------------------------------------------

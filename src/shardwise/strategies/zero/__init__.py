@@ -24,11 +24,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from shardwise.mixed_precision import compute_dtype
-from shardwise.runtime import Runtime
-from shardwise.section import StrategySection
+from shardwise.distributed.runtime import Runtime
+from shardwise.nn.mixed_precision import compute_dtype
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.section import StrategySection
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
 from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.stage2 import ZeroStage2

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.mixed_precision import LossScaler, compute_dtype, install_casts
+from shardwise.nn.mixed_precision import LossScaler, compute_dtype, install_casts
 from shardwise.strategies.zero.units import FlatUnit
 
 

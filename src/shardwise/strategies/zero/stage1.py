@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.runtime import Runtime
+from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import (
     EXTRA,
     DistributedModel,

@@ -1,0 +1,95 @@
+"""`shardwise bench SUITE`: which suite runs how, with what defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardwise.bench.whole_jobs import default_out
+from shardwise.distributed.launcher import launch
+
+# (timed steps per repetition, repetitions) when the command line does not say
+DEFAULTS = {
+    "ddp": (10, 5),
+    "zero": (10, 5),
+    "comm": (60, 1),
+    "pipeline": (5, 4),
+    "tp": (5, 3),
+    "ps": (150, 1),
+    "faults": (60, 1),
+    "balance": (60, 5),
+    "packing": (2, 4),
+    "overhead": (150, 4),
+}
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    if args.suite == "all":  # every strategy, a scaling series, one report
+        from shardwise.bench.everything import main as everything_main
+
+        argv = ["--out", args.out or default_out("all")]
+        argv += ["--quick"] if args.quick else []
+        return everything_main(argv + (["--steps", str(args.steps)] if args.steps else []))
+    if args.suite == "planner":  # whole jobs, each beside its prediction
+        from shardwise.bench.planner import main as planner_main
+
+        argv = ["--out", args.out or default_out("planner")]
+        argv += ["--quick"] if args.quick else []
+        argv += ["--repeats", str(args.reps)] if args.reps else []
+        argv += ["--models", args.models]
+        argv += ["--confirm", str(args.confirm)] if args.confirm is not None else []
+        return planner_main(argv + (["--steps", str(args.steps)] if args.steps else []))
+    steps, reps = DEFAULTS[args.suite]
+    args.steps, args.reps = args.steps or steps, args.reps or reps
+    if args.suite == "comm":
+        return run_comm_benchmark(args)
+    if args.suite == "ps":  # it starts its own jobs (one per variant)
+        from shardwise.bench.ps import main
+
+        return main(["--steps", str(args.steps), "--out", args.out or default_out("ps")])
+    if args.suite == "faults":  # it starts its own jobs, each with its fault
+        from shardwise.bench.faults import main as faults_main
+
+        return faults_main(["--steps", str(args.steps), "--out", args.out or default_out("faults")])
+    if args.suite == "packing":  # one process, both variants on the same documents
+        from shardwise.bench.packing import main as packing_main
+
+        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
+        return packing_main([*argv, "--out", args.out] if args.out else argv)
+    if args.suite == "balance":  # it starts its own jobs (one per variant and world size)
+        from shardwise.bench.balance import main as balance_main
+
+        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
+        if args.variants:
+            argv += ["--variants", args.variants]
+        return balance_main([*argv, "--out", args.out or default_out("balance")])
+    if args.suite == "overhead":  # whole jobs, measured and not
+        from shardwise.bench.overhead import main as overhead_main
+
+        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
+        return overhead_main([*argv, "--out", args.out or default_out("overhead")])
+    module = f"shardwise.bench.{args.suite}"
+    argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
+    if args.suite in ("ddp", "zero"):
+        argv += ["--models", args.models]
+    if args.out:
+        argv += ["--out", args.out]
+    launch(argv, args.world_size, threads_per_rank=None)
+    return 0
+
+
+def run_comm_benchmark(args: argparse.Namespace) -> int:
+    """On an emulated cluster (one host per rank) when namespaces are available."""
+    from shardwise.distributed import emulated_cluster
+
+    argv = ["--model", args.models.split(",")[0], "--steps", str(args.steps)]
+    argv += ["--out-dir", args.out or default_out("comm")]
+    if args.target_loss:
+        argv += ["--target-loss", str(args.target_loss)]
+    if not emulated_cluster.available():
+        print("shardwise: no network namespaces here: measuring on loopback instead")
+        launch(["shardwise.bench.comm", *argv, "--network", "loopback"], args.world_size)
+        return 0
+    argv += ["--network", f"{args.world_size} hosts at {args.rate}"]
+    with emulated_cluster.emulated(args.world_size, args.rate) as cluster:
+        codes = cluster.run(argv, module="shardwise.bench.comm", timeout=3600)
+    return max(codes)

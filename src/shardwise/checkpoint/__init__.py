@@ -1,0 +1,1 @@
+"""Checkpoints: the reshardable format, exact run checkpoints and resume, state trees."""

@@ -1,0 +1,441 @@
+"""Checkpoints of a training run that resume it exactly, on the same or another number of ranks.
+
+Every `train.checkpoint_every` steps each rank saves everything its next step depends on: its
+model's and optimizer's `state_dict()` (the strategy's whole training state: shards, moments,
+loss scale, codec residuals, counters), the LR scheduler, the step, its random generators
+(torch, CUDA, Python, NumPy) and the data position (epoch, seed, samples of the epoch consumed).
+Strategies whose state reshards also write it in `checkpoint.py`'s reshardable format, so that
+the run can resume on another number of ranks.
+
+Layout: `RUN_DIR/checkpoints/step-000000030/` with `rank{r}.safetensors` (tensors) and
+`rank{r}.json` (everything else) per rank, `sharded/` (the reshardable part, with its own
+manifest) and `manifest.json` (step, world size, strategy, SHA-256 of every file, and the job:
+the model's parameter names and shapes, the optimizer, the strategy's section, which a resume
+checks before it starts any rank). Saving copies the state (the only stall of training) and
+writes it from a background thread: into a hidden temporary directory, fsynced, the manifest
+last, and the directory is renamed into place. A checkpoint directory either is complete or
+does not exist, and a kill during a save leaves the previous one intact. The newest
+`train.keep_checkpoints` are kept. Nothing is unpickled: tensors come from safetensors, the
+rest from JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardwise.checkpoint import state_tree
+from shardwise.checkpoint.reshardable import (
+    CheckpointError,
+    fsync_path,
+    make_manifest,
+    read_full_state,
+    read_manifest,
+    sha256_file,
+)
+from shardwise.comm.store import wait_for
+from shardwise.distributed import runtime
+from shardwise.strategies.base import DistributedModel
+
+FORMAT = "shardwise-run-checkpoint-v2"
+PREFIX = "step-"
+SHARDED = "sharded"  # the subdirectory with the reshardable part, in checkpoint.py's format
+
+
+class RunCheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file."""
+
+
+class JobMismatch(RunCheckpointError):
+    """A whole checkpoint saved by another job (model, optimizer or strategy)."""
+
+
+def job_signature(model: torch.nn.Module, optimizer: str, strategy: str) -> dict[str, Any]:
+    """What a checkpoint records of the job that saved it, and what resuming it needs: the
+    unsplit model's parameter names and shapes, the optimizer's name (`optim.name`) and the
+    strategy's section (`strategy.name`)."""
+    params = [[name, list(p.shape)] for name, p in model.named_parameters()]
+    return {"model": params, "optimizer": optimizer, "strategy": strategy}
+
+
+def job_mismatch(saved: Any, job: dict[str, Any]) -> str | None:
+    """How `job` differs from the job a checkpoint recorded (None: it does not)."""
+    try:
+        theirs = {str(name): [int(n) for n in shape] for name, shape in saved["model"]}
+        their_optimizer, their_strategy = str(saved["optimizer"]), str(saved["strategy"])
+    except (KeyError, TypeError, ValueError):
+        return "its record of the job is malformed"
+    if their_strategy != job["strategy"]:
+        return f"strategy {their_strategy!r} saved it, this config has {job['strategy']!r}"
+    if their_optimizer != job["optimizer"]:
+        return f"optimizer {their_optimizer!r} saved it, this config has {job['optimizer']!r}"
+    mine = dict(job["model"])
+    for name, shape in mine.items():
+        if name not in theirs:
+            return f"another model: it has no parameter {name} (this config's is {shape})"
+        if theirs[name] != shape:
+            return f"another model: its {name} is {theirs[name]}, this config's is {shape}"
+    if extra := sorted(theirs.keys() - mine.keys()):
+        return f"another model: this config's has no parameter {extra[0]}"
+    return None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rank_state(
+    model: DistributedModel, optimizer, scheduler, step: int, data: dict[str, Any]
+) -> dict[str, Any]:
+    numpy_state = list(np.random.get_state())
+    numpy_state[1] = numpy_state[1].tolist()  # a uint32 array: JSON's list of ints
+    rng = {**rng_state(), "numpy": numpy_state}
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng,
+        "data": data,
+    }
+
+
+# ---- save ----------------------------------------------------------------------------------------
+@dataclass
+class Snapshot:
+    """One rank's state at a step, copied to CPU: what a save writes while training goes on."""
+
+    step: int
+    strategy: str  # the model's checkpoint_name()
+    save_no: int  # the how-many-th save of this process: the same on every rank
+    meta: Any  # JSON of the exact state, tensors replaced by their keys
+    tensors: dict[str, torch.Tensor]
+    layout: dict[str, Any] | None  # the reshardable part (None: the strategy cannot reshard)
+    shard: dict[str, torch.Tensor] | None  # this rank's tensors of it (None: another rank's)
+
+
+def snapshot(
+    model: DistributedModel, optimizer, scheduler, step: int, save_no: int, data: dict[str, Any]
+) -> Snapshot:
+    tensors: dict[str, torch.Tensor] = {}
+    meta = state_tree.split(rank_state(model, optimizer, scheduler, step, data), "s", tensors)
+    try:
+        layout, shard = model.checkpoint_shard(optimizer)
+    except NotImplementedError:  # model-parallel: resumes on the same ranks only
+        layout, shard = None, None
+    if shard is not None:
+        shard = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in shard.items()}
+    return Snapshot(step, model.checkpoint_name(), save_no, meta, tensors, layout, shard)
+
+
+class Saver:
+    """Writes this rank's snapshots from a background thread (or in the caller, `sync=True`).
+
+    Every rank writes its files into the same hidden directory and reports their checksums
+    through the job's store; rank 0 waits for all of them, writes the manifest, renames the
+    directory into place and drops old checkpoints. No collective runs in the thread, so the
+    training step's collectives go on undisturbed. One save is in flight at a time."""
+
+    def __init__(
+        self, run_dir: Path, rt, keep: int, sync: bool = False, job: dict | None = None
+    ) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.rt, self.keep, self.sync = rt, keep, sync
+        self.job = job  # `job_signature`, recorded in each manifest
+        self.store = runtime.store()
+        self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.saves = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.done: list[tuple[int, Path, float]] = []  # (step, directory, seconds to write)
+
+    def save(self, model: DistributedModel, optimizer, scheduler, step: int, data) -> Path:
+        """Copy the state now and write it (in the background unless `sync`); returns the
+        directory the checkpoint will have."""
+        self.wait()
+        snap = snapshot(model, optimizer, scheduler, step, self.saves, data)
+        self.saves += 1
+        if self.sync:
+            self._write(snap)
+            self._raise()
+        else:
+            self._thread = threading.Thread(target=self._write, args=(snap,), daemon=True)
+            self._thread.start()
+        return self.root / f"{PREFIX}{step:09d}"
+
+    def take_done(self) -> list[tuple[int, Path, float]]:
+        """The saves finished since the last call: (step, directory, seconds writing)."""
+        taken = []
+        while self.done:
+            taken.append(self.done.pop(0))
+        return taken
+
+    def wait(self) -> None:
+        """Until the save in flight is written (and, on rank 0, in place)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RunCheckpointError(f"saving a checkpoint failed: {error}") from error
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            started = time.perf_counter()
+            final = self._write_files(snap)
+            self.done.append((snap.step, final, time.perf_counter() - started))
+        except BaseException as e:  # reported by the next wait(): the thread cannot raise
+            self._error = e
+
+    def _write_files(self, snap: Snapshot) -> Path:
+        rank, world = self.rt.rank, self.rt.world_size
+        final = self.root / f"{PREFIX}{snap.step:09d}"
+        tmp = self.root / f".{PREFIX}{snap.step:09d}.tmp-{self.attempt}-{snap.save_no}"
+        (tmp / SHARDED).mkdir(parents=True, exist_ok=True)
+        written = {
+            f"rank{rank}.safetensors": lambda p: save_file(snap.tensors, str(p)),
+            f"rank{rank}.json": lambda p: p.write_text(json.dumps(snap.meta)),
+        }
+        if snap.shard is not None:
+            name = f"{SHARDED}/rank{rank}.safetensors"
+            written[name] = lambda p: save_file(snap.shard, str(p))
+        sums = {}
+        for name, write in written.items():
+            write(tmp / name)
+            fsync_path(tmp / name)
+            sums[name] = sha256_file(tmp / name)
+        key = f"shardwise/checkpoint/{snap.save_no}"
+        self.store.set(f"{key}/rank{rank}", json.dumps(sums))
+        if rank != 0:
+            return final
+        keys = [f"{key}/rank{r}" for r in range(world)]
+        wait_for(self.store, keys, self.rt.timeout.total_seconds())
+        for r in range(1, world):
+            sums.update(json.loads(self.store.get(keys[r])))
+        exact = {n: s for n, s in sums.items() if not n.startswith(f"{SHARDED}/")}
+        manifest = {
+            "format": FORMAT,
+            "step": snap.step,
+            "world_size": world,
+            "strategy": snap.strategy,
+            "sha256": exact,
+            "reshardable": snap.layout is not None,
+            **({"job": self.job} if self.job is not None else {}),
+        }
+        if snap.layout is not None:
+            shards = {n.removeprefix(f"{SHARDED}/"): s for n, s in sums.items() if n not in exact}
+            sharded = make_manifest(snap.step, world, snap.layout, shards)
+            _write_json(tmp / SHARDED / "manifest.json", sharded)
+        fsync_path(tmp / SHARDED)
+        _write_json(tmp / "manifest.json", manifest)  # last: the directory is now complete
+        fsync_path(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # (a checkpoint of this step from a dead attempt)
+        os.replace(tmp, final)
+        fsync_path(self.root)
+        for old in complete(self.root)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value))
+    fsync_path(path)
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Drop what killed saves left (hidden temporary directories); before a job's first save."""
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir():
+        for leftover in root.glob(f".{PREFIX}*.tmp*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+# ---- find and load -------------------------------------------------------------------------------
+def complete(root: Path) -> list[Path]:
+    """Checkpoint directories with a manifest, oldest first (temporary ones are not)."""
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "manifest.json").is_file()
+    ]
+    return sorted(found, key=lambda p: p.name)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint this run can resume from."""
+
+    directory: Path
+    step: int
+    world_size: int  # the world it was saved on; another one means resharding
+
+
+def _check(
+    directory: Path, world_size: int, strategy: str | None, job: dict[str, Any] | None = None
+) -> Found:
+    """After every file's checksum and the run's shape were checked: its world size, and, where
+    given, its strategy (the model's `checkpoint_name()`) and `job` (`job_signature`; a
+    checkpoint older than that record is checked by loading it)."""
+    path = directory / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+        files, step = manifest["sha256"], manifest["step"]
+        saved_world, saved_strategy = manifest["world_size"], manifest["strategy"]
+        reshardable = manifest["reshardable"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise RunCheckpointError(f"{path}: malformed ({e})") from None
+    if manifest.get("format") != FORMAT or not isinstance(files, dict):
+        raise RunCheckpointError(f"{path}: not a run checkpoint")
+    if not all(isinstance(v, int) and v >= 0 for v in (step, saved_world)):
+        raise RunCheckpointError(f"{path}: step and world_size must be whole numbers")
+    expected = {f"rank{r}.{ext}" for r in range(saved_world) for ext in ("safetensors", "json")}
+    if set(files) != expected:
+        raise RunCheckpointError(f"{path}: lists {sorted(files)}, expected {sorted(expected)}")
+    if job is not None and "job" in manifest and (why := job_mismatch(manifest["job"], job)):
+        raise JobMismatch(f"{directory} was saved by another job: {why}")
+    if strategy is not None and saved_strategy != strategy:
+        raise RunCheckpointError(f"{directory}: saved by {saved_strategy}, this run is {strategy}")
+    if saved_world != world_size and not reshardable:
+        raise RunCheckpointError(
+            f"{directory}: saved on {saved_world} ranks by a strategy whose state does not "
+            f"reshard; this run has {world_size}"
+        )
+    for name, digest in files.items():
+        if sha256_file(directory / name) != digest:
+            raise RunCheckpointError(f"checkpoint file corrupt (checksum): {directory / name}")
+    if saved_world != world_size:
+        read_manifest(directory / SHARDED)  # its own files are checked when they are read
+    return Found(directory, step, saved_world)
+
+
+def newest(
+    run_dir: Path,
+    world_size: int,
+    strategy: str,
+    warn: bool = True,
+    job: dict[str, Any] | None = None,
+) -> Found | None:
+    """The newest checkpoint this run can resume from; broken ones are skipped, each with a
+    one-line warning naming the file (with `warn`)."""
+    for directory in reversed(complete(Path(run_dir) / "checkpoints")):
+        try:
+            return _check(directory, world_size, strategy, job)
+        except (RunCheckpointError, CheckpointError, OSError) as e:
+            if warn:
+                print(f"shardwise: skipping a checkpoint: {e}", flush=True)
+    return None
+
+
+def resumable(run_dir: Path, world_size: int, job: dict[str, Any]) -> Found | None:
+    """Before a resume starts any rank (nothing in `run_dir` is written): the checkpoint it will
+    resume from, checked against `job` (`job_signature`) and its number of ranks; None where
+    the run has none. A `RunCheckpointError` where it was saved by another job, or where none
+    of the run's checkpoints can be resumed from (the first reason named)."""
+    existing = complete(Path(run_dir) / "checkpoints")
+    reasons = []
+    for directory in reversed(existing):
+        try:
+            return _check(directory, world_size, None, job)
+        except JobMismatch:
+            raise
+        except (RunCheckpointError, CheckpointError, OSError) as e:
+            reasons.append(str(e))  # a damaged one: the ranks fall back to the one before
+    if existing:
+        raise RunCheckpointError(
+            f"none of the {len(existing)} checkpoints in {run_dir} can be resumed from "
+            f"({reasons[0]}); move them away to start afresh"
+        )
+    return None
+
+
+def _rank_state(directory: Path, rank: int) -> dict[str, Any]:
+    tensors = load_file(str(directory / f"rank{rank}.safetensors"))
+    return state_tree.join(json.loads((directory / f"rank{rank}.json").read_text()), tensors)
+
+
+def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[str, Any]:
+    """Restore this rank's state; returns {"step", "data"} (the data position to go on from).
+
+    On the world it was saved on, everything is restored exactly. On another one, the model
+    and optimizer come from the reshardable part, the schedule, step and data position from
+    rank 0's state, and what belongs to one rank alone (codec residuals, random generators of
+    dropped ranks) starts afresh. A checkpoint that does not fit the model or optimizer (one
+    older than the job record in its manifest) is a `RunCheckpointError`, in one line."""
+    try:
+        return _load(found, model, optimizer, scheduler)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        # torch's messages list every missing key over several lines: one, cut short
+        named = isinstance(e, (RuntimeError, ValueError))  # (a KeyError's is only the key)
+        message = " ".join((str(e) if named else f"{type(e).__name__}: {e}").split())
+        if len(message) > 300:
+            message = message[:297] + "..."
+        raise RunCheckpointError(
+            f"{found.directory} does not fit this run's model or optimizer ({message})"
+        ) from None
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """`optimizer.load_state_dict`, and a `ValueError` where the saved groups lack a setting
+    this optimizer needs (another optimizer saved them: torch loads them, and the first step
+    fails)."""
+    needed = [set(group) for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keys in zip(optimizer.param_groups, needed, strict=True):
+        if missing := sorted(keys - set(group)):
+            raise ValueError(f"its optimizer has no {missing[0]!r}: another optimizer saved it")
+
+
+def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[str, Any]:
+    rank = model.runtime.rank
+    if found.world_size == model.runtime.world_size:
+        state = _rank_state(found.directory, rank)
+        model.load_state_dict(state["model"])
+        _load_optimizer(optimizer, state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return {"step": int(state["step"]), "data": state["data"]}
+    state = _rank_state(found.directory, min(rank, found.world_size - 1))
+    params, states, _ = read_full_state(found.directory / SHARDED)
+    model.load_full_state(optimizer, params, states)
+    scheduler.load_state_dict(state["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr  # the schedule's current value (the optimizer's groups were not saved)
+    if rank < found.world_size:
+        set_rng_state(state["rng"])
+    else:  # a rank the saved run did not have: generators of its own, not a copy of another's
+        seed = 1_000_003 * int(state["step"]) + rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+    return {"step": int(state["step"]), "data": state["data"]}

@@ -1,0 +1,1 @@
+"""Processes and their groups: runtime, device mesh, launcher, signals."""

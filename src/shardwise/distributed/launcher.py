@@ -1,0 +1,267 @@
+"""Start N local worker processes with torchrun's own machinery (the elastic agent).
+
+`launch` is what `torchrun --standalone --nproc-per-node N` does: one agent supervising the
+workers, and if any worker fails the agent stops the rest (or restarts them all, resuming, while
+`max_restarts` allows) and reports it. Around it, this launcher hosts the job's own store
+(`comm/jobstore.py`: authenticated, on 127.0.0.1, where every key the ranks share lives) and
+gives the agent its rendezvous (`loopback.py`: torchrun's own store, on 127.0.0.1 only) and a log
+directory that goes with the job. Workers start through `boot.py`, which ties them to this process
+before anything else (a launcher killed at any moment takes them with it), and inherit the
+environment set here: threads per rank (more threads than cores is several times slower) and
+glibc malloc thresholds (returning memory to the OS after each step makes step times swing by
+~30%).
+
+When the job fails, the last line says why in the terms of the job: the rank that hung (from the
+watchdog's verdict in the store), the rank that failed and what it said when it left, or the
+signal the job was stopped by.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
+
+from shardwise.comm import jobstore
+from shardwise.comm.broken import broken_connection
+from shardwise.distributed import boot, loopback
+from shardwise.distributed.runtime import WATCHDOG_ENV
+
+BOOT = str(Path(boot.__file__).resolve())  # run by path: nothing imported before its work
+# Keep freed memory in the process: large gradient buffers are reallocated every step.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+NONFINITE_EXIT = 4  # the trainer's EXIT_NONFINITE (not imported: the launcher stays light)
+
+
+class LaunchError(RuntimeError):
+    """A worker failed; the message names the rank and what happened to it."""
+
+    exit_code = 1
+
+
+class Stopped(LaunchError):
+    """The job was stopped by a signal (its ranks saved a checkpoint first, where they could)."""
+
+    def __init__(self, signum: int, message: str | None = None) -> None:
+        super().__init__(message or f"stopped by signal {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum
+
+
+def worker_environment(nproc: int, threads_per_rank: int | None) -> dict[str, str]:
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env[boot.PARENT_ENV] = str(os.getpid())  # the workers' parent: this process
+    for key, value in MALLOC_ENV.items():
+        env[key] = os.environ.get(key, value)
+    return env
+
+
+def boot_argv(python_args: list[str]) -> list[str]:
+    """The arguments after `python` that start a worker through `boot.py`."""
+    return [BOOT, *python_args]
+
+
+def launch(
+    module_args: list[str], nproc: int, threads_per_rank: int | None = None, max_restarts: int = 0
+) -> None:
+    """Run `python -m <module_args...>` on `nproc` local ranks; raise `LaunchError` on failure
+    (after `max_restarts` restarts of all of them, when a rank fails)."""
+    _launch(["-m", *module_args], nproc, threads_per_rank, max_restarts)
+
+
+def launch_script(
+    script: str,
+    args: list[str],
+    nproc: int,
+    threads_per_rank: int | None = None,
+    hang_timeout_s: float = 60.0,
+) -> None:
+    """Run `python <script> <args...>` on `nproc` local ranks, each with a watchdog that ends
+    the job naming the rank that hangs (or left early) after `hang_timeout_s`."""
+    if not os.path.isfile(script):
+        raise ValueError(f"no such script: {script}")
+    if not 0 < hang_timeout_s < float("inf"):
+        raise ValueError(f"--hang-timeout must be a positive number of seconds: {hang_timeout_s}")
+    with _environment({WATCHDOG_ENV: str(hang_timeout_s)}):
+        _launch([script, *args], nproc, threads_per_rank)
+
+
+class _Agent(LocalElasticAgent):
+    """torchrun's agent, saying which rank failed before it restarts them all."""
+
+    def __init__(self, spec: WorkerSpec, logs: str, store: jobstore.JobStoreServer) -> None:
+        super().__init__(spec, DefaultLogsSpecs(log_dir=logs), start_method="spawn")
+        self.job_store = store
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if not result.is_failed() or self._remaining_restarts <= 0:
+            return result
+        if any(f.exitcode == NONFINITE_EXIT for f in result.failures.values()):
+            self._remaining_restarts = 0  # the same batches would stop it again: no restart
+            return result
+        done = worker_group.spec.max_restarts - self._remaining_restarts + 1
+        print(
+            f"shardwise: {_what_failed(result.failures, self.job_store, done - 1)}; restarting "
+            f"every rank (restart {done} of {worker_group.spec.max_restarts}), resuming from "
+            "the newest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        return result
+
+
+def _what_failed(failures: dict[int, ProcessFailure], store, attempt: int) -> str:
+    """What ended a start of the job, in a few words: the watchdog's verdict, or the rank that
+    failed first and why."""
+    verdict = store.read(f"attempt-{attempt}/shardwise/watchdog/verdict")
+    if verdict is not None:
+        return verdict.decode(errors="replace")
+    rank, failure, reason = _culprit(failures, store, attempt)
+    return f"rank {rank} {f'failed: {reason}' if reason else _exit(failure)}"
+
+
+def _exit(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        with_signal = signal.Signals(-failure.exitcode).name
+        return f"was killed by {with_signal}"
+    return f"failed with exit code {failure.exitcode}"
+
+
+def _launch(
+    python_args: list[str], nproc: int, threads_per_rank: int | None, max_restarts: int = 0
+) -> None:
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    with (
+        jobstore.JobStoreServer(jobstore.new_secret()) as store,
+        _environment({**worker_environment(nproc, threads_per_rank), **store.environment()}),
+        # torchrun's agent keeps a log directory (and error files) per start: with the job.
+        tempfile.TemporaryDirectory(prefix="shardwise-agent-") as logs,
+    ):
+        try:
+            failures, attempt = _run_agent(python_args, nproc, max_restarts, logs, store)
+        except SignalException as e:  # SIGTERM / SIGINT: the agent stopped the ranks
+            raise Stopped(int(e.sigval)) from None
+        if failures:
+            raise _failure(failures, store, attempt)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """`values` in this process's environment (the agent's workers inherit it) for the job,
+    and as it was after: a later job (or a torchrun rank started from here) must not take this
+    one's store, secret or parent for its own."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run_agent(
+    python_args: list[str], nproc: int, max_restarts: int, logs: str, store
+) -> tuple[dict[int, ProcessFailure], int]:
+    """What `torch.distributed.launcher.api.launch_agent` does for one node, with our agent:
+    the failures of the last start ({} when every rank succeeded), and which start it was."""
+    run_id = f"shardwise-{uuid.uuid4().hex[:8]}"
+    parameters = RendezvousParameters(
+        backend=loopback.BACKEND,  # the agent hosts torchrun's store, on 127.0.0.1 only
+        endpoint="",
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=1,
+    )
+    rendezvous = rendezvous_registry.get_rendezvous_handler(parameters)
+    spec = WorkerSpec(
+        role="default",
+        local_world_size=nproc,
+        entrypoint=sys.executable,
+        args=tuple(boot_argv(python_args)),
+        rdzv_handler=rendezvous,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+    )
+    agent = _Agent(spec, logs, store)
+    try:
+        result = agent.run()
+    finally:
+        rendezvous.shutdown()
+    attempt = max_restarts - agent._remaining_restarts
+    return (result.failures if result.is_failed() else {}), attempt
+
+
+def _failure(
+    failures: dict[int, ProcessFailure], store: jobstore.JobStoreServer, attempt: int
+) -> LaunchError:
+    """The error that names what ended the job's start `attempt`: a hang's verdict (the rank
+    that hung), a stop signal, or the first rank to fail and the reason it gave as it left."""
+    if store.read(f"attempt-{attempt}/shardwise/watchdog/verdict") is not None:
+        error = LaunchError(_what_failed(failures, store, attempt))
+        error.exit_code = 3
+        return error
+    rank, failure, reason = _culprit(failures, store, attempt)
+    codes = {128 + s for s in STOP_SIGNALS}
+    if failure.exitcode in codes:  # the ranks stopped on a signal, after saving a checkpoint
+        name = signal.Signals(failure.exitcode - 128).name
+        return Stopped(
+            failure.exitcode - 128,
+            f"the job stopped on {name} to a rank, after saving a checkpoint (see above)",
+        )
+    if failure.exitcode == NONFINITE_EXIT:  # every rank stopped under train.nonfinite
+        error = LaunchError("the run stopped on non-finite values (train.nonfinite; see above)")
+        error.exit_code = NONFINITE_EXIT
+        return error
+    if reason:  # what it said as it left (the agent may have stopped it after that)
+        return LaunchError(f"worker rank {rank} failed: {reason}")
+    return LaunchError(f"worker rank {rank} {_exit(failure)} (its output is above)")
+
+
+def _culprit(
+    failures: dict[int, ProcessFailure], store: jobstore.JobStoreServer, attempt: int
+) -> tuple[int, ProcessFailure, str]:
+    """The rank that failed first, its failure and what it said as it left. First, a rank that
+    died or exited saying nothing (killed where it stood, or `os._exit`), unless the agent
+    stopped it; then one that said why it failed; then one whose connection broke (the victim
+    of another's death). Among equals, the first to say it leaves, then the first the agent saw."""
+    key = f"attempt-{attempt}/shardwise/watchdog/left"
+    left = {r: _record(store.read(f"{key}/{r}")) for r in failures}
+
+    def first(item: tuple[int, ProcessFailure]) -> tuple:
+        rank, failure = item
+        reason = str(left[rank].get("reason", ""))
+        stopped = failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+        rank_class = 0 if not left[rank] and not stopped else 2 if broken_connection(reason) else 1
+        return (rank_class, left[rank].get("order", math.inf), failure.timestamp)
+
+    rank, failure = min(failures.items(), key=first)
+    return rank, failure, str(left[rank].get("reason", ""))[:300]
+
+
+def _record(value: bytes | None) -> dict:
+    """A JSON record a rank left in the store ({} if none, or not one)."""
+    try:
+        record = json.loads(value) if value is not None else {}
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}

@@ -1,0 +1,1 @@
+"""Starting jobs on this machine: the job runner and the parameter-server supervisor."""

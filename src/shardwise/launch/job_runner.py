@@ -1,0 +1,111 @@
+"""Start a training job on this machine: its run directory, then its processes.
+
+`run_job` is what `shardwise train` does outside a worker, and what the benchmarks call: it
+creates the run directory (`runs/<name>-<time>` unless one is given), writes the resolved
+config there, and starts the ranks, with torchrun's elastic agent, or, for a parameter-server
+job, with our supervisor (which survives dead workers). Each rank then runs `trainer.train`.
+A resume first checks, before it writes anything, that the run's checkpoint fits the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from shardwise.config import Config, ConfigError, dump_config
+from shardwise.ps.worker import PSConfig
+from shardwise.train.ps_training import run_role
+from shardwise.train.run_dir import new_run_dir, os_reason
+from shardwise.train.trainer import train
+
+
+def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
+    """The config with `launch.nproc` the strategy's own where it fixes one (the roles of a
+    parameter-server job, unless given); a one-line error where they disagree."""
+    needed = cfg.strategy.ranks_needed()
+    if isinstance(cfg.strategy, PSConfig) and not nproc_given:
+        cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"nproc": needed})})
+    if needed is not None and needed != cfg.launch.nproc:
+        raise ConfigError(
+            f"config error: strategy {cfg.strategy.name!r} needs {needed} ranks, "
+            f"but launch.nproc is {cfg.launch.nproc}"
+        )
+    return cfg
+
+
+def train_rank(cfg: Config, run_dir: str | None, resume: bool) -> None:
+    """What one rank of a job started by `run_job` (or torchrun) runs: the trainer, or, in a
+    parameter-server job, this rank's role (its supervisor sums up)."""
+    if isinstance(cfg.strategy, PSConfig):
+        run_role(cfg, run_dir)
+    else:
+        train(cfg, run_dir, resume=resume)
+
+
+def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> int:
+    """Run the job on `cfg.launch.nproc` local processes; 0 on success. A failed rank raises
+    `LaunchError` (torchrun's agent stopped the others, after `launch.max_restarts` restarts);
+    a failed parameter-server job returns 1 after saying why. With `resume` (or restarts),
+    the ranks continue from the run directory's newest checkpoint."""
+    from shardwise.distributed.launcher import launch
+
+    cfg = fit_ranks(cfg, nproc_given=True)
+    ps = isinstance(cfg.strategy, PSConfig)
+    if resume and not ps:
+        check_resume(cfg, Path(run_dir))
+    run_dir = new_run_dir(cfg, run_dir)
+    print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
+    # A resume's ranks write config.yaml once their checkpoint is loaded: until then nothing in
+    # the run directory changes (a checkpoint too old to record its job is checked then).
+    with _resolved_config(cfg, run_dir, in_run_dir=not resume or ps) as resolved:
+        argv = ["shardwise", "train", str(resolved), "--run-dir", str(run_dir)]
+        if resume or cfg.launch.max_restarts:  # a restarted rank resumes from the newest one
+            argv.append("--resume")
+        if ps:  # a supervisor of our own: a dead worker must not end it
+            from shardwise.launch.ps_supervisor import run_ps_job
+
+            return run_ps_job(cfg, argv, run_dir)
+        launch(argv, cfg.launch.nproc, cfg.launch.threads_per_rank, cfg.launch.max_restarts)
+    return 0
+
+
+@contextlib.contextmanager
+def _resolved_config(cfg: Config, run_dir: Path, in_run_dir: bool):
+    """The resolved config as a file the ranks read: RUN_DIR/config.yaml, or a temporary file
+    removed afterwards."""
+    path = run_dir / "config.yaml"
+    if not in_run_dir:
+        fd, name = tempfile.mkstemp(prefix=f"shardwise-{cfg.name}-", suffix=".yaml")
+        os.close(fd)
+        path = Path(name)
+    try:
+        _write(path, dump_config(cfg))
+        yield path
+    finally:
+        if not in_run_dir:
+            path.unlink(missing_ok=True)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {os_reason(e)}") from None
+
+
+def check_resume(cfg: Config, run_dir: Path) -> None:
+    """Before a resume starts any rank, and before anything in `run_dir` changes: the checkpoint
+    it will resume from was saved by the job `cfg` describes (the same model, optimizer and
+    strategy) on a number of ranks it can resume on; a one-line `ConfigError` where not."""
+    from shardwise.checkpoint import run_checkpoint
+    from shardwise.jobs import build_job
+
+    if not run_checkpoint.complete(run_dir / "checkpoints"):
+        return  # nothing to resume from: the ranks say so and start afresh
+    job = run_checkpoint.job_signature(build_job(cfg).model, cfg.optim.name, cfg.strategy.name)
+    try:
+        run_checkpoint.resumable(run_dir, cfg.launch.nproc, job)
+    except run_checkpoint.RunCheckpointError as e:
+        raise ConfigError(f"--resume {run_dir}: {e}") from None

@@ -1,0 +1,1 @@
+"""Model pieces: bundled models, mixed precision, SyncBatchNorm, recompute, LR schedules."""

@@ -1,0 +1,1 @@
+"""What a run shows and leaves: phases, clocks, timelines, TensorBoard, memory, report."""

@@ -1,0 +1,1 @@
+"""Before a run: cost models, step time and memory, calibration, the planner's search."""

@@ -1,0 +1,655 @@
+"""`shardwise calibrate`: how fast this machine computes and communicates, measured once with as
+many ranks as the jobs it will predict, stored and reused by the step-time model.
+
+Rank 0 measures alone, then every rank at once, with the threads per rank training uses:
+
+    flop_rate        matrix multiplies (512 x 512 fp32), FLOP/s (rank 0 alone)
+    bytes_rate       element-wise work on 16 MiB tensors, bytes read and written per second
+    op_overhead_s    one small operator call with autograd recording, seconds
+    sample_read_s    one sample read and collated by torch's DataLoader, seconds
+    concurrency      how many ranks' work the machine does at once: the ranks' summed matmul
+                     rate when all run over the rate of one alone (about the cores when ranks
+                     outnumber them), the median of three such ratios measured in turn
+    collectives      per kind (all_reduce, all_gather, reduce_scatter; send: one message from
+                     rank 0 to 1; exchange: every rank sends right, receives from the left, as
+                     a ring's step; post: posting one isend or irecv, as pipeline stages do
+                     while both compute; prefetched_all_gather, _reduce_scatter: what one
+                     started a burst earlier adds to its caller, as ZeRO's): the mean seconds
+                     of one call at payloads of 8 B to 4 MiB over --calls calls (100, or as
+                     many as 1.5 s allow), each right after a burst of compute as in a
+                     training step, averaged over --passes passes (3) taken in turns
+                     (`points`: volume, seconds; the volume is the bytes one rank sends, as
+                     `comm.accounting` counts them), and the least-squares line t = latency
+                     + volume / bandwidth through them. A mean, not a median: a step's time
+                     is the sum of its calls, and on shared cores a few calls in ten take
+                     several times the typical one
+    arrival_waits    (burst, wait) seconds: what one small collective costs right after each
+                     rank's burst of about 1, 5, 20 and 80 ms of compute: waking, and waiting
+                     for ranks that share cores to arrive. It grows with the burst but less
+                     than in proportion, since ranks taking turns on cores drift apart by
+                     about a time slice, not by a share of their work (4 ranks on 2 cores:
+                     2.4, 4.9, 6.9 and 13.7 ms after 0.9, 4.1, 23 and 99 ms)
+    measured_at      when, in Unix seconds: `plan` and `train` say how old the rates they
+                     price at are (a shared machine's drift in hours)
+
+The result lives in `$XDG_CACHE_HOME/shardwise/calibration/` (default ~/.cache), one file per
+host, world size and threads per rank, or where `--out` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# What the step-time model prices calls by (a calibration without one of them is redone).
+KINDS = {"all_reduce", "all_gather", "reduce_scatter", "send", "post", "exchange"}
+KINDS |= {"prefetched_all_gather", "prefetched_reduce_scatter"}
+SIZES = (8, 4096, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # payloads, bytes
+CALLS = 100  # calls timed per payload (or as many as POINT_S allows): enough for the slow few
+POINT_S = 1.5  # in ten to weigh in the mean
+
+
+def cache_path(nproc: int, threads: int | None = None) -> Path:
+    """Where the calibration of `nproc` ranks on this host is kept."""
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "shardwise" / "calibration" / f"{socket.gethostname()}-n{nproc}-t{threads}.json"
+
+
+MAX_FILE_BYTES = 1 << 20  # (a calibration of 64 ranks is about 30 KB)
+# The ranges of what the step-time model reads, checked before it is used: rates are divided
+# by, and within these every sum and quotient of a prediction stays a finite number.
+RATE = (1.0, 1e18)  # FLOP/s, bytes/s
+SECONDS = (0.0, 3600.0)
+VOLUME = (0.0, 1e15)  # bytes
+ALONE = {"flop_rate": RATE, "bytes_rate": RATE, "op_overhead_s": SECONDS, "sample_read_s": SECONDS}
+
+
+def load(nproc: int, path: str | Path | None = None) -> dict | None:
+    """The stored calibration for `nproc` ranks (or the file `path`), or None where there is
+    none; a one-line ValueError naming the file and the field where it cannot be used."""
+    file = Path(path) if path else cache_path(nproc)
+    if not file.is_file():
+        return None
+    try:
+        data = _read(file)
+        check(data, nproc)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}: run shardwise calibrate --nproc {nproc} again") from None
+    return data
+
+
+def _read(file: Path) -> object:
+    with file.open("rb") as f:
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"over {MAX_FILE_BYTES} bytes, not a calibration")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, nested too deep)
+        raise ValueError(f"not JSON ({(str(e) or type(e).__name__).splitlines()[0]})") from None
+
+
+def check(data: object, nproc: int) -> None:
+    """A ValueError naming the first field of the calibration `data` of `nproc` ranks that the
+    step-time model cannot use: missing, not a number, NaN, infinite or out of its range."""
+    data = _mapping("the file", data)
+    if type(data.get("nproc")) is not int or data["nproc"] != nproc:
+        raise ValueError(f"nproc must be {nproc}, got {_short(data.get('nproc'))}")
+    for key, bounds in ALONE.items():
+        if key != "sample_read_s" or key in data:  # (absent: a sample is read in no time)
+            _number(key, _get(data, key), *bounds)
+    for key, value in _mapping("shared", data.get("shared", {})).items():
+        if key not in ALONE:  # (the shared rates replace the others', and no other field)
+            raise ValueError(f"shared.{key}: not one of {sorted(ALONE)}")
+        _number(f"shared.{key}", value, *ALONE[key])
+    if "concurrency" in data:
+        _number("concurrency", data["concurrency"], 0.01, nproc)
+    if "measured_at" in data:
+        _number("measured_at", data["measured_at"], 0.0, 1e11)
+    if nproc > 1:
+        _check_collectives(data)
+
+
+def _check_collectives(data: dict) -> None:
+    """Each collective's timings (and its sub-groups') and the arrival waits."""
+    collectives = _mapping("collectives", _get(data, "collectives"))
+    for kind in sorted(KINDS):
+        _get(collectives, kind, "collectives")
+    for kind, timings in collectives.items():
+        _check_timings(f"collectives.{kind}", timings)
+        groups = _mapping(f"collectives.{kind}.groups", timings.get("groups", {}))
+        for ranks, group in groups.items():
+            _check_timings(f"collectives.{kind}.groups.{ranks}", group)
+    _pairs("arrival_waits", _get(data, "arrival_waits"), SECONDS, SECONDS, least=2)
+
+
+def _check_timings(where: str, value: object) -> None:
+    """One kind's timings: its (volume, seconds) points and the line through them."""
+    timings = _mapping(where, value)
+    _number(f"{where}.latency_s", _get(timings, "latency_s", where), *SECONDS)
+    bandwidth = _get(timings, "bandwidth", where)
+    if bandwidth != float("inf"):  # (_fit's, where the seconds do not grow with the bytes)
+        _number(f"{where}.bandwidth", bandwidth, *RATE)
+    _pairs(f"{where}.points", _get(timings, "points", where), VOLUME, SECONDS, least=1)
+
+
+def _get(mapping: dict, key: str, where: str = "") -> object:
+    if key not in mapping:
+        field = f"{where}.{key}" if where else key
+        raise ValueError(f"{field} is missing (a file from an older shardwise?)")
+    return mapping[key]
+
+
+def _mapping(where: str, value: object) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {_short(value)}")
+    return value
+
+
+def _number(where: str, value: object, least: float, most: float) -> None:
+    # (NaN fails every comparison; JSON's true is an int to Python, so it is turned away first)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= most:
+        raise ValueError(
+            f"{where} must be a number from {least:g} to {most:g}, got {_short(value)}"
+        )
+
+
+def _pairs(where: str, value: object, xs: tuple, ys: tuple, least: int) -> None:
+    """A list of at least `least` [x, y] pairs within the ranges `xs` and `ys`, x ascending."""
+    if not isinstance(value, list) or len(value) < least:
+        raise ValueError(f"{where} must be a list of {least} or more [x, y], got {_short(value)}")
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{where}[{i}] must be a pair [x, y], got {_short(pair)}")
+        _number(f"{where}[{i}][0]", pair[0], *xs)
+        _number(f"{where}[{i}][1]", pair[1], *ys)
+        if i and pair[0] < value[i - 1][0]:
+            raise ValueError(f"{where}[{i}][0] is below the x before it: x must ascend")
+
+
+def _short(value: object) -> str:
+    """`value` for a one-line message: a container by its kind (its repr may be long, or too
+    deeply nested to make), anything else by its repr, cut at 40 characters."""
+    if isinstance(value, list):
+        return f"an array of {len(value)}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+STALE_S = 6 * 3600  # older than this, a calibration is said to be old
+
+
+def age_note(calibration: dict, now: float | None = None) -> str:
+    """How long ago `calibration` was measured, with a hint to measure again where it is old:
+    on a shared machine the rates drift (here the matmul rate by 7% in a day, and the step
+    times predicted with it)."""
+    at = calibration.get("measured_at")
+    if not isinstance(at, (int, float)):
+        return "calibrated at an unknown time: recalibrate before comparing with runs"
+    age_s = (time.time() if now is None else now) - at
+    note = f"calibrated {age_s / 3600:.1f} h ago"
+    if age_s > STALE_S:
+        note += ": rates drift on a shared machine; recalibrate before comparing with runs"
+    return note
+
+
+def _throughput(fn: Callable[[], object], window_s: float = 0.3, windows: int = 3) -> float:
+    """Calls of `fn` per second: the median over `windows` windows, each long enough to
+    include the time slices a rank loses to others on shared cores (one call's time would
+    not: it may run uninterrupted); the median, since a virtual machine's rates drift."""
+    fn()
+    rates = []
+    for _ in range(windows):
+        calls, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < window_s:
+            fn()
+            calls += 1
+        rates.append(calls / elapsed)
+    return statistics.median(rates)
+
+
+def _compute_rates() -> dict[str, float]:
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    flop_rate = 2 * 512**3 * _throughput(lambda: a @ b)
+    x = torch.randn(4 * 1024 * 1024)  # 16 MiB: beyond the caches, as activations are
+    bytes_rate = 3 * x.numel() * 4 * _throughput(lambda: x + x)
+    w = torch.randn(16, requires_grad=True)
+
+    def small_ops() -> None:
+        y = w
+        for _ in range(200):
+            y = y * 1.0001
+        y.sum().backward()
+
+    op_overhead = 1 / (401 * _throughput(small_ops))  # 200 forward ops, 200 backward, the sum
+    return {
+        "flop_rate": flop_rate,
+        "bytes_rate": bytes_rate,
+        "op_overhead_s": op_overhead,
+        "sample_read_s": _sample_read_s(),
+    }
+
+
+def _concurrency(is_main: bool, times: int = 3) -> float:
+    """How many ranks' worth of matmuls the machine does at once: the ranks' summed rate when
+    all run over one rank's alone, the median of `times` such ratios measured in turn. One
+    ratio can catch a neighbour's burst on a shared VM: 1.63 for 2 ranks on 2 cores, where
+    calibrations minutes before and after measured 1.99 and 2.0 (and a step's compute was
+    priced 23% too slow with it)."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    ratios = []
+    for _ in range(times):
+        dist.barrier()
+        alone = torch.tensor([_throughput(lambda: a @ b) if is_main else 0.0])
+        dist.barrier()
+        summed = torch.tensor([_throughput(lambda: a @ b)])
+        dist.all_reduce(summed)
+        dist.broadcast(alone, 0)
+        ratios.append(summed.item() / alone.item())
+    return statistics.median(ratios)
+
+
+def _sample_read_s() -> float:
+    """Seconds per sample that torch's DataLoader takes to read batches of 32 from a
+    map-style dataset in memory, one sample at a time, and collate them (what the trainer's
+    loader does each step)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(1024, 64), torch.randint(0, 10, (1024,)))
+    loader = DataLoader(data, batch_sampler=[range(i, i + 32) for i in range(0, 1024, 32)])
+    return 1 / (1024 * _throughput(lambda: sum(1 for _ in loader)))
+
+
+def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
+    """Least squares t = latency + volume / bandwidth over (volume, seconds) points."""
+    n = len(points)
+    mx = sum(v for v, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((v - mx) ** 2 for v, _ in points)
+    slope = sum((v - mx) * (t - my) for v, t in points) / sxx if sxx else 0.0
+    latency = max(my - slope * mx, 0.0)
+    return {"latency_s": latency, "bandwidth": 1 / slope if slope > 0 else float("inf")}
+
+
+def _timings(points: list[list[float]]) -> dict:
+    """A kind's stored timings: its (volume, seconds) points and the line through them."""
+    return {**_fit(points), "points": points}
+
+
+@dataclass
+class _Pace:
+    """How a point is timed: `calls` calls (or as many as POINT_S seconds allow), each right
+    after `burst()`, about a millisecond of one rank's compute, as in a training step."""
+
+    burst: Callable[[], object]
+    calls: int = CALLS
+
+    def mean(self, call: Callable[[], object], with_burst: bool = False) -> float:
+        """Mean seconds of `call()` issued right after a burst (`with_burst`: of the burst and
+        the call); rank 0's clock decides when time is up, so every rank makes the same calls."""
+        import torch.distributed as dist
+
+        call()
+        total, calls, go = 0.0, 0, torch.ones(1)
+        began = time.perf_counter()
+        while calls < self.calls and go.item():
+            burst_started = time.perf_counter()
+            self.burst()
+            started = burst_started if with_burst else time.perf_counter()
+            call()
+            total += time.perf_counter() - started
+            calls += 1
+            if calls % 10 == 0:  # (a tiny broadcast, out of the timed calls)
+                go.fill_(float(time.perf_counter() - began < POINT_S))
+                dist.broadcast(go, 0)
+        return total / calls
+
+
+def _collective_rates(groups: dict[int, object], calls: int = CALLS) -> dict[str, dict]:
+    """One pass over every kind and payload, `calls` calls a point; `groups`: this rank's group
+    of each smaller size that divides the world (a mesh's axes: tensor parallel's all-reduces
+    among t ranks), timed all groups at once."""
+    import torch.distributed as dist
+
+    from shardwise import comm
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    a = torch.randn(256, 256)
+
+    def burst() -> None:  # about a millisecond of one rank's compute: a step's between calls
+        for _ in range(3):
+            a @ a
+
+    pace = _Pace(burst, calls)
+
+    out = {}
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        out[op] = _collective(op, None, n, pace)
+        if groups:
+            out[op]["groups"] = {
+                str(g): _collective(op, group, g, pace) for g, group in groups.items()
+            }
+    for op in ("all_gather", "reduce_scatter"):
+        out[f"prefetched_{op}"] = _prefetched(op, n, pace)
+    points = []
+    for size in SIZES:  # ranks 0 and 1 exchange; the others wait
+        t = torch.zeros(max(1, size // 4))
+
+        def ping(t: torch.Tensor = t) -> None:
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            elif rank == 1:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+
+        dist.barrier()
+        points.append((t.numel() * 4, pace.mean(ping) / 2))
+    out["send"] = _timings([list(p) for p in points])  # (rank 0's: it writes)
+    points = [(size, _post_s(size, 2 * calls)) for size in SIZES]
+    agreed = _agreed(points, among=2)
+    out["post"] = _timings(agreed)
+    points = []
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for size in SIZES:  # a ring's step: every rank sends right while it receives from the left
+        mine, theirs = torch.zeros(max(1, size // 4)), torch.zeros(max(1, size // 4))
+
+        def step(mine: torch.Tensor = mine, theirs: torch.Tensor = theirs) -> None:
+            comm.exchange([(mine, right)], [(theirs, left)])
+
+        dist.barrier()
+        points.append((mine.numel() * 4, pace.mean(step)))
+    agreed = _agreed(points)
+    out["exchange"] = _timings(agreed)
+    return out
+
+
+def _post_s(size: int, exchanges: int = 200) -> float:
+    """Mean seconds to post one point-to-point call of `size` bytes through shardwise.comm (an
+    isend, or an irecv), as neighbouring pipeline stages do: ranks 0 and 1 each compute a
+    micro-batch's worth (about 0.1 ms), send to the other and receive from it, both at once.
+    While both compute, the backend's threads wait for a core, and a call that needs them
+    now and then stalls for a time slice: the mean counts those stalls. (Other ranks wait.)"""
+    import torch.distributed as dist
+
+    from shardwise import comm
+
+    rank = dist.get_rank()
+    dist.barrier()
+    if rank > 1:
+        dist.barrier()
+        return 0.0
+    other, a = 1 - rank, torch.randn(128, 128)
+    mine, theirs = torch.zeros(max(1, size // 4)), torch.zeros(max(1, size // 4))
+    posting, posts = 0.0, 0
+    incoming = comm.irecv(theirs, other)
+    for k in range(exchanges + 1):
+        for _ in range(2):
+            a @ a
+        started = time.perf_counter()
+        outgoing = comm.send(mine, other)
+        sent = time.perf_counter()
+        incoming.wait()
+        waited = time.perf_counter()
+        if k < exchanges:
+            incoming = comm.irecv(theirs, other)
+        if k > 0:  # (the first exchange warms up)
+            posting += (sent - started) + (time.perf_counter() - waited)
+            posts += 2 if k < exchanges else 1
+        outgoing.wait()
+    dist.barrier()
+    return posting / posts
+
+
+def _collective(op: str, group, n: int, pace: _Pace) -> dict:
+    """Mean seconds of one call of `op` among the `n` ranks of `group` (None: all), at each
+    payload, and the line through them."""
+    import torch.distributed as dist
+
+    from shardwise import comm
+    from shardwise.comm.accounting import native_volume
+
+    points = []
+    for size in SIZES:
+        numel = max(n, size // 4 // n * n)  # (n divides it)
+        full, part = torch.zeros(numel), torch.zeros(numel // n)
+        run = {
+            "all_reduce": lambda full=full: comm.all_reduce(full, group),
+            "all_gather": lambda full=full, part=part: comm.all_gather_into_tensor(
+                full, part, group
+            ),
+            "reduce_scatter": lambda full=full, part=part: comm.reduce_scatter_tensor(
+                part, full, group=group
+            ),
+        }[op]
+        dist.barrier()
+        points.append((native_volume(op, numel * 4, n), pace.mean(run)))
+    agreed = _agreed(points)
+    return _timings(agreed)
+
+
+def _prefetched(op: str, n: int, pace: _Pace) -> dict:
+    """Mean seconds an all-gather or reduce-scatter started a burst of compute earlier adds to
+    its caller's time, as ZeRO's are: each call starts the next one, then waits for the one it
+    started before the burst (which went on meanwhile; the two calls' wake-ups overlap).
+    ZeRO-3 prefetches each unit's gather one unit ahead; ZeRO reduce-scatters each unit's
+    gradients as backward makes them and waits for them all after it. What it adds is the
+    burst and the wait together less the burst with nothing in flight: where ranks fill the
+    cores, the backend's copies of the call in flight take cycles from the burst (ZeRO-3 on
+    2 ranks of 2 cores computed 29% slower than priced when only the waits were)."""
+    from shardwise import comm
+    from shardwise.comm.accounting import native_volume
+
+    def start(full: torch.Tensor, part: torch.Tensor) -> comm.Handle:
+        if op == "all_gather":
+            return comm.all_gather_into_tensor(full, part, async_op=True)
+        return comm.reduce_scatter_tensor(part, full, async_op=True)
+
+    points = []
+    for size in SIZES:
+        numel = max(n, size // 4 // n * n)
+        buffers = [(torch.zeros(numel), torch.zeros(numel // n)) for _ in range(2)]
+        pending = [start(*buffers[0])]
+
+        def call(pending=pending, buffers=buffers) -> None:
+            following = start(*buffers[1])  # (into the other buffers: the first is in flight)
+            pending[0].wait()
+            pending[0] = following
+            buffers.reverse()
+
+        alone = pace.mean(lambda: None, with_burst=True)
+        held = pace.mean(call, with_burst=True) - alone
+        points.append((native_volume(op, numel * 4, n), max(held, 0.0)))
+        pending[0].wait()
+    agreed = _agreed(points)
+    return _timings(agreed)
+
+
+def _agreed(points: list[tuple[float, float]], among: int | None = None) -> list[list[float]]:
+    """The ranks' mean seconds at each point (each rank timed its own calls; with `among`,
+    only the first `among` ranks did, the others give 0)."""
+    import torch.distributed as dist
+
+    seconds = torch.tensor([t for _, t in points], dtype=torch.float64)
+    dist.all_reduce(seconds)
+    n = among or dist.get_world_size()
+    return [[v, t / n] for (v, _), t in zip(points, seconds.tolist(), strict=True)]
+
+
+BURSTS = (2, 10, 40, 160)  # 256 x 256 matmuls: about 1, 5, 20 and 80 ms of one rank's compute
+
+
+def _wait_points(calls: int = CALLS) -> list[list[float]]:
+    """(mean burst, mean wait) seconds of a 4-byte all-reduce right after each rank's burst of
+    BURSTS matmuls, the ranks' means: `calls` after the short bursts, fewer after the long
+    ones (about a second's worth, at least 10)."""
+    import torch.distributed as dist
+
+    a, flag = torch.randn(256, 256), torch.zeros(1)
+    points = []
+    for matmuls in BURSTS:
+        dist.barrier()
+        waits, bursts = [], []
+        for _ in range(max(10, min(calls, calls * 10 // matmuls))):
+            started = time.perf_counter()
+            for _ in range(matmuls):
+                a @ a
+            middle = time.perf_counter()
+            dist.all_reduce(flag)
+            waits.append(time.perf_counter() - middle)
+            bursts.append(middle - started)
+        mean = torch.tensor([statistics.mean(bursts), statistics.mean(waits)])
+        dist.all_reduce(mean)
+        points.append((mean / dist.get_world_size()).tolist())
+    return points
+
+
+def _averaged(tables: list[dict]) -> dict:
+    """Several passes' collective timings as one: each point's mean seconds over the passes,
+    and the line through them."""
+    out = {}
+    for kind, first in tables[0].items():
+        passes = [t[kind] for t in tables]
+        points = [
+            [volume, statistics.mean(p["points"][i][1] for p in passes)]
+            for i, (volume, _) in enumerate(first["points"])
+        ]
+        out[kind] = _timings(points)
+        if "groups" in first:
+            out[kind]["groups"] = _averaged([p["groups"] for p in passes])
+    return out
+
+
+def worker(out: str, passes: int, calls: int) -> None:
+    """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file."""
+    import torch.distributed as dist
+
+    import shardwise as sw
+
+    rt = sw.init(backend="gloo")
+    threads = torch.get_num_threads()
+    dist.barrier()
+    # Alone (the others wait): how fast one rank's own work runs when nothing competes.
+    alone = _compute_rates() if rt.is_main else {}
+    dist.barrier()
+    shared = _compute_rates()  # every rank at once: the machine shared as in training
+    gathered: list = [None] * rt.world_size
+    dist.all_gather_object(gathered, shared)
+    mean = {k: statistics.mean(r[k] for r in gathered) for k in shared}
+    result = {
+        "host": socket.gethostname(),
+        "nproc": rt.world_size,
+        "threads_per_rank": threads,
+        "torch": torch.__version__,
+        "measured_at": time.time(),  # (Unix seconds: a shared machine's rates drift in hours)
+        **alone,
+        # How many ranks' worth of work the machine does at once: N on N free cores, fewer
+        # when ranks share cores (then a step is bounded by all ranks' work over this).
+        "concurrency": _concurrency(rt.is_main),
+        "shared": mean,
+    }
+    if rt.world_size > 1:
+        # Passes over every point, in turns: a point's mean over 100 calls moves by 15-30%
+        # from one minute to the next on shared cores, so each is the mean of several passes.
+        n = rt.world_size
+        groups = {g: dist.new_subgroups(g)[0] for g in range(2, n) if n % g == 0}
+        tables, waits = [], []
+        for _ in range(passes):
+            tables.append(_collective_rates(groups, calls))
+            waits.append(_wait_points(calls))
+        result["collectives"] = _averaged(tables)
+        bursts = range(len(waits[0]))  # (each pass's points: one per burst length)
+        means = [[statistics.mean(w[b][i] for w in waits) for i in (0, 1)] for b in bursts]
+        result["arrival_waits"] = means
+    result["concurrency"] = min(result["concurrency"], rt.world_size)
+    if rt.is_main:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    sw.shutdown()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # (Counts are read as text and checked in `run`: argparse's own error is a usage screen.)
+    parser.add_argument("--nproc", default="2", help="ranks to calibrate for")
+    parser.add_argument("--out", help="where to write it (default: the user's cache)")
+    parser.add_argument(
+        "--passes", default="3", help="passes over the collectives' points, averaged"
+    )
+    parser.add_argument(
+        "--calls",
+        default=str(CALLS),
+        help=f"calls timed per point, at most (default {CALLS}; fewer: quicker, noisier)",
+    )
+
+
+def _count(flag: str, text: str) -> int:
+    """The whole number >= 1 that `text` spells, else a one-line ValueError."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--{flag} must be a whole number >= 1, got {_short(text)}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardwise.distributed.launcher import LaunchError, launch
+
+    try:
+        for flag in ("nproc", "passes", "calls"):
+            setattr(args, flag, _count(flag, str(getattr(args, flag))))
+    except ValueError as e:
+        print(f"shardwise: calibrate: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else cache_path(args.nproc)
+    started = time.perf_counter()
+    try:
+        worker = ["--worker", str(out), str(args.passes), str(args.calls)]
+        launch(["shardwise.plan.calibrate", *worker], args.nproc)
+    except LaunchError as e:
+        print(f"shardwise: calibrate: {e}", file=sys.stderr)
+        return 1
+    result = json.loads(out.read_text())
+    print(
+        f"shardwise: calibrated {args.nproc} rank(s) in {time.perf_counter() - started:.0f} s: "
+        f"{result['flop_rate'] / 1e9:.1f} GFLOP/s, {result['bytes_rate'] / 1e9:.1f} GB/s, "
+        f"{result['op_overhead_s'] * 1e6:.1f} us per op alone; {result['concurrency']:.2f} "
+        f"ranks at once -> {out}"
+    )
+    if "arrival_waits" in result:
+        waits = result["arrival_waits"]
+        print(
+            "  a collective after compute: "
+            + ", ".join(f"{1e3 * w:.2f} ms after {1e3 * b:.0f}" for b, w in waits)
+        )
+    for op, fit in result.get("collectives", {}).items():
+        print(
+            f"  {op}: {fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bandwidth'] / 1e9:.2f} GB/s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        parser = argparse.ArgumentParser(prog="shardwise calibrate")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))

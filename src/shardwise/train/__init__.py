@@ -1,0 +1,1 @@
+"""The trainer and its parts."""
