@@ -5,10 +5,7 @@ ledger of every rank."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +15,7 @@ from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
 import shardwise as sw
+from harness import run_cli, train_args
 from ledger_replay import replay_ledger
 from shardwise import comm
 from shardwise.data import ledger
@@ -93,15 +91,7 @@ def _slow_share(lines_by_rank: dict[int, list[dict]], steps: range) -> list[floa
 
 def test_dynamic_balance_follows_the_slow_rank_and_stays_exact(tmp_path):
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", "2"]
-    argv += [x for kv in SETS for x in ("--set", kv)] + ["--run-dir", str(run)]
-    job = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    job = run_cli(*train_args(run, *SETS, nproc=2), timeout=240)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     lines = ledger.read(run)
     # The skew report of the first epoch's plan, written at the start: the configured split.

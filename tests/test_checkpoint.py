@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import shardwise as sw
+from harness import run_cli
 from shardwise.checkpoint.reshardable import CheckpointError, read_full_state
 from shardwise.nn.models import MLP
 from spawn import run
@@ -94,19 +92,7 @@ def test_checkpoint_restores_strategy_state_for_an_exact_resume(tmp_path):
 
 def test_export_gives_plain_safetensors_weights(tmp_path):
     (full,) = run(train_segment, 2, "zero3", 0, 3, None, str(tmp_path / "ckpt"))[:1]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardwise",
-            "export",
-            str(tmp_path / "ckpt"),
-            str(tmp_path / "w.safetensors"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_cli("export", str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors"), timeout=120)
     assert result.returncode == 0, result.stderr
     plain = _model()
     plain.load_state_dict(load_file(str(tmp_path / "w.safetensors")))  # no shardwise involved

@@ -8,8 +8,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import shardwise as sw
+from harness import run_cli
 from shardwise.checkpoint import reshardable as checkpoint
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.reshardable import CheckpointError, read_full_state, sha256_file
@@ -68,15 +67,6 @@ def _one_line_error(directory, match: str) -> str:
     message = str(info.value)
     assert "\n" not in message
     return message
-
-
-def _export(directory, out) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", "export", str(directory), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 # ---- file names in the manifest ------------------------------------------------------------------
@@ -168,7 +158,7 @@ def test_cli_export_of_a_malformed_checkpoint_exits_2_with_one_line(ckpt, tmp_pa
         _edit_manifest(directory, _set("sha256", {"../rank0.safetensors": "0" * 64}))
     else:
         _edit_manifest(directory, MALFORMED[case][0])
-    result = _export(directory, tmp_path / "w.safetensors")
+    result = run_cli("export", str(directory), str(tmp_path / "w.safetensors"), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()

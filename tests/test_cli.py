@@ -5,42 +5,32 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import (
+    run_cli,
+    run_python,
+    set_args,
+    start_ps_job,
+    start_python,
+    wait_until,
+)
 from shardwise.nn.models import MLP
 from spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-EMPTY_CACHE = tempfile.mkdtemp(prefix="shardwise-test-cache-")
-
-
-def shardwise(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    # A cache of our own, out of the working directory: no calibration of this machine (so no
-    # step time is predicted), whatever the user's cache holds.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": EMPTY_CACHE}
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+# No calibration of this machine (so no step time is predicted), whatever the user's cache holds.
+pytestmark = pytest.mark.usefixtures("uncalibrated")
 
 
 def test_default_job_trains_on_two_ranks_and_writes_a_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    result = shardwise("train", "--set", "train.steps=120", "--run-dir", str(run_dir), cwd=tmp_path)
+    result = run_cli("train", "--set", "train.steps=120", "--run-dir", str(run_dir), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -66,7 +56,7 @@ def test_default_job_trains_on_two_ranks_and_writes_a_run_directory(tmp_path):
 
 
 def test_bad_config_is_one_line_and_nonzero_before_any_process_starts(tmp_path):
-    result = shardwise("train", "--set", "strategy.bucket_mb=-1", cwd=tmp_path)
+    result = run_cli("train", "--set", "strategy.bucket_mb=-1", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "shardwise: config error: strategy.bucket_mb = -1: Input should be greater than 0"
@@ -160,7 +150,7 @@ def test_command_line_mistakes_are_one_line_not_the_usage(capsys, argv):
 
 
 def test_missing_dataset_file_is_one_line_and_nonzero(tmp_path):
-    result = shardwise("train", "tiny_gpt", "--set", "data.path=no_such.txt", cwd=tmp_path)
+    result = run_cli("train", "tiny_gpt", "--set", "data.path=no_such.txt", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "shardwise: config error: data.path: dataset file not found: no_such.txt"
@@ -170,17 +160,14 @@ def test_missing_dataset_file_is_one_line_and_nonzero(tmp_path):
 
 def test_readme_example_runs_as_plain_python_and_under_both_launchers(tmp_path):
     script = str(ROOT / "examples" / "quickstart.py")
-    plain = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    plain = run_python(script, timeout=120)
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert "world 1: final loss" in plain.stdout
-    ours = shardwise("run", "--nproc", "2", script, cwd=tmp_path)
+    ours = run_cli("run", "--nproc", "2", script, cwd=tmp_path)
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert "world 2: final loss" in ours.stdout
-    torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    torchrun = run_python(
+        "-m", "torch.distributed.run", "--nproc-per-node", "2", script, timeout=120
     )
     assert torchrun.returncode == 0, torchrun.stderr[-2000:]
     assert "world 2: final loss" in torchrun.stdout
@@ -190,7 +177,6 @@ def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
     """`shardwise train ...` under two torchrun agents (two 'nodes') meeting in a c10d
     rendezvous on 127.0.0.1; both must succeed."""
     cmd = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
@@ -208,10 +194,7 @@ def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
         "train",
         *train_args,
     ]
-    nodes = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
+    nodes = [start_python(*cmd) for _ in range(2)]
     outputs = [node.communicate(timeout=180)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
 
@@ -254,7 +237,7 @@ def test_a_crashing_worker_fails_the_job_with_one_line(tmp_path):
         "import os, shardwise as sw\nrt = sw.init()\nif rt.rank == 1:\n    os._exit(3)\n"
         "sw.comm.barrier()\n"
     )
-    result = shardwise("run", "--nproc", "2", str(crash), cwd=tmp_path, timeout=120)
+    result = run_cli("run", "--nproc", "2", str(crash), cwd=tmp_path, timeout=120)
     assert result.returncode == 1
     assert "shardwise: worker rank 1 failed with exit code 3" in result.stderr
 
@@ -262,7 +245,7 @@ def test_a_crashing_worker_fails_the_job_with_one_line(tmp_path):
 def test_checkpoint_matches_full_state_dict(tmp_path):
     # Covered above through load_state_dict; here: the tensors are bitwise those of a model
     # trained in the same run (the checkpoint is the full state dict, not a copy of rank 1's).
-    result = shardwise(
+    result = run_cli(
         "train", "cnn_bn", "--set", "train.steps=5", "--run-dir", str(tmp_path / "r"), cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -289,10 +272,8 @@ SMALL_GPT = [
 def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
     for strategy in (["strategy.name=tp"], ["strategy.name=pp", "strategy.microbatches=2"]):
         run_dir = tmp_path / strategy[0].split("=")[1]
-        sets = [arg for kv in strategy for arg in ("--set", kv)]
-        result = shardwise(
-            "train", "tiny_gpt", *SMALL_GPT, *sets, "--run-dir", str(run_dir), cwd=tmp_path
-        )
+        args = [*SMALL_GPT, *set_args(*strategy), "--run-dir", str(run_dir)]
+        result = run_cli("train", "tiny_gpt", *args, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -311,7 +292,7 @@ def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
 
 
 def test_mesh_sizes_that_do_not_fit_the_world_are_one_line_before_launch(tmp_path):
-    result = shardwise(
+    result = run_cli(
         "train",
         "tiny_gpt",
         "--set",
@@ -328,34 +309,14 @@ def test_mesh_sizes_that_do_not_fit_the_world_are_one_line_before_launch(tmp_pat
     ]
 
 
-def _start_ps_job(tmp_path, run_dir, *sets):
-    args = [arg for kv in sets for arg in ("--set", kv)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "shardwise", "train", "digits", *args, "--run-dir", str(run_dir)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _wait_for(predicate, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_ps_job_survives_a_killed_worker_and_restarts_after_a_killed_server(tmp_path):
     """`strategy: ps` from the command line, under our supervisor (2 servers + 2 workers)."""
-    base = ["strategy.name=ps", "strategy.servers=2", "strategy.workers=2", "strategy.timeout_s=2"]
+    base = ["strategy.servers=2", "strategy.workers=2", "strategy.timeout_s=2"]
     # A worker SIGKILLed mid-run: reported, declared dead by heartbeat, its data consumed.
     run_dir = tmp_path / "worker"
-    job = _start_ps_job(tmp_path, run_dir, *base, "strategy.mode=async", "train.steps=100")
+    job = start_ps_job(run_dir, *base, "strategy.mode=async", "train.steps=100", cwd=tmp_path)
     log = run_dir / "ps" / "worker3.jsonl"
-    _wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 10)
+    wait_until(lambda: log.exists() and len(log.read_text().splitlines()) >= 10, job=job)
     os.kill(int((run_dir / "ps" / "pid3").read_text()), signal.SIGKILL)
     out, _ = job.communicate(timeout=180)
     assert "shardwise: ps worker rank 3 exited with code -9; the others go on" in out
@@ -377,9 +338,9 @@ def test_ps_job_survives_a_killed_worker_and_restarts_after_a_killed_server(tmp_
     # A server SIGKILLed after its first snapshot: the job restarts and resumes from it.
     run_dir = tmp_path / "server"
     sync = ["strategy.mode=sync", "train.steps=60", "strategy.snapshot_every=10"]
-    job = _start_ps_job(tmp_path, run_dir, *base, *sync)
+    job = start_ps_job(run_dir, *base, *sync, cwd=tmp_path)
     snapshots = run_dir / "ps-snapshots"
-    _wait_for(lambda: len(list(snapshots.glob("server*-v*.safetensors"))) >= 2)
+    wait_until(lambda: len(list(snapshots.glob("server*-v*.safetensors"))) >= 2, job=job)
     os.kill(int((run_dir / "ps" / "pid1").read_text()), signal.SIGKILL)
     out, _ = job.communicate(timeout=180)
     assert job.returncode == 0, out[-3000:]
@@ -407,8 +368,7 @@ def test_two_ps_jobs_one_after_the_other_share_no_snapshot_nor_log(tmp_path):
     runs = []
     for lr in ("1e-3", "2e-3"):
         more = [f"optim.lr={lr}", f"launch.runs_dir={tmp_path}"]
-        args = [arg for kv in [*sets, *more] for arg in ("--set", kv)]
-        result = shardwise("train", "digits", *args, cwd=tmp_path, timeout=180)
+        result = run_cli("train", "digits", *set_args(*sets, *more), cwd=tmp_path, timeout=180)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         (new,) = set(tmp_path.iterdir()) - set(runs)
         runs.append(new)

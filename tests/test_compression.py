@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +29,13 @@ def test_sign_packs_32_signs_in_4_bytes():
     x = torch.randn(1000)
     words = pack_signs(x)
     assert words.dtype == torch.int32 and words.numel() == 32  # ceil(1000 / 32) words
-    assert words.numel() * 4 == 128  # bytes: 1000 signs in 1/32 of fp32's 4000 (+ padding)
+    # The bytes as they are sent, read back bit by bit (numpy, little-endian: bit i of the
+    # stream is bit i % 32 of word i // 32): 1000 signs in 1/32 of fp32's 4000 bytes, in order,
+    # 1 for x >= 0, and zeros in the padding.
+    sent = words.numpy().tobytes()
+    bits = np.unpackbits(np.frombuffer(sent, dtype=np.uint8), bitorder="little")
+    assert len(x.numpy().tobytes()) == 4000 and len(sent) == 128
+    assert bits[:1000].tolist() == (x >= 0).int().tolist() and not bits[1000:].any()
     assert torch.equal(unpack_signs(words, 1000), torch.where(x >= 0, 1.0, -1.0))
 
 

@@ -7,11 +7,8 @@ launcher's exit)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import resource
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -20,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import run_cli, run_python, train_args
 from shardwise.checkpoint import run_checkpoint
 from shardwise.faults import injection as faults
 from shardwise.faults.nonfinite import all_finite
@@ -29,16 +27,7 @@ NAN_JOB = ["optim.schedule=constant", "optim.warmup_steps=0"]  # lr independent 
 
 
 def _job(run_dir: Path, *sets: str, nproc: int = 2, env: dict | None = None):
-    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", str(nproc)]
-    for kv in sets:
-        argv += ["--set", kv]
-    return subprocess.run(
-        [*argv, "--run-dir", str(run_dir)],
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_cli(*train_args(run_dir, *sets, nproc=nproc), env=env, timeout=240)
 
 
 def _fired_at(run_dir: Path, name: str) -> float:
@@ -61,7 +50,8 @@ def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
     head = report.splitlines()[0]
     assert head.startswith("shardwise: hang: all_reduce #") and "(group world," in head
     assert "ranks 0, 2 wait in it; rank 1 never arrived" in head
-    assert "rank 1 stack (main thread):" in report and "faults.py" in report  # where it sleeps
+    # where it sleeps
+    assert "rank 1 stack (main thread):" in report and "faults/injection.py" in report
     assert head in result.stderr
     last = result.stderr.strip().splitlines()[-1]  # the launcher's: the hung rank, not rank 0
     assert last.startswith("shardwise: hang: rank 1 never arrived at all_reduce #"), last
@@ -211,17 +201,8 @@ def test_a_full_disk_ends_the_job_in_seconds_and_keeps_the_checkpoint(tmp_path):
     def full_disk() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--run-dir", str(run)]
-    for kv in ("train.steps=50", "train.checkpoint_every=2", "train.async_checkpoint=false"):
-        argv += ["--set", kv]
-    result = subprocess.run(
-        argv,
-        preexec_fn=full_disk,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    sets = ("train.steps=50", "train.checkpoint_every=2", "train.async_checkpoint=false")
+    result = run_cli(*train_args(run, *sets), preexec_fn=full_disk, timeout=240)
     ended = time.time()
     assert result.returncode != 0
     line = f"shardwise: rank 0: cannot write {run}/metrics.jsonl: [Errno 27] File too large"
@@ -252,7 +233,7 @@ KILLED_WHILE_SAVING = """
 import os, signal, sys
 import torch
 import shardwise as sw
-from shardwise import run_checkpoint
+from shardwise.checkpoint import run_checkpoint
 
 run_dir = sys.argv[1]
 rt = sw.init()
@@ -278,7 +259,7 @@ saver.wait()
 def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tmp_path):
     script = tmp_path / "save.py"
     script.write_text(textwrap.dedent(KILLED_WHILE_SAVING))
-    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True)
+    result = run_python(str(script), str(tmp_path), text=False)
     assert result.returncode == -9, result.stderr.decode()[-2000:]
     root = tmp_path / "checkpoints"
     assert [p.name for p in root.glob(".step-*")], "the killed save left its temporary files"

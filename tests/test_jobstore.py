@@ -9,12 +9,8 @@ without the secret. The job must finish as if nothing happened."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import socket
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from harness import listening_ports, start_cli, train_args, wait_until
 from shardwise.comm import jobstore
 from shardwise.comm.jobstore import JobStoreClient, JobStoreError, JobStoreServer
-from test_processes import listening_ports, processes_of
 
 
 @pytest.fixture
@@ -111,22 +107,16 @@ def _torchs_store_keys(port: int) -> tuple[dist.TCPStore | None, list[str] | Non
         return None, None
 
 
-def test_an_outsider_cannot_read_forge_or_abort_a_running_job(tmp_path):
-    run_dir = tmp_path / "run"
+def test_an_outsider_cannot_read_forge_or_abort_a_running_job(run_dir):
     # 300 steps of at least 10 ms each: the job trains for 3 s or more after its first step
     sets = ["train.steps=300", "train.delay_s=[0.01]", "train.log_every=100"]
-    argv = [sys.executable, "-m", "shardwise", "train", "digits"]
-    job = subprocess.Popen(
-        [*argv, *(a for kv in sets for a in ("--set", kv)), "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    job = start_cli(*train_args(run_dir, *sets))
+
+    def output() -> str:  # (once it has ended: a running job's would be waited for)
+        return job.stdout.read() if job.poll() is not None else ""
+
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "timing" / "rank1.jsonl").exists():
-            assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()
-            time.sleep(0.1)
+        wait_until((run_dir / "timing" / "rank1.jsonl").exists, job=job, every_s=0.1, detail=output)
         ports = listening_ports([job.pid])  # torchrun's store and the job's own, both in it
         assert len(ports) == 2, ports
         forged, refused = 0, 0
@@ -150,8 +140,6 @@ def test_an_outsider_cannot_read_forge_or_abort_a_running_job(tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
-        for pid in processes_of(run_dir):
-            os.kill(pid, signal.SIGKILL)
     assert job.returncode == 0, out[-3000:]
     assert "hang" not in out
     summary = json.loads((run_dir / "summary.json").read_text())

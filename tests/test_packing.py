@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import run_cli, set_args
 from shardwise.bench import packing as bench_packing
 from shardwise.config import PACKAGE_DATA, ConfigError, load_config
 from shardwise.data import datasets
 from shardwise.data.datasets import PAD_TARGET, DocumentRows
 from shardwise.data.skew import skew_report
 from shardwise.nn.models import TinyGPT, document_mask, lm_loss
-from test_cli import shardwise
 
 TEXT = PACKAGE_DATA / "genesis_kjv.txt"
 
@@ -141,6 +141,7 @@ def test_packing_config_errors_are_one_line(overrides, expected):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.usefixtures("uncalibrated")
 def test_verses_gpt_trains_packed_on_two_ranks_as_on_one(tmp_path):
     small = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "train.steps=4"]
     small += ["data.seq_len=128", "optim.warmup_steps=0"]
@@ -148,8 +149,8 @@ def test_verses_gpt_trains_packed_on_two_ranks_as_on_one(tmp_path):
     for ranks, batch in ((2, 4), (1, 8)):  # the same global batches of 8 rows
         run_dir = tmp_path / f"run{ranks}"
         sets = [*small, f"launch.nproc={ranks}", f"data.batch_size={batch}"]
-        args = [arg for s in sets for arg in ("--set", s)]
-        result = shardwise("train", "verses_gpt", *args, "--run-dir", str(run_dir), cwd=tmp_path)
+        args = [*set_args(*sets), "--run-dir", str(run_dir)]
+        result = run_cli("train", "verses_gpt", *args, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[ranks] = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
     summary = json.loads((tmp_path / "run2" / "summary.json").read_text())

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
+from harness import run_cli, train_args
 from shardwise import cli
 from shardwise.plan import calibrate
 from shardwise.plan.search import PRESETS, Cluster, TransformerSpec, candidates
@@ -225,15 +223,14 @@ def test_plan_config_at_a_poisoned_calibration_is_one_line(tmp_path, monkeypatch
 def test_training_at_a_poisoned_calibration_says_so_and_trains_without_a_step_time(tmp_path):
     # A NaN rate priced every step at "nan ms"; a string stopped every run. Now the run
     # notes the file and the field, and goes on with no step time predicted.
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
     cal = _calibration(nproc=1)
     cal["flop_rate"] = math.nan
     file = tmp_path / "shardwise" / "calibration" / calibrate.cache_path(1).name
     file.parent.mkdir(parents=True)
     file.write_text(json.dumps(cal))
-    argv = [sys.executable, "-m", "shardwise", "train", "--nproc", "1", "--set", "train.steps=2"]
-    argv += ["--run-dir", str(tmp_path / "run")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    argv = train_args(tmp_path / "run", "train.steps=2", config=None, nproc=1)
+    done = run_cli(*argv, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     note = f"shardwise: {file}: flop_rate must be a number from 1 to 1e+18, got nan: run "
     note += "shardwise calibrate --nproc 1 again: no step time predicted"

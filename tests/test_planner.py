@@ -5,14 +5,12 @@ they should); the command line. (Bad input to it: test_plan_inputs.py.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
 import pytest
 
+from harness import run_cli
 from shardwise.plan import calibrate
 from shardwise.plan.command import model_states
 from shardwise.plan.search import PRESETS, Cluster, Plan, price, search
@@ -21,10 +19,9 @@ FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
 
 
 def test_plan_reproduces_zero_figure_1_from_the_command_line():
-    argv = [sys.executable, "-m", "shardwise", "plan"]
-    argv += ["--params", "7.5e9", "--devices", "64", "--precision", "mixed", "--json"]
+    argv = ["plan", "--params", "7.5e9", "--devices", "64", "--precision", "mixed", "--json"]
     started = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    done = run_cli(*argv, timeout=60)
     assert done.returncode == 0, done.stderr
     assert time.perf_counter() - started < 10  # (a Python start; the plan itself is instant)
     plans = {p["strategy"]: p for p in json.loads(done.stdout)}
@@ -94,8 +91,8 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
         "layers: 80\nhidden: 8192\nheads: 64\nseq: 4096\nvocab: 32000\nbatch: 1024\n"
         "ffn: 36864\ndevices: 1024\nmemory_gb: 80\nnetwork_gbit: 400\n"
     )
-    argv = [sys.executable, "-m", "shardwise", "plan", "--spec", str(spec), "--json"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    argv = ["plan", "--spec", str(spec), "--json"]
+    done = run_cli(*argv, timeout=60)
     assert done.returncode == 0, done.stderr
     plans = json.loads(done.stdout)
     fitting = [p for p in plans if p["fits"]]
@@ -104,24 +101,24 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
     assert [p["step_time_s"] for p in fitting] == sorted(p["step_time_s"] for p in fitting)
     assert all(p["reason"] for p in plans if not p["fits"])
     spec.write_text("layers: 80\nwidth: 3\n")
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    done = run_cli(*argv, timeout=60)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert "unknown keys ['width']" in done.stderr
 
 
 def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    plan = [sys.executable, "-m", "shardwise", "plan", "--config", "digits", "--nproc", "2"]
-    before = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=env)
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    plan = ["plan", "--config", "digits", "--nproc", "2"]
+    before = run_cli(*plan, timeout=120, env=env)
     assert before.returncode == 2
     assert before.stderr.strip().splitlines() == [
         "shardwise: plan: no calibration for 2 ranks on this machine: run shardwise calibrate "
         "--nproc 2"
     ]
-    argv = [sys.executable, "-m", "shardwise", "calibrate", "--nproc", "2", "--passes", "1"]
+    argv = ["calibrate", "--nproc", "2", "--passes", "1"]
     argv += ["--calls", "10"]  # (the points' count and order are checked, not their accuracy)
     started = time.time()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    done = run_cli(*argv, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     stored = next((tmp_path / "shardwise" / "calibration").glob("*-n2-t*.json"))
     rates = json.loads(stored.read_text())
@@ -137,7 +134,7 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
         points = rates["collectives"][kind]["points"]
         assert len(points) == 6 and all(seconds > 0 for _, seconds in points)
         assert [v for v, _ in points] == sorted(v for v, _ in points)
-    after = subprocess.run([*plan, "--json"], capture_output=True, text=True, timeout=300, env=env)
+    after = run_cli(*plan, "--json", timeout=300, env=env)
     assert after.returncode == 0, after.stderr[-2000:]
     rows = json.loads(after.stdout)
     names = {row["strategy"] for row in rows}
@@ -149,7 +146,7 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     assert list(tmp_path.glob("runs*")) == []  # nothing written but the calibration
     del rates["collectives"]["all_reduce"]["points"]  # as an older shardwise wrote it
     stored.write_text(json.dumps(rates))
-    older = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=env)
+    older = run_cli(*plan, timeout=120, env=env)
     assert older.returncode == 2 and len(older.stderr.strip().splitlines()) == 1
     assert "from an older shardwise" in older.stderr and "calibrate --nproc 2" in older.stderr
 

@@ -6,8 +6,6 @@ import collections
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -18,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
+from harness import run_ps_job
+from ps_batches import BATCH, STEPS, global_batch, mlp, single_process_weights
 from shardwise.nn.models import MLP
 from shardwise.ps import protocol
 from shardwise.ps.peers import check_hello
@@ -27,37 +27,7 @@ from shardwise.ps.snapshots import EXIT_NO_SNAPSHOT, ShardSnapshots, SnapshotErr
 from shardwise.ps.worker import PSClient
 from spawn import run
 
-BATCH = 4  # per worker
-STEPS = 20
 EPOCHS = 4  # passes over the digits training set in the work-queue tests
-
-
-def _mlp(sizes=(13, 16, 9, 5)) -> MLP:
-    torch.manual_seed(0)
-    return MLP(list(sizes))
-
-
-def _global_batch(step: int, workers: int):
-    g = torch.Generator().manual_seed(900 + step)
-    x = torch.randn(workers * BATCH, 13, generator=g)
-    return x, torch.randint(0, 5, (workers * BATCH,), generator=g)
-
-
-def _reference(workers: int, steps: int = STEPS, skips: dict | None = None) -> dict:
-    """Single-process training on the global batches; `skips`: worker -> the steps whose
-    slice it left out (a non-finite gradient: the step is the others' mean, or none at all)."""
-    model = _mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        x, y = _global_batch(step, workers)
-        kept = [w for w in range(workers) if step not in (skips or {}).get(w, ())]
-        if not kept:
-            continue
-        rows = torch.cat([torch.arange(w * BATCH, (w + 1) * BATCH) for w in kept])
-        F.cross_entropy(model(x[rows]), y[rows]).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
 
 
 def _sync_run(
@@ -81,7 +51,7 @@ def _sync_run(
     rank, world = dist.get_rank(), dist.get_world_size()
     workers = world - servers - relays
     if strategy.is_relay():
-        report = sw.ps.relay(_mlp(), strategy)
+        report = sw.ps.relay(mlp(), strategy)
         return {"received": report.pushes_received, "forwarded": report.pushes_forwarded}
     if strategy.is_server():
         if kill_server_at is not None and rank == 0:
@@ -93,17 +63,17 @@ def _sync_run(
                     os.kill(os.getpid(), signal.SIGKILL)
 
             sw.ps.server.Server.apply = dying_apply
-        report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=lr)
+        report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=lr)
         return {
             "resumed_from": report.resumed_from,
             "updates": report.updates,
             "pushes": report.pushes_received,
         }
-    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=lr)
+    model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.AdamW, lr=lr)
     client, index = model.client, rank - servers - relays
     try:
         while client.clock < steps:
-            x, y = _global_batch(client.clock, workers)
+            x, y = global_batch(client.clock, workers)
             part = slice(index * BATCH, (index + 1) * BATCH)
             F.cross_entropy(model(x[part]), y[part]).backward()
             if client.clock in (skips or {}).get(index, ()):
@@ -120,7 +90,7 @@ def _sync_run(
 
 @pytest.mark.parametrize("servers", [1, 2])
 def test_sync_equals_single_process(servers):
-    expected = _reference(workers=2)
+    expected = single_process_weights(workers=2)
     results = run(_sync_run, servers + 2, servers)
     for state in results[servers:]:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
@@ -130,7 +100,7 @@ def test_sync_equals_single_process(servers):
 def test_two_level_sync_equals_single_process():
     """2 servers, 2 relays over 3 workers (groups of 2 and 1: the servers must weight each
     relay's sum by its count to get the mean over all workers)."""
-    expected = _reference(workers=3)
+    expected = single_process_weights(workers=3)
     results = run(_sync_run, 7, 2, STEPS, None, None, 2)
     for state in results[4:]:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
@@ -148,7 +118,7 @@ def test_a_skipped_step_leaves_that_workers_slice_out_of_the_update(relays):
     """A worker that skips a clock (`train.nonfinite: skip`) pushes nothing: that update is the
     other worker's mean alone, and a clock both skip is no update at all."""
     skips = {0: {3, 11}, 1: {7, 11}}
-    expected = _reference(workers=2, skips=skips)
+    expected = single_process_weights(workers=2, skips=skips)
     results = run(_sync_run, 3 + relays, 1, STEPS, None, None, relays, 1e-2, skips)
     for state in results[1 + relays :]:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
@@ -174,14 +144,14 @@ def _ssp_run(staleness: int):
     strategy = sw.ParameterServer(servers=1, mode="ssp", staleness=staleness)
     rank = dist.get_rank()
     if strategy.is_server():
-        sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2)
+        sw.ps.serve(mlp(), strategy, torch.optim.SGD, lr=1e-2)
         return None
-    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.SGD, lr=1e-2)
+    model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.SGD, lr=1e-2)
     pushed, returned = [], []  # seconds at which push k (1-based) left; pull k came back
     for step in range(15):
         if rank == 1:
             time.sleep(0.03)  # the straggler
-        x, y = _global_batch(step, 1)
+        x, y = global_batch(step, 1)
         F.cross_entropy(model(x), y).backward()
         pushed.append(time.monotonic())
         opt.step()  # push this step's gradient, then pull (SSP may hold the pull)
@@ -198,7 +168,7 @@ def _late_joiner_run(mode: str):
     strategy = sw.ParameterServer(servers=2, mode=mode, staleness=1000)
     rank = dist.get_rank()
     if strategy.is_server():
-        return sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2).refused
+        return sw.ps.serve(mlp(), strategy, torch.optim.SGD, lr=1e-2).refused
     told = {}  # server -> the version its HELLO's answer said
     if rank == 3:
         send, recv = PSClient._send, PSClient._recv
@@ -214,9 +184,9 @@ def _late_joiner_run(mode: str):
             return h, payload
 
         PSClient._send, PSClient._recv = late_hello, noting
-    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.SGD, lr=1e-2)
+    model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.SGD, lr=1e-2)
     for step in range(400 if rank == 2 else 20):
-        x, y = _global_batch(step, 1)
+        x, y = global_batch(step, 1)
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -233,7 +203,7 @@ def test_a_worker_told_other_versions_by_its_servers_is_served(mode):
 
 def test_a_hello_that_is_not_a_model_signature_is_refused_in_words():
     """Whatever JSON a first HELLO carries, the server says why it refuses it, and lives."""
-    ours = signature(_mlp())
+    ours = signature(mlp())
     deep = b"[" * 500_000 + b"]" * 500_000  # (deeper than Python's JSON parser recurses)
     for text in [deep, b'[["w", [Infinity]]]', b'[["w", [NaN]]]', b"{}", b"[1]", b"\xff"]:
         payload = torch.frombuffer(bytearray(text), dtype=torch.uint8)
@@ -264,15 +234,15 @@ def _mismatch_run():
     strategy = sw.ParameterServer(servers=1, mode="async")
     rank = dist.get_rank()
     if strategy.is_server():
-        report = sw.ps.serve(_mlp(), strategy, torch.optim.SGD, lr=1e-2)
+        report = sw.ps.serve(mlp(), strategy, torch.optim.SGD, lr=1e-2)
         return report.rejected
     sizes = (13, 16, 9, 5) if rank == 1 else (13, 17, 9, 5)
     try:
-        model, opt = sw.prepare(_mlp(sizes), strategy, optimizer=torch.optim.SGD, lr=1e-2)
+        model, opt = sw.prepare(mlp(sizes), strategy, optimizer=torch.optim.SGD, lr=1e-2)
     except sw.ps.PSError as e:
         return str(e)
     for step in range(5):
-        x, y = _global_batch(step, 1)
+        x, y = global_batch(step, 1)
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -316,10 +286,10 @@ def _digits_run(
     rank = dist.get_rank()
     size = len(splits.train)
     if strategy.is_relay():
-        return {"dead": sw.ps.relay(_mlp((64, 128, 10)), strategy).dead_workers}
+        return {"dead": sw.ps.relay(mlp((64, 128, 10)), strategy).dead_workers}
     if strategy.is_server():
         work = sw.ps.WorkQueue(size, 32, epochs=EPOCHS, seed=0)
-        report = sw.ps.serve(_mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
+        report = sw.ps.serve(mlp((64, 128, 10)), strategy, torch.optim.AdamW, work=work, lr=3e-3)
         return {
             "consumed": report.consumed_samples,
             "dead": report.dead_workers,
@@ -327,7 +297,7 @@ def _digits_run(
             "updates": report.updates,
             "rounds": report.rounds,
         }
-    model, opt = sw.prepare(_mlp((64, 128, 10)), strategy, optimizer=torch.optim.AdamW, lr=3e-3)
+    model, opt = sw.prepare(mlp((64, 128, 10)), strategy, optimizer=torch.optim.AdamW, lr=3e-3)
     steps = 0
     log = open(Path(log_dir) / f"trained{rank}.jsonl", "a")  # noqa: SIM115 (SIGKILLed with it)
     while (indices := model.client.next_batch()) is not None:
@@ -347,7 +317,7 @@ def _digits_run(
     state = sw.full_state_dict(model)
     strategy.close(model)
     with torch.no_grad():
-        reference = _mlp((64, 128, 10))
+        reference = mlp((64, 128, 10))
         reference.load_state_dict(state)
         x, y = splits.test[:]
         accuracy = (reference(x).argmax(-1) == y).float().mean().item()
@@ -393,7 +363,7 @@ def test_a_worker_whose_training_hangs_is_declared_stuck_and_its_batch_trained_b
 
 
 def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
-    expected = _reference(workers=2)
+    expected = single_process_weights(workers=2)
     snap = str(tmp_path / "snapshots")
     first = run(_sync_run, 3, 1, STEPS, 12, snap, timeout_s=120, dies=(0,))
     assert all("error" in r for r in first[1:])  # the workers saw their server go
@@ -495,7 +465,7 @@ def _identities() -> list[str]:
     identities = []
     for lr, seed in [(1e-2, 0), (1e-2, 0), (2e-2, 0), (1e-2, 1)]:
         work = sw.ps.WorkQueue.for_batches(10**7, size=1437, batch=32, seed=seed)
-        server = sw.ps.server.Server(_mlp(), strategy, torch.optim.AdamW, {"lr": lr}, 0, [], work)
+        server = sw.ps.server.Server(mlp(), strategy, torch.optim.AdamW, {"lr": lr}, 0, [], work)
         server._beats.stop()
         identities.append(server.identity)
     return identities
@@ -508,23 +478,17 @@ def test_a_server_tells_its_own_job_s_snapshots_from_another_job_s():
     assert json.loads(job)["work"] == {"size": 1437, "batch": 32, "seed": 0, "batches": 10**7}
 
 
-def test_a_ps_job_left_no_usable_snapshot_fails_at_once_with_one_line_and_no_restart(tmp_path):
+@pytest.mark.usefixtures("uncalibrated")
+def test_a_ps_job_left_no_usable_snapshot_fails_at_once_with_one_line_and_no_restart(
+    tmp_path, run_dir
+):
     """Under the supervisor: the server names the file and why, ends with EXIT_NO_SNAPSHOT, and
     the supervisor does not restart a job that would find the same files."""
-    run_dir = tmp_path / "run"
     (run_dir / "ps-snapshots").mkdir(parents=True)
     foreign = run_dir / "ps-snapshots" / "server0-v000000010.safetensors"
     torch.save({"params": [torch.zeros(3)]}, foreign)  # a pickle: refused unread
-    sets = ["strategy.name=ps", "strategy.workers=1", "strategy.snapshot_every=10"]
-    result = subprocess.run(
-        [sys.executable, "-m", "shardwise", "train", "digits", "--run-dir", str(run_dir)]
-        + [arg for kv in sets for arg in ("--set", kv)],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    sets = ["strategy.workers=1", "strategy.snapshot_every=10"]
+    result = run_ps_job(run_dir, *sets, cwd=tmp_path, timeout=180)
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-3000:]
     assert f"shardwise: ps server 0: {foreign}: unreadable (" in out

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
+from ps_batches import BATCH, STEPS, global_batch, mlp, single_process_weights
 from shardwise.comm import messages
 from shardwise.ps import protocol
 from shardwise.ps.protocol import Kind
 from spawn import run
-from test_ps import BATCH, STEPS, _global_batch, _mlp, _reference
 
 CATEGORIES = ("truncated", "oversized", "short", "nan", "unknown", "out-of-turn")
 # What the ERROR says, for each category (the server's or relay's own words)
@@ -91,12 +91,12 @@ def _fuzz_run(relays: int, hostile: int, messages_count: int):
     strategy = sw.ParameterServer(servers=1, mode="sync", relays=relays, timeout_s=30.0)
     rank = dist.get_rank()
     if strategy.is_relay():
-        report = sw.ps.relay(_mlp(), strategy)
+        report = sw.ps.relay(mlp(), strategy)
         return {"refused": report.refused, "dead": report.dead_workers}
     if strategy.is_server():
-        report = sw.ps.serve(_mlp(), strategy, torch.optim.AdamW, lr=1e-2)
+        report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=1e-2)
         return {"refused": report.refused, "updates": report.updates, "dead": report.dead_workers}
-    model, opt = sw.prepare(_mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
+    model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
     client = model.client
     upstream = client.servers[0]  # the server, or the relay
     if rank == hostile:
@@ -114,7 +114,7 @@ def _fuzz_run(relays: int, hostile: int, messages_count: int):
         return {"errors": dict(errors)}
     index = rank - strategy.servers - strategy.relays
     while client.clock < STEPS:
-        x, y = _global_batch(client.clock, 2)
+        x, y = global_batch(client.clock, 2)
         part = slice(index * BATCH, (index + 1) * BATCH)
         F.cross_entropy(model(x[part]), y[part]).backward()
         opt.step()
@@ -139,6 +139,6 @@ def test_a_hostile_client_never_stops_the_server_nor_changes_the_honest_result(
     assert sum(results[r]["refused"] for r in range(1 + relays)) == messages_count
     assert all(results[r]["dead"] == {} for r in range(1 + relays))  # nobody declared dead
     assert results[0].get("updates", STEPS) == STEPS
-    expected = _reference(workers=2)
+    expected = single_process_weights(workers=2)
     for state in honest:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5

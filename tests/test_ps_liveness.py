@@ -8,17 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from test_processes import processes_of
+from harness import none_left, start_ps_job, wait_until
 
 HEARTBEAT_S, TIMEOUT_S, PROGRESS_S = 0.2, 2.0, 2.0
 BASE = [
-    "strategy.name=ps",
     "strategy.servers=1",
     "strategy.workers=2",
     "strategy.mode=sync",
@@ -33,16 +30,7 @@ class Job:
     clock) as they arrive."""
 
     def __init__(self, run_dir: Path, *sets: str, env: dict[str, str] | None = None) -> None:
-        args = [arg for kv in [*BASE, *sets] for arg in ("--set", kv)]
-        argv = [sys.executable, "-m", "shardwise", "train", "digits", *args]
-        self.run_dir = run_dir
-        self.proc = subprocess.Popen(
-            [*argv, "--run-dir", str(run_dir)],
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        self.proc = start_ps_job(run_dir, *BASE, *sets, env=env)
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -70,28 +58,14 @@ class Job:
     def output(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
-    def kill_all(self) -> None:
-        self.proc.kill()
-        for pid in processes_of(self.run_dir):
-            os.kill(pid, signal.SIGKILL)
 
-
-def _nothing_left_running(run_dir: Path) -> None:
-    deadline = time.monotonic() + 5
-    while processes_of(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_of(run_dir) == [], "processes of the job still running after 5 s"
-
-
-def test_a_sigstopped_server_is_named_in_time_and_the_job_resumes_from_its_snapshot(tmp_path):
-    run_dir = tmp_path / "run"
+def test_a_sigstopped_server_is_named_in_time_and_the_job_resumes_from_its_snapshot(run_dir):
     job = Job(run_dir, "train.steps=150", "strategy.snapshot_every=10")
     try:
         snapshots = run_dir / "ps-snapshots"
-        deadline = time.monotonic() + 120
-        while not list(snapshots.glob("server0-v*.safetensors")):
-            assert job.proc.poll() is None and time.monotonic() < deadline, job.output()
-            time.sleep(0.05)
+        wait_until(
+            lambda: list(snapshots.glob("server0-v*.safetensors")), job=job.proc, detail=job.output
+        )
         os.kill(int((run_dir / "ps" / "pid0").read_text()), signal.SIGSTOP)
         stopped = time.time()
         assert job.wait() == 0, job.output()[-3000:]
@@ -105,15 +79,14 @@ def test_a_sigstopped_server_is_named_in_time_and_the_job_resumes_from_its_snaps
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["resumed_from"] >= 10 and summary["resumed_from"] % 10 == 0
         assert summary["updates"] == 150 - summary["resumed_from"]  # the rest, no more
-        _nothing_left_running(run_dir)
+        none_left(run_dir)
     finally:
-        job.kill_all()
+        job.proc.kill()
 
 
-def test_a_hung_server_is_named_stuck_by_its_workers_and_the_job_fails(tmp_path):
+def test_a_hung_server_is_named_stuck_by_its_workers_and_the_job_fails(run_dir):
     """The server's loop hangs at its 20th update while its heartbeats go on: alive, so not
     silent, but its workers' requests go unanswered past progress_timeout_s + timeout_s."""
-    run_dir = tmp_path / "run"
     job = Job(run_dir, "train.steps=150", env={"SHARDWISE_FAULT": "hang:rank=0:step=20"})
     try:
         assert job.wait() == 1, job.output()[-3000:]
@@ -125,16 +98,15 @@ def test_a_hung_server_is_named_stuck_by_its_workers_and_the_job_fails(tmp_path)
             assert fired + stuck_after - 0.5 <= said <= bound
         assert job.first("stopping the job: server rank 0 failed") <= bound + 2
         assert "the parameter-server job failed: server rank 0" in job.output()
-        _nothing_left_running(run_dir)
+        none_left(run_dir)
     finally:
-        job.kill_all()
+        job.proc.kill()
 
 
-def test_a_worker_whose_training_hangs_is_named_stuck_and_the_job_fails_naming_it(tmp_path):
+def test_a_worker_whose_training_hangs_is_named_stuck_and_the_job_fails_naming_it(run_dir):
     """Worker 2's training thread blocks at its 10th step while its process (and heartbeats)
     live on: server 0 declares it stuck within progress_timeout_s + 2 s, worker 1 trains its
     batch and every other, and the job ends, naming it (all workers must finish by default)."""
-    run_dir = tmp_path / "run"
     job = Job(run_dir, "train.steps=60", env={"SHARDWISE_FAULT": "hang:rank=2:step=10"})
     try:
         assert job.wait() == 1, job.output()[-3000:]
@@ -147,6 +119,6 @@ def test_a_worker_whose_training_hangs_is_named_stuck_and_the_job_fails_naming_i
         assert summary["consumed_samples"] == 60 * 2 * 32  # its batch was trained by worker 1
         rows = (run_dir / "ps" / "worker1.jsonl").read_text().splitlines()
         assert sum(json.loads(r)["samples"] for r in rows) == 60 * 2 * 32 - 9 * 32
-        _nothing_left_running(run_dir)
+        none_left(run_dir)
     finally:
-        job.kill_all()
+        job.proc.kill()

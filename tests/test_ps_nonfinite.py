@@ -6,39 +6,34 @@ anyway is refused: tests/test_ps_fuzz.py.)"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-PS = ["strategy.name=ps", "strategy.servers=1", "strategy.workers=2", "train.steps=20"]
+from harness import run_ps_job
+
+PS = ["strategy.servers=1", "strategy.workers=2", "train.steps=20"]
 
 
-def _ps_job(tmp_path, *sets: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "shardwise", "train", "digits"]
-    for kv in [*PS, *sets]:
-        argv += ["--set", kv]
-    return subprocess.run(
-        [*argv, "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300
-    )
+def _ps_job(run_dir, *sets: str):
+    return run_ps_job(run_dir, *PS, *sets, timeout=300)
 
 
-def test_a_nan_on_one_worker_skips_its_step_and_the_job_goes_on(tmp_path):
-    result = _ps_job(tmp_path, "faults=[nan:rank=2:step=5]")
+def test_a_nan_on_one_worker_skips_its_step_and_the_job_goes_on(run_dir):
+    result = _ps_job(run_dir, "faults=[nan:rank=2:step=5]")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "shardwise: ps worker rank 2: step 5: non-finite loss" in result.stdout
-    rows = [json.loads(line) for line in (tmp_path / "run/ps/worker2.jsonl").open()]
+    rows = [json.loads(line) for line in (run_dir / "ps/worker2.jsonl").open()]
     assert [r["step"] for r in rows if r.get("skipped")] == [5]
-    weights = load_file(str(tmp_path / "run/checkpoint/model.safetensors"))
+    weights = load_file(str(run_dir / "checkpoint/model.safetensors"))
     assert all(bool(torch.isfinite(w).all()) for w in weights.values())
 
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
-def test_a_run_that_goes_non_finite_stops_non_zero_naming_the_workers(tmp_path, policy):
+def test_a_run_that_goes_non_finite_stops_non_zero_naming_the_workers(run_dir, policy):
     # Plain SGD at a learning rate of a million: the weights overflow within a few steps.
-    result = _ps_job(tmp_path, "optim.name=sgd", "optim.lr=1e6", f"train.nonfinite={policy}")
+    result = _ps_job(run_dir, "optim.name=sgd", "optim.lr=1e6", f"train.nonfinite={policy}")
     assert result.returncode == 1
     out = result.stdout + result.stderr
     bad = 3 if policy == "skip" else 1  # train.max_bad_steps in a row, or the first

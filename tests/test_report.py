@@ -6,16 +6,14 @@ import base64
 import html
 import io
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 
+from harness import run_cli, train_args
 from shardwise.observe import report
 
 STRATEGIES = {
@@ -26,20 +24,13 @@ STRATEGIES = {
 COMMON = ["train.steps=16", "train.eval_every=8", "train.log_every=4", "optim.warmup_steps=4"]
 
 
-def _shardwise(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "shardwise", *args]
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("report")
     dirs = []
     for name, sets in STRATEGIES.items():
         run = root / name
-        argv = ["train", "digits", "--nproc", "2", "--run-dir", str(run)]
-        job = _shardwise(*argv, *(x for kv in COMMON + sets for x in ("--set", kv)), cwd=root)
+        job = run_cli(*train_args(run, *COMMON, *sets, nproc=2), cwd=root)
         assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
         dirs.append(run)
     return dirs
@@ -66,7 +57,7 @@ def test_every_figure_of_three_strategies_shows_data(runs):
 
 def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
     out = tmp_path / "report.html"
-    result = _shardwise("report", *map(str, runs), "-o", str(out), cwd=tmp_path)
+    result = run_cli("report", *map(str, runs), "-o", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     page = out.read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
@@ -88,7 +79,7 @@ def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
 
 
 def test_report_refuses_what_is_not_a_run_in_one_line(tmp_path):
-    result = _shardwise("report", str(tmp_path / "nowhere"), cwd=tmp_path)
+    result = run_cli("report", str(tmp_path / "nowhere"), cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"shardwise: report: {tmp_path / 'nowhere'} is not a finished run directory "
@@ -125,7 +116,7 @@ def test_runs_of_one_strategy_get_rows_told_apart_and_names_stay_text(runs, tmp_
 def test_headless_chromium_renders_the_page(runs, tmp_path):
     out, shot = tmp_path / "report.html", tmp_path / "report.png"
     argv = ["report", *map(str, runs), "-o", str(out), "--screenshot", str(shot)]
-    result = _shardwise(*argv, cwd=tmp_path)
+    result = run_cli(*argv, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[0] >= 1000 and pixels.std() > 0.05

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import set_args, start_cli, wait_until
 from ledger_replay import replay_ledger
 from shardwise.checkpoint import run_checkpoint
 from shardwise.config import load_config
@@ -30,23 +28,15 @@ from shardwise.jobs import build_job
 STEPS = 60
 
 
-def _train(
-    run_dir: Path, *sets: str, env: dict | None = None, extra=(), nproc: int = 2
-) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "shardwise", "train", "digits", "--nproc", str(nproc)]
-    argv += ["--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=10", *extra]
-    for kv in sets:
-        argv += ["--set", kv]
-    return subprocess.Popen(
-        [*argv, "--run-dir", str(run_dir)] if "--resume" not in extra else argv,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def _train(run_dir: Path, *sets: str, env: dict | None = None, extra=(), nproc: int = 2):
+    """The digits job of STEPS steps, a checkpoint every 10, started (`extra`: --resume RUN, or
+    --max-restarts N)."""
+    argv = ["train", "digits", "--nproc", str(nproc), *extra]
+    argv += set_args(f"train.steps={STEPS}", "train.checkpoint_every=10", *sets)
+    return start_cli(*argv, *([] if "--resume" in extra else ["--run-dir", str(run_dir)]), env=env)
 
 
-def _finish(job: subprocess.Popen, code: int = 0) -> str:
+def _finish(job, code: int = 0) -> str:
     try:
         out, _ = job.communicate(timeout=240)
     finally:
@@ -100,14 +90,11 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_pat
     slow = ["train.delay_s=[0.05, 0.05]"]  # (sleeps only: the arithmetic is the same)
     stopped = _train(tmp_path / "stopped", *slow)
     metrics = tmp_path / "stopped" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
 
     def steps_done() -> int:
         return metrics.read_text().count('"loss"') if metrics.exists() else 0
 
-    while steps_done() < 15:
-        assert time.monotonic() < deadline and stopped.poll() is None
-        time.sleep(0.1)
+    wait_until(lambda: steps_done() >= 15, job=stopped, every_s=0.1)
     stopped.send_signal(signal.SIGTERM)
     try:
         out, _ = stopped.communicate(timeout=120)
@@ -146,10 +133,10 @@ def test_sigterm_to_one_worker_saves_and_resume_uses_the_runs_own_config(tmp_pat
     run = tmp_path / "run"
     own = ["name=small", "model.hidden=[16]", "train.delay_s=[0.05, 0.05]"]  # not digits' own
     job = _train(run, *own)
-    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 120
-    while not metrics.exists() or metrics.read_text().count('"loss"') < 15:
-        assert time.monotonic() < deadline and job.poll() is None
-        time.sleep(0.1)
+    metrics = run / "metrics.jsonl"
+    wait_until(
+        lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 15, job=job, every_s=0.1
+    )
     os.kill(_workers(run)[1], signal.SIGTERM)  # one worker, not the launcher
     out = _finish(job, code=128 + signal.SIGTERM)
     newest = run_checkpoint.complete(run / "checkpoints")[-1]
@@ -178,8 +165,7 @@ def test_sigterm_to_one_worker_saves_and_resume_uses_the_runs_own_config(tmp_pat
         assert _files(run) == before
 
     # No CONFIG: the run's own config.yaml (its model, its name), from the step it stopped at.
-    argv = [sys.executable, "-m", "shardwise", "train", "--resume", str(run)]
-    resumed = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    resumed = start_cli("train", "--resume", str(run))
     out = _finish(resumed)
     assert f"shardwise: resuming {run} with its own config.yaml" in out
     assert f"resumed from {newest} (step {step})" in out

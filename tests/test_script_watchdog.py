@@ -6,13 +6,12 @@ one."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
+
+from harness import run_cli
 
 SCRIPT = """
     import sys, time, torch
@@ -37,18 +36,11 @@ FAULTS = {
 def test_the_rank_that_hangs_or_leaves_is_named_last_within_seconds(tmp_path, fault):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT.format(fault=FAULTS[fault])))
-    argv = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--hang-timeout", "4"]
+    argv = ["run", "--nproc", "2", "--hang-timeout", "4", str(script)]
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     started = time.monotonic()
-    result = subprocess.run(
-        [*argv, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={**os.environ, "TMPDIR": str(temporary)},
-    )
+    result = run_cli(*argv, timeout=120, cwd=tmp_path, env={"TMPDIR": str(temporary)})
     took = time.monotonic() - started
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset, default_collate
 
+from harness import run_cli, set_args
 from shardwise.config import ConfigError, load_config
 from shardwise.data import ledger
 from shardwise.data.queue_loader import QueueLoader
 from shardwise.jobs import OPTIMIZERS, build_job, optimizer_kwargs
-from test_cli import shardwise
 
 ROUNDS, PERIOD, BATCH = 14, 3, 64
 TRAIN = 1438  # the digits training split: 23 chunks an epoch, 4 rounds of 6 chunks
@@ -37,9 +37,8 @@ SETS = [
 
 
 def _train(run: Path, *sets: str, extra=()) -> None:
-    argv = ["train", "digits", *extra, "--run-dir", str(run)]
-    argv += [x for kv in [*SETS, *sets] for x in ("--set", kv)]
-    result = shardwise(*argv, cwd=run.parent)
+    argv = ["train", "digits", *extra, "--run-dir", str(run), *set_args(*SETS, *sets)]
+    result = run_cli(*argv, cwd=run.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -75,6 +74,7 @@ def test_chunks_are_dealt_once_each_and_rounds_end_alike_on_every_rank():
     assert seen == Counter({i: 2 for i in range(50)})
 
 
+@pytest.mark.usefixtures("uncalibrated")
 def test_faster_rank_takes_more_and_every_sample_once_per_epoch(tmp_path):
     run = tmp_path / "run"
     _train(run, "faults=[slow:rank=1:factor=4]")
@@ -123,6 +123,7 @@ def _replay(lines_by_rank: dict[int, list[dict]]) -> dict[str, torch.Tensor]:
     return average
 
 
+@pytest.mark.usefixtures("uncalibrated")
 def test_a_killed_rank_chunks_are_dealt_again_after_the_restart(tmp_path):
     run = tmp_path / "run"
     # rank 1 dies as round 9 begins, after the checkpoint of round 8; the job restarts
