@@ -14,7 +14,8 @@ import shardwise
 PACKAGE = Path(shardwise.__file__).parent
 
 # Bottom to top. A name is a subpackage or a top-level module; "shardwise" is the package's own
-# `__init__` (the `sw.*` facade), which the planner's and the benchmarks' jobs import.
+# `__init__`: the `sw.*` facade, which gathers the public parts (the trainer's among them) for
+# users' scripts and the benchmarks, and which nothing below it imports.
 LAYERS = [
     "comm",
     "distributed",
@@ -28,10 +29,10 @@ LAYERS = [
     "config",
     "jobs",
     "api",
-    "shardwise",
     "plan",
     "train",
     "launch",
+    "shardwise",
     "bench",
     "cli",
     "__main__",

@@ -122,7 +122,7 @@ def rank_state(
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else {},
         "rng": rng,
         "data": data,
     }
@@ -422,15 +422,17 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
         state = _rank_state(found.directory, rank)
         model.load_state_dict(state["model"])
         _load_optimizer(optimizer, state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         return {"step": int(state["step"]), "data": state["data"]}
     state = _rank_state(found.directory, min(rank, found.world_size - 1))
     params, states, _ = read_full_state(found.directory / SHARDED)
     model.load_full_state(optimizer, params, states)
-    scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr  # the schedule's current value (the optimizer's groups were not saved)
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # the schedule's current value (the optimizer's groups were not saved)
     if rank < found.world_size:
         set_rng_state(state["rng"])
     else:  # a rank the saved run did not have: generators of its own, not a copy of another's

@@ -271,6 +271,7 @@ class Watchdog:
         where = ""
         if self.report_path is not None:
             with contextlib.suppress(OSError):
+                self.report_path.parent.mkdir(parents=True, exist_ok=True)
                 self.report_path.write_text(report + "\n")
                 where = f" (report: {self.report_path})"
         print(f"{report}\nshardwise: {verdict}{where}", file=sys.stderr, flush=True)

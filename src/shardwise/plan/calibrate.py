@@ -539,9 +539,10 @@ def worker(out: str, passes: int, calls: int) -> None:
     """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file."""
     import torch.distributed as dist
 
-    import shardwise as sw
+    from shardwise import api
+    from shardwise.distributed import runtime
 
-    rt = sw.init(backend="gloo")
+    rt = api.init(backend="gloo")
     threads = torch.get_num_threads()
     dist.barrier()
     # Alone (the others wait): how fast one rank's own work runs when nothing competes.
@@ -581,7 +582,7 @@ def worker(out: str, passes: int, calls: int) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1))
     dist.barrier()
-    sw.shutdown()
+    runtime.shutdown()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
