@@ -233,17 +233,7 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     servers = [
         json.loads((out / f"server{r}.json").read_text()) for r in range(cfg.strategy.servers)
     ]
-    flat = torch.cat(
-        [
-            load_file(str(out / f"server{r}.safetensors"))["flat"]
-            for r in range(cfg.strategy.servers)
-        ]
-    )
-    job = build_job(cfg)
-    with torch.no_grad():
-        params = trainable(job.model)
-        for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.copy_(value.view_as(p))
+    job = _assembled(cfg, out)
     eval_loss, accuracy, _ = evaluate(
         job.model, job.splits.test, job.loss_fn, cfg.train.eval_batch_size, everyone=False
     )
@@ -283,6 +273,18 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     }
     write_summary(run_dir, summary)
     return summary
+
+
+def _assembled(cfg: Config, out: Path) -> Job:
+    """The job, its model's trainable parameters the servers' shards put together."""
+    shards = [load_file(str(out / f"server{r}.safetensors")) for r in range(cfg.strategy.servers)]
+    flat = torch.cat([shard["flat"] for shard in shards])
+    job = build_job(cfg)
+    with torch.no_grad():
+        params = trainable(job.model)
+        for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.copy_(value.view_as(p))
+    return job
 
 
 def _plot_staleness(histogram: dict[str, int], path: Path, mode: str) -> None:
