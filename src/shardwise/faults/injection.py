@@ -120,6 +120,7 @@ class FaultInjector:
         self._announced_slowdown = 1.0
         self.per_sample = PerSampleCost()
         self.step = 0  # the step under way (`before_step`)
+        self.begun = 0  # steps begun, repeated ones too
 
     def _has(self, kind: str) -> bool:
         return any(f.kind == kind for f in self.faults)
@@ -140,7 +141,7 @@ class FaultInjector:
 
     def before_step(self, step: int) -> None:
         """`step` begins: this rank dies or hangs now if a fault says so."""
-        self.step = step
+        self.step, self.begun = step, self.begun + 1
         if self._fires("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires("hang", step):
@@ -204,13 +205,13 @@ class FaultInjector:
         whole step of a `nan` fault (every micro-batch's)."""
         if not self._has("nan"):
             return loss_fn
-        poisoned = [0]  # the step poisoned (0: none yet)
+        poisoned = [0]  # the step poisoned, counted in steps begun (a rollback repeats steps)
 
         def loss(output, target):
-            if poisoned[0] != self.step and self._fires("nan", self.step):
-                poisoned[0] = self.step
+            if poisoned[0] != self.begun and self._fires("nan", self.step):
+                poisoned[0] = self.begun
             value = loss_fn(output, target)
-            return value * float("nan") if poisoned[0] == self.step else value
+            return value * float("nan") if poisoned[0] == self.begun else value
 
         return loss
 
