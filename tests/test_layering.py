@@ -25,6 +25,7 @@ LAYERS = [
     "strategies",
     "checkpoint",
     "ps",
+    "job_sections",
     "config",
     "jobs",
     "api",

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from shardwise.bench.whole_jobs import default_out
-from shardwise.config import PACKAGE_DATA
 from shardwise.data import datasets
 from shardwise.data.datasets import PAD_TARGET, DocumentRows
+from shardwise.job_sections import PACKAGE_DATA
 from shardwise.nn.models import TinyGPT, lm_loss
 
 SEQ_LEN = 256
