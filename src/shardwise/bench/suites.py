@@ -23,7 +23,7 @@ DEFAULTS = {
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    """Run the suite `args.suite` (each suite's module: `shardwise.bench.<suite>_bench`)."""
+    """Run `args.suite`, whose module is `shardwise.bench.<suite>_bench` (all: `everything`)."""
     if args.suite == "all":  # every strategy, a scaling series, one report
         from shardwise.bench.everything import main as everything_main
 
@@ -50,7 +50,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
 def run_planner_benchmark(args: argparse.Namespace) -> int:
     """Whole jobs, each beside its prediction."""
-    from shardwise.bench.planner import main as planner_main
+    from shardwise.bench.planner_bench import main as planner_main
 
     argv = ["--out", args.out or default_out("planner")]
     argv += ["--quick"] if args.quick else []
