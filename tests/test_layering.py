@@ -26,6 +26,7 @@ LAYERS = [
     "strategies",
     "checkpoint",
     "ps",
+    "job_sections",
     "config",
     "jobs",
     "api",

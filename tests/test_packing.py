@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise.bench import packing as bench_packing
+from shardwise.bench import packing_bench as bench_packing
 from shardwise.config import PACKAGE_DATA, ConfigError, load_config
 from shardwise.data import datasets
 from shardwise.data.datasets import PAD_TARGET, DocumentRows

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.config import Config, OptimConfig, TrainConfig, resolve_data_path
+from shardwise.config import Config
 from shardwise.data import datasets
+from shardwise.job_sections import OptimConfig, TrainConfig, resolve_data_path
 from shardwise.nn.models import MLP, ConvNet, TinyGPT, lm_loss
 from shardwise.nn.recompute import checkpoint_activations
 from shardwise.nn.schedules import Schedule, scaled_lr

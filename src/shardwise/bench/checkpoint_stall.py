@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,8 +39,18 @@ def main() -> None:
     lm_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     root = Path(args.out)
+    times = _interleaved_stalls(_saves(rt, root, model, opt), args.reps)
+    if rt.is_main:
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        (root / "result.json").write_text(json.dumps(medians))
+    sw.shutdown()
+
+
+def _saves(rt, root: Path, model, opt) -> dict[str, Callable[[int], float]]:
+    """Each way to save the state, by name: a call (given the repetition) that saves it and
+    returns the seconds the training thread was held."""
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     ours = {True: run_checkpoint.Saver(root / "ours-sync", rt, keep=1, sync=True)}
     ours[False] = run_checkpoint.Saver(root / "ours-async", rt, keep=1)
 
@@ -62,24 +73,27 @@ def main() -> None:
             pending.result()
         return stall
 
-    variants = {
+    return {
         "ours_async": lambda rep: save_ours(False, rep),
         "dcp_async": lambda rep: save_dcp(False, rep),
         "ours_sync": lambda rep: save_ours(True, rep),
         "dcp_sync": lambda rep: save_dcp(True, rep),
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    names = list(variants)
-    for rep in range(args.reps + 1):  # the first round warms up (allocations, lazy imports)
+
+
+def _interleaved_stalls(
+    saves: dict[str, Callable[[int], float]], reps: int
+) -> dict[str, list[float]]:
+    """Each save's stalls over `reps` rounds, in an order rotated every round."""
+    times: dict[str, list[float]] = {k: [] for k in saves}
+    names = list(saves)
+    for rep in range(reps + 1):  # the first round warms up (allocations, lazy imports)
         for key in names[rep % len(names) :] + names[: rep % len(names)]:
             dist.barrier()
-            stall = variants[key](rep)
+            stall = saves[key](rep)
             if rep:
                 times[key].append(stall)
-    if rt.is_main:
-        medians = {k: statistics.median(v) for k, v in times.items()}
-        (root / "result.json").write_text(json.dumps(medians))
-    sw.shutdown()
+    return times
 
 
 if __name__ == "__main__":
