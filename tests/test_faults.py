@@ -253,14 +253,14 @@ KILLED_WHILE_SAVING = """
 import os, signal, sys
 import torch
 import shardwise as sw
-from shardwise.checkpoint import run_checkpoint
+from shardwise.checkpoint import run_checkpoint, run_saver
 
 run_dir = sys.argv[1]
 rt = sw.init()
 torch.manual_seed(0)
 model, opt = sw.prepare(torch.nn.Linear(4, 2), sw.DDP(), optimizer=torch.optim.SGD, lr=0.1)
 schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-saver = run_checkpoint.Saver(run_dir, rt, keep=2)
+saver = run_saver.Saver(run_dir, rt, keep=2)
 saver.save(model, opt, schedule, 10, data={})
 saver.wait()
 with torch.no_grad():

@@ -1,7 +1,7 @@
 """Checkpoint stall, ours against torch's Distributed Checkpoint (DCP), on one state.
 
 Each rank holds the tiny GPT under our DDP with AdamW state after one step. In rotating order,
-`--reps` times: our `run_checkpoint.Saver` (background writer) and `dcp.async_save`, then our
+`--reps` times: our `run_saver.Saver` (background writer) and `dcp.async_save`, then our
 synchronous save and `dcp.save`. The stall is how long the training thread is held by the call
 (the asynchronous writes are waited for outside the timing). Rank 0 writes the medians to
 `OUT/result.json`.
@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 from shardwise.bench.common import gpt_batch, gpt_model
-from shardwise.checkpoint import run_checkpoint
+from shardwise.checkpoint import run_saver
 from shardwise.nn.models import lm_loss
 
 
@@ -51,8 +51,8 @@ def _saves(rt, root: Path, model, opt) -> dict[str, Callable[[int], float]]:
     """Each way to save the state, by name: a call (given the repetition) that saves it and
     returns the seconds the training thread was held."""
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    ours = {True: run_checkpoint.Saver(root / "ours-sync", rt, keep=1, sync=True)}
-    ours[False] = run_checkpoint.Saver(root / "ours-async", rt, keep=1)
+    ours = {True: run_saver.Saver(root / "ours-sync", rt, keep=1, sync=True)}
+    ours[False] = run_saver.Saver(root / "ours-async", rt, keep=1)
 
     def save_ours(sync: bool, rep: int) -> float:
         started = time.perf_counter()

@@ -23,6 +23,7 @@ from typing import Any
 
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.run_checkpoint import Found, RunCheckpointError
+from shardwise.checkpoint.run_saver import Saver
 from shardwise.comm import store as store_wait
 from shardwise.distributed import runtime
 
@@ -51,9 +52,7 @@ class Checkpointer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.rt = model.runtime
-        self.saver = run_checkpoint.Saver(
-            self.run_dir, self.rt, keep, sync=not asynchronous, job=job
-        )
+        self.saver = Saver(self.run_dir, self.rt, keep, sync=not asynchronous, job=job)
         self._loads = 0  # checkpoints chosen so far: each choice has a key of its own
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
