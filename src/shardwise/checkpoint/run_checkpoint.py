@@ -4,19 +4,19 @@ Every `train.checkpoint_every` steps each rank saves everything its next step de
 model's and optimizer's `state_dict()` (the strategy's whole training state: shards, moments,
 loss scale, codec residuals, counters), the LR scheduler, the step, its random generators
 (torch, CUDA, Python, NumPy) and the data position (epoch, seed, samples of the epoch consumed).
-Strategies whose state reshards also write it in `checkpoint.py`'s reshardable format, so that
+Strategies whose state reshards also write it in `reshardable.py`'s format, so that
 the run can resume on another number of ranks.
 
 Layout: `RUN_DIR/checkpoints/step-000000030/` with `rank{r}.safetensors` (tensors) and
 `rank{r}.json` (everything else) per rank, `sharded/` (the reshardable part, with its own
 manifest) and `manifest.json` (step, world size, strategy, SHA-256 of every file, and the job:
 the model's parameter names and shapes, the optimizer, the strategy's section, which a resume
-checks before it starts any rank). Saving copies the state (the only stall of training) and
-writes it from a background thread: into a hidden temporary directory, fsynced, the manifest
-last, and the directory is renamed into place. A checkpoint directory either is complete or
-does not exist, and a kill during a save leaves the previous one intact. The newest
-`train.keep_checkpoints` are kept. Nothing is unpickled: tensors come from safetensors, the
-rest from JSON.
+checks before it starts any rank). Saving (`run_saver.py`) copies the state (the only stall of
+training) and writes it from a background thread: into a hidden temporary directory, fsynced,
+the manifest last, and the directory is renamed into place. A checkpoint directory either is
+complete or does not exist, and a kill during a save leaves the previous one intact. The newest
+`train.keep_checkpoints` are kept. Nothing is unpickled: tensors come from safetensors, the rest
+from JSON.
 """
 
 from __future__ import annotations
