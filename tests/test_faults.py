@@ -253,7 +253,7 @@ KILLED_WHILE_SAVING = """
 import os, signal, sys
 import torch
 import shardwise as sw
-from shardwise.checkpoint import run_checkpoint, run_saver
+from shardwise.checkpoint import run_saver
 
 run_dir = sys.argv[1]
 rt = sw.init()
@@ -266,11 +266,11 @@ saver.wait()
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)
-write = run_checkpoint.save_file
+write = run_saver.save_file
 def write_then_die(tensors, path):  # the first file of step 20 is written, then the kill
     write(tensors, path)
     os.kill(os.getpid(), signal.SIGKILL)
-run_checkpoint.save_file = write_then_die
+run_saver.save_file = write_then_die
 saver.save(model, opt, schedule, 20, data={})
 saver.wait()
 """
