@@ -102,7 +102,7 @@ def run_one(out: Path, model: str, name: str, sets: list[str], nproc: int, steps
     """Train `model` (a WORKLOADS name) under strategy `name` (`sets`) on `nproc` ranks for
     `steps` steps, with the global batch of its data-parallel run: its predicted and measured
     rows."""
-    from shardwise.plan.costs import replicas
+    from shardwise.plan.predictors import replicas
 
     work = WORKLOADS[model]
     config = work.config

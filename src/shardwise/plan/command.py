@@ -398,14 +398,14 @@ def price_config(config: str, sets: list[str], nproc: int, calibration: dict) ->
     batch of the config's per-rank batch on every rank (model-parallel ranks share a batch)."""
     from shardwise.config import load_config
     from shardwise.jobs import build_job
-    from shardwise.plan import costs, prediction
+    from shardwise.plan import costs, prediction, predictors
 
     base = load_config(config)
     cfg = load_config(config, [*sets, f"launch.nproc={nproc}"])
-    replicas = costs.replicas(cfg.strategy, nproc)
+    replicas = predictors.replicas(cfg.strategy, nproc)
     global_batch = base.data.batch_size * nproc
     job = build_job(cfg)
-    cost_job = costs.Job.of(job, cfg, nproc, 0, global_batch)
+    cost_job = costs.CostJob.of(job, cfg, nproc, 0, global_batch)
     predicted = prediction.for_run(cost_job, cfg.strategy, calibration)
     predicted["batch_size"] = global_batch // replicas  # per replica: what --set must say
     return predicted
