@@ -38,7 +38,7 @@ from pathlib import Path
 from shardwise.bench.whole_jobs import train_job
 from shardwise.config import load_config
 from shardwise.plan import calibrate
-from shardwise.plan.command import config_candidates
+from shardwise.plan.config_plan import config_candidates
 
 QUIET = ("train.log_every=5", "train.tensorboard=false")
 

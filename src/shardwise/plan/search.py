@@ -114,7 +114,9 @@ PRESETS = {
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterSpec:
+    """The devices a plan runs on: how many, their memory, compute rate and links."""
+
     devices: int
     memory_gb: float = 80.0
     network_gbit: float = 400.0  # per device, across nodes
@@ -141,6 +143,9 @@ class Cluster:
 
 @dataclass
 class Plan:
+    """One way to train the transformer: its mesh, ZeRO stage, micro-batches, checkpointing and
+    offload, and once priced, what it needs and how fast it runs."""
+
     dp: int
     tp: int
     pp: int
@@ -207,7 +212,7 @@ def _options(pp: int) -> list[tuple[int, bool, bool]]:
     return [(z, c, o) for z, c, o in itertools.product(zeros, both, both) if z or not o]
 
 
-def candidates(spec: TransformerSpec, cluster: Cluster) -> list[Plan]:
+def candidates(spec: TransformerSpec, cluster: ClusterSpec) -> list[Plan]:
     """Every combination the devices, heads, layers and batch allow (a ValueError, before any
     is made, where they allow more than MAX_PLANS)."""
     meshes = [
@@ -229,7 +234,7 @@ def candidates(spec: TransformerSpec, cluster: Cluster) -> list[Plan]:
     ]
 
 
-def price(plan: Plan, spec: TransformerSpec, cluster: Cluster) -> Plan:
+def price(plan: Plan, spec: TransformerSpec, cluster: ClusterSpec) -> Plan:
     """Fill in the plan's memory, bytes and step time, and whether it fits."""
     h, s, a, L = spec.hidden, spec.seq, spec.heads, spec.layers
     dp, tp, pp, b, m = plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.microbatches
@@ -331,7 +336,7 @@ def unsupported(plan: Plan) -> str:
     return ""
 
 
-def search(spec: TransformerSpec, cluster: Cluster) -> tuple[list[Plan], list[Plan]]:
+def search(spec: TransformerSpec, cluster: ClusterSpec) -> tuple[list[Plan], list[Plan]]:
     """(plans that fit, fastest first; plans that do not, each with its reason)."""
     priced = [price(plan, spec, cluster) for plan in candidates(spec, cluster)]
     fits = sorted((p for p in priced if p.fits), key=lambda p: p.step_time_s)
