@@ -104,8 +104,9 @@ def read_numbers(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`shardwise plan`: model states of DP and ZeRO 1-3 (--params), or every strategy for a
-    transformer on a cluster, ranked (--preset / --spec / --layers ...)."""
+    """`shardwise plan`: model states of DP and ZeRO 1-3 (--params), every exact strategy for
+    a config on this machine (--config), or every strategy for a transformer on a cluster,
+    ranked (--preset / --spec / --layers ...)."""
     try:
         read_numbers(args)
         if args.params is not None:

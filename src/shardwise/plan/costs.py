@@ -16,14 +16,19 @@ more small all-reduce for strategies that shard gradients, left out here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shardwise.comm.accounting import native_volume
 from shardwise.plan.activations import saved_bytes
+
+if TYPE_CHECKING:
+    from shardwise.config import Config
+    from shardwise.jobs import Job
 
 FP32 = 4
 # Optimizer state per parameter tensor: bytes per element held, and bytes of scalar state
@@ -112,7 +117,7 @@ class CostJob:
     backend: str = "gloo"  # torch.distributed's (gloo's reduce-scatter copies its buffer)
 
     @classmethod
-    def of(cls, job, cfg, world_size: int, rank: int, global_batch: int) -> CostJob:
+    def of(cls, job: Job, cfg: Config, world_size: int, rank: int, global_batch: int) -> CostJob:
         """The costs' view of a training job (`jobs.Job`) under a config (`config.Config`)."""
         return cls(
             job.model,
@@ -131,7 +136,10 @@ class CostJob:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def activations(
-        self, samples: int, dtype: torch.dtype | None = None, layers=None
+        self,
+        samples: int,
+        dtype: torch.dtype | None = None,
+        layers: Sequence[nn.Module] | None = None,
     ) -> tuple[int, list[int]] | None:
         """Bytes saved by one forward of `samples` through `layers` (default: the model), and
         per layer; None without a batch to trace."""
@@ -179,7 +187,7 @@ def bucket_sizes(numels: list[int], elem: int, bucket_mb: float) -> list[int]:
     return [*buckets, size] if size else buckets
 
 
-def numels(params) -> list[int]:
+def numels(params: Iterable[torch.Tensor]) -> list[int]:
     """Elements of each of `params`."""
     return [p.numel() for p in params]
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise.plan.activations import backward_peak, optimizer_peak
+from shardwise.plan.costs import CostJob
 
 
 def batch_bytes(batch: Callable, samples: int) -> int:
@@ -36,7 +37,7 @@ def batch_bytes(batch: Callable, samples: int) -> int:
 
 
 def step_peak(
-    job,
+    job: CostJob,
     memory: dict[str, int],
     optimizer_numels: list[int],
     samples: int,

@@ -10,9 +10,12 @@ work takes at calibrated rates (`Compute`, the bounds `steptime.predict_step` we
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,7 +72,7 @@ class _Operators(TorchDispatchMode):
         return out
 
 
-def trace(run, prepare=None) -> Work:
+def trace(run: Callable[[Any], object], prepare: Callable[[], Any] | None = None) -> Work:
     """The operators, FLOPs and bytes of `run(prepared)` on fake tensors, where `prepare()`
     (not counted) makes what it starts from."""
     with FakeTensorMode():
@@ -81,7 +84,11 @@ def trace(run, prepare=None) -> Work:
 
 
 def training_work(
-    job: CostJob, samples: int, layers=None, before=(), with_backward: bool = True
+    job: CostJob,
+    samples: int,
+    layers: Sequence[nn.Module] | None = None,
+    before: Sequence[nn.Module] = (),
+    with_backward: bool = True,
 ) -> Work:
     """Forward and backward of `samples` through `layers` (default: the whole model) and the
     loss; with `before` (a pipeline's earlier stages), from their output and without the loss

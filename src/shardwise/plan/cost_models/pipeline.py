@@ -154,7 +154,7 @@ class _Schedule(nn.Module):
 
 
 def pipeline_peak(
-    job,
+    job: CostJob,
     layers: list,
     bounds: list[int],
     stage: int,

@@ -3,7 +3,7 @@ of N (S = ceil(U / N) elements per rank); stage 1 keeps full gradients, 2 only t
 slice, 3 frees the full parameters after each use; one reduce-scatter per unit, one
 all-gather per unit after the step (stage 3: before forward and before backward instead).
 Its peak emulates the units' buffers on fake tensors as `strategies.zero` makes and frees
-them (`ZeroEmulation`)."""
+them (`Stage1Emulation` and its subclasses)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from shardwise.strategies.zero.stage3 import stage3_units
 class _Units:
     """How a rank's parameters are cut into ZeRO's flat units."""
 
-    params: list[list[nn.Parameter]]  # each unit's parameters, in reduction order reversed
+    params: list[list[nn.Parameter]]  # each unit's parameters
     modules: list[str]  # stage 3: the module each unit after the rest wraps
     rest: bool  # stage 3: unit 0 holds the parameters outside every unit's module
     shards: list[int]  # S: each unit's elements per rank, padded
@@ -87,12 +87,11 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     costs = Costs(memory=memory, optimizer_numels=units.shards)
     costs.activations = replica_activations(job, DTYPES.get(s.mixed_precision))
     names = {id(p): name for name, p in job.model.named_parameters()}
-    emulation = ZeroEmulation(
+    emulation = EMULATIONS[s.stage](
         job.model,
         [[names[id(p)] for p in unit] for unit in units.params],
         units.modules,
         job.world_size,
-        s.stage,
         DTYPES.get(s.mixed_precision, torch.float32),
         s.mixed_precision is not None or s.offload is not None,
         job.backend == "gloo",
@@ -137,21 +136,16 @@ def _traffic(costs: Costs, units: _Units, n: int, stage: int, compute: int) -> N
         costs.add_comm("all_gather", (2 - exposed) * volume, calls=2 - exposed, prefetched=True)
 
 
-class ZeroEmulation:
+class Stage1Emulation:
     """ZeRO's buffers through forward and backward, made and freed as `strategies.zero` does,
-    on fake tensors.
+    on fake tensors; stage 1's here, stages 2 and 3 in the subclasses, as the strategy's own
+    stages extend one another.
 
     Units (lists of parameter names) are reduced in reverse order, each once all its
     gradients are in and every later unit has been launched: a reduced slice (S elements) is
-    made at the launch; stages 2 and 3 first make the unit's full gradient buffer (S x N) at
-    its first gradient and, launching a unit, complete the one launched before it (its full
-    buffer goes, its slice becomes the shard's gradient; fp32 masters: a copy in fp32). All are
-    completed at the end of backward. On gloo a completion surfaces the backend's copy of the
-    whole buffer. Stage 3 gathers a unit's parameters (S x N, and the slice's compute copy
-    until the gather is waited for) before its forward, with the next unit's, frees them after
-    it, gathers them again (with the previous unit's) when its output's gradient arrives, and
-    frees them once its launch has completed the earlier unit; parameters outside every unit
-    (unit 0) are gathered for the whole forward and backward.
+    made at the launch. All are completed at the end of backward (fp32 masters: the slice
+    copied to fp32 becomes the shard's gradient). On gloo a completion surfaces the backend's
+    copy of the whole buffer.
     """
 
     def __init__(
@@ -160,13 +154,12 @@ class ZeroEmulation:
         units: list[list[str]],
         unit_modules: list[str],
         world_size: int,
-        stage: int,
         compute: torch.dtype,
         fp32_masters: bool,
         gloo: bool,
     ) -> None:
         self.model, self.units, self.unit_modules = model, units, unit_modules
-        self.n, self.stage, self.compute = world_size, stage, compute
+        self.n, self.compute = world_size, compute
         self.fp32_masters, self.gloo = fp32_masters, gloo
         self.numels = [0] * len(units)
         self.order = list(reversed(range(len(units))))
@@ -178,8 +171,6 @@ class ZeroEmulation:
         self.grad_full: list = [None] * count
         self.reduced: list = [None] * count
         self.shard_grads: list = [None] * count
-        self.full: list = [None] * count
-        self.copies: list = [None] * count
         self.in_flight: list[int] = []
         self.queued = False
 
@@ -187,14 +178,96 @@ class ZeroEmulation:
         return -(-self.numels[i] // self.n)
 
     def __call__(self, params: dict[str, nn.Parameter]) -> list:
+        """Install the hooks on the fake parameters `params` (by name) and, where the stage
+        needs them, on the model's modules; the handles to remove afterwards."""
         self._reset()
         self.numels = [sum(params[name].numel() for name in names) for names in self.units]
         unit_of = {name: i for i, names in enumerate(self.units) for name in names}
         for name, p in params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda p, i=unit_of[name]: self._grad(p, i))
-        if self.stage < 3:
-            return []
+        return self._module_hooks()
+
+    def _module_hooks(self) -> list:
+        return []  # (stage 3 gathers parameters around each unit's module)
+
+    def _grad(self, p: nn.Parameter, i: int) -> None:
+        self._gradient_arrives(i)
+        p.grad = None  # moved into the unit's buffer
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self.pending[i] -= 1
+        while (
+            self.next_launch < len(self.units) and self.pending[self.order[self.next_launch]] == 0
+        ):
+            self._launch(self.order[self.next_launch])
+            self.next_launch += 1
+
+    def _gradient_arrives(self, i: int) -> None:
+        """Stage 1 accumulates into the full flat gradient buffers it keeps: nothing is made."""
+
+    def _launch(self, i: int) -> None:
+        earlier = list(self.in_flight)
+        self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
+        self.in_flight.append(i)
+        self._launched(i, earlier)
+
+    def _launched(self, i: int, earlier: list[int]) -> None:
+        """Stage 1 waits for its reductions at the end of backward only."""
+
+    def _complete(self, i: int) -> None:
+        if self.gloo:
+            torch.empty(self._shard(i) * self.n, dtype=self.compute)  # seen, then let go
+        reduced = self.reduced[i]
+        if self.fp32_masters:
+            reduced = reduced.to(torch.float32)
+        self._keep(i, reduced)
+        self.grad_full[i] = self.reduced[i] = None
+        self.in_flight.remove(i)
+
+    def _keep(self, i: int, reduced: torch.Tensor) -> None:
+        if self.fp32_masters:  # (otherwise the slice is a view of its full buffer)
+            self.shard_grads[i] = reduced
+
+    def _finish(self) -> None:
+        while self.next_launch < len(self.units):
+            self._launch(self.order[self.next_launch])
+            self.next_launch += 1
+        for i in list(self.in_flight):
+            self._complete(i)
+
+
+class Stage2Emulation(Stage1Emulation):
+    """Stage 2 makes each unit's full gradient buffer (S x N) at its first gradient and,
+    launching a unit, completes the ones launched before it: their full buffers go, their
+    slices become the shard's gradients."""
+
+    def _gradient_arrives(self, i: int) -> None:
+        if self.grad_full[i] is None:
+            self.grad_full[i] = torch.zeros(self._shard(i) * self.n, dtype=self.compute)
+
+    def _launched(self, i: int, earlier: list[int]) -> None:
+        for j in earlier:
+            self._complete(j)
+
+    def _keep(self, i: int, reduced: torch.Tensor) -> None:
+        self.shard_grads[i] = reduced
+
+
+class Stage3Emulation(Stage2Emulation):
+    """Stage 3 also gathers a unit's parameters (S x N, and the slice's compute copy until the
+    gather is waited for) before its forward, with the next unit's, frees them after it,
+    gathers them again (with the previous unit's) when its output's gradient arrives, and
+    frees them once its launch has completed the earlier unit; parameters outside every unit
+    (unit 0) are gathered for the whole forward and backward."""
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.full: list = [None] * len(self.units)
+        self.copies: list = [None] * len(self.units)
+
+    def _module_hooks(self) -> list:
         modules = dict(self.model.named_modules())
         offset = len(self.units) - len(self.unit_modules)  # 1 where unit 0 holds the rest
         handles = []
@@ -207,7 +280,6 @@ class ZeroEmulation:
             ]
         return handles
 
-    # ---- stage 3's gathers
     def _start_gather(self, i: int) -> None:
         if 0 <= i < len(self.units) and self.full[i] is None:
             self.full[i] = torch.empty(self._shard(i) * self.n, dtype=self.compute)
@@ -224,48 +296,12 @@ class ZeroEmulation:
             out.register_hook(lambda grad: self._gather(i, -1))
         self.full[i] = None
 
-    # ---- gradients
-    def _grad(self, p: nn.Parameter, i: int) -> None:
-        if self.stage >= 2 and self.grad_full[i] is None:
-            self.grad_full[i] = torch.zeros(self._shard(i) * self.n, dtype=self.compute)
-        p.grad = None  # moved into the unit's buffer
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        self.pending[i] -= 1
-        while (
-            self.next_launch < len(self.units) and self.pending[self.order[self.next_launch]] == 0
-        ):
-            self._launch(self.order[self.next_launch])
-            self.next_launch += 1
+    def _launched(self, i: int, earlier: list[int]) -> None:
+        super()._launched(i, earlier)
+        self.full[i] = None  # (after the earlier unit's wait: alive through it)
 
-    def _launch(self, i: int) -> None:
-        earlier = list(self.in_flight)
-        self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
-        self.in_flight.append(i)
-        if self.stage >= 2:
-            for j in earlier:
-                self._complete(j)
-        if self.stage == 3:
-            self.full[i] = None  # (after the earlier unit's wait: alive through it)
 
-    def _complete(self, i: int) -> None:
-        if self.gloo:
-            torch.empty(self._shard(i) * self.n, dtype=self.compute)  # seen, then let go
-        reduced = self.reduced[i]
-        if self.fp32_masters:
-            reduced = reduced.to(torch.float32)
-        if self.fp32_masters or self.stage >= 2:
-            self.shard_grads[i] = reduced  # the shard's gradient (stage 1: its buffer's slice)
-        self.grad_full[i] = self.reduced[i] = None
-        self.in_flight.remove(i)
-
-    def _finish(self) -> None:
-        while self.next_launch < len(self.units):
-            self._launch(self.order[self.next_launch])
-            self.next_launch += 1
-        for i in list(self.in_flight):
-            self._complete(i)
+EMULATIONS = {1: Stage1Emulation, 2: Stage2Emulation, 3: Stage3Emulation}
 
 
 MODEL = CostModel(zero_costs, data_parallel_compute)
