@@ -39,7 +39,7 @@ from shardwise.observe.metrics import MetricsWriter
 from shardwise.observe.phases import PhaseTimer
 from shardwise.observe.step_trace import StepTrace
 from shardwise.observe.timeline import Timeline
-from shardwise.plan import calibrate, costs, prediction
+from shardwise.plan import calibrate, costs, prediction, predictors
 from shardwise.train.data_feed import DataFeed, make_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
@@ -172,8 +172,8 @@ def _predict(cfg: Config, job: Job, rt: Runtime, out: Path) -> dict[str, Any]:
     """Rank 0's predicted costs (`prediction.for_run`), made before the strategy reshapes the
     model and written to RUN_DIR/prediction.json; the step time too where this machine has a
     calibration for this many ranks (`shardwise calibrate`)."""
-    global_batch = cfg.data.batch_size * costs.replicas(cfg.strategy, rt.world_size)
-    cost_job = costs.Job.of(job, cfg, rt.world_size, rt.rank, global_batch)
+    global_batch = cfg.data.batch_size * predictors.replicas(cfg.strategy, rt.world_size)
+    cost_job = costs.CostJob.of(job, cfg, rt.world_size, rt.rank, global_batch)
     try:
         calibration = calibrate.load(rt.world_size)
     except (ValueError, OSError) as e:
