@@ -1,4 +1,4 @@
-"""Ours vs torch DDP; the same as `shardwise bench ddp` (see src/shardwise/bench/ddp.py)."""
+"""Ours vs torch DDP; the same as `shardwise bench ddp` (see src/shardwise/bench/ddp_bench.py)."""
 
 import sys
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.bench import planner as bench
+from shardwise.bench import planner_bench as bench
 
 
 def test_kendall_tau_counts_pairs():

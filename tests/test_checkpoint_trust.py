@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import shardwise as sw
 from harness import run_cli
 from shardwise.checkpoint import reshardable as checkpoint
-from shardwise.checkpoint import run_checkpoint
+from shardwise.checkpoint import run_checkpoint, run_saver
 from shardwise.checkpoint.reshardable import CheckpointError, read_full_state, sha256_file
 from shardwise.distributed import runtime
 from shardwise.nn.models import MLP
@@ -278,7 +278,7 @@ def test_a_run_checkpoint_of_another_job_is_one_line_before_a_resume_and_at_load
     model, opt, schedule = _for_run(4)
     _train(model, opt, 1)
     job = run_checkpoint.job_signature(MLP([5, 4, 3]), "adamw", "ddp")
-    saver = run_checkpoint.Saver(tmp_path, runtime.current(), keep=1, sync=True, job=job)
+    saver = run_saver.Saver(tmp_path, runtime.current(), keep=1, sync=True, job=job)
     saver.save(model, opt, schedule, 1, data={})
     assert run_checkpoint.resumable(tmp_path, 1, job).step == 1
     newest = run_checkpoint.complete(tmp_path / "checkpoints")[-1]

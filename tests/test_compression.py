@@ -209,7 +209,7 @@ def test_powersgd_sends_the_low_rank_factors_only():
 
 
 def test_ideal_powersgd_reduction_of_the_benchmark_models():
-    from shardwise.bench.comm import ideal_powersgd_ratio
+    from shardwise.bench.comm_bench import ideal_powersgd_ratio
     from shardwise.nn.models import TinyGPT
 
     # About 39x for the tiny GPT (the figure) at rank 4.

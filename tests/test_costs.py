@@ -24,9 +24,9 @@ from shardwise.config import SECTIONS
 from shardwise.distributed.mesh import coordinates
 from shardwise.nn.recompute import checkpoint_activations
 from shardwise.observe.memory import ActivationMeter, PeakMeter, live_bytes
-from shardwise.plan.costs import Job
+from shardwise.plan.cost_models.pipeline_costs import posts_per_step
+from shardwise.plan.costs import CostJob
 from shardwise.plan.predictors import predict
-from shardwise.plan.steptime import posts_per_step
 from spawn import run
 
 STEPS = 4  # a multiple of local SGD's period: its average happens inside the window
@@ -93,7 +93,7 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
     with torch.device("meta"):
         meta = small_models.build(model_name)
     checkpoint_activations(meta, section.activation_checkpointing)
-    job = Job(
+    job = CostJob(
         meta,
         world,
         rank,

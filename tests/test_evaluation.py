@@ -43,11 +43,17 @@ STRATEGIES = {
 def _scores(config: str, sets: list[str], strategy: str) -> dict:
     cfg = load_config(config, sets)
     job = build_job(cfg)
-    reference = evaluate(copy.deepcopy(job.model), job, 100_000, everyone=False)
+    reference = evaluate(
+        copy.deepcopy(job.model), job.splits.test, job.loss_fn, 100_000, everyone=False
+    )
     model, _ = sw.prepare(job.model, STRATEGIES[strategy]())
     replicas = sw.data_shard(model)[0]
     batch = _wrapping_batch(len(job.splits.test), replicas)
-    return {"reference": reference, "scored": evaluate(model, job, batch), "batch": batch}
+    return {
+        "reference": reference,
+        "scored": evaluate(model, job.splits.test, job.loss_fn, batch),
+        "batch": batch,
+    }
 
 
 CASES = [

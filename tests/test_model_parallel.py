@@ -164,7 +164,7 @@ def _tp_bytes():
 
 
 def test_tensor_parallel_communication_matches_the_formula():
-    from shardwise.bench.tp import expected_tp_bytes
+    from shardwise.bench.tp_bench import expected_tp_bytes
 
     results = run(_tp_bytes, 2)
     expected = expected_tp_bytes(_gpt(), BATCH, 8, 2)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness import run_cli, set_args
-from shardwise.bench import packing as bench_packing
+from shardwise.bench import packing_bench as bench_packing
 from shardwise.config import PACKAGE_DATA, ConfigError, load_config
 from shardwise.data import datasets
 from shardwise.data.datasets import PAD_TARGET, DocumentRows

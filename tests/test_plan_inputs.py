@@ -13,7 +13,7 @@ import pytest
 from harness import run_cli, train_args
 from shardwise import cli
 from shardwise.plan import calibrate
-from shardwise.plan.search import PRESETS, Cluster, TransformerSpec, candidates
+from shardwise.plan.search import PRESETS, ClusterSpec, TransformerSpec, candidates
 
 # (argv, what the one line says); "SPEC" stands for a YAML file holding the case's text.
 HUGE = [arg for n in ("devices", "batch", "heads", "hidden") for arg in (f"--{n}", "735134400")]
@@ -100,7 +100,7 @@ def test_the_meshes_searched_are_every_split_the_definition_allows(name):
     # heads (64 at most), pp at most the layers, dp dividing the batch; by tp, then pp.
     spec = PRESETS[name]
     for devices in range(1, 300):
-        found = candidates(spec, Cluster(devices=devices))
+        found = candidates(spec, ClusterSpec(devices=devices))
         meshes = list(dict.fromkeys((p.dp, p.tp, p.pp) for p in found))
         expected = [
             (devices // (tp * pp), tp, pp)
@@ -117,9 +117,9 @@ def test_the_meshes_searched_are_every_split_the_definition_allows(name):
 
 def test_specs_and_clusters_made_in_code_check_their_numbers():
     with pytest.raises(ValueError, match="devices must be a whole number"):
-        Cluster(devices=1.5)
+        ClusterSpec(devices=1.5)
     with pytest.raises(ValueError, match="tflops must be a number"):
-        Cluster(devices=8, tflops=math.nan)
+        ClusterSpec(devices=8, tflops=math.nan)
     with pytest.raises(ValueError, match="ffn must be a whole number"):
         TransformerSpec(layers=2, hidden=8, heads=2, seq=4, vocab=5, batch=2, ffn=-1)
 

@@ -12,8 +12,8 @@ import pytest
 
 from harness import run_cli
 from shardwise.plan import calibrate
-from shardwise.plan.command import model_states
-from shardwise.plan.search import PRESETS, Cluster, Plan, price, search
+from shardwise.plan.model_states import model_states
+from shardwise.plan.search import PRESETS, ClusterSpec, Plan, price, search
 
 FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
 
@@ -41,7 +41,7 @@ def test_each_stage_shards_one_more_category():
 
 
 def test_seventy_billion_on_1024_devices_answers_in_under_a_second_and_fits():
-    spec, cluster = PRESETS["70b"], Cluster(devices=1024, memory_gb=80, network_gbit=400)
+    spec, cluster = PRESETS["70b"], ClusterSpec(devices=1024, memory_gb=80, network_gbit=400)
     started = time.perf_counter()
     fits, rejected = search(spec, cluster)
     assert time.perf_counter() - started < 1.0
@@ -59,13 +59,13 @@ def test_seventy_billion_on_1024_devices_answers_in_under_a_second_and_fits():
 
 def test_a_trillion_parameters_on_10000_devices_in_under_a_second():
     started = time.perf_counter()
-    fits, _ = search(PRESETS["1t"], Cluster(devices=10_000))
+    fits, _ = search(PRESETS["1t"], ClusterSpec(devices=10_000))
     assert time.perf_counter() - started < 1.0
     assert fits and fits[0].memory["total"] <= 80e9
 
 
 def test_checkpointing_zero_and_micro_batches_trade_memory_as_the_formulas_say():
-    spec, cluster = PRESETS["70b"], Cluster(devices=1024)
+    spec, cluster = PRESETS["70b"], ClusterSpec(devices=1024)
     base = Plan(
         dp=256,
         tp=4,
@@ -96,7 +96,9 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
     assert done.returncode == 0, done.stderr
     plans = json.loads(done.stdout)
     fitting = [p for p in plans if p["fits"]]
-    assert fitting[0]["strategy"] == search(PRESETS["70b"], Cluster(devices=1024))[0][0].strategy
+    assert (
+        fitting[0]["strategy"] == search(PRESETS["70b"], ClusterSpec(devices=1024))[0][0].strategy
+    )
     assert {"strategy", "dp", "tp", "pp", "memory", "comm_bytes", "step_time_s"} <= set(plans[0])
     assert [p["step_time_s"] for p in fitting] == sorted(p["step_time_s"] for p in fitting)
     assert all(p["reason"] for p in plans if not p["fits"])

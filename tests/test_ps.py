@@ -8,6 +8,7 @@ import os
 import signal
 import time
 import tracemalloc
+import types
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from harness import run_ps_job
 from ps_batches import BATCH, STEPS, global_batch, mlp, single_process_weights
 from shardwise.nn.models import MLP
 from shardwise.ps import protocol
+from shardwise.ps.dealer import Dealer, NoDealing
 from shardwise.ps.peers import check_hello
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import describe_mismatch, plan_shards, signature
@@ -568,3 +570,29 @@ def test_a_work_queue_of_ten_million_batches_is_built_at_once_in_little_memory()
     assert [e for e, _ in dealt] == [0, 1, 1] and again == dealt[1]
     order = torch.randperm(1437, generator=torch.Generator().manual_seed(1)).tolist()
     assert dealt[2][1] == order[32:64]  # batch 45: the second of epoch 1
+
+
+def test_server_0_s_dealer_holds_a_worker_until_a_dead_worker_s_batch_comes_back():
+    """Dealing alone, no processes: with the queue empty, a worker that asks while another
+    trains is held (WAIT, idle); that one's death gives its batch back, dealt at once to the
+    held worker; once none is out, a request hears END. A server with no queue answers END."""
+    sent = []
+
+    def send(dst, kind, *ints, payload=None):
+        sent.append((dst, kind, ints, None if payload is None else payload.tolist()))
+
+    outbox = types.SimpleNamespace(send=send)
+    peers = types.SimpleNamespace(live={1, 2}, done=set(), idle=set(), note_served=lambda r: None)
+    work = sw.ps.WorkQueue.for_batches(2, size=8, batch=4, seed=0)
+    dealer = Dealer(work, peers, outbox)
+    assert dealer.plan() == work.plan()
+    assert not dealer.request(1, worker=1) and not dealer.request(2, worker=2)
+    assert [(dst, kind) for dst, kind, _, _ in sent] == [(1, Kind.BATCH), (2, Kind.BATCH)]
+    assert dealer.request(1, worker=1)  # none left; 2 still trains its batch
+    assert sent[-1][:3] == (1, Kind.WAIT, (1,)) and peers.idle == {1}
+    dealer.lost([2])
+    assert sent[-1] == (1, Kind.BATCH, (0, 1), work.batch_of(1)[1]) and peers.idle == set()
+    dealer.finished(1)
+    assert dealer.consumed() == (2, 8)
+    assert not dealer.request(1, worker=1) and sent[-1][:3] == (1, Kind.END, (1,))
+    assert not NoDealing(outbox).request(3, worker=3) and sent[-1][:3] == (3, Kind.END, (3,))

@@ -1,7 +1,7 @@
-"""The parameter server's cost model (`ps_costs`) against real jobs: the messages every rank wrote
-and read, counted where the protocol does its I/O (`protocol.traffic`) and, for a worker's sends,
-by the comm layer too; and the bytes its tensors hold (`memory.model_state_bytes`). The
-prediction is made from a model on the meta device."""
+"""The parameter server's cost model (`cost_models.ps_costs`) against real jobs: the messages every
+rank wrote and read, counted where the protocol does its I/O (`protocol.traffic`) and, for a
+worker's sends, by the comm layer too; and the bytes its tensors hold
+(`memory.model_state_bytes`). The prediction is made from a model on the meta device."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import shardwise as sw
 from shardwise import comm
 from shardwise.nn.models import MLP
 from shardwise.observe.memory import model_state_bytes
-from shardwise.plan.ps_costs import Message, predict_ps
+from shardwise.plan.cost_models.ps_costs import Message, predict_ps
 from shardwise.ps import protocol
 from shardwise.ps.server import Server
 from spawn import run
@@ -153,7 +153,7 @@ def _per_step(costs, times: int = 1) -> Counter:
 
 
 def _once(traffic) -> Counter:
-    """A `ps_costs.Traffic`: a rank's start or end."""
+    """A `cost_models.ps_costs.RankTraffic`: a rank's start or end."""
     return _keyed(
         [
             (traffic.sent, "sent", "bytes"),

@@ -15,6 +15,8 @@ import pytest
 
 from harness import run_cli, train_args
 from shardwise.observe import report
+from shardwise.observe.report_figures import FIGURES
+from shardwise.observe.report_inputs import load_run
 
 STRATEGIES = {
     "ddp": ["strategy.name=ddp", "train.trace_steps=[4, 6]"],
@@ -46,9 +48,9 @@ def _has_data(ax) -> bool:
 
 
 def test_every_figure_of_three_strategies_shows_data(runs):
-    loaded = [report.load_run(r) for r in runs]
+    loaded = [load_run(r) for r in runs]
     assert len({run.label for run in loaded}) == 3
-    for title, make in report.FIGURES.items():
+    for title, make in FIGURES.items():
         fig = make(loaded)
         for ax in fig.axes:
             if ax.get_visible() and ax.get_label() != "<colorbar>":
@@ -61,7 +63,7 @@ def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     page = out.read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == len(report.FIGURES)  # one run traced: the timeline is drawn too
+    assert len(images) == len(FIGURES)  # one run traced: the timeline is drawn too
     for image in images:
         pixels = matplotlib.image.imread(io.BytesIO(base64.b64decode(image)), format="png")
         assert pixels.shape[0] > 100 and pixels.std() > 0.05  # a drawn figure, not a blank
@@ -74,7 +76,7 @@ def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
     assert len(rows) == 1 + len(runs) and "step time" in rows[0]
     assert all("(+0.0%)" in row.split("|")[3] for row in rows[1:]), rows  # model state
     for run in runs:
-        assert html.escape(report.load_run(run).label) in page
+        assert html.escape(load_run(run).label) in page
     assert not list(tmp_path.glob("*.png"))  # nothing else lands beside it
 
 
@@ -99,7 +101,7 @@ def test_runs_of_one_strategy_get_rows_told_apart_and_names_stay_text(runs, tmp_
     out = tmp_path / "page.html"
     assert report.main([*map(str, copies), "-o", str(out)]) == 0
     page, summary_md = out.read_text(), out.with_suffix(".md").read_text()
-    label = report.load_run(runs[0]).label
+    label = load_run(runs[0]).label
     labels = [f"{label} [ddp]", f"{label} [ddp] #2", f"{label} [c]", f"{evil} (2 ranks)"]
     assert re.findall(r"<tr><td>(.*?)</td>", page)[: len(copies)] == list(map(html.escape, labels))
     assert "<script>" not in page and "<script>" not in summary_md

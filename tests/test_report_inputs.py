@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from shardwise import cli
-from shardwise.observe import report
+from shardwise.observe.report_figures import breakdown_figure, timeline_figure
+from shardwise.observe.report_inputs import load_run
+from shardwise.observe.report_measures import stability
 
 STEPS = 4
 
@@ -256,21 +258,21 @@ def _odd_runs(root: Path) -> dict[str, Path]:
 
 def test_odd_but_readable_runs_make_a_page(tmp_path, capsys):
     runs = _odd_runs(tmp_path)
-    loaded = {name: report.load_run(path) for name, path in runs.items()}
+    loaded = {name: load_run(path) for name, path in runs.items()}
     assert loaded["huge world"].ranks == [0, 1]  # not a billion files looked for
     assert loaded["stale ranks"].ranks == [0, 1] and len(loaded["stale ranks"].timing) == 2
     assert loaded["gaps"].ranks == [1, 3]
-    assert _tick_labels(report.breakdown_figure([loaded["gaps"]])) == [
+    assert _tick_labels(breakdown_figure([loaded["gaps"]])) == [
         "ddp (4 ranks), rank 1",
         "ddp (4 ranks), rank 3",
     ]
-    assert _tick_labels(report.timeline_figure([loaded["gaps"]])) == [
+    assert _tick_labels(timeline_figure([loaded["gaps"]])) == [
         "ddp (4 ranks)\nrank 0",
         "ddp (4 ranks)\nrank 3",
     ]
     assert loaded["nulls"].summary.get("samples_per_s") is None
     assert [m["loss"] for m in loaded["nulls"].steps] == [None, 1.0, 1.0]
-    assert math.isnan(report.stability(loaded["nulls"])["grad_norm_cv"])  # spread over mean 0
+    assert math.isnan(stability(loaded["nulls"])["grad_norm_cv"])  # spread over mean 0
     assert loaded["ps"].ranks == [0, 1, 10] and loaded["ps"].summary["steps"] == 2
 
     page = tmp_path / "page.html"

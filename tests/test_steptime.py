@@ -4,13 +4,9 @@ the bubble formula of the GPipe paper, and a call's price against the calibratio
 import pytest
 import torch
 
-from shardwise.plan.steptime import (
-    arrival_wait,
-    call_seconds,
-    pipeline_finish,
-    predict_step,
-    shared_rates,
-)
+from shardwise.plan.cost_models.pipeline_costs import pipeline_finish
+from shardwise.plan.rates import arrival_wait, call_seconds, shared_rates
+from shardwise.plan.steptime import predict_step
 from shardwise.strategies.pipeline import schedule_order
 
 
@@ -74,7 +70,7 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
     import shardwise as sw
     import small_models
     from shardwise import comm
-    from shardwise.plan.costs import Job
+    from shardwise.plan.costs import CostJob
     from shardwise.plan.predictors import predict
     from shardwise.strategies.zero import ZeROConfig
     from shardwise.strategies.zero.stage3 import stage3_units
@@ -85,7 +81,7 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
     with torch.device("meta"):
         meta = small_models.build(model_name)
     predicted: dict[str, float] = {}
-    job = Job(meta, world, rank, batch=batch, loss_fn=loss_fn, global_batch=8)
+    job = CostJob(meta, world, rank, batch=batch, loss_fn=loss_fn, global_batch=8)
     for t in predict(job, section).traffic:
         if not t.prefetched:
             predicted[t.op] = predicted.get(t.op, 0) + t.calls
@@ -161,7 +157,7 @@ def test_ranks_with_cores_of_their_own_compute_at_the_rates_measured_all_at_once
     # of the time: its critical path, at the rates alone, stays the longer bound. 4 ranks on
     # those cores take turns (the concurrency), whatever the shared rates.
     import small_models
-    from shardwise.plan.costs import Job
+    from shardwise.plan.costs import CostJob
     from shardwise.strategies.ddp import DDPConfig
     from shardwise.strategies.pipeline import PPConfig
 
@@ -173,7 +169,7 @@ def test_ranks_with_cores_of_their_own_compute_at_the_rates_measured_all_at_once
         with torch.device("meta"):
             model = small_models.build("gpt")
         batch, loss = small_models.fake_batch("gpt"), small_models.loss_fn("gpt")
-        job = Job(model, world, 0, batch=batch, loss_fn=loss, global_batch=16)
+        job = CostJob(model, world, 0, batch=batch, loss_fn=loss, global_batch=16)
         return predict_step(job, strategy, cal)
 
     ddp = DDPConfig()

@@ -18,13 +18,17 @@ from shardwise.api import (
     prepare,
     train_step,
 )
+from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.checkpoint.reshardable import export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.data import partition
 from shardwise.distributed.mesh import DeviceMesh, build_mesh
 from shardwise.distributed.runtime import Runtime, shutdown
+from shardwise.faults.nonfinite import NonFinitePolicy, NonFiniteStop
+from shardwise.faults.watchdog import Watchdog
 from shardwise.nn.schedules import Schedule, lr_scheduler, scaled_lr
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from shardwise.observe.memory import memory_report
+from shardwise.observe.metrics import MetricsWriter
 from shardwise.ps import ParameterServer
 from shardwise.strategies import (
     DDP,
@@ -38,17 +42,23 @@ from shardwise.strategies import (
     TensorParallel,
     ZeRO,
 )
+from shardwise.train.validator import Evaluation, Validator, evaluate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
     "AdaptiveSync",
+    "Checkpointer",
     "DeviceMesh",
+    "Evaluation",
     "Gossip",
     "Hybrid",
     "LocalSGD",
     "MeshParallel",
+    "MetricsWriter",
+    "NonFinitePolicy",
+    "NonFiniteStop",
     "ParameterServer",
     "Pipeline",
     "Runtime",
@@ -56,6 +66,8 @@ __all__ = [
     "Strategy",
     "SyncBatchNorm",
     "TensorParallel",
+    "Validator",
+    "Watchdog",
     "ZeRO",
     "build_mesh",
     "clip_grad_norm_",
@@ -64,6 +76,7 @@ __all__ = [
     "data",
     "data_shard",
     "declare_batch",
+    "evaluate",
     "export_checkpoint",
     "full_state_dict",
     "init",

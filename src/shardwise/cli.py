@@ -171,7 +171,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardwise", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    # (in this order in --help)
+    for add_command in (_add_train, _add_bench, _add_run, _add_report, _add_export, _add_config):
+        add_command(sub)
+    for add_command in (_add_plan, _add_calibrate, _add_configs):
+        add_command(sub)
+    return parser
 
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="run a training job")
     train.add_argument("config", nargs="?", help="YAML file or built-in name (default: digits)")
     train.add_argument("--nproc", type=int, help="local ranks (overrides launch.nproc)")
@@ -192,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=cmd_train)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
     bench.add_argument(
         "suite",
@@ -219,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=cmd_bench)
 
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")
     run.add_argument("--nproc", type=int, default=2, help="local ranks")
     run.add_argument("--threads-per-rank", type=int, help="default: cores / ranks")
@@ -234,23 +246,31 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(func=cmd_run)
 
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser("report", help="one offline HTML page (and Markdown) comparing runs")
     report.add_argument("runs", nargs="+", help="run directories")
     report.add_argument("-o", "--out", help="HTML file (default: RUN_DIR/report.html, the first)")
     report.add_argument("--screenshot", help="also a PNG of the page, by headless Chromium")
     report.set_defaults(func=cmd_report)
 
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file")
     export.add_argument("checkpoint", help="a checkpoint directory (sharded or final)")
     export.add_argument("out", help="output .safetensors path")
     export.set_defaults(func=cmd_export)
 
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
     config = sub.add_parser("config", help="every field of a config section, with its default")
     config.add_argument(
         "section", nargs="?", help="data, model, optim, train, launch or a strategy name (zero)"
     )
     config.set_defaults(func=cmd_config)
 
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
         help="every strategy for a transformer on a cluster, priced and ranked (--params: "
@@ -259,15 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     calibrate = sub.add_parser(
         "calibrate", help="measure compute and communication rates for the step-time model"
     )
     calibrate_module.add_arguments(calibrate)
     calibrate.set_defaults(func=lambda args: calibrate_module.run(args))
 
+
+def _add_configs(sub: argparse._SubParsersAction) -> None:
     configs = sub.add_parser("configs", help="list the built-in configs")
     configs.set_defaults(func=cmd_configs)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

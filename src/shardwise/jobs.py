@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.config import Config, OptimConfig, TrainConfig, resolve_data_path
+from shardwise.config import Config
 from shardwise.data import datasets
+from shardwise.job_sections import OptimConfig, TrainConfig, resolve_data_path
 from shardwise.nn.models import MLP, ConvNet, TinyGPT, lm_loss
 from shardwise.nn.recompute import checkpoint_activations
 from shardwise.nn.schedules import Schedule, scaled_lr
@@ -50,17 +52,19 @@ def build_splits(cfg: Config) -> datasets.Splits:
     return datasets.text(path, data.seq_len, data.test_fraction)
 
 
-def build_job(cfg: Config) -> Job:
+def build_job(cfg: Config, device: torch.device | str | None = None) -> Job:
     """Data first (the model's sizes depend on it), then a model seeded by `train.seed`, its
-    activations recomputed where `strategy.activation_checkpointing` says."""
-    job = _build_job(cfg)
+    activations recomputed where `strategy.activation_checkpointing` says. With `device`, the
+    model is made there: "meta" gives its shapes without storage (what the planner prices)."""
+    splits = build_splits(cfg)
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        job = _model_job(cfg, splits)
     checkpoint_activations(job.model, cfg.strategy.activation_checkpointing)
     return job
 
 
-def _build_job(cfg: Config) -> Job:
-    splits = build_splits(cfg)
-    torch.manual_seed(cfg.train.seed)
+def _model_job(cfg: Config, splits: datasets.Splits) -> Job:
     m = cfg.model
     if m.name == "gpt":
         if cfg.data.dataset == "digits":

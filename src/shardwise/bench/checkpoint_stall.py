@@ -1,7 +1,7 @@
 """Checkpoint stall, ours against torch's Distributed Checkpoint (DCP), on one state.
 
 Each rank holds the tiny GPT under our DDP with AdamW state after one step. In rotating order,
-`--reps` times: our `run_checkpoint.Saver` (background writer) and `dcp.async_save`, then our
+`--reps` times: our `run_saver.Saver` (background writer) and `dcp.async_save`, then our
 synchronous save and `dcp.save`. The stall is how long the training thread is held by the call
 (the asynchronous writes are waited for outside the timing). Rank 0 writes the medians to
 `OUT/result.json`.
@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 from shardwise.bench.common import gpt_batch, gpt_model
-from shardwise.checkpoint import run_checkpoint
+from shardwise.checkpoint import run_saver
 from shardwise.nn.models import lm_loss
 
 
@@ -38,10 +39,20 @@ def main() -> None:
     lm_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     root = Path(args.out)
-    ours = {True: run_checkpoint.Saver(root / "ours-sync", rt, keep=1, sync=True)}
-    ours[False] = run_checkpoint.Saver(root / "ours-async", rt, keep=1)
+    times = _interleaved_stalls(_saves(rt, root, model, opt), args.reps)
+    if rt.is_main:
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        (root / "result.json").write_text(json.dumps(medians))
+    sw.shutdown()
+
+
+def _saves(rt, root: Path, model, opt) -> dict[str, Callable[[int], float]]:
+    """Each way to save the state, by name: a call (given the repetition) that saves it and
+    returns the seconds the training thread was held."""
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    ours = {True: run_saver.Saver(root / "ours-sync", rt, keep=1, sync=True)}
+    ours[False] = run_saver.Saver(root / "ours-async", rt, keep=1)
 
     def save_ours(sync: bool, rep: int) -> float:
         started = time.perf_counter()
@@ -62,24 +73,27 @@ def main() -> None:
             pending.result()
         return stall
 
-    variants = {
+    return {
         "ours_async": lambda rep: save_ours(False, rep),
         "dcp_async": lambda rep: save_dcp(False, rep),
         "ours_sync": lambda rep: save_ours(True, rep),
         "dcp_sync": lambda rep: save_dcp(True, rep),
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    names = list(variants)
-    for rep in range(args.reps + 1):  # the first round warms up (allocations, lazy imports)
+
+
+def _interleaved_stalls(
+    saves: dict[str, Callable[[int], float]], reps: int
+) -> dict[str, list[float]]:
+    """Each save's stalls over `reps` rounds, in an order rotated every round."""
+    times: dict[str, list[float]] = {k: [] for k in saves}
+    names = list(saves)
+    for rep in range(reps + 1):  # the first round warms up (allocations, lazy imports)
         for key in names[rep % len(names) :] + names[: rep % len(names)]:
             dist.barrier()
-            stall = variants[key](rep)
+            stall = saves[key](rep)
             if rep:
                 times[key].append(stall)
-    if rt.is_main:
-        medians = {k: statistics.median(v) for k, v in times.items()}
-        (root / "result.json").write_text(json.dumps(medians))
-    sw.shutdown()
+    return times
 
 
 if __name__ == "__main__":

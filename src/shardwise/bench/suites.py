@@ -23,51 +23,22 @@ DEFAULTS = {
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
+    """Run `args.suite`, whose module is `shardwise.bench.<suite>_bench` (all: `everything`)."""
     if args.suite == "all":  # every strategy, a scaling series, one report
         from shardwise.bench.everything import main as everything_main
 
         argv = ["--out", args.out or default_out("all")]
         argv += ["--quick"] if args.quick else []
         return everything_main(argv + (["--steps", str(args.steps)] if args.steps else []))
-    if args.suite == "planner":  # whole jobs, each beside its prediction
-        from shardwise.bench.planner import main as planner_main
-
-        argv = ["--out", args.out or default_out("planner")]
-        argv += ["--quick"] if args.quick else []
-        argv += ["--repeats", str(args.reps)] if args.reps else []
-        argv += ["--models", args.models]
-        argv += ["--confirm", str(args.confirm)] if args.confirm is not None else []
-        return planner_main(argv + (["--steps", str(args.steps)] if args.steps else []))
+    if args.suite == "planner":
+        return run_planner_benchmark(args)
     steps, reps = DEFAULTS[args.suite]
     args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":
         return run_comm_benchmark(args)
-    if args.suite == "ps":  # it starts its own jobs (one per variant)
-        from shardwise.bench.ps import main
-
-        return main(["--steps", str(args.steps), "--out", args.out or default_out("ps")])
-    if args.suite == "faults":  # it starts its own jobs, each with its fault
-        from shardwise.bench.faults import main as faults_main
-
-        return faults_main(["--steps", str(args.steps), "--out", args.out or default_out("faults")])
-    if args.suite == "packing":  # one process, both variants on the same documents
-        from shardwise.bench.packing import main as packing_main
-
-        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
-        return packing_main([*argv, "--out", args.out] if args.out else argv)
-    if args.suite == "balance":  # it starts its own jobs (one per variant and world size)
-        from shardwise.bench.balance import main as balance_main
-
-        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
-        if args.variants:
-            argv += ["--variants", args.variants]
-        return balance_main([*argv, "--out", args.out or default_out("balance")])
-    if args.suite == "overhead":  # whole jobs, measured and not
-        from shardwise.bench.overhead import main as overhead_main
-
-        argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
-        return overhead_main([*argv, "--out", args.out or default_out("overhead")])
-    module = f"shardwise.bench.{args.suite}"
+    if args.suite in ("ps", "faults", "packing", "balance", "overhead"):
+        return run_own_jobs_benchmark(args)
+    module = f"shardwise.bench.{args.suite}_bench"  # one process per rank, launched here
     argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
     if args.suite in ("ddp", "zero"):
         argv += ["--models", args.models]
@@ -75,6 +46,44 @@ def run_benchmark(args: argparse.Namespace) -> int:
         argv += ["--out", args.out]
     launch(argv, args.world_size, threads_per_rank=None)
     return 0
+
+
+def run_planner_benchmark(args: argparse.Namespace) -> int:
+    """Whole jobs, each beside its prediction."""
+    from shardwise.bench.planner_bench import main as planner_main
+
+    argv = ["--out", args.out or default_out("planner")]
+    argv += ["--quick"] if args.quick else []
+    argv += ["--repeats", str(args.reps)] if args.reps else []
+    argv += ["--models", args.models]
+    argv += ["--confirm", str(args.confirm)] if args.confirm is not None else []
+    return planner_main(argv + (["--steps", str(args.steps)] if args.steps else []))
+
+
+def run_own_jobs_benchmark(args: argparse.Namespace) -> int:
+    """The suites that run in this process and start their own jobs (or none: packing)."""
+    if args.suite == "ps":  # one job per variant
+        from shardwise.bench.ps_bench import main
+
+        return main(["--steps", str(args.steps), "--out", args.out or default_out("ps")])
+    if args.suite == "faults":  # each job with its fault
+        from shardwise.bench.faults_bench import main as faults_main
+
+        return faults_main(["--steps", str(args.steps), "--out", args.out or default_out("faults")])
+    argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
+    if args.suite == "packing":  # one process, both variants on the same documents
+        from shardwise.bench.packing_bench import main as packing_main
+
+        return packing_main([*argv, "--out", args.out] if args.out else argv)
+    if args.suite == "balance":  # one job per variant and world size
+        from shardwise.bench.balance_bench import main as balance_main
+
+        if args.variants:
+            argv += ["--variants", args.variants]
+        return balance_main([*argv, "--out", args.out or default_out("balance")])
+    from shardwise.bench.overhead_bench import main as overhead_main  # whole jobs, measured and not
+
+    return overhead_main([*argv, "--out", args.out or default_out("overhead")])
 
 
 def run_comm_benchmark(args: argparse.Namespace) -> int:
@@ -87,9 +96,9 @@ def run_comm_benchmark(args: argparse.Namespace) -> int:
         argv += ["--target-loss", str(args.target_loss)]
     if not emulated_cluster.available():
         print("shardwise: no network namespaces here: measuring on loopback instead")
-        launch(["shardwise.bench.comm", *argv, "--network", "loopback"], args.world_size)
+        launch(["shardwise.bench.comm_bench", *argv, "--network", "loopback"], args.world_size)
         return 0
     argv += ["--network", f"{args.world_size} hosts at {args.rate}"]
     with emulated_cluster.emulated(args.world_size, args.rate) as cluster:
-        codes = cluster.run(argv, module="shardwise.bench.comm", timeout=3600)
+        codes = cluster.run(argv, module="shardwise.bench.comm_bench", timeout=3600)
     return max(codes)

@@ -38,6 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from shardwise import comm
+
 ENV = "SHARDWISE_FAULT"
 FIELDS = {  # kind -> the fields it needs
     "kill": ("rank", "step"),
@@ -99,7 +103,10 @@ def parse(spec: str, source: str = ENV) -> list[Fault]:
 
 
 class FaultInjector:
-    """This rank's faults of the run; the trainer asks at each point whether one fires."""
+    """This rank's faults of the run. A training loop tells it each step as it begins
+    (`before_step`: a kill or a hang happens there); the other faults are applied once, at
+    set-up, by wrapping what they perturb (`wrap_loss`, `wrap_compute`, `wrap_reduce`,
+    `wrap_save`): the step itself never asks whether a fault fires."""
 
     def __init__(
         self, rank: int, run_dir: Path, configured: list[str] = (), role: str = ""
@@ -112,6 +119,11 @@ class FaultInjector:
         self.slowdowns = sorted((f.step or 1, f.factor) for f in self.faults if f.kind == "slow")
         self._announced_slowdown = 1.0
         self.per_sample = PerSampleCost()
+        self.step = 0  # the step under way (`before_step`)
+        self.begun = 0  # steps begun, repeated ones too
+
+    def _has(self, kind: str) -> bool:
+        return any(f.kind == kind for f in self.faults)
 
     def _fires(self, kind: str, step: int | None = None) -> bool:
         """Whether a fault of `kind` fires (now: it is marked fired)."""
@@ -128,6 +140,8 @@ class FaultInjector:
         return False
 
     def before_step(self, step: int) -> None:
+        """`step` begins: this rank dies or hangs now if a fault says so."""
+        self.step, self.begun = step, self.begun + 1
         if self._fires("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires("hang", step):
@@ -186,11 +200,70 @@ class FaultInjector:
     def poisons_loss(self, step: int) -> bool:
         return self._fires("nan", step)
 
-    def desyncs(self, step: int) -> bool:
-        return self._fires("desync", step)
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        """The training loss, NaN on this rank (and so every gradient it sends) through the
+        whole step of a `nan` fault (every micro-batch's)."""
+        if not self._has("nan"):
+            return loss_fn
+        poisoned = [0]  # the step poisoned, counted in steps begun (a rollback repeats steps)
 
-    def corrupts_checkpoint(self, step: int) -> bool:
-        return self._fires("corrupt-checkpoint", step)
+        def loss(output, target):
+            if poisoned[0] != self.begun and self._fires("nan", self.step):
+                poisoned[0] = self.begun
+            value = loss_fn(output, target)
+            return value * float("nan") if poisoned[0] == self.begun else value
+
+        return loss
+
+    def wrap_compute(self, compute: Callable, delay: Callable[[int], float] | None = None):
+        """`compute(x, y, ...)`, a step's forward and backward on the samples of `y`, as this
+        rank's faults make it: `slow` (F times the cost per sample, slept before it) and a
+        straggler's fixed `delay(step)` seconds (`train.delay_s`), both before the gradients
+        exist (after them, DDP's all-reduce, started during backward, would hide them). The
+        real work (sleeps and waiting for peers left out) is what `slow` is fitted to."""
+        if not self.slowdowns and delay is None:
+            return compute
+
+        def slowed(x, y, *args, **kwargs):
+            samples = y.shape[0]
+            if seconds := delay(self.step) if delay else 0.0:
+                time.sleep(seconds)
+            self.slow_ahead(samples, step=self.step)
+            started, waited = time.perf_counter(), comm.stats.step_wait_s()
+            result = compute(x, y, *args, **kwargs)
+            real = time.perf_counter() - started - (comm.stats.step_wait_s() - waited)
+            self.observe_work(samples, real)
+            return result
+
+        return slowed
+
+    def wrap_reduce(self, reduce: Callable[[torch.Tensor], None]) -> Callable:
+        """The collective every rank agrees through after backward: in the step of a `desync`
+        fault this rank broadcasts first, where the others only all-reduce."""
+        if not self._has("desync"):
+            return reduce
+
+        def desynced(t: torch.Tensor) -> None:
+            if self._fires("desync", self.step):
+                comm.broadcast(t, src=0)
+            reduce(t)
+
+        return desynced
+
+    def wrap_save(self, save: Callable, wait: Callable[[], None]) -> Callable:
+        """A checkpointer's `save(step, extra)`: after the save of a `corrupt-checkpoint` fault's
+        step is written, one of its files is damaged (call it on the rank that reports)."""
+        if not self._has("corrupt-checkpoint"):
+            return save
+
+        def saving(step: int, extra=None):
+            path = save(step, extra)
+            if self._fires("corrupt-checkpoint", step):
+                wait()
+                print(f"shardwise: fault injected: corrupted {corrupt(path)}", flush=True)
+            return path
+
+        return saving
 
 
 class PerSampleCost:

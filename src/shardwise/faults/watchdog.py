@@ -78,12 +78,23 @@ def hang_report(
         head = f"shardwise: hang: {call.describe()} has not completed after {waited_s:.1f} s"
         lines = [head]
         for rank in range(world_size):
-            beat = beats.get(rank)
-            lines.append(f"  rank {rank}: {_where(beat, left.get(rank))}")
+            lines.append(f"  rank {rank}: {_where(beats.get(rank), left.get(rank))}")
         for rank in sorted(stacks):
-            lines.append(f"  rank {rank} stack (main thread):")
-            lines.extend(f"    {line}" for line in stacks[rank].rstrip().splitlines())
+            lines.extend(_stack_lines(rank, stacks[rank]))
         return "\n".join(lines), head.removeprefix("shardwise: ")
+    waiting, missing, other, lines = _sort_members(call, members, beats, left)
+    body = [_head(call, waited_s, waiting, missing, other), *lines]
+    for rank in sorted(stacks):  # the stacks of the ranks that are not where they should be
+        if rank in missing or any(rank in r for r in other.values()):
+            body.extend(_stack_lines(rank, stacks[rank]))
+    return "\n".join(body), _verdict(call, waited_s, waiting, missing, other, left)
+
+
+def _sort_members(
+    call: Call, members: list[int], beats: dict[int, dict], left: dict[int, dict]
+) -> tuple[list[int], list[int], dict[str, list[int]], list[str]]:
+    """The group's ranks that wait in `call`; those that never arrived at it; those that
+    issued another call in its place (by that call); and a line for each rank not in it."""
     waiting, missing, other, lines = [], [], {}, []
     for rank in members:
         beat = beats.get(rank)
@@ -100,6 +111,17 @@ def hang_report(
             lines.append(f"  rank {rank} never arrived: {_where(beat, gone)}")
         else:
             lines.append(f"  rank {rank} went past it: {_where(beat, gone)}")
+    return waiting, missing, other, lines
+
+
+def _head(
+    call: Call,
+    waited_s: float,
+    waiting: list[int],
+    missing: list[int],
+    other: dict[str, list[int]],
+) -> str:
+    """The report's first line: the desync or the hang, and the ranks that never arrived."""
     if other:  # the ranks issued different calls as the group's call number `seq`
         issued = {call.describe(): waiting, **other}
         head = (
@@ -117,12 +139,15 @@ def hang_report(
         )
     if missing:
         head += f"; {name_ranks(missing)} never arrived"
-    body = [head, *lines]
-    for rank in sorted(stacks):
-        if rank in missing or any(rank in r for r in other.values()):
-            body.append(f"  rank {rank} stack (main thread):")
-            body.extend(f"    {line}" for line in stacks[rank].rstrip().splitlines())
-    return "\n".join(body), _verdict(call, waited_s, waiting, missing, other, left)
+    return head
+
+
+def _stack_lines(rank: int, stack: str) -> list[str]:
+    """A rank's stack, indented under its name."""
+    return [
+        f"  rank {rank} stack (main thread):",
+        *(f"    {line}" for line in stack.rstrip().splitlines()),
+    ]
 
 
 def _verdict(
@@ -271,6 +296,7 @@ class Watchdog:
         where = ""
         if self.report_path is not None:
             with contextlib.suppress(OSError):
+                self.report_path.parent.mkdir(parents=True, exist_ok=True)
                 self.report_path.write_text(report + "\n")
                 where = f" (report: {self.report_path})"
         print(f"{report}\nshardwise: {verdict}{where}", file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@
 `run_job` is what `shardwise train` does outside a worker, and what the benchmarks call: it
 creates the run directory (`runs/<name>-<time>` unless one is given), writes the resolved
 config there, and starts the ranks, with torchrun's elastic agent, or, for a parameter-server
-job, with our supervisor (which survives dead workers). Each rank then runs `trainer.train`.
+job, with our supervisor (which survives dead workers). Each rank then runs `train_rank`.
 A resume first checks, before it writes anything, that the run's checkpoint fits the config.
 """
 

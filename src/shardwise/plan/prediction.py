@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from shardwise.plan.costs import MODEL_STATE, Job, trainer_comm
-from shardwise.plan.predictors import PREDICTORS, predict
-from shardwise.plan.steptime import predict_step
+from shardwise.plan.costs import MODEL_STATE, CostJob, trainer_comm
+from shardwise.plan.predictors import predict
+from shardwise.plan.steptime import predict_step, step_timed
 from shardwise.strategies.section import StrategySection
 
-STEP_TIMED = set(PREDICTORS) - {"ps"}  # (a parameter server's step time has no model yet)
 
-
-def for_run(job: Job, strategy: StrategySection, calibration: dict | None = None) -> dict:
+def for_run(job: CostJob, strategy: StrategySection, calibration: dict | None = None) -> dict:
     """What `shardwise train` writes to RUN_DIR/prediction.json before its first step: this
     rank's predicted model state, activations, bytes per step with the trainer's own
     collective, and, given a calibration of this machine, the step time by part."""
@@ -20,7 +18,7 @@ def for_run(job: Job, strategy: StrategySection, calibration: dict | None = None
         out["comm_bytes_per_step"] = sum(costs.comm.values()) + sum(
             trainer_comm(job.world_size).values()
         )
-    if calibration is not None and strategy.name in STEP_TIMED and job.batch is not None:
+    if calibration is not None and step_timed(strategy) and job.batch is not None:
         out["step_time_s"] = predict_step(job, strategy, calibration)
     return out
 

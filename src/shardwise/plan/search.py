@@ -114,7 +114,9 @@ PRESETS = {
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterSpec:
+    """The devices a plan runs on: how many, their memory, compute rate and links."""
+
     devices: int
     memory_gb: float = 80.0
     network_gbit: float = 400.0  # per device, across nodes
@@ -141,6 +143,9 @@ class Cluster:
 
 @dataclass
 class Plan:
+    """One way to train the transformer: its mesh, ZeRO stage, micro-batches, checkpointing and
+    offload, and once priced, what it needs and how fast it runs."""
+
     dp: int
     tp: int
     pp: int
@@ -207,7 +212,7 @@ def _options(pp: int) -> list[tuple[int, bool, bool]]:
     return [(z, c, o) for z, c, o in itertools.product(zeros, both, both) if z or not o]
 
 
-def candidates(spec: TransformerSpec, cluster: Cluster) -> list[Plan]:
+def candidates(spec: TransformerSpec, cluster: ClusterSpec) -> list[Plan]:
     """Every combination the devices, heads, layers and batch allow (a ValueError, before any
     is made, where they allow more than MAX_PLANS)."""
     meshes = [
@@ -229,71 +234,17 @@ def candidates(spec: TransformerSpec, cluster: Cluster) -> list[Plan]:
     ]
 
 
-def price(plan: Plan, spec: TransformerSpec, cluster: Cluster) -> Plan:
+def price(plan: Plan, spec: TransformerSpec, cluster: ClusterSpec) -> Plan:
     """Fill in the plan's memory, bytes and step time, and whether it fits."""
-    h, s, a, L = spec.hidden, spec.seq, spec.heads, spec.layers
-    dp, tp, pp, b, m = plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.microbatches
-    layers = -(-L // pp)  # the heaviest stage's layers
+    h, tp = spec.hidden, plan.tp
+    layers = -(-spec.layers // plan.pp)  # the heaviest stage's layers
     # Parameters of the heaviest stage: its layers and one end's embedding (or head).
     psi = (layers * spec.layer_params() + spec.vocab * h + spec.seq * h) / tp
-    shard = dp if dp > 1 else 1
-    params = 2 * psi / (shard if plan.zero >= 3 else 1)
-    grads = 2 * psi / (shard if plan.zero >= 2 else 1)
-    optimizer = 12 * psi / (shard if plan.zero >= 1 else 1)
-    host = optimizer if plan.offload else 0.0
-    if plan.offload:
-        optimizer = 0.0
-    full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    in_flight = min(pp, m)
-    if plan.checkpointing:
-        activations = layers * in_flight * 2 * s * b * h + full_layer
-    else:
-        activations = layers * in_flight * full_layer
-    logits = 4 * s * b * spec.vocab / tp  # fp32 logits for the loss, on the last stage
-    activations += logits
-    # ZeRO-3 gathers a layer's parameters for its use, and prefetches the next one.
-    gathered = 2 * 2 * spec.layer_params() / tp if plan.zero == 3 else 0.0
-    plan.memory = {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "activations": activations,
-        "gathered": gathered,
-        "total": params + grads + optimizer + activations + gathered,
-        "host": host,
-    }
-
-    # Compute: forward 2 FLOPs per parameter per token plus attention; backward twice that.
-    tokens = spec.batch * s / dp
-    forward = tokens * (2 * spec.params() + 4 * s * h * L) / (tp * pp)
-    passes = 4 if plan.checkpointing else 3
-    compute = passes * forward / (cluster.tflops * 1e12)
-    bubble = compute * (pp - 1) / m
-    # Tensor parallel: 4 all-reduces per layer per micro-batch (6 with recompute), exposed.
-    tp_time, tp_bytes = 0.0, 0.0
-    if tp > 1:
-        calls = (6 if plan.checkpointing else 4) * layers * m
-        volume = 2 * (tp - 1) / tp * (2 * s * b * h)
-        tp_bytes = calls * volume
-        tp_time = calls * (volume / cluster.bandwidth(tp) + cluster.latency_s)
-    pp_time, pp_bytes = 0.0, 0.0
-    if pp > 1:  # one activation forward, one gradient back, per micro-batch
-        message = 2 * s * b * h / tp
-        pp_bytes = 2 * m * message
-        pp_time = 2 * m * (message / cluster.bandwidth(2, tp * dp) + cluster.latency_s)
-    dp_time, dp_bytes = 0.0, 0.0
-    if dp > 1:
-        grad_bytes = 2 * psi
-        volume = 2 * (dp - 1) / dp * grad_bytes * (1.5 if plan.zero == 3 else 1.0)
-        rounds = m if plan.zero >= 2 else 1  # ZeRO-2/3 reduce each micro-batch's gradients
-        dp_bytes = volume * rounds
-        transfer = dp_bytes / cluster.bandwidth(dp, tp) + 2 * rounds * cluster.latency_s
-        overlap = (compute / m) * (2 / 3) * rounds  # the backward it can hide under
-        dp_time = max(0.0, transfer - overlap)
-    offload_time = 0.0
-    if plan.offload:  # fp32 gradients out, bf16 parameters back, Adam on the host
-        moved = psi / (shard if plan.zero >= 1 else 1)
-        offload_time = moved * 6 / (cluster.pcie_gbyte * GB) + moved * cluster.host_adam_s_per_param
+    plan.memory = _memory(plan, spec, psi, layers)
+    compute, bubble = _compute_s(plan, spec, cluster)
+    tp_bytes, tp_time = _tensor_parallel(plan, spec, cluster, layers)
+    pp_bytes, pp_time = _pipeline(plan, spec, cluster)
+    dp_bytes, dp_time = _data_parallel(plan, cluster, psi, compute)
     plan.comm_bytes = {"tensor": tp_bytes, "pipeline": pp_bytes, "data": dp_bytes}
     plan.time = {
         "compute": compute,
@@ -301,7 +252,7 @@ def price(plan: Plan, spec: TransformerSpec, cluster: Cluster) -> Plan:
         "tensor": tp_time,
         "pipeline": pp_time,
         "data": dp_time,
-        "offload": offload_time,
+        "offload": _offload_s(plan, cluster, psi),
     }
     plan.step_time_s = sum(plan.time.values())
     plan.unsupported = unsupported(plan)
@@ -315,6 +266,99 @@ def price(plan: Plan, spec: TransformerSpec, cluster: Cluster) -> Plan:
             f"{m_['optimizer'] / GB:.1f}, activations {m_['activations'] / GB:.1f})"
         )
     return plan
+
+
+def _memory(plan: Plan, spec: TransformerSpec, psi: float, layers: int) -> dict[str, float]:
+    """Bytes per device by category: model states (ZeRO's shards, offload's host share),
+    activations of the micro-batches in flight, and ZeRO-3's gathered layers."""
+    h, s, a = spec.hidden, spec.seq, spec.heads
+    tp, b, m = plan.tp, plan.micro_batch, plan.microbatches
+    shard = plan.dp if plan.dp > 1 else 1
+    params = 2 * psi / (shard if plan.zero >= 3 else 1)
+    grads = 2 * psi / (shard if plan.zero >= 2 else 1)
+    optimizer = 12 * psi / (shard if plan.zero >= 1 else 1)
+    host = optimizer if plan.offload else 0.0
+    if plan.offload:
+        optimizer = 0.0
+    full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    in_flight = min(plan.pp, m)
+    if plan.checkpointing:
+        activations = layers * in_flight * 2 * s * b * h + full_layer
+    else:
+        activations = layers * in_flight * full_layer
+    logits = 4 * s * b * spec.vocab / tp  # fp32 logits for the loss, on the last stage
+    activations += logits
+    # ZeRO-3 gathers a layer's parameters for its use, and prefetches the next one.
+    gathered = 2 * 2 * spec.layer_params() / tp if plan.zero == 3 else 0.0
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "gathered": gathered,
+        "total": params + grads + optimizer + activations + gathered,
+        "host": host,
+    }
+
+
+def _compute_s(plan: Plan, spec: TransformerSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """Seconds of compute per step, and of the pipeline's bubble."""
+    # Forward: 2 FLOPs per parameter per token plus attention; backward twice that.
+    s, tp, pp = spec.seq, plan.tp, plan.pp
+    tokens = spec.batch * s / plan.dp
+    forward = tokens * (2 * spec.params() + 4 * s * spec.hidden * spec.layers) / (tp * pp)
+    passes = 4 if plan.checkpointing else 3
+    compute = passes * forward / (cluster.tflops * 1e12)
+    return compute, compute * (pp - 1) / plan.microbatches
+
+
+def _tensor_parallel(
+    plan: Plan, spec: TransformerSpec, cluster: ClusterSpec, layers: int
+) -> tuple[float, float]:
+    """Tensor parallel's bytes and seconds: 4 all-reduces per layer per micro-batch (6 with
+    recompute), exposed."""
+    tp = plan.tp
+    if tp == 1:
+        return 0.0, 0.0
+    calls = (6 if plan.checkpointing else 4) * layers * plan.microbatches
+    volume = 2 * (tp - 1) / tp * (2 * spec.seq * plan.micro_batch * spec.hidden)
+    return calls * volume, calls * (volume / cluster.bandwidth(tp) + cluster.latency_s)
+
+
+def _pipeline(plan: Plan, spec: TransformerSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """The pipeline's bytes and seconds: one activation forward, one gradient back, per
+    micro-batch."""
+    if plan.pp == 1:
+        return 0.0, 0.0
+    m = plan.microbatches
+    message = 2 * spec.seq * plan.micro_batch * spec.hidden / plan.tp
+    stride = plan.tp * plan.dp
+    return 2 * m * message, 2 * m * (message / cluster.bandwidth(2, stride) + cluster.latency_s)
+
+
+def _data_parallel(
+    plan: Plan, cluster: ClusterSpec, psi: float, compute: float
+) -> tuple[float, float]:
+    """Data parallel's bytes and the seconds its gradients' reduction adds past the backward
+    it overlaps."""
+    dp = plan.dp
+    if dp == 1:
+        return 0.0, 0.0
+    grad_bytes = 2 * psi
+    volume = 2 * (dp - 1) / dp * grad_bytes * (1.5 if plan.zero == 3 else 1.0)
+    rounds = plan.microbatches if plan.zero >= 2 else 1  # (ZeRO-2/3: each micro-batch's)
+    dp_bytes = volume * rounds
+    transfer = dp_bytes / cluster.bandwidth(dp, plan.tp) + 2 * rounds * cluster.latency_s
+    overlap = (compute / plan.microbatches) * (2 / 3) * rounds  # the backward it can hide under
+    return dp_bytes, max(0.0, transfer - overlap)
+
+
+def _offload_s(plan: Plan, cluster: ClusterSpec, psi: float) -> float:
+    """Offload's seconds: fp32 gradients out, bf16 parameters back, Adam on the host."""
+    if not plan.offload:
+        return 0.0
+    moved = psi / (plan.dp if plan.dp > 1 and plan.zero >= 1 else 1)
+    return moved * 6 / (cluster.pcie_gbyte * GB) + moved * cluster.host_adam_s_per_param
 
 
 def unsupported(plan: Plan) -> str:
@@ -331,7 +375,7 @@ def unsupported(plan: Plan) -> str:
     return ""
 
 
-def search(spec: TransformerSpec, cluster: Cluster) -> tuple[list[Plan], list[Plan]]:
+def search(spec: TransformerSpec, cluster: ClusterSpec) -> tuple[list[Plan], list[Plan]]:
     """(plans that fit, fastest first; plans that do not, each with its reason)."""
     priced = [price(plan, spec, cluster) for plan in candidates(spec, cluster)]
     fits = sorted((p for p in priced if p.fits), key=lambda p: p.step_time_s)

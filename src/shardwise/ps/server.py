@@ -7,8 +7,8 @@ optimizer or, under the averaging rule, the worker's parameters blended in
 (`new = beta * server + (1 - beta) * worker`). Every applied update's staleness (server version
 minus the version the worker computed on) is recorded. Clients prove they are alive by bumping a
 counter in the c10d store; one silent for `timeout_s` is declared dead and nobody waits for it
-any more. Server 0 also deals out batches (`WorkQueue`), taking back those a dead worker never
-finished.
+any more. Server 0 also deals out batches (its `Dealer`, `dealer.py`), taking back those a dead
+worker never finished; the other servers deal none.
 
 The server's clients are the workers, or, in a two-level job, the relays (`relay.py`): each
 speaks for a group of workers, pushes their sum with its count, and asks for batches on their
@@ -29,18 +29,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.flat import flatten
 from shardwise.distributed import runtime
+from shardwise.faults.injection import FaultInjector
 from shardwise.ps import protocol
 from shardwise.ps.consistency import mode_for
+from shardwise.ps.dealer import dealing
 from shardwise.ps.liveness import HeartbeatSender
 from shardwise.ps.outbox import Outbox
 from shardwise.ps.peers import Peers, RefusalLog, check_hello, start_receivers
 from shardwise.ps.protocol import COORDINATOR, Kind
-from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
-from shardwise.ps.snapshots import EXIT_NO_SNAPSHOT, ShardSnapshots, SnapshotError, first_line
+from shardwise.ps.shard import Shard
+from shardwise.ps.sharding import signature
+from shardwise.ps.snapshots import EXIT_NO_SNAPSHOT, ShardSnapshots, SnapshotError
 from shardwise.ps.validation import Rules, Turn, check
 from shardwise.ps.work_queue import WorkQueue
+
+# The kinds of message a server hears (the others are its answers), each handled by `_on_<kind>`.
+HANDLED = (Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SKIP, Kind.IDLE, Kind.NEXT, Kind.LOST)
+HANDLED += (Kind.FINISHED, Kind.DONE, Kind.ROUND)
 
 
 @dataclass
@@ -64,6 +70,9 @@ class ServerReport:
 
 
 class Server:
+    """One shard's server: its loop (`serve`), a handler per kind of message, and the updates
+    (as `ServerView` to the consistency mode)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -74,68 +83,75 @@ class Server:
         clients: list[int],
         work: WorkQueue | None = None,
         workers: int | None = None,
-        faults=None,  # a FaultInjector: kill, hang or slow this server by rank (step: update)
+        faults: FaultInjector | None = None,  # kill, hang or slow this server (step: update)
     ) -> None:
-        """`clients`: the ranks that push and pull (workers, or relays); `workers`: how many
-        workers there are in all (the batches one sync update consumes)."""
-        self.o, self.rank, self.work, self.faults = options, rank, work, faults
+        """`clients`: the ranks that push and pull (workers, or relays); `work`: the batches to
+        deal (server 0's, or none); `workers`: how many workers there are in all (the batches
+        one sync update consumes)."""
+        self.o, self.rank, self.faults = options, rank, faults
+        self.workers = workers or len(clients)
         # Beating from the start: the clients and the supervisor tell a frozen server by this.
         self._beats = HeartbeatSender(rank, options.heartbeat_s)
-        self._make_shard(model, optimizer_cls, optimizer_kwargs)
+        self.shard = Shard(model, rank, options.servers, optimizer_cls, optimizer_kwargs)
+        self.params, self.optimizer = self.shard.params, self.shard.optimizer  # (never replaced)
         self.signature = signature(model)
-        # What a snapshot must have been written by to be resumed from: the same model, shard,
-        # optimizer and training options (not only a directory that happens to be the same).
-        self.identity = json.dumps(
-            {
-                "model": [[n, list(s)] for n, s in self.signature],
-                "bounds": list(self.bounds),
-                "optimizer": [optimizer_cls.__name__, repr(sorted(optimizer_kwargs.items()))],
-                "mode": [options.mode, options.staleness, options.servers],
-                "work": None if work is None else work.plan(),
-            },
-            sort_keys=True,
-        )
         self.version = 0
-        self.peers = Peers(clients, options.timeout_s, options.heartbeat_s)
+        self._make_bookkeeping(clients)
+        self._connect()
+        self.dealer = dealing(work, self.peers, self.outbox)
+        self.identity = self._identity(optimizer_cls, optimizer_kwargs)
+        self.handlers = self._handlers()
+        self.snapshots = None
+        if options.snapshot_every:
+            self._resume()
+
+    def _make_bookkeeping(self, clients: list[int]) -> None:
+        """Who is served, their clocks, the consistency mode, and what is held for them."""
+        o = self.o
+        self.peers = Peers(clients, o.timeout_s, o.heartbeat_s)
         # A relay stalls while it waits for a stuck worker of its own, until it declares that
         # one (after progress_timeout_s): it is stuck itself only if it stalls longer.
-        relay_s = options.timeout_s if options.relays else 0.0
-        self.stuck_after_s = options.progress_timeout_s + relay_s
+        relay_s = o.timeout_s if o.relays else 0.0
+        self.stuck_after_s = o.progress_timeout_s + relay_s
         self.clock = dict.fromkeys(clients, 0)
-        self.mode = mode_for(options.mode, options.staleness, rank, options.servers)
+        self.mode = mode_for(o.mode, o.staleness, self.rank, o.servers)
         self.waiting_pulls: list[tuple[int, int]] = []  # (client, clock)
-        self.waiting_batch: dict[int, int] = {}  # worker held for a batch -> client asking
-        self.report = ServerReport(rank=rank, updates=0)
+        self.report = ServerReport(rank=self.rank, updates=0)
+        self.greeted: set[int] = set()
+        self.clock_unsaid: set[int] = set()  # greeted clients that have not pulled yet
+        self.refusals = RefusalLog(f"ps server {self.rank}")
+
+    def _connect(self) -> None:
+        """The server's own process group (collective), its inbox and its outbox."""
         self.group = protocol.make_group()
         self.inbox: queue.Queue = queue.Queue()
         self.outbox = Outbox(self.group, self.inbox)
-        self.workers = workers or len(clients)
-        self.greeted: set[int] = set()
-        self.clock_unsaid: set[int] = set()  # greeted clients that have not pulled yet
-        self.refusals = RefusalLog(f"ps server {rank}")
-        self.handlers = {
-            Kind.HELLO: self._on_hello,
-            Kind.PULL: self._on_pull,
-            Kind.PUSH: self._on_push,
-            Kind.SKIP: self._on_skip,
-            Kind.IDLE: self._on_idle,
-            Kind.NEXT: self._on_next,
-            Kind.LOST: self._on_lost,
-            Kind.FINISHED: self._on_finished,
-            Kind.DONE: self._on_done,
-            Kind.ROUND: self._on_round,
-        }
-        self.snapshots = None
-        if options.snapshot_every:
-            self._resume(workers or len(clients))
 
-    def _resume(self, workers: int) -> None:
+    def _identity(self, optimizer_cls: type, optimizer_kwargs: dict[str, Any]) -> str:
+        """What a snapshot must have been written by to be resumed from: the same model, shard,
+        optimizer and training options (not only a directory that happens to be the same)."""
+        return json.dumps(
+            {
+                "model": [[n, list(s)] for n, s in self.signature],
+                "bounds": list(self.shard.bounds),
+                "optimizer": [optimizer_cls.__name__, repr(sorted(optimizer_kwargs.items()))],
+                "mode": [self.o.mode, self.o.staleness, self.o.servers],
+                "work": self.dealer.plan(),
+            },
+            sort_keys=True,
+        )
+
+    def _handlers(self) -> dict[Kind, Any]:
+        """One handler per kind of message a client (or server 0) sends: `_on_<kind>`."""
+        return {kind: getattr(self, f"_on_{kind.name.lower()}") for kind in HANDLED}
+
+    def _resume(self) -> None:
         """Start from the servers' newest common usable snapshot; its batches are consumed.
         With none left of a version they all kept, this process ends (one line, exit code
         EXIT_NO_SNAPSHOT): a restart would find the same files."""
         store = runtime.store()
         self.snapshots = ShardSnapshots(
-            self.o.snapshot_dir, self.rank, self.o.servers, store, self.identity, self.numels
+            self.o.snapshot_dir, self.rank, self.o.servers, store, self.identity, self.shard.numels
         )
         try:
             self._restore()
@@ -143,44 +159,14 @@ class Server:
             print(f"shardwise: ps server {self.rank}: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(EXIT_NO_SNAPSHOT)
-        if self.work is not None:
-            self.work.skip(self.version * self.mode.batches_per_update(workers))
-
-    def _make_shard(self, model: nn.Module, optimizer_cls, optimizer_kwargs) -> None:
-        """This server's range of the flat parameters, and an optimizer over it."""
-        plan = plan_shards(model, self.o.servers)
-        self.bounds = plan.bounds[self.rank]
-        mine = plan.split(flat_values(trainable(model)))[self.rank]
-        self.params = [nn.Parameter(mine.clone())] if mine.numel() else []
-        self.numels = [p.numel() for p in self.params]
-        self.optimizer = optimizer_cls(self.params, **optimizer_kwargs) if self.params else None
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+        self.dealer.restore(self.version * self.mode.batches_per_update(self.workers))
 
     # ---- the loop
     def serve(self) -> ServerReport:
-        senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
-        world_size = dist.get_world_size()
-        # relay -> its workers (their batches are dealt through it)
-        self.groups = self.o.relay_groups(world_size) if self.o.relays else {}
-        self.rules = Rules(
-            server=self.rank,
-            world_size=world_size,
-            clients=frozenset(self.peers.live),
-            relays=bool(self.o.relays),
-            coordinates=self.rank == COORDINATOR,
-            hears_rounds=self.mode.hears_rounds,
-            shard_numel=sum(self.numels),
-            workers=self.workers,
-        )
-        # (every receive thread reads on after a DONE: what a client sends after it is refused)
-        start_receivers(senders, self.group, self.inbox, set(), max_numel=sum(self.numels))
+        """Serve until every client is done or dead; the report of what this server saw."""
+        self._start()
         while self.peers.serving():
-            for client, silent_s in self.peers.silent():
-                self._declare_dead(client, silent_s)
-            held = {client for client, _ in self.waiting_pulls}
-            for client, clock, still_s in self.peers.stuck(self.stuck_after_s, held):
-                why = f"stuck at clock {clock} for {still_s:.1f} s (alive, no progress)"
-                self._declare_dead(client, still_s, why)
+            self._declare_silent_and_stuck()
             try:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
@@ -197,18 +183,37 @@ class Server:
         self.outbox.close()
         self._beats.stop()
         self.report.clocks = dict(self.clock)
-        self.report.final = torch.cat(
-            [p.detach().reshape(-1) for p in self.params] or [torch.zeros(0)]
-        )
-        if self.work is not None:
-            self.report.consumed_batches = self.work.consumed_batches
-            self.report.consumed_samples = self.work.consumed_samples
+        self.report.final = self.shard.final()
+        self.report.consumed_batches, self.report.consumed_samples = self.dealer.consumed()
         return self.report
 
-    def _send(self, dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None):
-        """Queued for `dst`'s sending thread: one slow or stopped client never blocks the loop
-        (a failed send comes back through the inbox and marks the client lost)."""
-        self.outbox.send(dst, kind, *ints, payload=payload)
+    def _start(self) -> None:
+        """The rules messages are checked by, and a receiving thread per sender."""
+        world_size = dist.get_world_size()
+        # relay -> its workers (their batches are dealt through it)
+        self.groups = self.o.relay_groups(world_size) if self.o.relays else {}
+        self.rules = Rules(
+            server=self.rank,
+            world_size=world_size,
+            clients=frozenset(self.peers.live),
+            relays=bool(self.o.relays),
+            coordinates=self.rank == COORDINATOR,
+            hears_rounds=self.mode.hears_rounds,
+            shard_numel=self.shard.numel,
+            workers=self.workers,
+        )
+        senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
+        # (every receive thread reads on after a DONE: what a client sends after it is refused)
+        start_receivers(senders, self.group, self.inbox, set(), max_numel=self.shard.numel)
+
+    def _declare_silent_and_stuck(self) -> None:
+        """Declare dead the clients silent past the timeout, and those alive but stuck."""
+        for client, silent_s in self.peers.silent():
+            self._declare_dead(client, silent_s)
+        held = {client for client, _ in self.waiting_pulls}
+        for client, clock, still_s in self.peers.stuck(self.stuck_after_s, held):
+            why = f"stuck at clock {clock} for {still_s:.1f} s (alive, no progress)"
+            self._declare_dead(client, still_s, why)
 
     # ---- what is not handled: broken connections and refused messages
     def _problem(self, src: int, h: torch.Tensor, payload) -> str | None:
@@ -251,11 +256,11 @@ class Server:
         if problem is None:
             self.clock[src] = self.version  # a resumed server: workers continue from here
             self.clock_unsaid.add(src)  # (its first PULL says which clock it goes on from)
-            self._send(src, Kind.OK, self.version)
+            self.outbox.send(src, Kind.OK, self.version)
         else:  # refuse this worker, keep serving the others
             self.report.rejected[src] = problem
             self.peers.live.discard(src)
-            self._send(src, Kind.ERROR, payload=protocol.pack(problem))
+            self.outbox.send(src, Kind.ERROR, payload=protocol.pack(problem))
 
     def _on_pull(self, src: int, h: torch.Tensor, payload) -> None:
         self.peers.idle.discard(src)
@@ -285,40 +290,20 @@ class Server:
 
     def _on_next(self, src: int, h: torch.Tensor, payload) -> None:
         """A worker (or a relay, for one of its workers) wants its next batch."""
-        worker = int(h[1]) or src
-        batch = self.work.next(worker) if self.work is not None else None
-        if batch is not None:
-            self._send(src, Kind.BATCH, batch[0], worker, payload=torch.tensor(batch[1]))
-            self.peers.note_served(src)
-        elif self.work is not None and self.work.outstanding:
-            self.waiting_batch[worker] = src  # held: another worker's batch may come back
-            if worker == src:  # a relay says IDLE itself once its whole group waits
-                self.peers.idle.add(src)
-            self._send(src, Kind.WAIT, worker)
-            self.mode.settle(self)
-        else:
-            self._send(src, Kind.END, worker)
-        self._deal()  # its finished batch may have been the last one others waited on
+        if self.dealer.request(src, worker=int(h[1]) or src):
+            self.mode.settle(self)  # (a worker held is idle: a sync round waits for it no more)
 
     def _on_lost(self, src: int, h: torch.Tensor, payload) -> None:
         """A relay's worker died: its unfinished batch is dealt again."""
-        if self.work is not None:
-            self.waiting_batch.pop(int(h[1]), None)
-            self.work.give_back(int(h[1]))
-            self._deal()
+        self.dealer.lost([int(h[1])])
 
     def _on_finished(self, src: int, h: torch.Tensor, payload) -> None:
         """A relay's worker closed: its last batch counts as consumed."""
-        if self.work is not None:
-            self.waiting_batch.pop(int(h[1]), None)
-            self.work.finish(int(h[1]))
-            self._deal()
+        self.dealer.finished(int(h[1]))
 
     def _on_done(self, src: int, h: torch.Tensor, payload) -> None:
         self.peers.finish(src)
-        if self.work is not None:
-            self.work.finish(src)
-            self._deal()
+        self.dealer.finished(src)
         self.mode.settle(self)
 
     def _on_round(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:
@@ -326,33 +311,17 @@ class Server:
         self.mode.announce(payload.tolist())
         self.mode.settle(self)
 
-    # ---- batches
-    def _deal(self) -> None:
-        """Hand batches to held workers. With the queue empty, a worker waits while another
-        still holds a batch (it may die and give it back), and gets END once none does."""
-        for worker, client in sorted(self.waiting_batch.items()):
-            if client not in self.peers.live or client in self.peers.done:
-                del self.waiting_batch[worker]
-                continue
-            batch = self.work.next(worker) if self.work is not None else None
-            if batch is not None:
-                self._send(client, Kind.BATCH, batch[0], worker, payload=torch.tensor(batch[1]))
-                self.peers.note_served(client)
-            elif self.work is None or not self.work.outstanding:
-                self._send(client, Kind.END, worker)
-            else:
-                continue
-            del self.waiting_batch[worker]
-            self.peers.idle.discard(client)
-
     # ---- updates
     def active(self) -> set[int]:
+        """The clients that still take part (alive, not done, not waiting for a batch)."""
         return self.peers.active()
 
     def is_live(self, client: int) -> bool:
+        """Whether `client` is alive (served, not declared dead)."""
         return client in self.peers.live
 
     def announce_round(self, follower: int, members: list[int]) -> None:
+        """Tell server `follower` the members of the next sync round (ROUND)."""
         self.outbox.send(follower, Kind.ROUND, self.version + 1, payload=torch.tensor(members))
 
     def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
@@ -367,6 +336,7 @@ class Server:
 
     @torch.no_grad()
     def apply(self, flat: torch.Tensor, staleness: int) -> None:
+        """Apply one update made `staleness` versions ago (then any fault planned for it)."""
         started = time.perf_counter()
         self._apply(flat, staleness)
         if self.faults is not None:
@@ -375,19 +345,10 @@ class Server:
 
     def _apply(self, flat: torch.Tensor, staleness: int) -> None:
         self.report.staleness.append(staleness)
-        pieces = flat.split(self.numels)
         if self.o.rule == "average":
-            for p, worker_value in zip(self.params, pieces, strict=True):
-                p.mul_(self.o.beta).add_(worker_value.view_as(p), alpha=1 - self.o.beta)
-        elif self.optimizer is not None:
-            scale = 1.0 / (1 + staleness) if self.o.staleness_lr else 1.0
-            for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-                group["lr"] = lr * scale
-            for p, g in zip(self.params, pieces, strict=True):
-                p.grad = g.view_as(p).clone()
-            with torch.enable_grad():
-                self.optimizer.step()
-            self.optimizer.zero_grad()
+            self.shard.average(flat, self.o.beta)
+        else:
+            self.shard.step(flat, 1.0 / (1 + staleness) if self.o.staleness_lr else 1.0)
         self.version += 1
         self.report.updates += 1
         if self.snapshots and self.version % self.o.snapshot_every == 0:
@@ -400,7 +361,7 @@ class Server:
             if client not in self.peers.live:
                 continue
             if self.mode.may_answer(self, client, clock):
-                self._send(client, Kind.OK, self.version, payload=flatten(self.params))
+                self.outbox.send(client, Kind.OK, self.version, payload=self.shard.values())
                 self.peers.note_served(client)
             else:
                 still.append((client, clock))
@@ -414,12 +375,7 @@ class Server:
         self.peers.mark_dead(client, silent_s)
         self.report.dead_workers[client] = silent_s
         self.mode.forget(client)
-        for worker in self.groups.get(client, [client]):
-            self.waiting_batch.pop(worker, None)
-            if self.work is not None:
-                self.work.give_back(worker)
-        if self.work is not None:
-            self._deal()
+        self.dealer.lost(self.groups.get(client, [client]))
         role = "relay" if self.o.relays else "worker"
         why = why or f"silent for {silent_s:.1f} s"
         print(f"shardwise: ps server {self.rank}: {role} rank {client}: {why}; declared dead")
@@ -428,16 +384,8 @@ class Server:
 
     # ---- snapshots
     def _snapshot(self) -> None:
-        self.snapshots.save(
-            {
-                "version": self.version,
-                "bounds": list(self.bounds),
-                "params": [p.detach().clone() for p in self.params],
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            }
-        )
+        self.snapshots.save({"version": self.version, **self.shard.state()})
 
-    @torch.no_grad()
     def _restore(self) -> None:
         """Resume from the newest version that every server has a usable snapshot of (checked
         by `ShardSnapshots`: this job's, undamaged), or start afresh if they kept none."""
@@ -445,13 +393,6 @@ class Server:
         if found is None:
             return
         path, state = found
-        for p, value in zip(self.params, state["params"], strict=True):
-            p.copy_(value)
-        if self.optimizer and state["optimizer"]:
-            try:
-                self.optimizer.load_state_dict(state["optimizer"])
-            except (ValueError, KeyError, TypeError, RuntimeError) as e:
-                why = first_line(e)
-                raise SnapshotError(f"{path}: its optimizer state does not load ({why})") from None
+        self.shard.load(state, path)
         self.version = state["version"]
         self.report.resumed_from = self.version

@@ -1,8 +1,8 @@
 """The work queue of a parameter-server job: batches of sample indices, dealt on demand.
 
-Server 0 keeps it. A worker asks for its next batch when it finished the last one (which then
-counts as consumed); a dead worker's unfinished batch goes back to the front of the queue, so
-every sample of every epoch is consumed exactly once, whoever dies.
+Server 0's `Dealer` (`dealer.py`) keeps it. A worker asks for its next batch when it finished
+the last one (which then counts as consumed); a dead worker's unfinished batch goes back to the
+front of the queue, so every sample of every epoch is consumed exactly once, whoever dies.
 
 Nothing is built up front (every batch was, about 1.5 GiB per million batches). The job's
 batches are numbered 0, 1, ...: batch b is the (b mod E)-th slice of epoch b // E's seeded order

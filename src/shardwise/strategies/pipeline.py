@@ -215,40 +215,52 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         order = schedule_order(self.schedule, self.index, self.stages, m)
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         inbox = _Inbox(self)  # receives posted one message ahead
-        total = torch.zeros((), device=self.device)
+        step_loss = torch.zeros((), device=self.device)
         for k, (op, i) in enumerate(order):
             if op == "F":
                 x = xs[i] if self.is_first else inbox.activation(i)
                 inbox.prefetch(order, k + 1, saved)  # (the next message lands while this runs)
-                out = self.stage(x)
-                if self.is_last:
-                    out = loss_fn(out, ys[i]) / m
-                    total += out.detach()
-                else:  # micro-batches have one shape: a header with the first one only
-                    self._send(out, self.index + 1, header=i == 0)
+                out = self._forward_microbatch(i, x, ys, loss_fn, step_loss)
                 saved[i] = (None if self.is_first else x, out)
             else:
                 x, out = saved.pop(i)
-                if not self.is_last:
-                    grad = inbox.gradient(i, out)
+                grad = None if self.is_last else inbox.gradient(i, out)
                 inbox.prefetch(order, k + 1, saved)
-                # Data parallel along a mesh: reduce gradients once, after the last micro-batch.
-                sync = i == m - 1 or not hasattr(self.stage, "no_sync")
-                with contextlib.nullcontext() if sync else self.stage.no_sync():
-                    if self.is_last:
-                        out.backward()
-                    else:
-                        out.backward(grad)
-                if i == m - 1 and not self.is_last:  # the step's loss follows the last gradient
-                    total = inbox.loss()
-                if x is not None:
-                    self._send(x.grad, self.index - 1, header=False)
-                    if i == m - 1:
-                        self._send(total.reshape(1), self.index - 1, header=False)
+                step_loss = self._backward_microbatch(i, x, out, grad, inbox, step_loss)
         self._wait_sends()
         # Every rank now holds the loss: it travelled back with the gradients, stage by stage,
         # which costs no synchronising collective at the end of the step.
-        return total
+        return step_loss
+
+    def _forward_microbatch(self, i: int, x, ys, loss_fn: LossFn, step_loss) -> torch.Tensor:
+        """Micro-batch `i` through the stage: the last adds its loss to `step_loss`."""
+        out = self.stage(x)
+        if self.is_last:
+            out = loss_fn(out, ys[i]) / self.microbatches
+            step_loss += out.detach()
+        else:  # micro-batches have one shape: a header with the first one only
+            self._send(out, self.index + 1, header=i == 0)
+        return out
+
+    def _backward_microbatch(self, i: int, x, out, grad, inbox: _Inbox, step_loss) -> torch.Tensor:
+        """Micro-batch `i` back through the stage (`grad`: its output's gradient, None on the
+        last stage), its input's gradient sent back; returns the step's loss, which the stages
+        before the last receive after the last micro-batch's gradient and pass back."""
+        last = i == self.microbatches - 1
+        # Data parallel along a mesh: reduce gradients once, after the last micro-batch.
+        sync = last or not hasattr(self.stage, "no_sync")
+        with contextlib.nullcontext() if sync else self.stage.no_sync():
+            if self.is_last:
+                out.backward()
+            else:
+                out.backward(grad)
+        if last and not self.is_last:  # the step's loss follows the last gradient
+            step_loss = inbox.loss()
+        if x is not None:
+            self._send(x.grad, self.index - 1, header=False)
+            if last:
+                self._send(step_loss.reshape(1), self.index - 1, header=False)
+        return step_loss
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> torch.Tensor:

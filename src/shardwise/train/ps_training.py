@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import default_collate
 
-import shardwise as sw
+from shardwise import api, ps
 from shardwise.checkpoint.reshardable import save_model
 from shardwise.comm.broken import broken_connection
 from shardwise.config import Config
@@ -46,7 +46,7 @@ SUPERVISED = "SHARDWISE_PS_ATTEMPT"  # set by our supervisor (`ps_supervisor.py`
 
 def run_role(cfg: Config, requested_run_dir: str | None) -> None:
     started = time.perf_counter()
-    rt = sw.init(backend="gloo", timeout_s=cfg.launch.comm_timeout_s)
+    rt = api.init(backend="gloo", timeout_s=cfg.launch.comm_timeout_s)
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)
     run_dir = agree_run_dir(cfg, requested_run_dir, rt)
     job = build_job(cfg)
@@ -58,7 +58,7 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
     role = "relay" if strategy.is_relay() else "server" if strategy.is_server() else "worker"
     faults = FaultInjector(rt.rank, run_dir, cfg.faults, role=role)
     if strategy.is_relay():
-        report = sw.ps.relay(job.model, strategy, faults)
+        report = ps.relay(job.model, strategy, faults)
         (out / f"relay{rt.rank}.json").write_text(json.dumps(dataclasses.asdict(report)))
     elif strategy.is_server():
         work = None
@@ -67,7 +67,7 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
             work = WorkQueue.for_batches(
                 total, len(job.splits.train), cfg.data.batch_size, cfg.train.seed
             )
-        report = sw.ps.serve(job.model, strategy, opt_cls, work=work, faults=faults, **opt_kwargs)
+        report = ps.serve(job.model, strategy, opt_cls, work=work, faults=faults, **opt_kwargs)
         fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
         fields.pop("final")  # the shard itself goes to safetensors
         (out / f"server{rt.rank}.json").write_text(json.dumps(fields))
@@ -143,7 +143,7 @@ def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: fl
 
 def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -> None:
     index = rt.rank - strategy.servers - strategy.relays
-    model, opt = sw.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
+    model, opt = api.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
     metrics = MetricsFile(out / f"worker{rt.rank}.jsonl")
     start, step, bad = time.perf_counter(), 0, BadSteps(cfg.train, f"ps worker rank {rt.rank}")
     while (indices := model.client.next_batch()) is not None:
@@ -155,7 +155,7 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
         loss_fn = job.loss_fn
         if faults.poisons_loss(step + 1):  # an injected fault: this step's loss is NaN
             loss_fn = _poisoned(job.loss_fn)
-        loss = sw.train_step(model, x, y, loss_fn)
+        loss = api.train_step(model, x, y, loss_fn)
         faults.observe_work(len(indices), time.perf_counter() - t0)
         faults.slow_ahead(len(indices), step=step + 1)
         step += 1
@@ -179,7 +179,9 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
         }
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
             batch = cfg.train.eval_batch_size
-            record["eval_accuracy"] = evaluate(model, job, batch, everyone=False).accuracy
+            record["eval_accuracy"] = evaluate(
+                model, job.splits.test, job.loss_fn, batch, everyone=False
+            ).accuracy
         metrics.write(record)
     metrics.close()
     strategy.close(model)
@@ -231,18 +233,10 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     servers = [
         json.loads((out / f"server{r}.json").read_text()) for r in range(cfg.strategy.servers)
     ]
-    flat = torch.cat(
-        [
-            load_file(str(out / f"server{r}.safetensors"))["flat"]
-            for r in range(cfg.strategy.servers)
-        ]
+    job = _assembled(cfg, out)
+    eval_loss, accuracy, _ = evaluate(
+        job.model, job.splits.test, job.loss_fn, cfg.train.eval_batch_size, everyone=False
     )
-    job = build_job(cfg)
-    with torch.no_grad():
-        params = trainable(job.model)
-        for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.copy_(value.view_as(p))
-    eval_loss, accuracy, _ = evaluate(job.model, job, cfg.train.eval_batch_size, everyone=False)
     save_model(run_dir / "checkpoint", job.model.state_dict(), {"name": cfg.name, "ps": True})
     workers = {}
     for path in sorted(out.glob("worker*.jsonl")):
@@ -279,6 +273,18 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     }
     write_summary(run_dir, summary)
     return summary
+
+
+def _assembled(cfg: Config, out: Path) -> Job:
+    """The job, its model's trainable parameters the servers' shards put together."""
+    shards = [load_file(str(out / f"server{r}.safetensors")) for r in range(cfg.strategy.servers)]
+    flat = torch.cat([shard["flat"] for shard in shards])
+    job = build_job(cfg)
+    with torch.no_grad():
+        params = trainable(job.model)
+        for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.copy_(value.view_as(p))
+    return job
 
 
 def _plot_staleness(histogram: dict[str, int], path: Path, mode: str) -> None:

@@ -149,50 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_tables(result: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=120)
-    kills = Table(title="kill rank 1 and restart (digits, DDP, 2 ranks)")
-    for col in ("checkpoint every", "killed at", "resumed from", "steps lost", "kill -> training"):
-        kills.add_column(col, justify="right")
-    for k in result["kill_restart"]:
-        if "error" in k:
-            kills.add_row("-", "-", "-", "-", k["error"])
-            continue
-        kills.add_row(
-            str(k["checkpoint_every"]),
-            str(k["killed_at_step"]),
-            str(k["resumed_from_step"]),
-            str(k["steps_lost"]),
-            f"{k['kill_to_training_s']:.1f} s",
-        )
-    console.print(kills)
-    stalls = Table(title="checkpoint stall per save (tiny GPT, 2 ranks, every 5 steps)")
-    for col in ("mode", "saves", "stall (median)", "write (median)", "step (median)"):
-        stalls.add_column(col, justify="right")
-    for s in result["checkpoint_stall"]:
-        if "error" in s:
-            stalls.add_row("-", "-", s["error"], "-", "-")
-            continue
-        write = f"{1000 * s['write_s_median']:.1f} ms" if s["write_s_median"] else "-"
-        stalls.add_row(
-            s["mode"],
-            str(s["saves"]),
-            f"{1000 * s['stall_s_median']:.1f} ms",
-            write,
-            f"{1000 * s['step_s_median']:.1f} ms",
-        )
-    console.print(stalls)
-    rival = Table(title="the same state, ours vs torch DCP (tiny GPT, our DDP, 2 ranks, medians)")
-    for col in ("save", "ours", "torch DCP", "ours / DCP"):
-        rival.add_column(col, justify="right")
-    r = result["stall_vs_dcp_s"]
-    for mode in ("async", "sync"):
-        ours, dcp = r[f"ours_{mode}"], r[f"dcp_{mode}"]
-        rival.add_row(
-            f"{mode} stall", f"{1000 * ours:.1f} ms", f"{1000 * dcp:.1f} ms", f"{ours / dcp:.2f}"
-        )
-    console.print(rival)
+    console.print(_kill_table(result["kill_restart"]))
+    console.print(_stall_table(result["checkpoint_stall"]))
+    console.print(_rival_table(result["stall_vs_dcp_s"]))
     if "async_stall_over_sync_save" in result:
         console.print(f"async stall / sync save: {result['async_stall_over_sync_save']:.3f}")
     hang = result["hang"]
@@ -200,6 +161,61 @@ def _print_tables(result: dict) -> None:
         f"hang (timeout {hang['hang_timeout_s']:.0f} s): every rank exited "
         f"{hang['hang_to_all_exited_s']:.1f} s after the hang\n  {hang['report'][:300]}"
     )
+
+
+def _kill_table(kills: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="kill rank 1 and restart (digits, DDP, 2 ranks)")
+    for col in ("checkpoint every", "killed at", "resumed from", "steps lost", "kill -> training"):
+        table.add_column(col, justify="right")
+    for k in kills:
+        if "error" in k:
+            table.add_row("-", "-", "-", "-", k["error"])
+            continue
+        table.add_row(
+            str(k["checkpoint_every"]),
+            str(k["killed_at_step"]),
+            str(k["resumed_from_step"]),
+            str(k["steps_lost"]),
+            f"{k['kill_to_training_s']:.1f} s",
+        )
+    return table
+
+
+def _stall_table(stalls: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="checkpoint stall per save (tiny GPT, 2 ranks, every 5 steps)")
+    for col in ("mode", "saves", "stall (median)", "write (median)", "step (median)"):
+        table.add_column(col, justify="right")
+    for s in stalls:
+        if "error" in s:
+            table.add_row("-", "-", s["error"], "-", "-")
+            continue
+        write = f"{1000 * s['write_s_median']:.1f} ms" if s["write_s_median"] else "-"
+        table.add_row(
+            s["mode"],
+            str(s["saves"]),
+            f"{1000 * s['stall_s_median']:.1f} ms",
+            write,
+            f"{1000 * s['step_s_median']:.1f} ms",
+        )
+    return table
+
+
+def _rival_table(medians: dict[str, float]):
+    from rich.table import Table
+
+    table = Table(title="the same state, ours vs torch DCP (tiny GPT, our DDP, 2 ranks, medians)")
+    for col in ("save", "ours", "torch DCP", "ours / DCP"):
+        table.add_column(col, justify="right")
+    for mode in ("async", "sync"):
+        ours, dcp = medians[f"ours_{mode}"], medians[f"dcp_{mode}"]
+        table.add_row(
+            f"{mode} stall", f"{1000 * ours:.1f} ms", f"{1000 * dcp:.1f} ms", f"{ours / dcp:.2f}"
+        )
+    return table
 
 
 if __name__ == "__main__":

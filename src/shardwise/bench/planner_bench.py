@@ -38,7 +38,7 @@ from pathlib import Path
 from shardwise.bench.whole_jobs import train_job
 from shardwise.config import load_config
 from shardwise.plan import calibrate
-from shardwise.plan.command import config_candidates
+from shardwise.plan.config_plan import config_candidates
 
 QUIET = ("train.log_every=5", "train.tensorboard=false")
 
@@ -102,7 +102,7 @@ def run_one(out: Path, model: str, name: str, sets: list[str], nproc: int, steps
     """Train `model` (a WORKLOADS name) under strategy `name` (`sets`) on `nproc` ranks for
     `steps` steps, with the global batch of its data-parallel run: its predicted and measured
     rows."""
-    from shardwise.plan.costs import replicas
+    from shardwise.plan.predictors import replicas
 
     work = WORKLOADS[model]
     config = work.config
@@ -130,7 +130,7 @@ def _torch_peak(config: str, sets: tuple[str, ...], batch: int) -> int:
     return memtracker_peak(config, list(sets), batch)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="shardwise bench planner")
     parser.add_argument(
         "--steps", type=int, help="steps per run (default: MLP 100, small MLP 150, GPT 30)"
@@ -164,21 +164,16 @@ def main(argv: list[str] | None = None) -> int:
         "each world size afresh before each round's runs)",
     )
     parser.add_argument("--out", required=True, help="output directory")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    worlds = [4] if args.quick else [int(w) for w in args.worlds.split(",")]
-    models = ["gpt"] if args.quick else args.models.split(",")
-    if unknown := set(models) - set(WORKLOADS):
-        known = ", ".join(WORKLOADS)
-        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; known: {known}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.confirm < 0:
-        parser.error(f"--confirm must be >= 0, got {args.confirm}")
-    started = time.perf_counter()
+    return parser
+
+
+def _sweep(
+    args: argparse.Namespace, out: Path, worlds: list[int], models: list[str]
+) -> tuple[dict[str, list[dict]], dict[str, tuple]]:
+    """Every configuration's runs, round after round, each round's world sizes calibrated
+    just before their runs; and each configuration's `run_one` arguments after `out`."""
     runs: dict[str, list[dict]] = {}
-    jobs: dict[str, tuple] = {}  # key -> run_one's arguments after `out`
+    jobs: dict[str, tuple] = {}
     for round_ in range(args.repeats):
         for nproc in worlds:
             # Each round's runs are priced at a calibration made just before them, of 3 passes
@@ -197,19 +192,46 @@ def main(argv: list[str] | None = None) -> int:
                     jobs[key] = (model, name, sets, nproc, args.steps or work.steps)
                     runs.setdefault(key, []).append(run_one(out, *jobs[key]))
                     _print_row(key + (f" #{round_ + 1}" if args.repeats > 1 else ""), runs[key][-1])
+    return runs, jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    worlds = [4] if args.quick else [int(w) for w in args.worlds.split(",")]
+    models = ["gpt"] if args.quick else args.models.split(",")
+    if unknown := set(models) - set(WORKLOADS):
+        known = ", ".join(WORKLOADS)
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; known: {known}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.confirm < 0:
+        parser.error(f"--confirm must be >= 0, got {args.confirm}")
+    started = time.perf_counter()
+    runs, jobs = _sweep(args, out, worlds, models)
     results = {key: _combined(tries) for key, tries in runs.items()}
     summary = _summarise(results)
     if summary.get("choice") and args.confirm:
         summary["choice"]["confirmed"] = _confirm(out, results, jobs, args.confirm)
-    wall = time.perf_counter() - started
-    summary["wall_s"] = wall
+    summary["wall_s"] = time.perf_counter() - started
     (out / "planner.json").write_text(json.dumps({**summary, "results": results}, indent=1))
+    _print_summary(summary)
+    print(json.dumps({"bench": "planner", **summary}))
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+def _print_summary(summary: dict) -> None:
+    """The bench's verdicts: step-time errors and rank correlation, peaks beside torch's, and
+    the GPT's top choice on 4 ranks against the fastest measured."""
     print(
-        f"shardwise: bench planner: {summary['runs']} runs in {wall:.0f} s; step time error "
-        f"median {summary['step_error_median']:.1%}, max {summary['step_error_max']:.1%}, "
-        f"within 20%: {summary['step_within_20']}/{summary['runs']} (or within the runs' "
-        f"range: {summary['step_within_20_or_range']}); Kendall tau "
-        f"{summary['kendall_tau']:.3f}; model state error max {summary['state_error_max']:.2%}"
+        f"shardwise: bench planner: {summary['runs']} runs in {summary['wall_s']:.0f} s; step "
+        f"time error median {summary['step_error_median']:.1%}, max "
+        f"{summary['step_error_max']:.1%}, within 20%: {summary['step_within_20']}/"
+        f"{summary['runs']} (or within the runs' range: {summary['step_within_20_or_range']}); "
+        f"Kendall tau {summary['kendall_tau']:.3f}; model state error max "
+        f"{summary['state_error_max']:.2%}"
     )
     if rival := summary.get("torch_peak"):
         print(
@@ -231,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"the fastest, {confirmed['measured_best']}, "
                 f"{1000 * confirmed['best_measured_s']:.1f} ms/step ({confirmed['slower_by']:+.1%})"
             )
-    print(json.dumps({"bench": "planner", **summary}))
-    return 1 if any("error" in r for r in results.values()) else 0
 
 
 def _print_row(key: str, result: dict) -> None:

@@ -8,7 +8,7 @@ attention, as an unpacked run trains). A step is forward, backward and an AdamW 
 variants alternate over `--reps` repetitions of `--steps` steps; we report medians: the split's
 padding fraction, real (not padding) tokens/s and rows/s.
 
-Run: python -m shardwise.bench.packing [--rows 4] [--steps 2] [--reps 4] [--out FILE]
+Run: python -m shardwise.bench.packing_bench [--rows 4] [--steps 2] [--reps 4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from shardwise.bench.whole_jobs import default_out
-from shardwise.config import PACKAGE_DATA
 from shardwise.data import datasets
 from shardwise.data.datasets import PAD_TARGET, DocumentRows
+from shardwise.job_sections import PACKAGE_DATA
 from shardwise.nn.models import TinyGPT, lm_loss
 
 SEQ_LEN = 256

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.bench.common import make_workload, median_step_times, state_bytes_after_backward
-from shardwise.bench.report import main_for, ratio_table
+from shardwise.bench.ratio_report import main_for, ratio_table
 from shardwise.nn.models import num_parameters
 from shardwise.strategies.zero import stage3_units
 

@@ -5,7 +5,7 @@ are interleaved (ours, torch, then torch, ours, ...) so drift in machine load hi
 and the environment (threads per rank, malloc thresholds) is set once by the launcher for both.
 A step time is the slowest rank's; we report the median over repetitions.
 
-Run: shardwise bench ddp --world-size 2   (or python -m shardwise.bench.ddp under torchrun)
+Run: shardwise bench ddp --world-size 2   (or python -m shardwise.bench.ddp_bench under torchrun)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.bench.common import make_workload, median_step_times, state_bytes_after_backward
-from shardwise.bench.report import main_for, ratio_table
+from shardwise.bench.ratio_report import main_for, ratio_table
 from shardwise.nn.models import num_parameters
 
 

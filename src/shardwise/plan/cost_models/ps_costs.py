@@ -56,7 +56,8 @@ import torch
 from torch import nn
 
 from shardwise.comm.messages import HEADER
-from shardwise.plan.costs import FP32, Costs, Job, optimizer_bytes
+from shardwise.plan.cost_models import CostModel
+from shardwise.plan.costs import FP32, CostJob, Costs, optimizer_bytes
 from shardwise.ps.protocol import COORDINATOR, PAYLOAD_DTYPE, Kind, pack
 from shardwise.ps.sharding import plan_shards, signature, trainable
 from shardwise.ps.worker import ParameterServer, PSConfig
@@ -90,7 +91,7 @@ def _mark(kind: Kind) -> int:
 
 
 @dataclass
-class Traffic:
+class RankTraffic:
     """What one rank sends and receives, by message kind (lower-case): bytes and messages."""
 
     sent: dict[str, int] = field(default_factory=dict)
@@ -99,7 +100,7 @@ class Traffic:
     received_messages: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, rank: int, messages: list[Message]) -> Traffic:
+    def of(cls, rank: int, messages: list[Message]) -> RankTraffic:
         out = cls()
         for m in messages:
             kind = m.kind.name.lower()
@@ -122,8 +123,8 @@ class RankCosts(Costs):
     role: str = "worker"
     received: dict[str, int] = field(default_factory=dict)
     received_calls: dict[str, int] = field(default_factory=dict)
-    start: Traffic = field(default_factory=Traffic)
-    end: Traffic = field(default_factory=Traffic)
+    start: RankTraffic = field(default_factory=RankTraffic)
+    end: RankTraffic = field(default_factory=RankTraffic)
 
     def as_dict(self) -> dict:
         return {
@@ -171,7 +172,7 @@ def predict_ps(
     ranks = []
     for rank in range(world):
         costs = _state(o, rank, model, shards, optimizer)
-        per_step, costs.start, costs.end = (Traffic.of(rank, m) for m in (step, start, end))
+        per_step, costs.start, costs.end = (RankTraffic.of(rank, m) for m in (step, start, end))
         for kind, nbytes in per_step.sent.items():
             costs.add_comm(kind, nbytes, per_step.sent_messages[kind])
         costs.received, costs.received_calls = per_step.received, per_step.received_messages
@@ -180,7 +181,7 @@ def predict_ps(
     return PSCosts(ranks, start, step, end)
 
 
-def ps_costs(job: Job, s: PSConfig) -> Costs:
+def ps_costs(job: CostJob, s: PSConfig) -> Costs:
     """`predictors.predict`'s view: rank `job.rank`'s costs in a job of `job.world_size` ranks (its
     servers and relays included) under the config's `PSConfig` `s`, each worker taking batches
     of `job.global_batch // workers` samples from server 0's queue (none: no batch messages)."""
@@ -344,3 +345,7 @@ def _notes(o: ParameterServer, role: str, rank: int, shards: list[int], workers:
     if o.snapshot_every:
         notes.append("snapshots: each server writes its shard and optimizer state to disk")
     return notes
+
+
+# (A parameter server's step time has no model yet.)
+MODEL = CostModel(ps_costs)

@@ -1,0 +1,307 @@
+"""ZeRO's cost model, stages 1-3 (Rajbhandari et al., 2020): flat units padded to a multiple
+of N (S = ceil(U / N) elements per rank); stage 1 keeps full gradients, 2 only the reduced
+slice, 3 frees the full parameters after each use; one reduce-scatter per unit, one
+all-gather per unit after the step (stage 3: before forward and before backward instead).
+Its peak emulates the units' buffers on fake tensors as `strategies.zero` makes and frees
+them (`Stage1Emulation` and its subclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise.comm.accounting import native_volume
+from shardwise.plan.cost_models import CostModel
+from shardwise.plan.costs import (
+    DTYPES,
+    FP32,
+    HALF,
+    CostJob,
+    Costs,
+    numels,
+    optimizer_bytes,
+    replica_activations,
+)
+from shardwise.plan.peaks import step_peak
+from shardwise.plan.work import data_parallel_compute
+from shardwise.strategies.grad_buckets import assign_buckets
+from shardwise.strategies.section import StrategySection
+from shardwise.strategies.zero.stage3 import stage3_units
+
+
+@dataclass(frozen=True)
+class _Units:
+    """How a rank's parameters are cut into ZeRO's flat units."""
+
+    params: list[list[nn.Parameter]]  # each unit's parameters
+    modules: list[str]  # stage 3: the module each unit after the rest wraps
+    rest: bool  # stage 3: unit 0 holds the parameters outside every unit's module
+    shards: list[int]  # S: each unit's elements per rank, padded
+
+
+def _units(job: CostJob, s: StrategySection) -> _Units:
+    """Stage 3: one unit per `stage3_units` module (and the rest before them); stages 1-2: the
+    gradient buckets of bucket_mb."""
+    params, modules, rest = job.params(), [], []
+    if s.stage == 3:
+        found = stage3_units(job.model)
+        units = [[p for p in m.parameters() if p.requires_grad] for m in found]
+        covered = {id(p) for unit in units for p in unit}
+        rest = [p for p in params if id(p) not in covered]
+        units = [rest, *units] if rest else units
+        names = {id(m): name for name, m in job.model.named_modules()}
+        modules = [names[id(m)] for m in found]
+    else:
+        units = assign_buckets(params, int(s.bucket_mb * 2**20))
+    shards = [-(-sum(numels(unit)) // job.world_size) for unit in units]
+    return _Units(units, modules, bool(rest), shards)
+
+
+def _memory(job: CostJob, s: StrategySection, shards: list[int]) -> tuple[dict[str, int], int]:
+    """The rank's model state by category, and the bytes of every unit's padded compute
+    buffer."""
+    n, compute = job.world_size, HALF.get(s.mixed_precision, FP32)
+    fp32_masters = s.mixed_precision is not None or s.offload is not None
+    full = sum(S * n for S in shards) * compute
+    shard = sum(shards) * FP32
+    memory = {
+        "params": 0 if s.stage == 3 else full,
+        # Stage 3's shards are copies (the full buffers come and go); with mixed precision or
+        # offload, fp32 masters live beside the compute copy. Otherwise the optimizer steps
+        # views of the parameters: no bytes of their own.
+        "master_weights": shard if fp32_masters or s.stage == 3 else 0,
+        "grads": shard if s.stage >= 2 else full + (shard if fp32_masters else 0),
+        "optimizer": optimizer_bytes(shards, job.optimizer),
+    }
+    if s.stage == 1 and not fp32_masters:
+        memory["grads"] = full  # the reduced slice is a view of the full gradient buffer
+    return memory, full
+
+
+def zero_costs(job: CostJob, s: StrategySection) -> Costs:
+    """One ZeRO rank: its shards' state, its step's peak, and its units' collectives."""
+    units = _units(job, s)
+    memory, full = _memory(job, s, units.shards)
+    costs = Costs(memory=memory, optimizer_numels=units.shards)
+    costs.activations = replica_activations(job, DTYPES.get(s.mixed_precision))
+    names = {id(p): name for name, p in job.model.named_parameters()}
+    emulation = EMULATIONS[s.stage](
+        job.model,
+        [[names[id(p)] for p in unit] for unit in units.params],
+        units.modules,
+        job.world_size,
+        DTYPES.get(s.mixed_precision, torch.float32),
+        s.mixed_precision is not None or s.offload is not None,
+        job.backend == "gloo",
+    )
+    costs.peak = step_peak(
+        job,
+        memory,
+        units.shards,
+        job.global_batch // job.world_size,
+        # Gradients made each step: the shards' (stage 1 keeps its full buffers).
+        made_grads=memory["grads"] - (full if s.stage == 1 else 0),
+        dtype=DTYPES.get(s.mixed_precision),
+        emulation=emulation,
+        # Stages 1 and 2 gather every unit after the step, from compute copies of the slices.
+        after_step=0 if s.stage == 3 else sum(units.shards) * HALF.get(s.mixed_precision, FP32),
+    )
+    _traffic(costs, units, job.world_size, s.stage, HALF.get(s.mixed_precision, FP32))
+    if s.mixed_precision == "fp16":
+        costs.notes.append("fp16 loss scaling: its overflow all-reduce is not counted")
+    return costs
+
+
+def _traffic(costs: Costs, units: _Units, n: int, stage: int, compute: int) -> None:
+    """Each unit's reduce-scatter and all-gathers, and which of them a unit's compute hides."""
+    shards = units.shards
+    for k, S in enumerate(shards):
+        unit_bytes = S * n * compute
+        # Backward makes the first unit's gradients last: the others' reduce-scatters run
+        # while it computes, and all are waited for after it.
+        reduced = native_volume("reduce_scatter", unit_bytes, n)
+        costs.add_comm("reduce_scatter", reduced, prefetched=k > 0)
+        volume = native_volume("all_gather", unit_bytes, n)
+        if stage < 3:
+            costs.add_comm("all_gather", volume)
+            continue
+        # Stage 3 gathers each unit twice. A unit's gather starts in the hook of the unit
+        # before it (forward: the previous, backward: the next) and is waited for after that
+        # unit's compute; forward's first block (and the rest before it) and backward's
+        # first, the last unit, are gathered on the spot.
+        exposed = (k < (2 if units.rest else 1)) + (k == len(shards) - 1)
+        costs.add_comm("all_gather", exposed * volume, calls=exposed)
+        costs.add_comm("all_gather", (2 - exposed) * volume, calls=2 - exposed, prefetched=True)
+
+
+class Stage1Emulation:
+    """ZeRO's buffers through forward and backward, made and freed as `strategies.zero` does,
+    on fake tensors; stage 1's here, stages 2 and 3 in the subclasses, as the strategy's own
+    stages extend one another.
+
+    Units (lists of parameter names) are reduced in reverse order, each once all its
+    gradients are in and every later unit has been launched: a reduced slice (S elements) is
+    made at the launch. All are completed at the end of backward (fp32 masters: the slice
+    copied to fp32 becomes the shard's gradient). On gloo a completion surfaces the backend's
+    copy of the whole buffer.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[list[str]],
+        unit_modules: list[str],
+        world_size: int,
+        compute: torch.dtype,
+        fp32_masters: bool,
+        gloo: bool,
+    ) -> None:
+        self.model, self.units, self.unit_modules = model, units, unit_modules
+        self.n, self.compute = world_size, compute
+        self.fp32_masters, self.gloo = fp32_masters, gloo
+        self.numels = [0] * len(units)
+        self.order = list(reversed(range(len(units))))
+
+    def _reset(self) -> None:
+        count = len(self.units)
+        self.pending = [len(names) for names in self.units]
+        self.next_launch = 0
+        self.grad_full: list = [None] * count
+        self.reduced: list = [None] * count
+        self.shard_grads: list = [None] * count
+        self.in_flight: list[int] = []
+        self.queued = False
+
+    def _shard(self, i: int) -> int:
+        return -(-self.numels[i] // self.n)
+
+    def __call__(self, params: dict[str, nn.Parameter]) -> list:
+        """Install the hooks on the fake parameters `params` (by name) and, where the stage
+        needs them, on the model's modules; the handles to remove afterwards."""
+        self._reset()
+        self.numels = [sum(params[name].numel() for name in names) for names in self.units]
+        unit_of = {name: i for i, names in enumerate(self.units) for name in names}
+        for name, p in params.items():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p, i=unit_of[name]: self._grad(p, i))
+        return self._module_hooks()
+
+    def _module_hooks(self) -> list:
+        return []  # (stage 3 gathers parameters around each unit's module)
+
+    def _grad(self, p: nn.Parameter, i: int) -> None:
+        self._gradient_arrives(i)
+        p.grad = None  # moved into the unit's buffer
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self.pending[i] -= 1
+        while (
+            self.next_launch < len(self.units) and self.pending[self.order[self.next_launch]] == 0
+        ):
+            self._launch(self.order[self.next_launch])
+            self.next_launch += 1
+
+    def _gradient_arrives(self, i: int) -> None:
+        """Stage 1 accumulates into the full flat gradient buffers it keeps: nothing is made."""
+
+    def _launch(self, i: int) -> None:
+        earlier = list(self.in_flight)
+        self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
+        self.in_flight.append(i)
+        self._launched(i, earlier)
+
+    def _launched(self, i: int, earlier: list[int]) -> None:
+        """Stage 1 waits for its reductions at the end of backward only."""
+
+    def _complete(self, i: int) -> None:
+        if self.gloo:
+            torch.empty(self._shard(i) * self.n, dtype=self.compute)  # seen, then let go
+        reduced = self.reduced[i]
+        if self.fp32_masters:
+            reduced = reduced.to(torch.float32)
+        self._keep(i, reduced)
+        self.grad_full[i] = self.reduced[i] = None
+        self.in_flight.remove(i)
+
+    def _keep(self, i: int, reduced: torch.Tensor) -> None:
+        if self.fp32_masters:  # (otherwise the slice is a view of its full buffer)
+            self.shard_grads[i] = reduced
+
+    def _finish(self) -> None:
+        while self.next_launch < len(self.units):
+            self._launch(self.order[self.next_launch])
+            self.next_launch += 1
+        for i in list(self.in_flight):
+            self._complete(i)
+
+
+class Stage2Emulation(Stage1Emulation):
+    """Stage 2 makes each unit's full gradient buffer (S x N) at its first gradient and,
+    launching a unit, completes the ones launched before it: their full buffers go, their
+    slices become the shard's gradients."""
+
+    def _gradient_arrives(self, i: int) -> None:
+        if self.grad_full[i] is None:
+            self.grad_full[i] = torch.zeros(self._shard(i) * self.n, dtype=self.compute)
+
+    def _launched(self, i: int, earlier: list[int]) -> None:
+        for j in earlier:
+            self._complete(j)
+
+    def _keep(self, i: int, reduced: torch.Tensor) -> None:
+        self.shard_grads[i] = reduced
+
+
+class Stage3Emulation(Stage2Emulation):
+    """Stage 3 also gathers a unit's parameters (S x N, and the slice's compute copy until the
+    gather is waited for) before its forward, with the next unit's, frees them after it,
+    gathers them again (with the previous unit's) when its output's gradient arrives, and
+    frees them once its launch has completed the earlier unit; parameters outside every unit
+    (unit 0) are gathered for the whole forward and backward."""
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.full: list = [None] * len(self.units)
+        self.copies: list = [None] * len(self.units)
+
+    def _module_hooks(self) -> list:
+        modules = dict(self.model.named_modules())
+        offset = len(self.units) - len(self.unit_modules)  # 1 where unit 0 holds the rest
+        handles = []
+        if offset:
+            handles.append(self.model.register_forward_pre_hook(lambda *_: self._gather(0, 0)))
+        for i, name in enumerate(self.unit_modules, start=offset):
+            handles += [
+                modules[name].register_forward_pre_hook(lambda *_, i=i: self._gather(i, 1)),
+                modules[name].register_forward_hook(lambda _m, _a, out, i=i: self._after(i, out)),
+            ]
+        return handles
+
+    def _start_gather(self, i: int) -> None:
+        if 0 <= i < len(self.units) and self.full[i] is None:
+            self.full[i] = torch.empty(self._shard(i) * self.n, dtype=self.compute)
+            self.copies[i] = torch.empty(self._shard(i), dtype=self.compute)
+
+    def _gather(self, i: int, direction: int) -> None:
+        self._start_gather(i)
+        if direction:
+            self._start_gather(i + direction)
+        self.copies[i] = None  # waited for
+
+    def _after(self, i: int, out: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad: self._gather(i, -1))
+        self.full[i] = None
+
+    def _launched(self, i: int, earlier: list[int]) -> None:
+        super()._launched(i, earlier)
+        self.full[i] = None  # (after the earlier unit's wait: alive through it)
+
+
+EMULATIONS = {1: Stage1Emulation, 2: Stage2Emulation, 3: Stage3Emulation}
+
+
+MODEL = CostModel(zero_costs, data_parallel_compute)

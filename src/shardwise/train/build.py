@@ -1,0 +1,186 @@
+"""The trainer's parts, made from a config: process group, run directory, model, strategy,
+optimizer, schedule, data, checkpointer, policies, faults, meters; with `resume`, everything
+restored from the run directory's newest complete checkpoint."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise import api, comm
+from shardwise.checkpoint import run_checkpoint
+from shardwise.checkpoint.checkpointer import Checkpointer
+from shardwise.config import Config
+from shardwise.data import ledger
+from shardwise.data.balance import ThroughputBalancer
+from shardwise.data.queue_loader import QueueLoader
+from shardwise.data.skew import format_report, skew_report
+from shardwise.distributed.runtime import Runtime
+from shardwise.faults.injection import FaultInjector
+from shardwise.faults.nonfinite import NonFinitePolicy
+from shardwise.faults.watchdog import Watchdog
+from shardwise.jobs import (
+    OPTIMIZERS,
+    Job,
+    base_lr,
+    build_job,
+    optimizer_kwargs,
+    schedule,
+    straggler_delay,
+)
+from shardwise.nn.schedules import lr_scheduler
+from shardwise.observe import memory
+from shardwise.observe.metrics import MetricsWriter
+from shardwise.observe.phases import PhaseTimer
+from shardwise.observe.step_trace import StepTrace
+from shardwise.observe.timeline import Timeline
+from shardwise.plan import calibrate, costs, prediction, predictors
+from shardwise.train.data_feed import DataFeed, make_loader
+from shardwise.train.run_dir import agree_run_dir, claim_run_dir
+from shardwise.train.training_run import Measured, TrainingRun, Wrapped
+from shardwise.train.validator import Validator
+
+
+def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun:
+    """Every part of this rank's run, ready for its first (or next) step."""
+    rt = api.init(backend=cfg.launch.backend, timeout_s=cfg.launch.comm_timeout_s)
+    if cfg.launch.threads_per_rank:
+        torch.set_num_threads(cfg.launch.threads_per_rank)
+    comm.flight.recorder.reset()
+    job = build_job(cfg)
+    measured = Measured(data_bytes=_data_bytes(job.model, rt.device) if cfg.train.measure else 0)
+    out = agree_run_dir(cfg, run_dir, rt, resume)
+    # What each checkpoint records of the job, and a resume checks: the model before the
+    # strategy splits it.
+    signature = run_checkpoint.job_signature(job.model, cfg.optim.name, cfg.strategy.name)
+    if rt.is_main and not resume:
+        measured.predicted = _predict(cfg, job, rt, out)
+    job, opt, scheduler = _prepare(cfg, job, rt, out)
+    model, train = job.model, cfg.train
+    feed, balancer = _data(cfg, job, rt, out, resume)
+    faults = FaultInjector(rt.rank, out, cfg.faults)
+    checkpointer = Checkpointer(
+        *(out, model, opt, scheduler),
+        keep=train.keep_checkpoints,
+        asynchronous=train.async_checkpoint,
+        job=signature,
+    )
+    if rt.is_main:  # (rank 0 reports its checkpoints' checksums last: the one to damage one)
+        checkpointer.save = faults.wrap_save(checkpointer.save, checkpointer.wait)
+    run = TrainingRun(
+        *(cfg, rt, job, model, opt, scheduler, out, feed, checkpointer),
+        NonFinitePolicy(train.nonfinite, train.max_bad_steps, announce=rt.is_main),
+        Watchdog(rt.rank, rt.world_size, cfg.launch.hang_timeout_s, out),
+        Validator(job.splits.test, job.loss_fn, train.eval_batch_size, every=train.eval_every),
+        faults,
+        PhaseTimer(model, train.measure, sample_every=train.log_every),
+        _wrapped(cfg, job, faults),
+        measured,
+        balancer=balancer,
+    )
+    if train.trace_steps:
+        timeline = Timeline(rt.rank, faults.clock())
+        run.trace = StepTrace(timeline, tuple(train.trace_steps), out, rt, run.phases)
+    if resume:
+        step, data = run.checkpointer.resume()
+        run.start_step = run.restore(step, data) if data is not None else 0
+        if rt.is_main:  # the checkpoint fits: from here the run directory is this job's
+            claim_run_dir(cfg, out)
+    _open_files(run, keep=run.start_step if resume else None)
+    return run
+
+
+def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path):
+    """The strategy applied to the job's model, its optimizer (the linear scaling rule once the
+    replicas are known) and LR schedule. From here the job is trained through the distributed
+    model: the unsplit module goes (a pipeline stage holds its own layers only, and the whole
+    would keep every other stage's parameters alive on this rank)."""
+    model, opt = api.prepare(
+        job.model,
+        cfg.strategy.build(rt.world_size, out),
+        optimizer=OPTIMIZERS[cfg.optim.name],
+        **optimizer_kwargs(cfg.optim),
+    )
+    job = replace(job, model=model)
+    for group in opt.param_groups:
+        group["lr"] = base_lr(cfg.optim, cfg.data.batch_size, model.data_shard()[0])
+    return job, opt, lr_scheduler(opt, schedule(cfg.optim, cfg.train.steps))
+
+
+def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
+    """The data feed, and the balancer that resizes its batches (`data.balance: dynamic`)."""
+    loader = make_loader(cfg, job, job.model.data_shard())
+    if isinstance(loader, QueueLoader):
+        job.model.pace_by_rounds()
+    elif rt.is_main and not resume:
+        report = skew_report(job.splits.train, loader.parts(0))
+        (out / "data_skew.json").write_text(json.dumps(report, indent=1))
+        print(f"shardwise: {format_report(report)}", flush=True)
+    balancer = None
+    if cfg.data.balance == "dynamic":
+        balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt)
+    ledger_dir = out if cfg.train.sample_ledger else None
+    return DataFeed(loader, set(cfg.train.skip_batches), ledger_dir, rt.rank), balancer
+
+
+def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
+    """The step's calls as the faults make them; `train.delay_s` is an emulated straggler's
+    fixed delay, applied like a `slow` fault."""
+    delay, shard = None, job.model.data_shard()
+    if any(cfg.train.delay_s):
+
+        def delay(step: int) -> float:
+            return straggler_delay(cfg.train, shard[1], shard[0], step)
+
+    return Wrapped(
+        compute=faults.wrap_compute(functools.partial(api.train_step, job.model), delay),
+        loss=faults.wrap_loss(job.loss_fn),
+        reduce=faults.wrap_reduce(comm.all_reduce),
+    )
+
+
+def _open_files(run: TrainingRun, keep: int | None) -> None:
+    """The run's metrics and timing files (a resume drops the lines of steps after its
+    checkpoint), and its sample ledger cut to the checkpoint."""
+    cfg, rt = run.cfg, run.rt
+    run.metrics = MetricsWriter(
+        run.out,
+        cfg.train.steps,
+        name=cfg.name,
+        log_every=cfg.train.log_every,
+        tensorboard=cfg.train.tensorboard and cfg.train.measure,
+        keep_steps=keep,
+        rt=rt,
+    )
+    if rt.is_main and cfg.train.sample_ledger:
+        ledger.truncate(run.out, run.start_step)  # steps after the checkpoint run again
+    comm.barrier()  # (nobody writes its ledger before rank 0 cut it)
+
+
+def _data_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of the tensors alive on `device` beside the model's own: the dataset, mostly."""
+    own = sum(memory.storage_bytes([*model.parameters(), *model.buffers()]).values())
+    return memory.live_bytes(device) - own
+
+
+def _predict(cfg: Config, job: Job, rt: Runtime, out: Path) -> dict[str, Any]:
+    """Rank 0's predicted costs (`prediction.for_run`), made before the strategy reshapes the
+    model and written to RUN_DIR/prediction.json; the step time too where this machine has a
+    calibration for this many ranks (`shardwise calibrate`)."""
+    global_batch = cfg.data.batch_size * predictors.replicas(cfg.strategy, rt.world_size)
+    cost_job = costs.CostJob.of(job, cfg, rt.world_size, rt.rank, global_batch)
+    try:
+        calibration = calibrate.load(rt.world_size)
+    except (ValueError, OSError) as e:
+        print(f"shardwise: {e}: no step time predicted", flush=True)
+        calibration = None
+    predicted = prediction.for_run(cost_job, cfg.strategy, calibration)
+    if calibration is not None:
+        predicted["calibration"] = calibrate.age_note(calibration)
+    (out / "prediction.json").write_text(json.dumps(predicted, indent=1))
+    return predicted
