@@ -4,27 +4,20 @@ by the watchdog within its timeout."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from safetensors.torch import load_file
 
+from harness import run_cli
+
 SCRIPT = Path(__file__).with_name("own_loop.py")
 
 
 def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", str(SCRIPT)]
-    return subprocess.run(
-        [*argv, "--run-dir", str(run_dir), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=run_dir.parent,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    args = ["run", "--nproc", "2", str(SCRIPT), "--run-dir", str(run_dir), *extra]
+    return run_cli(*args, cwd=run_dir.parent, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_a_killed_own_loop_resumes_bit_identically(tmp_path):

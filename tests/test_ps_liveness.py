@@ -122,3 +122,23 @@ def test_a_worker_whose_training_hangs_is_named_stuck_and_the_job_fails_naming_i
         none_left(run_dir)
     finally:
         job.proc.kill()
+
+
+def test_a_client_still_starting_is_not_silent_until_it_is_heard_from():
+    """A server gives a client that has not beaten yet the start-up allowance (imports, its
+    data), not the timeout of a silent one; once the client has talked (a push), the timeout
+    runs from its last message."""
+    import torch.distributed as dist
+
+    from shardwise.ps.liveness import HeartbeatWatch
+
+    watch = HeartbeatWatch(
+        [3], timeout_s=0.2, check_every_s=0.0, store=dist.HashStore(), startup_s=60
+    )
+    time.sleep(0.3)
+    assert watch.dead({3}) == []  # starting: 0.3 s of silence is well within 60 s
+    watch.heard(3)
+    assert watch.dead({3}) == []
+    time.sleep(0.3)
+    ((rank, silent_s),) = watch.dead({3})
+    assert rank == 3 and 0.2 < silent_s < 30

@@ -84,7 +84,16 @@ class HeartbeatWatch:
         self.timeout_s, self.check_every_s = timeout_s, check_every_s
         self.startup_s = timeout_s if startup_s is None else startup_s
         self._seen = {r: (0, time.monotonic()) for r in ranks}
+        self._started: set[int] = set()  # heard from before their first beat
         self._next_check = 0.0
+
+    def heard(self, rank: int) -> None:
+        """A message came from `rank`: until its first beat, that is its sign of life (it has
+        started), and the timeout, not the start-up allowance, runs from here."""
+        beats, _ = self._seen[rank]
+        if not beats:
+            self._seen[rank] = (0, time.monotonic())
+            self._started.add(rank)
 
     def silent_for(self, rank: int) -> float:
         return time.monotonic() - self._seen[rank][1]
@@ -103,7 +112,8 @@ class HeartbeatWatch:
             if beats != last:
                 self._seen[rank] = (beats, now)
                 continue
-            quiet = now - since > (self.timeout_s if beats else self.startup_s)
+            starting = not beats and rank not in self._started
+            quiet = now - since > (self.startup_s if starting else self.timeout_s)
             if quiet and not self.store.check([finished_key(rank)]):  # (finished: not silent)
                 out.append((rank, now - since))
         return out

@@ -18,7 +18,7 @@ import torch
 
 from shardwise.comm.broken import describe
 from shardwise.ps import protocol
-from shardwise.ps.liveness import HeartbeatWatch
+from shardwise.ps.liveness import FIRST_BEAT_S, HeartbeatWatch
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import describe_mismatch
 
@@ -43,7 +43,9 @@ class Peers:
         self.live, self.done, self.idle = set(ranks), set(), set()
         self.lost: dict[int, str] = {}  # rank -> why: its connection broke while we answered it
         self.dead: dict[int, float] = {}  # rank -> seconds of silence when declared dead
-        self.heartbeats = HeartbeatWatch(ranks, timeout_s, heartbeat_s / 2)
+        # A client still starting (imports, its data) has not beaten yet: as long as everyone
+        # else gives it (the supervisor, its own guard), not the timeout of a silent one.
+        self.heartbeats = HeartbeatWatch(ranks, timeout_s, heartbeat_s / 2, startup_s=FIRST_BEAT_S)
         now = time.monotonic()
         self.progress = {r: (0, now) for r in ranks}  # rank -> (clock, when it last moved)
 
@@ -59,6 +61,7 @@ class Peers:
         return self.heartbeats.dead(self.live - self.done - set(self.lost))
 
     def note_clock(self, rank: int, clock: int) -> None:
+        self.heartbeats.heard(rank)
         if clock != self.progress[rank][0]:
             self.progress[rank] = (clock, time.monotonic())
 
