@@ -1,4 +1,4 @@
-"""The README's Python example, runnable as written:
+"""An example of the Python API, runnable as written:
 
 python examples/quickstart.py                               # one process
 shardwise run --nproc 2 examples/quickstart.py              # our launcher
