@@ -11,20 +11,21 @@ import torch
 from torch import nn
 
 from shardwise.distributed import runtime
-from shardwise.distributed.runtime import DEFAULT_TIMEOUT_S, WATCHDOG_ENV, Runtime
+from shardwise.distributed.runtime import WATCHDOG_ENV, Runtime
 from shardwise.faults.watchdog import Watchdog
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
 
 
-def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
-    """Join (or create) the process group and return this process's `Runtime` (see
-    `runtime.init`). Under `shardwise run --hang-timeout`, also start the trainer's watchdog: a
-    hang, or a rank that left early, ends every rank with a report naming it (on stderr)."""
-    rt = runtime.init(backend, timeout_s)
-    if WATCHDOG_ENV in os.environ and rt.world_size > 1 and not runtime.attached(Watchdog):
+def _script_watchdog(rt: Runtime) -> None:
+    """Under `shardwise run --hang-timeout`, a user's script gets the trainer's watchdog: a hang,
+    or a rank that left early, ends every rank with a report naming it (on stderr)."""
+    if WATCHDOG_ENV in os.environ and rt.world_size > 1:
         timeout = float(os.environ[WATCHDOG_ENV])
         runtime.attach(Watchdog(rt.rank, rt.world_size, timeout, report_dir=None).start())
-    return rt
+
+
+runtime.on_init(_script_watchdog)  # (every way into a job, not only `sw.init`)
+init = runtime.init  # `sw.init`
 
 
 def prepare(

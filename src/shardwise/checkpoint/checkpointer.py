@@ -18,6 +18,7 @@ reshards go on from the reshardable part.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +55,16 @@ class Checkpointer:
         self.rt = model.runtime
         self.saver = Saver(self.run_dir, self.rt, keep, sync=not asynchronous, job=job)
         self._loads = 0  # checkpoints chosen so far: each choice has a key of its own
+        self.last_stall_s = 0.0  # the last save's copy: the only time training waits for it
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
         """Copy this rank's state after `step` now (the only stall) and write it in the
         background; `extra`: what else the next step depends on (tensors and JSON values, e.g.
         a loader's `state_dict()`). Returns the directory the checkpoint will have."""
-        return self.saver.save(self.model, self.optimizer, self.scheduler, step, extra or {})
+        started = time.perf_counter()
+        path = self.saver.save(self.model, self.optimizer, self.scheduler, step, extra or {})
+        self.last_stall_s = time.perf_counter() - started  # what training waited for
+        return path
 
     def newest(self, fresh_start_ok: bool = True) -> Found | None:
         """The checkpoint to load, chosen by rank 0 (after its saves are in place) and read by
@@ -101,7 +106,8 @@ class Checkpointer:
         found = self.newest(fresh_start_ok=False)
         if found is None:
             if self.rt.is_main:
-                print(f"shardwise: no checkpoint in {self.run_dir}: starting from step 0")
+                where = f"no checkpoint in {self.run_dir}"
+                print(f"shardwise: {where}: starting from step 0", flush=True)
             return 0, None
         step, extra = self.load(found)
         if self.rt.is_main:

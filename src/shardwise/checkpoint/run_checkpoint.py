@@ -43,7 +43,7 @@ from shardwise.strategies.base import DistributedModel
 
 FORMAT = "shardwise-run-checkpoint-v2"
 PREFIX = "step-"
-SHARDED = "sharded"  # the subdirectory with the reshardable part, in checkpoint.py's format
+SHARDED = "sharded"  # the subdirectory with the reshardable part, in reshardable.py's format
 
 
 class RunCheckpointError(ValueError):

@@ -51,6 +51,7 @@ _runtime: Runtime | None = None
 _store: dist.Store | None = None  # the job's keys: below its token and attempt
 _client: jobstore.JobStoreClient | None = None  # this rank's connection to the job's store
 _services: list = []  # what lives as long as the group and stops before it (`attach`)
+_init_hooks: list = []  # called with the runtime once `init` made it (`on_init`)
 WATCHDOG_ENV = "SHARDWISE_WATCHDOG_S"  # set by `shardwise run`: the scripts' hang timeout
 _announced = False  # this rank said it leaves
 _failed = False  # ... before its work was done
@@ -110,6 +111,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
         backend=backend,
         timeout=timeout,
     )
+    for hook in _init_hooks:
+        hook(_runtime)
     return _runtime
 
 
@@ -119,9 +122,10 @@ def attach(service) -> None:
     _services.append(service)
 
 
-def attached(kind: type) -> bool:
-    """Whether a service of this type is attached."""
-    return any(isinstance(service, kind) for service in _services)
+def on_init(hook) -> None:
+    """Call `hook(runtime)` each time `init` joins a job (whoever calls it: `sw.init`,
+    `sw.prepare`, a loader, `sw.ps.serve`): how a layer above starts what a job needs."""
+    _init_hooks.append(hook)
 
 
 def _job_store(env, timeout: timedelta) -> tuple[dist.Store, int, int]:

@@ -106,7 +106,8 @@ class FaultInjector:
     """This rank's faults of the run. A training loop tells it each step as it begins
     (`before_step`: a kill or a hang happens there); the other faults are applied once, at
     set-up, by wrapping what they perturb (`wrap_loss`, `wrap_compute`, `wrap_reduce`,
-    `wrap_save`): the step itself never asks whether a fault fires."""
+    `wrap_save`): the trainer's step never asks whether a fault fires. (A parameter-server
+    worker's own loop asks: `poisons_loss`, `slow_ahead`.)"""
 
     def __init__(
         self, rank: int, run_dir: Path, configured: list[str] = (), role: str = ""
@@ -120,7 +121,7 @@ class FaultInjector:
         self._announced_slowdown = 1.0
         self.per_sample = PerSampleCost()
         self.step = 0  # the step under way (`before_step`)
-        self.begun = 0  # steps begun, repeated ones too
+        self._armed: list[Callable[[int], None]] = []  # the wrappers' faults, told each step
 
     def _has(self, kind: str) -> bool:
         return any(f.kind == kind for f in self.faults)
@@ -140,13 +141,16 @@ class FaultInjector:
         return False
 
     def before_step(self, step: int) -> None:
-        """`step` begins: this rank dies or hangs now if a fault says so."""
-        self.step, self.begun = step, self.begun + 1
+        """`step` begins: this rank dies or hangs now if a fault says so, and the faults its
+        wrappers apply (`wrap_loss`) fire or not for this step."""
+        self.step = step
         if self._fires("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fires("hang", step):
             while True:  # alive, but never issues another collective
                 time.sleep(3600)
+        for arm in self._armed:
+            arm(step)
 
     def clock(self) -> Callable[[], float]:
         """This rank's wall clock for the timeline: `time.time`, or skewed by `clock-skew`."""
@@ -202,17 +206,20 @@ class FaultInjector:
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         """The training loss, NaN on this rank (and so every gradient it sends) through the
-        whole step of a `nan` fault (every micro-batch's)."""
+        whole step of a `nan` fault (every micro-batch's). The fault fires as its step begins,
+        whether or not this rank computes the loss (a pipeline's first stage does not)."""
         if not self._has("nan"):
             return loss_fn
-        poisoned = [0]  # the step poisoned, counted in steps begun (a rollback repeats steps)
+        poisoned = [False]
+
+        def arm(step: int) -> None:
+            poisoned[0] = self._fires("nan", step)
 
         def loss(output, target):
-            if poisoned[0] != self.begun and self._fires("nan", self.step):
-                poisoned[0] = self.begun
             value = loss_fn(output, target)
-            return value * float("nan") if poisoned[0] == self.begun else value
+            return value * float("nan") if poisoned[0] else value
 
+        self._armed.append(arm)
         return loss
 
     def wrap_compute(self, compute: Callable, delay: Callable[[int], float] | None = None):

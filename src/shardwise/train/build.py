@@ -130,16 +130,16 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
 
 def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
     """The step's calls as the faults make them; `train.delay_s` is an emulated straggler's
-    fixed delay, applied like a `slow` fault."""
-    delay, shard = None, job.model.data_shard()
-    if any(cfg.train.delay_s):
+    fixed delay in each step, applied like a `slow` fault."""
+    delay, shard, queue = None, job.model.data_shard(), cfg.data.mode == "queue"
+    if any(cfg.train.delay_s) and not queue:  # (work-queue rounds: no straggler delay)
 
         def delay(step: int) -> float:
             return straggler_delay(cfg.train, shard[1], shard[0], step)
 
     return Wrapped(
         compute=faults.wrap_compute(functools.partial(api.train_step, job.model), delay),
-        loss=faults.wrap_loss(job.loss_fn),
+        loss=faults.wrap_loss(job.loss_fn) if not queue else job.loss_fn,  # (rounds: no `nan`)
         reduce=faults.wrap_reduce(comm.all_reduce),
     )
 

@@ -58,7 +58,7 @@ def agree_run_dir(cfg: Config, requested: str | None, rt: Runtime, resume: bool 
     """Rank 0 picks (and creates) the directory, a new one unless `requested`; the others
     read its path from the job's store (plain text: no object crosses the wire). Two jobs
     never share one by accident. What killed saves left there is removed first; a resumed run
-    changes nothing there before its checkpoint is loaded (`_claim_run_dir`)."""
+    changes nothing there before its checkpoint is loaded (`claim_run_dir`)."""
     store = runtime.store()
     if rt.is_main:
         path = new_run_dir(cfg, requested)

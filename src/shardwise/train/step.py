@@ -119,7 +119,7 @@ def run_round(run: TrainingRun, step: int) -> None:
     samples, loss_sum = 0, 0.0
     for x, y in run.feed.round(step):
         x, y = x.to(run.rt.device), y.to(run.rt.device)
-        loss = run.wrapped.compute(x, y, run.job.loss_fn)  # (no `nan` fault in rounds)
+        loss = run.wrapped.compute(x, y, run.wrapped.loss)
         if run.cfg.train.clip_grad_norm:
             model.clip_grad_norm_(run.cfg.train.clip_grad_norm)
         opt.step()

@@ -27,6 +27,7 @@ from shardwise.faults.nonfinite import EXIT_NONFINITE, NonFiniteStop
 from shardwise.faults.watchdog import EXIT_HUNG, DesyncError
 from shardwise.observe.run_output import write_summary
 from shardwise.plan import prediction
+from shardwise.ps.worker import PSConfig
 from shardwise.train.build import build
 from shardwise.train.exits import leave, signal_exit_code, stop_message
 from shardwise.train.step import log_saves, run_round, run_step
@@ -43,6 +44,11 @@ def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict
     stopped the run (`EXIT_NONFINITE`), a hang or desync (`EXIT_HUNG`), a signal to any rank
     (128 + its number, after a checkpoint: the steps were not all done, so no final model).
     A rank that fails on its own leaves at once (`exits.leave`)."""
+    if isinstance(cfg.strategy, PSConfig):  # roles, not replicas: not this loop's job
+        raise ValueError(
+            f"strategy {cfg.strategy.name!r} runs its own roles: start it with "
+            "launch.job_runner.train_rank (what `shardwise train` does)"
+        )
     started = time.perf_counter()
     try:
         run = build(cfg, run_dir, resume)
@@ -124,9 +130,8 @@ class Trainer:
         run = self.run
         if not run.policy.may_checkpoint:
             return False
-        started = time.perf_counter()
         path = run.checkpointer.save(step, run.feed.state_dict())
-        stall = time.perf_counter() - started
+        stall = run.checkpointer.last_stall_s  # (a fault that damages the save waits after it)
         run.metrics.log_event({"step": step, "checkpoint": str(path), "checkpoint_stall_s": stall})
         return True
 

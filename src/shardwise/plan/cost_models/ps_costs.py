@@ -160,7 +160,8 @@ def predict_ps(
     """The costs of a PS job over `model` with `options` (a `ParameterServer`, or the config's
     `PSConfig`, which also gives `workers`) and the server-side `optimizer` (the workers' own
     under the averaging rule); `batch`: samples per batch when workers take their batches from
-    server 0's work queue, as `ps_job` runs them (None: they feed themselves, no NEXT/BATCH)."""
+    server 0's work queue, as `train/ps_training.py` runs them (None: they feed themselves, no
+    NEXT/BATCH)."""
     o = _strategy(options)
     if workers is None:
         if isinstance(options, ParameterServer):  # (its `workers` is the layout's rank list)
