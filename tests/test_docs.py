@@ -105,6 +105,7 @@ def _environment(tmp: Path) -> dict[str, str]:
 
 
 _RESULTS: dict[Block, subprocess.CompletedProcess] = {}
+_RESULTS_DIRS: dict[Block, Path] = {}  # where each block ran
 
 
 def run(block: Block, tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
@@ -113,6 +114,7 @@ def run(block: Block, tmp_path_factory: pytest.TempPathFactory) -> subprocess.Co
         tmp = tmp_path_factory.mktemp("block")
         script = tmp / ("block.py" if block.language == "python" else "block.sh")
         script.write_text(block.code)
+        _RESULTS_DIRS[block] = tmp
         command = [sys.executable, script.name] if block.language == "python" else ["bash", "-e"]
         if block.language == "bash":
             command.append(script.name)
@@ -143,11 +145,30 @@ def test_runnable_block_runs(block, tmp_path_factory):
 
 
 def test_the_readme_quickstart_trains(tmp_path_factory):
-    (quickstart,) = [b for b in BLOCKS if b.page == README and b.language == "python"]
+    quickstart, _ = [b for b in BLOCKS if b.page == README and b.language == "python"]
     result = run(quickstart, tmp_path_factory)
     assert result.returncode == 0, result.stderr[-4000:]
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", result.stdout).groups())
     assert last < first / 2, result.stdout
+
+
+def test_the_readme_own_loop_resumes_where_it_stopped(tmp_path_factory):
+    """The README's own loop with the trainer's parts, run twice in one directory: the second
+    run resumes from the first one's last checkpoint and goes on."""
+    _, own_loop = [b for b in BLOCKS if b.page == README and b.language == "python"]
+    first = run(own_loop, tmp_path_factory)  # (in a directory of its own)
+    assert first.returncode == 0 and "steps 1-10:" in first.stdout, first.stderr[-4000:]
+    again = subprocess.run(
+        [sys.executable, "block.py"],
+        cwd=_RESULTS_DIRS[own_loop],
+        env=_environment(_RESULTS_DIRS[own_loop]),
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "(step 10)" in again.stdout and "steps 11-20:" in again.stdout, again.stdout
 
 
 def test_the_readme_command_line_quickstart_trains_and_reports(tmp_path_factory):

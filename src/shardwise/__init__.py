@@ -21,6 +21,7 @@ from shardwise.api import (
 from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.checkpoint.reshardable import export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.data import partition
+from shardwise.data.balance import ThroughputBalancer
 from shardwise.distributed.mesh import DeviceMesh, build_mesh
 from shardwise.distributed.runtime import Runtime, shutdown
 from shardwise.faults.nonfinite import NonFinitePolicy, NonFiniteStop
@@ -66,6 +67,7 @@ __all__ = [
     "Strategy",
     "SyncBatchNorm",
     "TensorParallel",
+    "ThroughputBalancer",
     "Validator",
     "Watchdog",
     "ZeRO",
