@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
 from shardwise.comm import jobstore
 from shardwise.comm.broken import broken_connection
-from shardwise.distributed import boot, loopback
+from shardwise.distributed import boot, leaving, loopback
 from shardwise.distributed.runtime import WATCHDOG_ENV
 
 BOOT = str(Path(boot.__file__).resolve())  # run by path: nothing imported before its work
@@ -129,7 +129,7 @@ class _Agent(LocalElasticAgent):
 def _what_failed(failures: dict[int, ProcessFailure], store, attempt: int) -> str:
     """What ended a start of the job, in a few words: the watchdog's verdict, or the rank that
     failed first and why."""
-    verdict = store.read(f"attempt-{attempt}/shardwise/watchdog/verdict")
+    verdict = store.read(f"attempt-{attempt}/{leaving.PREFIX}/verdict")
     if verdict is not None:
         return verdict.decode(errors="replace")
     rank, failure, reason = _culprit(failures, store, attempt)
@@ -216,7 +216,7 @@ def _failure(
 ) -> LaunchError:
     """The error that names what ended the job's start `attempt`: a hang's verdict (the rank
     that hung), a stop signal, or the first rank to fail and the reason it gave as it left."""
-    if store.read(f"attempt-{attempt}/shardwise/watchdog/verdict") is not None:
+    if store.read(f"attempt-{attempt}/{leaving.PREFIX}/verdict") is not None:
         error = LaunchError(_what_failed(failures, store, attempt))
         error.exit_code = 3
         return error
@@ -244,7 +244,7 @@ def _culprit(
     died or exited saying nothing (killed where it stood, or `os._exit`), unless the agent
     stopped it; then one that said why it failed; then one whose connection broke (the victim
     of another's death). Among equals, the first to say it leaves, then the first the agent saw."""
-    key = f"attempt-{attempt}/shardwise/watchdog/left"
+    key = f"attempt-{attempt}/{leaving.PREFIX}/left"
     left = {r: _record(store.read(f"{key}/{r}")) for r in failures}
 
     def first(item: tuple[int, ProcessFailure]) -> tuple:

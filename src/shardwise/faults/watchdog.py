@@ -34,7 +34,7 @@ from shardwise.comm.store import wait_for
 from shardwise.distributed import leaving, runtime
 
 INTERVAL = 0.5  # seconds between heartbeats (and checks)
-KEY = "shardwise/watchdog"
+KEY = leaving.PREFIX  # heartbeats, stacks and the verdict beside the "left" records
 EXIT_HUNG = 3  # exit code of every rank of a job the watchdog ended
 STORE = "store"  # the "group" of a wait for other ranks' keys in the store
 STORE_TIMEOUT_S = 24 * 3600.0  # such waits end by the watchdog's hang timeout, not their own

@@ -88,7 +88,9 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
         run.trace = StepTrace(timeline, tuple(train.trace_steps), out, rt, run.phases)
     if resume:
         step, data = run.checkpointer.resume()
-        run.start_step = run.restore(step, data) if data is not None else 0
+        if data is not None:
+            run.restore(data)
+        run.start_step = step
         if rt.is_main:  # the checkpoint fits: from here the run directory is this job's
             claim_run_dir(cfg, out)
     _open_files(run, keep=run.start_step if resume else None)

@@ -146,7 +146,8 @@ class Trainer:
                 f"shardwise: {streak} non-finite steps in a row up to step {step}, and no "
                 "checkpoint to roll back to: stopping"
             )
-        back_to = run.restore(*run.checkpointer.load(found))
+        back_to, data = run.checkpointer.load(found)
+        run.restore(data)
         run.feed.skip |= left_out
         if run.cfg.train.sample_ledger:
             ledger.truncate_rank(run.out, run.rt.rank, back_to)

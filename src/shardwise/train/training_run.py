@@ -79,7 +79,6 @@ class TrainingRun:
         """Every rank agreed to stop after this step (a rank was sent SIGTERM or SIGINT)."""
         return bool(self.stopped_by)
 
-    def restore(self, step: int, data: dict[str, Any]) -> int:
-        """Go on from a loaded checkpoint's data position; returns its step."""
+    def restore(self, data: dict[str, Any]) -> None:
+        """Go on from a loaded checkpoint's data position (where the balancing had got to too)."""
         self.feed.load_state_dict(data, resize=self.balancer is not None)
-        return step
