@@ -9,6 +9,7 @@ Results are returned in rank order.
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -21,7 +22,11 @@ from shardwise.comm.jobstore import JobStoreServer, new_secret
 
 _CTX = mp.get_context("forkserver")
 # torch.optim imports torch._dynamo on a process's first optimizer (~3 s of CPU): done once here.
-_CTX.set_forkserver_preload(["torch", "torch._dynamo", "shardwise"])
+# transformers (the optional extra) costs ~3 s per import: once here too, where it is installed.
+_PRELOAD = ["torch", "torch._dynamo", "shardwise"]
+_CTX.set_forkserver_preload(
+    _PRELOAD + (["transformers"] if importlib.util.find_spec("transformers") else [])
+)
 
 
 def free_port() -> int:
