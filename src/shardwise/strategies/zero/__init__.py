@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.mixed_precision import compute_dtype
+from shardwise.nn.sync_batchnorm import convert_sync_batchnorm
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.section import StrategySection
@@ -51,6 +52,8 @@ class ZeRO(Strategy):
     offload_dir: offload='disk': where each rank makes a fresh directory of its own for those
         files (removed when the model is closed); default: the system's temporary directory
         (`shardwise train` uses the run directory).
+    sync_batchnorm: replace BatchNorm layers by SyncBatchNorm (global-batch statistics), as
+        DDP does: data parallel then trains as one process on the global batch would.
     """
 
     stage: int = 1
@@ -58,6 +61,7 @@ class ZeRO(Strategy):
     mixed_precision: str | None = None
     offload: str | None = None
     offload_dir: str | None = None
+    sync_batchnorm: bool = True
 
     def __post_init__(self) -> None:
         compute_dtype(self.mixed_precision)  # validates the name
@@ -69,6 +73,8 @@ class ZeRO(Strategy):
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroStage1:
+        if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
+            model = convert_sync_batchnorm(model)
         broadcast_module_state(model, group=runtime.group)
         # fp32 masters apart from the compute copy: with mixed precision, and with offload.
         if self.mixed_precision is None and self.offload is None:
@@ -103,6 +109,7 @@ class ZeROConfig(StrategySection):
         description="offload=disk: where each rank makes its own directory of memory-mapped "
         "files (default: the run directory)",
     )
+    sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
 
     def build(self, world_size: int, run_dir: Path) -> ZeRO:
         offload_dir = self.offload_dir or str(run_dir)

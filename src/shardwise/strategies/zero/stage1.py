@@ -23,6 +23,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.distributed.runtime import Runtime
+from shardwise.nn.sync_batchnorm import SyncBatchNorm
 from shardwise.strategies.base import (
     EXTRA,
     DistributedModel,
@@ -77,6 +78,9 @@ class ZeroStage1(DistributedModel):
             find_unused_parameters=False,
         )
         self.batch_share = BatchShare(runtime)
+        for m in module.modules():
+            if isinstance(m, SyncBatchNorm):
+                m.batch_share = self.batch_share  # its backward weighs uneven batches too
         self.hooks: list = []  # module hooks the strategy added, removed by close()
         self.prepare_units()
         self.hooks += masters.install(module)
@@ -208,9 +212,10 @@ class ZeroStage1(DistributedModel):
                 flat, shard.detach().to(device).contiguous(), self.runtime.group
             )
             for p in unit.params:
-                full[self.names[p]] = unit.slot(flat, p).clone()
+                full[p] = unit.slot(flat, p).clone()
+        # By identity: a tied parameter is one value under each of its names.
         state = self.module.state_dict(keep_vars=True)
-        return {k: full[k] if k in full else v.detach().clone() for k, v in state.items()}
+        return {k: full[v] if v in full else v.detach().clone() for k, v in state.items()}
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         return self.masters.state_dict()  # the loss scale (fp16)

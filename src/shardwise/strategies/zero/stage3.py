@@ -15,24 +15,52 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
+from shardwise.strategies.zero.freed import disown, own
 from shardwise.strategies.zero.stage2 import ZeroStage2
 from shardwise.strategies.zero.units import FlatUnit
 
 
 def stage3_units(model: nn.Module) -> list[nn.Module]:
-    """Modules that become stage-3 units, in registration (≈ forward) order."""
+    """Modules that become stage-3 units, in registration (≈ forward) order: each element of
+    an `nn.ModuleList` / `nn.Sequential`, and each other module with trainable parameters met
+    on the way down to them. A module that holds such a list somewhere below it (a Hugging Face
+    model's `transformer` or `model`, a ResNet's encoder) is opened rather than made one unit,
+    so its blocks are gathered one at a time, as FSDP2's per-block `fully_shard` does."""
     units: list[nn.Module] = []
 
-    def visit(module: nn.Module) -> None:
+    def visit(module: nn.Module, in_list: bool) -> None:
         for child in module.children():
             if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                visit(child)
+                visit(child, in_list=True)
+            elif not in_list and _holds_list(child):
+                visit(child, in_list=False)
             elif any(p.requires_grad for p in child.parameters()):
                 units.append(child)
 
-    visit(model)
+    visit(model, in_list=False)
     return units
+
+
+def _holds_list(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.ModuleList) for m in module.modules() if m is not module)
+
+
+def unit_groups(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """Each unit's trainable parameters: those only modules inside it hold. A parameter that
+    modules of two units share (tied embeddings: GPT-2's `lm_head.weight` is `wte.weight`), or
+    that a module outside every unit holds, belongs to no unit: it goes to the root unit,
+    gathered for the whole forward and backward (FSDP2's root `fully_shard` holds it so)."""
+    unit_of_module = {m: i for i, u in enumerate(units) for m in u.modules()}
+    holders: dict[nn.Parameter, set[int | None]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(p, set()).add(unit_of_module.get(module))
+    return [
+        [p for p in u.parameters() if p.requires_grad and holders[p] == {i}]
+        for i, u in enumerate(units)
+    ]
 
 
 def _check_recompute_regions(model: nn.Module, units: list[nn.Module]) -> None:
@@ -57,17 +85,23 @@ class ZeroStage3(ZeroStage2):
     shard_is_view = False  # the full buffer is transient: the shard is the only lasting copy
 
     def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
-        """One unit per block; parameters outside every block form unit 0, gathered for the
-        whole forward and backward."""
-        self.unit_modules = stage3_units(self.module)
-        _check_recompute_regions(self.module, self.unit_modules)
-        covered = {p for m in self.unit_modules for p in m.parameters()}
+        """One unit per block; parameters outside every block (or shared between blocks) form
+        unit 0, gathered for the whole forward and backward."""
+        modules = stage3_units(self.module)
+        _check_recompute_regions(self.module, modules)
+        groups = unit_groups(self.module, modules)
+        self.unit_modules = [m for m, g in zip(modules, groups, strict=True) if g]
+        covered = {p for g in groups for p in g}
         self.rest = [p for p in params if p not in covered]
-        groups = [[p for p in m.parameters() if p.requires_grad] for m in self.unit_modules]
+        groups = [g for g in groups if g]
         return [self.rest, *groups] if self.rest else groups
 
     def prepare_units(self) -> None:
         offset = 1 if self.rest else 0
+        module_names = {m: n for n, m in self.module.named_modules()}
+        unit_names = ["(root)"] * offset + [module_names[m] for m in self.unit_modules]
+        for unit, unit_name in zip(self.units, unit_names, strict=True):
+            own(unit.params, [self.names[p] for p in unit.params], unit_name)
         if self.rest:
             gather_rest = self.module.register_forward_pre_hook(
                 lambda *_: self._gather(0, prefetch=False)
@@ -92,9 +126,8 @@ class ZeroStage3(ZeroStage2):
         unit.wait_gather()
 
     def _after_forward(self, i: int, output: Any) -> Any:
-        if torch.is_grad_enabled():
-            tensors = output if isinstance(output, (tuple, list)) else (output,)
-            for t in tensors:
+        if torch.is_grad_enabled():  # any output: a tensor, tuples, dicts, HF's ModelOutput
+            for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, i=i: self._gather(i, prefetch=True, direction=-1))
         self.units[i].free()
@@ -109,3 +142,8 @@ class ZeroStage3(ZeroStage2):
 
     def take_full_params(self, unit: FlatUnit, full: torch.Tensor) -> None:
         pass  # the shard is the only copy: nothing else to update
+
+    def close(self) -> None:
+        super().close()
+        for unit in self.units:
+            disown(unit.params)

@@ -12,6 +12,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.flat import flatten
+from shardwise.strategies.zero.freed import mark_freed, mark_gathered
 
 
 class FlatUnit:
@@ -56,7 +57,7 @@ class FlatUnit:
     def slot(self, buffer: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         """`p`'s place in a unit-sized buffer."""
         offset = self.offset_of[p]
-        return buffer[offset : offset + p.numel()].view_as(p)
+        return buffer[offset : offset + p.numel()].view(p.shape)
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """One tensor per parameter (any device/dtype) -> a padded unit-sized flat buffer."""
@@ -69,9 +70,12 @@ class FlatUnit:
         """This rank's slice of a unit-sized buffer."""
         return buffer[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
 
-    # Stage 3: the full buffer exists only while the unit runs forward or backward.
+    # Stage 3: the full buffer exists only while the unit runs forward or backward; in between,
+    # its parameters refuse to compute (`freed.py`).
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
+        for p in self.params:
+            mark_freed(p)
 
     def is_gathered(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
@@ -80,6 +84,8 @@ class FlatUnit:
         if self.is_gathered() or self.gather_handle is not None:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        for p in self.params:
+            mark_gathered(p)
         self.gather_handle = comm.all_gather_into_tensor(
             self.full, shard.detach(), group=self.group, async_op=True
         )
