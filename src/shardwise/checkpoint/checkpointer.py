@@ -73,7 +73,7 @@ class Checkpointer:
         `RunCheckpointError` (not a silent start from scratch)."""
         self.saver.wait()  # (rank 0's: its last save is in place before it chooses)
         store = runtime.store()
-        key = f"shardwise/load/{self._loads}"
+        key = f"shardwise/load/{self.run_dir.resolve()}/{self._loads}"  # per run directory
         self._loads += 1
         if self.rt.is_main:
             store.set(key, json.dumps(self._choose(fresh_start_ok)))

@@ -153,7 +153,9 @@ class Saver:
             write(tmp / name)
             fsync_path(tmp / name)
             sums[name] = sha256_file(tmp / name)
-        key = f"shardwise/checkpoint/{snap.save_no}"
+        # Per checkpoint directory: two checkpointers of one job (two models, or a script's own
+        # beside the trainer's) each count their saves from 0.
+        key = f"shardwise/checkpoint/{self.root.resolve()}/{snap.save_no}"
         self.store.set(f"{key}/rank{rank}", json.dumps(sums))
         if rank != 0:
             return final

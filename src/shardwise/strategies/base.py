@@ -22,7 +22,7 @@ The defaults here are those of a model every rank holds whole (data parallel).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -287,16 +287,26 @@ def square_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return total
 
 
-def buffer_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Module buffers (replicated on every rank) for rank 0's checkpoint file."""
-    return {f"buffer/{n}": b.detach() for n, b in module.named_buffers()}
+def buffer_tensors(module: nn.Module, frozen: bool = False) -> dict[str, torch.Tensor]:
+    """Module buffers (replicated on every rank) for rank 0's checkpoint file; with `frozen`,
+    the frozen parameters too (a strategy that shards only what trains holds them so)."""
+    return {f"buffer/{n}": b.detach() for n, b in replicated(module, frozen)}
 
 
 @torch.no_grad()
 def load_buffers(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    for name, b in module.named_buffers():
+    """Buffers and frozen parameters from `tensors`, where it has them (by name)."""
+    for name, b in replicated(module, frozen=True):
         if name in tensors:
             b.copy_(tensors[name])
+
+
+def replicated(module: nn.Module, frozen: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every buffer, and with `frozen` every parameter that does not train (transfer learning:
+    no optimizer steps it, so a data-parallel strategy keeps it whole on every rank)."""
+    yield from module.named_buffers()
+    if frozen:
+        yield from ((n, p) for n, p in module.named_parameters() if not p.requires_grad)
 
 
 def prefixed(prefix: str, state: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from shardwise.strategies.base import (
     buffer_tensors,
     load_buffers,
     prefixed,
+    replicated,
     square_sum,
     unprefixed,
 )
@@ -224,9 +225,10 @@ class ZeroStage1(DistributedModel):
         self.masters.load_state_dict(state)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's shards (fp32 masters where kept), the buffers, the loss scale."""
+        """This rank's shards (fp32 masters where kept), the buffers and frozen parameters, the
+        loss scale."""
         state = {f"shard{i}": s.detach() for i, s in enumerate(self.shards)}
-        state.update({f"buffer.{n}": b for n, b in self.module.named_buffers()})
+        state.update({f"buffer.{n}": b for n, b in replicated(self.module, frozen=True)})
         return {**state, **prefixed(EXTRA, self.extra_state())}
 
     @torch.no_grad()
@@ -263,7 +265,7 @@ class ZeroStage1(DistributedModel):
                 {"params": [[self.names[p], list(p.shape)] for p in u.params]} for u in self.units
             ],
         }
-        tensors = buffer_tensors(self.module) if self.runtime.rank == 0 else {}
+        tensors = buffer_tensors(self.module, frozen=True) if self.runtime.rank == 0 else {}
         for i, shard in enumerate(self.shards):
             tensors[f"unit{i}/param"] = shard.detach()
             for key, value in optimizer.state.get(shard, {}).items():
