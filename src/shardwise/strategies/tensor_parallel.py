@@ -19,12 +19,12 @@ the target logit are all-reduced, a few floats per token) so the full logits nev
 Layers that are not split (layer norms, position embeddings, row-parallel biases) are replicated;
 their gradients come out identical on every rank because everything upstream of them was
 all-reduced. The plan that says which layer gets which treatment is a dict of module-name
-patterns (`TinyGPT.TP_PLAN`), as in torchtitan's `parallelize_module`.
+patterns (`TinyGPT.TP_PLAN`), as in torchtitan's `parallelize_module`; `tp_plan.py` checks it,
+and finds a model's own (a Hugging Face model's is the one transformers ships: `hf_tp_plan.py`).
 """
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -53,6 +53,7 @@ from shardwise.strategies.base import (
 )
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.section import StrategySection
+from shardwise.strategies.tp_plan import model_plan, parse_style, resolve
 
 
 # ---- the parallel layers -----------------------------------------------------------------------
@@ -60,12 +61,17 @@ class ColumnParallelLinear(nn.Module):
     """y_local = x @ W_local^T + b_local: this rank's slice of the output features.
 
     The input must be the same on every rank; its gradient is the sum over ranks of what each
-    slice contributes, hence f (`copy_to_parallel`) in front.
+    slice contributes, hence f (`copy_to_parallel`) in front. With `gather`, every rank's slices
+    are concatenated into the full output (for a consumer that needs it whole, e.g. a loss
+    computed inside the model); backward keeps this rank's slice of the gradient.
     """
 
-    def __init__(self, linear: nn.Linear, rank: int, parts: int, group, chunks: int = 1) -> None:
+    def __init__(
+        self, linear: nn.Linear, rank: int, parts: int, group, chunks: int = 1, gather=False
+    ) -> None:
         super().__init__()
-        self.group = group
+        assert not (gather and chunks > 1), "a gathered output is one block"
+        self.group, self.rank, self.gather = group, rank, gather
         self.split = Split(0, linear.out_features, parts, chunks)
         self.weight = nn.Parameter(self.split.take(linear.weight.detach(), rank).clone())
         self.bias = None
@@ -74,44 +80,58 @@ class ColumnParallelLinear(nn.Module):
         self.splits = {"weight": self.split, "bias": self.split}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+        local = F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+        if not self.gather:
+            return local
+        last = Split(local.dim() - 1, self.split.size, self.split.parts)
+        return gather_from_parallel(local, last, self.rank, self.group)
 
 
 class RowParallelLinear(nn.Module):
     """y = Σ_ranks x_local @ W_local^T + b: the input arrives split by features (the output of a
-    column-parallel layer); g (`reduce_from_parallel`) sums the partial products."""
+    column-parallel layer); g (`reduce_from_parallel`) sums the partial products. With
+    `split_input` the input arrives whole (the same on every rank) and each rank takes its
+    slice; f in front sums the slices' gradients back into the whole input's."""
 
-    def __init__(self, linear: nn.Linear, rank: int, parts: int, group) -> None:
+    def __init__(self, linear: nn.Linear, rank: int, parts: int, group, split_input=False):
         super().__init__()
-        self.group = group
+        self.group, self.split_input = group, split_input
         split = Split(1, linear.in_features, parts)
+        self.start, self.end = split.bounds[rank]
         self.weight = nn.Parameter(split.take(linear.weight.detach(), rank).clone())
         # The bias is added once, after the sum: replicated on every rank.
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
         self.splits = {"weight": split}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = copy_to_parallel(x, self.group)[..., self.start : self.end]
         y = reduce_from_parallel(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding table. A token outside this range looks up nothing
-    here (zeros); the all-reduce adds the one rank that holds it."""
+    here (zeros); the all-reduce adds the one rank that holds it. The padding row, if this
+    rank holds it, gets no gradient, as in the whole table."""
 
     def __init__(self, embedding: nn.Embedding, rank: int, parts: int, group) -> None:
         super().__init__()
         self.group = group
         split = Split(0, embedding.num_embeddings, parts)
         self.start, self.end = split.bounds[rank]
+        pad = embedding.padding_idx
+        self.padding_idx = (
+            pad - self.start if pad is not None and self.start <= pad < self.end else None
+        )
         self.weight = nn.Parameter(split.take(embedding.weight.detach(), rank).clone())
         self.splits = {"weight": split}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.end)
         local = (idx - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_parallel(out, self.group)
+        out = F.embedding(local, self.weight, self.padding_idx)
+        return reduce_from_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -120,29 +140,11 @@ class VocabParallelHead(ColumnParallelLinear):
     `gather` the full logits, for any loss."""
 
     def __init__(self, linear: nn.Linear, rank: int, parts: int, group, gather: bool) -> None:
-        super().__init__(linear, rank, parts, group)
-        self.rank, self.gather = rank, gather
+        super().__init__(linear, rank, parts, group, gather=gather)
         self.start, self.end = self.split.bounds[rank]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = super().forward(x)
-        if not self.gather:
-            return local
-        last = Split(local.dim() - 1, self.split.size, self.split.parts)
-        return gather_from_parallel(local, last, self.rank, self.group)
 
 
 # ---- the strategy ------------------------------------------------------------------------------
-STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "heads")
-
-
-def _parse_style(style: str) -> tuple[str, int]:
-    name, _, chunks = style.partition(":")
-    if name not in STYLES:
-        raise ValueError(f"tensor-parallel style must be one of {STYLES}, got {style!r}")
-    return name, int(chunks or 1)
-
-
 def vocab_parallel_loss(loss_fn, head: VocabParallelHead | None, group):
     """The loss from the head's vocabulary slices of the logits (`loss_fn` without one)."""
     if head is None:
@@ -200,11 +202,13 @@ class TensorParallel(Strategy):
     """Options for tensor parallel.
 
     size: ranks the layers are split over (the world, or the mesh's tp axis).
-    plan: module-name pattern -> style ('colwise[:CHUNKS]', 'rowwise', 'vocab_embedding',
-        'vocab_head', 'heads' to divide an attention module's n_head); default: the model's
-        TP_PLAN attribute.
-    loss_parallel: keep the logits split over the vocabulary and compute the loss from the
-        slices (`sw.parallel_loss`); False gathers the full logits (any loss function works).
+    plan: module-name pattern -> style (`tp_plan.STYLES`: 'colwise[:CHUNKS]', 'colwise_gather',
+        'rowwise', 'rowwise_split_input', 'vocab_embedding', 'vocab_head', 'heads' to divide an
+        attention module's n_head); default: the model's own, its TP_PLAN attribute or, for a
+        Hugging Face model, the plan transformers ships with it (`hf_tp_plan`).
+    loss_parallel: keep a 'vocab_head's logits split over the vocabulary and compute the loss
+        from the slices (`sw.parallel_loss`); False gathers the full logits (any loss function
+        works). A Hugging Face plan's head gathers them anyway: the model computes its loss.
     """
 
     size: int | None = None
@@ -215,7 +219,7 @@ class TensorParallel(Strategy):
         if self.size is not None and self.size < 1:
             raise ValueError(f"tensor-parallel size must be >= 1, got {self.size}")
         for style in (self.plan or {}).values():
-            _parse_style(style)
+            parse_style(style)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> TensorParallelModel:
         if self.size is not None and self.size != runtime.world_size:
@@ -223,11 +227,8 @@ class TensorParallel(Strategy):
                 f"TensorParallel(size={self.size}) needs {self.size} ranks, got "
                 f"{runtime.world_size} (use a device mesh to combine it with data parallel)"
             )
-        plan = self.plan if self.plan is not None else getattr(model, "TP_PLAN", None)
-        if not plan:
-            raise ValueError(
-                f"{type(model).__name__} has no TP_PLAN: pass TensorParallel(plan={{...}})"
-            )
+        plan = self.plan or model_plan(model)
+        resolve(model, plan, runtime.world_size)  # refused here, before any collective
         broadcast_module_state(model, group=runtime.group)  # slice the same full weights
         vocab_head = self.apply_plan(model, plan, runtime)
         return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
@@ -236,37 +237,34 @@ class TensorParallel(Strategy):
         """Replace the plan's modules of `model` by rank `rt.rank`'s parallel layers (`rt`: a
         runtime, or anything with world_size, rank and group); the vocabulary head, if any."""
         vocab_head = None
-        names = dict(model.named_modules())
-        for pattern, style in plan.items():
-            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-            if not matched:
-                raise ValueError(f"tensor-parallel plan: no module matches {pattern!r}")
-            for module_name in matched:
-                new = self._parallelize(names[module_name], module_name, style, rt)
-                if new is None:
-                    continue
-                parent, _, child = module_name.rpartition(".")
-                setattr(names[parent] if parent else model, child, new)
-                if isinstance(new, VocabParallelHead):
-                    vocab_head = new
+        modules = dict(model.named_modules())
+        tied: dict[int, nn.Parameter] = {}  # a shared full weight -> the one slice of it
+        for name, (style, chunks) in resolve(model, plan, rt.world_size).items():
+            old = modules[name]
+            new = self._parallelize(old, style, chunks, rt)
+            if new is None:
+                continue
+            # `resolve` checked that every module sharing a weight splits its rows alike.
+            new.weight = tied.setdefault(id(old.weight), new.weight)
+            parent, _, child = name.rpartition(".")
+            setattr(modules[parent], child, new)
+            if isinstance(new, VocabParallelHead):
+                vocab_head = new
         return vocab_head
 
-    def _parallelize(self, module, name: str, style: str, rt: Runtime) -> nn.Module | None:
-        """The parallel layer replacing `module`, or None where it is changed in place."""
-        style, chunks = _parse_style(style)
+    def _parallelize(self, module, style: str, chunks: int, rt) -> nn.Module | None:
+        """The parallel layer replacing `module` (checked by `resolve`), or None where it is
+        changed in place."""
         parts, rank, group = rt.world_size, rt.rank, rt.group
         if style == "heads":
-            if module.n_head % parts:
-                raise ValueError(f"{name}: {module.n_head} heads do not split over {parts} ranks")
             module.n_head //= parts
             return None
-        expected = nn.Embedding if style == "vocab_embedding" else nn.Linear
-        if not isinstance(module, expected):
-            raise ValueError(f"{name}: style {style!r} needs an {expected.__name__}")
-        if style == "colwise":
-            return ColumnParallelLinear(module, rank, parts, group, chunks)
-        if style == "rowwise":
-            return RowParallelLinear(module, rank, parts, group)
+        if style in ("colwise", "colwise_gather"):
+            gather = style == "colwise_gather"
+            return ColumnParallelLinear(module, rank, parts, group, chunks, gather)
+        if style in ("rowwise", "rowwise_split_input"):
+            split_input = style == "rowwise_split_input"
+            return RowParallelLinear(module, rank, parts, group, split_input)
         if style == "vocab_embedding":
             return VocabParallelEmbedding(module, rank, parts, group)
         return VocabParallelHead(module, rank, parts, group, gather=not self.loss_parallel)
