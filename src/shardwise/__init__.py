@@ -26,6 +26,7 @@ from shardwise.distributed.mesh import DeviceMesh, build_mesh
 from shardwise.distributed.runtime import Runtime, shutdown
 from shardwise.faults.nonfinite import NonFinitePolicy, NonFiniteStop
 from shardwise.faults.watchdog import Watchdog
+from shardwise.nn.meta_init import ParameterSource, empty_parameters
 from shardwise.nn.schedules import Schedule, lr_scheduler, scaled_lr
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from shardwise.observe.memory import memory_report
@@ -61,6 +62,7 @@ __all__ = [
     "NonFinitePolicy",
     "NonFiniteStop",
     "ParameterServer",
+    "ParameterSource",
     "Pipeline",
     "Runtime",
     "Schedule",
@@ -78,6 +80,7 @@ __all__ = [
     "data",
     "data_shard",
     "declare_batch",
+    "empty_parameters",
     "evaluate",
     "export_checkpoint",
     "full_state_dict",

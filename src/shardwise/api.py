@@ -13,6 +13,7 @@ from torch import nn
 from shardwise.distributed import runtime
 from shardwise.distributed.runtime import WATCHDOG_ENV, Runtime
 from shardwise.faults.watchdog import Watchdog
+from shardwise.nn.meta_init import ParameterSource, buffers_to, has_meta_parameters
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
 
 
@@ -32,18 +33,30 @@ def prepare(
     model: nn.Module,
     strategy: Strategy,
     optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    source: ParameterSource | None = None,
     **optimizer_kwargs: Any,
 ) -> tuple[DistributedModel, DistributedOptimizer]:
     """Move `model` to this rank's device, apply `strategy`, and build its optimizer.
 
-    Every rank must call this with the same model architecture (it is collective).
+    Every rank must call this with the same model architecture (it is collective). A model
+    built inside `sw.empty_parameters()` (parameters on the meta device) takes its values from
+    `source` (e.g. `sw.HFWeights(dir)`), each rank reading only what it keeps.
     """
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be a shardwise strategy (e.g. sw.DDP()), got {strategy!r}")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
     rt = init()  # the existing runtime, or a world of one
-    wrapped = strategy.wrap(model.to(rt.device), rt)
+    if has_meta_parameters(model):
+        if source is None:
+            raise ValueError(
+                "the model's parameters are on the meta device: pass source=... (where their "
+                "values are, e.g. sw.HFWeights(dir))"
+            )
+        buffers_to(model, rt.device)  # (the parameters stay on the meta device until read)
+        wrapped = strategy.wrap_from(model, rt, source)
+    else:
+        wrapped = strategy.wrap(model.to(rt.device), rt)
     return wrapped, wrapped.make_optimizer(optimizer, **optimizer_kwargs)
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import comm
+from shardwise.nn.meta_init import buffers_to
 
 
 def _channel_sum(t: torch.Tensor) -> torch.Tensor:
@@ -125,9 +126,15 @@ def convert_sync_batchnorm(module: nn.Module, group=None) -> nn.Module:
             module.track_running_stats,
             group=group,
         )
-        sync.load_state_dict(module.state_dict())
+        # Parameters on the meta device (read later from a source) stay so: assigned, not copied.
+        meta = module.weight is not None and module.weight.is_meta
+        sync.load_state_dict(module.state_dict(), assign=meta)
         sync.train(module.training)
-        return sync.to(next(module.buffers(), torch.empty(0)).device)
+        device = next(module.buffers(), torch.empty(0)).device
+        if meta:
+            buffers_to(sync, device)
+            return sync
+        return sync.to(device)
     for name, child in module.named_children():
         module.add_module(name, convert_sync_batchnorm(child, group))
     return module

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from shardwise.distributed.runtime import Runtime
+from shardwise.nn.meta_init import ParameterSource, materialize
 from shardwise.strategies.batch_share import batch_samples
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -41,6 +42,15 @@ class Strategy(ABC):
     @abstractmethod
     def wrap(self, model: nn.Module, runtime: Runtime) -> DistributedModel:
         """Return the distributed model. May issue collectives (e.g. the initial broadcast)."""
+
+    def wrap_from(
+        self, model: nn.Module, runtime: Runtime, source: ParameterSource
+    ) -> DistributedModel:
+        """`wrap` a model whose parameters are on the meta device (`nn/meta_init.py`), their
+        values read from `source`. Here each rank reads them whole; a strategy that shards
+        parameters reads only its own part."""
+        materialize(model, source, runtime.device)
+        return self.wrap(model, runtime)
 
     def close(self, model: DistributedModel) -> None:
         """Release what `model` holds (kept for scripts written as `strategy.close(model)`)."""

@@ -25,6 +25,13 @@ from pydantic import Field
 from torch import nn
 
 from shardwise.distributed.runtime import Runtime
+from shardwise.nn.meta_init import (
+    ParameterSource,
+    load_buffers_from,
+    placeholders,
+    read_whole,
+    swap_parameters,
+)
 from shardwise.nn.mixed_precision import compute_dtype
 from shardwise.nn.sync_batchnorm import convert_sync_batchnorm
 from shardwise.strategies.base import Strategy
@@ -76,6 +83,25 @@ class ZeRO(Strategy):
         if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
             model = convert_sync_batchnorm(model)
         broadcast_module_state(model, group=runtime.group)
+        return self._stage(model, runtime)
+
+    def wrap_from(self, model: nn.Module, runtime: Runtime, source: ParameterSource) -> ZeroStage1:
+        """Stage 3: each rank reads only its slice of each unit from `source`, and the frozen
+        parameters and buffers whole; no rank ever holds the whole model. Stages 1/2 keep
+        whole parameters, so they read them whole."""
+        if self.stage != 3:
+            return super().wrap_from(model, runtime, source)
+        if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
+            model = convert_sync_batchnorm(model)
+        trainable = {p for p in model.parameters() if p.requires_grad}
+        swap_parameters(model, lambda _n, p: p if p in trainable else read_whole(p, _n, source))
+        load_buffers_from(model, source)
+        placeholders(model, runtime.device)
+        return self._stage(model, runtime, source)
+
+    def _stage(
+        self, model: nn.Module, runtime: Runtime, source: ParameterSource | None = None
+    ) -> ZeroStage1:
         # fp32 masters apart from the compute copy: with mixed precision, and with offload.
         if self.mixed_precision is None and self.offload is None:
             masters = ShardViews(next(model.parameters(), torch.empty(0)).dtype)
@@ -89,7 +115,7 @@ class ZeRO(Strategy):
             prefix = f"shardwise-offload-rank{runtime.rank}-"
             offload_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         stage = STAGES[self.stage]
-        return stage(model, runtime, masters, int(self.bucket_mb * 2**20), offload_dir)
+        return stage(model, runtime, masters, int(self.bucket_mb * 2**20), offload_dir, source)
 
 
 class ZeROConfig(StrategySection):

@@ -26,7 +26,7 @@ class ShardViews:
         self.compute_dtype = dtype
 
     def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
-        own = unit.own(unit.full)
+        own = unit.own_values()
         return nn.Parameter(own if view else own.clone())
 
     def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
@@ -68,7 +68,7 @@ class FP32Masters:
         self.scaler = LossScaler(scaler_device) if mixed_precision == "fp16" else None
 
     def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
-        master = unit.master_init if self.mixed else unit.own(unit.full).clone()
+        master = unit.master_init if self.mixed else unit.own_values().clone()
         return nn.Parameter(master.to(self.device or master.device))
 
     def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:

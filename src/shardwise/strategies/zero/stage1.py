@@ -23,6 +23,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.distributed.runtime import Runtime
+from shardwise.nn.meta_init import ParameterSource
 from shardwise.nn.sync_batchnorm import SyncBatchNorm
 from shardwise.strategies.base import (
     EXTRA,
@@ -56,6 +57,7 @@ class ZeroStage1(DistributedModel):
         masters: ShardViews | FP32Masters,
         bucket_bytes: int,
         offload_dir: Path | None = None,
+        source: ParameterSource | None = None,
     ) -> None:
         super().__init__(module, runtime)
         self.masters, self.offload_dir = masters, offload_dir
@@ -63,11 +65,16 @@ class ZeroStage1(DistributedModel):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.units = [
-            FlatUnit(params, runtime.rank, runtime.world_size, masters.compute_dtype, runtime.group)
+            FlatUnit(
+                *(params, runtime.rank, runtime.world_size, masters.compute_dtype, runtime.group),
+                source=None if source is None else (source, [self.names[p] for p in params]),
+            )
             for params in self.unit_params([p for _, p in named], bucket_bytes)
         ]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.shards = [masters.make_shard(u, view=self.shard_is_view) for u in self.units]
+        for u in self.units:
+            u.initial = u.master_init = None  # in the shards now
         # Gradients become ready roughly in reverse forward order: reduce units in that order.
         order = list(reversed(range(len(self.units))))
         self.backward = BucketedBackward(

@@ -12,6 +12,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.flat import flatten
+from shardwise.nn.meta_init import ParameterSource, read_range
 from shardwise.strategies.zero.freed import mark_freed, mark_gathered
 
 
@@ -25,7 +26,11 @@ class FlatUnit:
         world_size: int,
         dtype: torch.dtype,
         group: comm.ProcessGroup | None = None,
+        source: tuple[ParameterSource, list[str]] | None = None,
     ) -> None:
+        """`source`: (where the values are, the parameters' names) for parameters that hold
+        no values yet (`nn/meta_init.py`): only this rank's slice is read, and the full buffer
+        starts freed (stage 3)."""
         assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
         self.params, self.rank, self.group = params, rank, group
         self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
@@ -33,19 +38,38 @@ class FlatUnit:
         offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.offset_of = dict(zip(params, offsets, strict=True))  # parameters hash by identity
         padded = self.shard_numel * world_size  # shard_numel is rounded up: N divides this
-        exact = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        with torch.no_grad():
-            for p, n in zip(params, self.numels, strict=True):
-                exact[offset : offset + n].copy_(p.reshape(-1))
-                offset += n
-        self.master_init = self.own(exact).clone() if dtype != exact.dtype else None
-        self.full = exact.to(dtype)  # the compute copy (the same tensor without mixed precision)
+        device = params[0].device
+        if source is None:
+            exact = torch.zeros(padded, dtype=params[0].dtype, device=device)
+            offset = 0
+            with torch.no_grad():
+                for p, n in zip(params, self.numels, strict=True):
+                    exact[offset : offset + n].copy_(p.reshape(-1))
+                    offset += n
+            self.initial = None  # the values are the full buffer's
+            self.master_init = self.own(exact).clone() if dtype != exact.dtype else None
+            self.full = exact.to(
+                dtype
+            )  # the compute copy (the same tensor without mixed precision)
+        else:
+            self.initial = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=device)
+            start = rank * self.shard_numel
+            for offset, values in read_range(*source, self.numels, start, start + self.shard_numel):
+                self.initial[offset : offset + values.numel()].copy_(values)
+            self.master_init = self.initial if dtype != self.initial.dtype else None
+            self.full = torch.empty(padded, dtype=dtype, device=device)  # never written
         self.bind_views()
+        if source is not None:
+            self.full.untyped_storage().resize_(0)  # (untouched: it cost no memory) gathered later
         self.grad_full: torch.Tensor | None = None
         self.reduced: torch.Tensor | None = None
         self.handle: comm.Handle | None = None
         self.gather_handle: comm.Handle | None = None
+
+    def own_values(self) -> torch.Tensor:
+        """This rank's slice of the parameters' values (a view of the full buffer, or what was
+        read from the source while the full buffer is freed)."""
+        return self.own(self.full) if self.initial is None else self.initial.to(self.full.dtype)
 
     def bind_views(self) -> None:
         """Make every parameter a view into `full` (so gathering `full` updates the model)."""
