@@ -324,6 +324,11 @@ class Pipeline(Strategy):
             )
         layers, feed = self.model_layers(model)  # (refusals come before any collective)
         starts = [*self.stage_starts(layers), len(layers)]
+        if self.balance == "time" and self.split is None:
+            # Each rank timed the layers itself and may cut elsewhere: rank 0's cut for all.
+            cut = torch.tensor(starts, dtype=torch.int64, device=runtime.device)
+            comm.broadcast(cut, src=0, group=runtime.group)
+            starts = cut.tolist()
         check_stages(layers, starts)
         broadcast_module_state(model, group=runtime.group)
         full_names: dict[int, list[str]] = {}
