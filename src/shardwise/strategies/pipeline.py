@@ -18,6 +18,11 @@ accumulated gradients are those of the whole batch's mean loss, as in single-pro
 
 Messages are point-to-point: the sends are asynchronous (kept alive until the step ends), the
 receives block, and each activation is preceded by a small header with its shape and dtype.
+
+A Hugging Face model is cut into its embeddings, blocks, final norm and head (`hf_stages.py`);
+every stage is then handed the batch, a dict of the model's forward arguments, and the last
+stage's output is the model's own (`output.loss` is HF's loss). A weight two stages hold (GPT-2's
+embedding, tied to its head) stays one parameter (`pipeline_tied.py`).
 """
 
 from __future__ import annotations
@@ -47,13 +52,18 @@ from shardwise.strategies.base import (
     UnsplitCheckpointsOnly,
     square_sum,
 )
-from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.ddp import DDP, broadcast_module_state
+from shardwise.strategies.hf_stages import hf_layers, is_hf_model
+from shardwise.strategies.pipeline_schedule import Inbox, schedule_order
 from shardwise.strategies.pipeline_stages import (
+    Microbatch,
     PipelineStage,
+    TensorFeed,
     balanced_split,
     measure_layer_times,
     pipeline_layers,
 )
+from shardwise.strategies.pipeline_tied import TiedWeights, shared_parameters
 from shardwise.strategies.section import StrategySection
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -64,92 +74,14 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
-# ---- the schedules ------------------------------------------------------------------------------
-class _Inbox:
-    """A stage's receives in one step, each posted as soon as the next op that needs it is
-    known, before the compute of the op in hand, so the transfer overlaps that compute. (A
-    message sent before its receive is posted costs about a round trip more on gloo: the
-    step's loss, received after the last backward, waited 0.58 ms on the MLP; posted with the
-    last gradient, 0.03 ms.) One header per step gives the activations' shape (micro-batches
-    are equal chunks)."""
-
-    def __init__(self, model: PipelineModel) -> None:
-        self.model = model
-        self.shape: tuple[list[int], torch.dtype] | None = None
-        self.posted: dict[tuple[str, int], tuple[comm.Handle, torch.Tensor]] = {}
-
-    def _post(self, key: tuple[str, int], buffer: torch.Tensor, src: int) -> None:
-        self.posted[key] = (comm.irecv(buffer, src, self.model.group), buffer)
-
-    def _take(self, key: tuple[str, int]) -> torch.Tensor:
-        handle, buffer = self.posted.pop(key)
-        handle.wait()
-        return buffer
-
-    def activation(self, i: int) -> torch.Tensor:
-        model = self.model
-        if self.shape is None:  # the step's first activation brings the header
-            head = recv_header(model.index - 1, model.group, model.device)
-            self.shape = read_tensor_header(head)
-        if ("F", i) not in self.posted:
-            self._post_activation(i)
-        x = self._take(("F", i))
-        return x.requires_grad_(x.is_floating_point())
-
-    def _post_activation(self, i: int) -> None:
-        shape, dtype = self.shape
-        buffer = torch.empty(shape, dtype=dtype, device=self.model.device)
-        self._post(("F", i), buffer, self.model.index - 1)
-
-    def gradient(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        if ("B", i) not in self.posted:
-            self._post_gradient(i, out)
-        return self._take(("B", i))
-
-    def _post_gradient(self, i: int, out: torch.Tensor) -> None:
-        model = self.model
-        self._post(("B", i), torch.empty_like(out), model.index + 1)
-        if i == model.microbatches - 1:  # the step's loss follows this gradient: posted too
-            self._post(("loss", 0), torch.empty(1, device=model.device), model.index + 1)
-
-    def loss(self) -> torch.Tensor:
-        """The step's loss, sent by the next stage right after the last micro-batch's gradient."""
-        return self._take(("loss", 0)).reshape(())
-
-    def prefetch(self, order: list[tuple], start: int, saved: dict) -> None:
-        """Post the receive of the next op that needs one, if it is not posted yet."""
-        model = self.model
-        for op, i in order[start:]:
-            if op == "F" and not model.is_first and self.shape is not None:
-                if ("F", i) not in self.posted:
-                    self._post_activation(i)
-                return
-            if op == "B" and not model.is_last and i in saved:
-                if ("B", i) not in self.posted:
-                    self._post_gradient(i, saved[i][1])
-                return
-
-
-def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple]:
-    """The ("F", i) / ("B", i) sequence stage `stage` runs in one step."""
-    m = microbatches
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(stages - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(m - warmup, m)]
-    return order
-
-
 class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
     """This rank's stage, and the schedule that trains the whole pipeline through it.
 
     `train_step(inputs, targets, loss_fn)` runs one step's schedule (forward and backward of
     every micro-batch) and returns the batch's mean loss on every rank. Calling the model
     (`model(x)`, without gradients) runs one forward through all stages and returns the output
-    on every rank: what evaluation needs.
+    on every rank: what evaluation needs. For a Hugging Face model, every rank passes the batch
+    dict (`train_step(batch, None, lambda out, _: out.loss)`, `model(**batch)`).
     """
 
     def __init__(
@@ -158,12 +90,16 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         runtime: Runtime,
         schedule: str,
         microbatches: int,
-        names: dict[str, str],
+        names: dict[str, list[str]],
+        feed: Any = None,
+        tied: list[tuple[nn.Parameter, list[int]]] = (),
     ) -> None:
         super().__init__(stage, runtime)
         self.index, self.stages, self.group = runtime.rank, runtime.world_size, runtime.group
         self.schedule, self.microbatches = schedule, microbatches
-        self.names = names  # stage state-dict key -> the unsplit model's key
+        self.names = names  # stage state-dict key -> the unsplit model's key(s)
+        self.feed = feed or TensorFeed()  # how a batch becomes micro-batches
+        self.tied = TiedWeights(list(tied), self.index, self.group)  # held by other stages too
         self.is_first, self.is_last = self.index == 0, self.index == self.stages - 1
         self.device = next(iter(stage.parameters())).device
         self._sends: list[tuple[comm.Handle, torch.Tensor]] = []
@@ -175,6 +111,11 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
 
     def wrap_stage(self, strategy: Strategy, runtime: Runtime) -> DistributedModel:
         """Make the stage data parallel along a mesh axis (`runtime`): the composition."""
+        if self.tied and not isinstance(strategy, DDP):  # ZeRO's gradients are not whole
+            raise ValueError(
+                f"a weight tied across pipeline stages needs sw.DDP() along the data axis, "
+                f"not {type(strategy).__name__}"
+            )
         self.module = strategy.wrap(self.module, runtime)
         return self.module
 
@@ -208,41 +149,42 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
     ) -> torch.Tensor:
         # samples / total: one pipeline is one replica; a mesh declares them along its data axis.
         m = self.microbatches
-        if self.is_first and inputs.shape[0] % m:
-            raise ValueError(f"batch of {inputs.shape[0]} does not split into {m} micro-batches")
-        xs = inputs.chunk(m) if self.is_first else None
-        ys = targets.chunk(m) if self.is_last else None
+        feeds = self.feed.split(inputs, targets, m, self.is_first, self.is_last)
         order = schedule_order(self.schedule, self.index, self.stages, m)
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        inbox = _Inbox(self)  # receives posted one message ahead
+        inbox = Inbox(self)  # receives posted one message ahead
         step_loss = torch.zeros((), device=self.device)
+        self.tied.begin_step()
         for k, (op, i) in enumerate(order):
             if op == "F":
-                x = xs[i] if self.is_first else inbox.activation(i)
+                x = feeds[i].x if self.is_first else inbox.activation(i)
                 inbox.prefetch(order, k + 1, saved)  # (the next message lands while this runs)
-                out = self._forward_microbatch(i, x, ys, loss_fn, step_loss)
+                out = self._forward_microbatch(i, x, feeds[i], loss_fn, step_loss)
                 saved[i] = (None if self.is_first else x, out)
             else:
                 x, out = saved.pop(i)
                 grad = None if self.is_last else inbox.gradient(i, out)
                 inbox.prefetch(order, k + 1, saved)
                 step_loss = self._backward_microbatch(i, x, out, grad, inbox, step_loss)
+        self.tied.sum_grads()
         self._wait_sends()
         # Every rank now holds the loss: it travelled back with the gradients, stage by stage,
         # which costs no synchronising collective at the end of the step.
         return step_loss
 
-    def _forward_microbatch(self, i: int, x, ys, loss_fn: LossFn, step_loss) -> torch.Tensor:
+    def _forward_microbatch(
+        self, i: int, x, feed: Microbatch, loss_fn: LossFn, step_loss
+    ) -> torch.Tensor:
         """Micro-batch `i` through the stage: the last adds its loss to `step_loss`."""
-        out = self.stage(x)
+        out = self.stage(x, *feed.context)
         if self.is_last:
-            out = loss_fn(out, ys[i]) / self.microbatches
+            out = loss_fn(out, feed.target) / feed.parts
             step_loss += out.detach()
         else:  # micro-batches have one shape: a header with the first one only
             self._send(out, self.index + 1, header=i == 0)
         return out
 
-    def _backward_microbatch(self, i: int, x, out, grad, inbox: _Inbox, step_loss) -> torch.Tensor:
+    def _backward_microbatch(self, i: int, x, out, grad, inbox: Inbox, step_loss) -> torch.Tensor:
         """Micro-batch `i` back through the stage (`grad`: its output's gradient, None on the
         last stage), its input's gradient sent back; returns the step's loss, which the stages
         before the last receive after the last micro-batch's gradient and pass back."""
@@ -263,33 +205,46 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         return step_loss
 
     @torch.no_grad()
-    def forward(self, inputs: Any) -> torch.Tensor:
+    def forward(self, inputs: Any = None, **batch: Any) -> Any:
+        """The output of the batch on every rank (a Hugging Face model: `model(**batch)`, its
+        output with logits, and loss where the batch has labels)."""
         if torch.is_grad_enabled():
             raise RuntimeError("a pipeline model trains through model.train_step(x, y, loss_fn)")
-        x = inputs if self.is_first else self._recv_activation(self.index - 1)
-        out = self.stage(x)
+        x, context = self.feed.whole(batch or inputs)
+        if not self.is_first:
+            x = self._recv_activation(self.index - 1)
+        out = self.stage(x, *context)
         if not self.is_last:
             self._send(out, self.index + 1, header=True)
             self._wait_sends()
-        # Every rank gets the output: the last stage sends its shape, then the values.
-        head = tensor_header(out) if self.is_last else header(device=self.device)
+        tensors = self.feed.pack(out) if self.is_last else [None] * self.feed.count(context)
+        return self.feed.unpack([self._from_last(t) for t in tensors])
+
+    def _from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's `tensor` on every rank: its shape, then the values."""
+        head = tensor_header(tensor) if self.is_last else header(device=self.device)
         comm.broadcast(head, src=self.stages - 1, group=self.group)
         if not self.is_last:
             shape, dtype = read_tensor_header(head)
-            out = torch.empty(shape, dtype=dtype, device=self.device)
-        comm.broadcast(out, src=self.stages - 1, group=self.group)
-        return out
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        comm.broadcast(tensor, src=self.stages - 1, group=self.group)
+        return tensor
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's tensors, under the unsplit model's keys, on every rank."""
         stage_state = _unwrapped(self.stage).state_dict()
-        local = {self.names[k]: v.detach().cpu() for k, v in stage_state.items()}
+        # (A tied weight is under each of its names, from every stage that holds it.)
+        local = {n: v.detach().cpu() for k, v in stage_state.items() for n in self.names[k]}
         parts = comm.all_gather_object(local, group=self.group)
         return {k: v.to(self.device) for part in parts for k, v in part.items()}
 
     def grad_square_sum(self) -> torch.Tensor:
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        grads = [
+            p.grad
+            for p in self.stage.parameters()
+            if p.grad is not None and self.tied.counted_here(p)
+        ]
         squares = square_sum(grads, self.device)
         comm.all_reduce(squares, group=self.group)  # stages hold disjoint parameters
         return squares
@@ -367,14 +322,33 @@ class Pipeline(Strategy):
                 f"Pipeline(stages={self.stages}) needs {self.stages} ranks, got "
                 f"{runtime.world_size} (use a device mesh to combine it with data parallel)"
             )
-        broadcast_module_state(model, group=runtime.group)
-        full_names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
-        layers = pipeline_layers(model)
+        layers, feed = self.model_layers(model)  # (refusals come before any collective)
         starts = [*self.stage_starts(layers), len(layers)]
+        if self.balance == "time" and self.split is None:
+            # Each rank timed the layers itself and may cut elsewhere: rank 0's cut for all.
+            cut = torch.tensor(starts, dtype=torch.int64, device=runtime.device)
+            comm.broadcast(cut, src=0, group=runtime.group)
+            starts = cut.tolist()
         check_stages(layers, starts)
+        broadcast_module_state(model, group=runtime.group)
+        full_names: dict[int, list[str]] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            full_names.setdefault(id(t), []).append(name)  # a tied weight has two names
         mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
         names = {k: full_names[id(t)] for k, t in mine.state_dict(keep_vars=True).items()}
-        return PipelineModel(mine, runtime, self.schedule, self.microbatches, names)
+        tied = shared_parameters(layers, starts, runtime.rank)
+        return PipelineModel(mine, runtime, self.schedule, self.microbatches, names, feed, tied)
+
+    def model_layers(self, model: nn.Module) -> tuple[list[nn.Module], Any]:
+        """The model's layers in order, and the feed that brings its batches to them."""
+        if not is_hf_model(model) or hasattr(model, "pipeline_layers"):
+            return pipeline_layers(model), TensorFeed()
+        if self.balance == "time" and self.split is None:
+            raise ValueError(
+                f"balance='time' times layers on one tensor, and {type(model).__name__}'s take "
+                "its batch: use balance='params' or give split"
+            )
+        return hf_layers(model)
 
 
 class PPConfig(StrategySection):

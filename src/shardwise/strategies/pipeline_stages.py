@@ -1,13 +1,17 @@
-"""How a pipeline cuts a model: its layers in order, and contiguous stages of them.
+"""How a pipeline cuts a model: its layers in order, contiguous stages of them, and how a batch
+enters them.
 
 A model is a pipeline's if it is an `nn.Sequential` or has a `pipeline_layers()` method that
-lists its layers in order (each one's output the next one's input). Stages are cut where the
-heaviest stage is lightest, by parameter count or by measured time per layer.
+lists its layers in order (each one's output the next one's input); a Hugging Face model is cut
+by `hf_stages.py`. Stages are cut where the heaviest stage is lightest, by parameter count or
+by measured time per layer. A feed says how a step's batch becomes micro-batches: here, the
+inputs chunked into the first stage and the targets into the last one's loss.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,13 +79,50 @@ def measure_layer_times(
 
 
 class PipelineStage(nn.Module):
-    """This rank's consecutive layers."""
+    """This rank's consecutive layers; each gets the micro-batch's `context` too, if any."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, *context: Any) -> Any:
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, *context)
         return x
+
+
+@dataclass
+class Microbatch:
+    """One micro-batch as a stage sees it."""
+
+    x: Any  # the first stage's input (None on the others)
+    context: tuple  # further arguments of every layer: () for plain layers
+    target: Any  # the last stage's loss compares the output with it
+    parts: float  # the micro-batch's loss is divided by it: M for equal shares
+
+
+class TensorFeed:
+    """A plain pipeline's batch: the inputs, chunked, into the first stage; the targets,
+    chunked, to the last stage's loss; every micro-batch an equal share of the batch."""
+
+    def split(self, inputs: Any, targets: Any, m: int, first: bool, last: bool) -> list:
+        if first and inputs.shape[0] % m:
+            raise ValueError(f"batch of {inputs.shape[0]} does not split into {m} micro-batches")
+        xs = inputs.chunk(m) if first else [None] * m
+        ys = targets.chunk(m) if last else [None] * m
+        return [Microbatch(x, (), y, m) for x, y in zip(xs, ys, strict=False)]
+
+    def whole(self, inputs: Any) -> tuple[Any, tuple]:
+        """The first stage's input and every layer's context, for a forward of the batch."""
+        return inputs, ()
+
+    def pack(self, output: Any) -> list[torch.Tensor]:
+        """The last stage's output as the tensors it is broadcast as."""
+        return [output]
+
+    def count(self, context: tuple) -> int:
+        """How many tensors `pack` gives for a batch with this context."""
+        return 1
+
+    def unpack(self, tensors: list[torch.Tensor]) -> Any:
+        return tensors[0]
