@@ -26,6 +26,7 @@ from shardwise.distributed.mesh import DeviceMesh, build_mesh
 from shardwise.distributed.runtime import Runtime, shutdown
 from shardwise.faults.nonfinite import NonFinitePolicy, NonFiniteStop
 from shardwise.faults.watchdog import Watchdog
+from shardwise.nn.deferred_init import SeededInit
 from shardwise.nn.meta_init import ParameterSource, empty_parameters
 from shardwise.nn.schedules import Schedule, lr_scheduler, scaled_lr
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -66,6 +67,7 @@ __all__ = [
     "Pipeline",
     "Runtime",
     "Schedule",
+    "SeededInit",
     "Strategy",
     "SyncBatchNorm",
     "TensorParallel",
