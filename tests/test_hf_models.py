@@ -219,3 +219,54 @@ def frozen_survive_resume(run_dir: str) -> dict:
 def test_frozen_parameters_survive_save_and_resume_bitwise(tmp_path):
     for result in run(frozen_survive_resume, 2, str(tmp_path)):
         assert result == {"zero1": (3, True), "zero3": (3, True)}
+
+
+MESH = {  # model -> its 2 x 2 meshes: tensor parallel from its own plan, or its automatic split
+    "llama": {
+        "dp2_tp2_ddp": lambda: sw.MeshParallel(dp=2, tp=2, data=sw.DDP()),
+        "dp2_tp2_zero1": lambda: sw.MeshParallel(dp=2, tp=2, data=sw.ZeRO(stage=1)),
+        "dp2_pp2_zero1": lambda: sw.MeshParallel(
+            dp=2, pp=2, data=sw.ZeRO(stage=1), pipeline=sw.Pipeline(microbatches=2)
+        ),
+    },
+    "gpt2": {
+        "dp2_pp2_ddp": lambda: sw.MeshParallel(
+            dp=2, pp=2, data=sw.DDP(), pipeline=sw.Pipeline(microbatches=2)
+        )
+    },
+    "bert": {
+        "dp2_pp2_ddp": lambda: sw.MeshParallel(
+            dp=2, pp=2, data=sw.DDP(), pipeline=sw.Pipeline(microbatches=2)
+        )
+    },
+}
+
+
+def on_a_mesh() -> dict:
+    """Each model and mesh of MESH against one process on the global batch (2 replicas x
+    BATCH samples): max abs difference of the full state dicts after STEPS AdamW steps."""
+    H.transformers.logging.set_verbosity_error()
+    out = {}
+    for kind, meshes in MESH.items():
+        reference = _single_process(kind, 2)
+        for name, strategy in meshes.items():
+            model, opt = sw.prepare(H.build(kind), strategy(), lr=LR)
+            replicas, index = sw.data_shard(model)
+            assert replicas == 2
+            for step in range(STEPS):
+                mine = H.rows(
+                    H.make_batch(kind, 2 * BATCH, step), index * BATCH, (index + 1) * BATCH
+                )
+                if "pp" in name:  # a pipeline runs its schedule: the HF loss on the last stage
+                    sw.train_step(model, mine, None, lambda out, _: out.loss)
+                else:
+                    model(**mine).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"{kind}/{name}"] = _max_diff(model.full_state_dict(), reference)
+    return out
+
+
+def test_hf_models_on_a_2x2_mesh_equal_one_process():
+    for result in run(on_a_mesh, 4, timeout_s=300):
+        assert result and all(diff <= 1e-5 for diff in result.values()), result
