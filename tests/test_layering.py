@@ -26,6 +26,7 @@ LAYERS = [
     "strategies",
     "checkpoint",
     "ps",
+    "user_code",
     "job_sections",
     "config",
     "jobs",

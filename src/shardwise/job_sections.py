@@ -6,10 +6,11 @@ assembles them into one `Config`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from shardwise import user_code
 from shardwise.strategies.section import Section
 
 PACKAGE_DATA = Path(__file__).resolve().parent / "data" / "datasets"
@@ -23,19 +24,72 @@ def resolve_data_path(path: str) -> Path:
     raise ValueError(f"dataset file not found: {path}")
 
 
+# Where a model or the data comes from: one of these, exactly (the first is the default).
+_DATA_SOURCES = ("dataset", "factory", "tokens")
+_MODEL_SOURCES = ("name", "factory", "hf_config", "hf_pretrained")
+
+
+def _importable(path: str | None) -> str | None:
+    """A `module:function` that imports (a one-line error naming it where not)."""
+    if path is not None:
+        user_code.load(path)
+    return path
+
+
+def _one_source(given: dict[str, Any]) -> None:
+    named = [key for key, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise ValueError(f"{' and '.join(named)} are exclusive: give one")
+
+
 class DataConfig(Section):
-    dataset: Literal["digits", "text", "verses"] = Field(
-        "digits",
-        description="'digits': scikit-learn's 8x8 handwritten digits; 'text': a file, in "
-        "windows of seq_len characters; 'verses': a file cut into documents of varying length, "
-        "one per line (for the character GPT)",
+    dataset: Literal["digits", "text", "verses"] | None = Field(
+        None,
+        description="a built-in dataset, the default where no factory or tokens is given: "
+        "'digits': scikit-learn's 8x8 handwritten digits; 'text': a file, in windows of "
+        "seq_len characters; 'verses': a file cut into documents of varying length, one per "
+        "line (for the character GPT)",
+    )
+    factory: str | None = Field(
+        None,
+        description="your own data: 'module:function' (e.g. my_data:build), imported from the "
+        "working directory or PYTHONPATH and called with `args`; it returns the training and "
+        "evaluation map-style datasets, as a pair (train, eval) or a dict with keys 'train' and "
+        "'eval'. Samples are (input, target) pairs, or dicts of tensors with a 'labels' entry "
+        "(Hugging Face batches: the model is called as model(**batch))",
+    )
+    args: dict[str, Any] = Field({}, description="keyword arguments of data.factory")
+    tokens: str | None = Field(
+        None,
+        description="a token corpus larger than memory: a flat binary file of token ids "
+        "(nanoGPT's train.bin), read through numpy.memmap, never whole; a sample is a window of "
+        "seq_len tokens and its target the same window one token later (windows do not "
+        "overlap); the last test_fraction is held out unless eval_tokens is given",
+    )
+    eval_tokens: str | None = Field(
+        None, description="tokens: a held-out corpus of the same layout to evaluate on"
+    )
+    dtype: Literal["uint16", "uint32", "int32", "int64"] = Field(
+        "uint16", description="tokens: the element type of the token files (nanoGPT's: uint16)"
+    )
+    vocab_size: int | None = Field(
+        None, ge=2, description="tokens with model.name gpt: the vocabulary (ids are below it)"
+    )
+    windows: Literal["auto", "pairs", "dicts"] = Field(
+        "auto",
+        description="tokens: each window as an (input, target) pair, or as a dict {input_ids, "
+        "labels} with labels = input_ids (Hugging Face causal LMs shift them themselves, so a "
+        "window's last target goes unscored); auto: dicts for hf_config and hf_pretrained "
+        "models, pairs otherwise",
     )
     path: str | None = Field(
         None,
         description="text file for dataset=text or verses; relative paths are tried from the "
         "working directory, then from shardwise's bundled datasets",
     )
-    seq_len: int = Field(128, ge=2, description="characters per training sequence (text, verses)")
+    seq_len: int = Field(
+        128, ge=2, description="tokens (characters) per training sequence (text, verses, tokens)"
+    )
     packing: Literal["none", "pack"] = Field(
         "none",
         description="verses: 'none' pads each document to its own row of seq_len; 'pack' puts "
@@ -64,12 +118,21 @@ class DataConfig(Section):
     )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="share of data held out for eval")
 
-    @field_validator("path")
+    @model_validator(mode="before")
+    @classmethod
+    def _digits_by_default(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and all(raw.get(k) is None for k in _DATA_SOURCES):
+            return {**raw, "dataset": "digits"}
+        return raw
+
+    @field_validator("path", "tokens", "eval_tokens")
     @classmethod
     def _file_exists(cls, path: str | None) -> str | None:
         if path is not None:
             resolve_data_path(path)  # raises a one-line error when missing
         return path
+
+    _factory_imports = field_validator("factory")(_importable)
 
     @field_validator("rank_weights")
     @classmethod
@@ -79,7 +142,10 @@ class DataConfig(Section):
         return weights
 
     @model_validator(mode="after")
-    def _text_needs_a_file(self) -> DataConfig:
+    def _sources_fit(self) -> DataConfig:
+        _one_source({k: getattr(self, k) for k in _DATA_SOURCES})
+        if self.eval_tokens is not None and self.tokens is None:
+            raise ValueError("eval_tokens needs tokens (the training corpus)")
         if self.dataset in ("text", "verses") and self.path is None:
             raise ValueError(f"dataset {self.dataset!r} needs data.path")
         if self.packing != "none" and self.dataset != "verses":
@@ -88,15 +154,72 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    name: Literal["mlp", "cnn", "gpt"] = Field("mlp", description="which model to train")
+    name: Literal["mlp", "cnn", "gpt"] | None = Field(
+        None,
+        description="a built-in model, the default (mlp) where no factory, hf_config or "
+        "hf_pretrained is given: mlp or cnn (digits), gpt (text, verses, tokens)",
+    )
+    factory: str | None = Field(
+        None,
+        description="your own model: 'module:function' (e.g. my_models:build), imported from "
+        "the working directory or PYTHONPATH and called with `args` (seeded by train.seed, "
+        "the same on every rank); it returns a torch.nn.Module",
+    )
+    args: dict[str, Any] = Field({}, description="keyword arguments of model.factory")
+    hf_config: str | None = Field(
+        None,
+        description="a Hugging Face model, freshly initialised from this config.json (or a "
+        "folder holding one): the transformers class its 'architectures' names (pip install "
+        "shardwise[hf])",
+    )
+    hf_pretrained: str | None = Field(
+        None,
+        description="a Hugging Face model loaded from this local folder: config.json and "
+        "safetensors weights, one file or sharded (model.safetensors.index.json); every rank "
+        "reads it whole, in fp32",
+    )
+    loss: str | None = Field(
+        None,
+        description="your own loss: 'module:function' taking (output, target), returning a "
+        "scalar mean. Default: for (input, target) samples, cross-entropy over the output's "
+        "last dimension (targets of -100 ignored); for dict samples, the output's own loss "
+        "(output.loss or output['loss']: the Hugging Face idiom). With a loss, a dict sample's "
+        "'labels' are its target and the model gets the other entries",
+    )
     hidden: list[int] = Field([128, 128], description="mlp: hidden layer widths")
     channels: tuple[int, int] = Field((16, 32), description="cnn: channels of the two conv blocks")
     d_model: int = Field(256, ge=8, description="gpt: embedding width")
     n_layer: int = Field(4, ge=1, description="gpt: transformer blocks")
     n_head: int = Field(4, ge=1, description="gpt: attention heads (must divide d_model)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _mlp_by_default(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and all(raw.get(k) is None for k in _MODEL_SOURCES):
+            return {**raw, "name": "mlp"}
+        return raw
+
+    _code_imports = field_validator("factory", "loss")(_importable)
+
+    @field_validator("hf_config")
+    @classmethod
+    def _config_exists(cls, path: str | None) -> str | None:
+        if path is not None and not (
+            Path(path).is_file() or (Path(path) / "config.json").is_file()
+        ):
+            raise ValueError(f"no config.json at {path}")
+        return path
+
+    @field_validator("hf_pretrained")
+    @classmethod
+    def _folder_exists(cls, path: str | None) -> str | None:
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{path} is not a folder with a config.json (and its weights)")
+        return path
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
+        _one_source({k: getattr(self, k) for k in _MODEL_SOURCES})
         if self.d_model % self.n_head:
             raise ValueError(f"n_head ({self.n_head}) must divide d_model ({self.d_model})")
         if any(h < 1 for h in self.hidden):

@@ -1,18 +1,35 @@
-"""Turn a `Config` into the pieces of a job: model, data splits, loss, optimizer, schedule."""
+"""Turn a `Config` into the pieces of a job: model, data splits, loss, optimizer, schedule.
+
+A model is a built-in one (`model.name`), the user's (`model.factory`: `module:function`), or a
+Hugging Face one (`model.hf_config`, `model.hf_pretrained`); the data a built-in dataset, the
+user's (`data.factory`) or a token file (`data.tokens`). Samples are (input, target) pairs, or
+dicts of tensors, which the model takes as keyword arguments (`nn/dict_batches.py`).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise import user_code
 from shardwise.config import Config
 from shardwise.data import datasets
-from shardwise.job_sections import OptimConfig, TrainConfig, resolve_data_path
+from shardwise.data.token_file import token_splits
+from shardwise.job_sections import (
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    resolve_data_path,
+)
+from shardwise.nn import dict_batches, hf_loading
+from shardwise.nn.dict_batches import LABELS
 from shardwise.nn.models import MLP, ConvNet, TinyGPT, lm_loss
 from shardwise.nn.recompute import checkpoint_activations
 from shardwise.nn.schedules import Schedule, scaled_lr
@@ -28,28 +45,94 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 class Job:
     model: nn.Module
     splits: datasets.Splits
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     # The loss is a mean per target token over padded sequences of unequal real length: ranks
     # are weighed by their real tokens, not their rows.
     per_token: bool = False
+    # Samples are dicts of tensors (the model is called as model(**batch)). With `labels_apart`
+    # (a loss of the user's), their labels are the loss's target and the model gets the rest;
+    # otherwise the model gets them all and computes its own loss.
+    dict_batches: bool = False
+    labels_apart: bool = False
 
-    def batch_like(self) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    def inputs_targets(self, batch, device: torch.device | str | None = None):
+        """A collated batch as (what the model is called with, the targets), on `device`."""
+        if not self.dict_batches:
+            x, y = batch
+            return (x, y) if device is None else (x.to(device), y.to(device))
+        inputs = {k: v if device is None else v.to(device) for k, v in batch.items()}
+        return inputs, (inputs.pop(LABELS) if self.labels_apart else inputs[LABELS])
+
+    def batch_like(self) -> Callable[[int], tuple[Any, torch.Tensor]]:
         """Makes batches of n samples shaped as the training data's, for tracing (zeros:
         valid token ids and class labels), inside a fake mode or out."""
-        x, y = self.splits.train[0]
-        (xs, xt), (ys, yt) = (x.shape, x.dtype), (y.shape, y.dtype)
-        return lambda n: (torch.zeros((n, *xs), dtype=xt), torch.zeros((n, *ys), dtype=yt))
+        sample = self.splits.train[0]
+        if not self.dict_batches:
+            sample = {0: sample[0], 1: sample[1]}
+        like = {k: (v.shape, v.dtype) for k, v in map(_as_tensor, sample.items())}
+        made = lambda n: {k: torch.zeros((n, *s), dtype=t) for k, (s, t) in like.items()}  # noqa: E731
+        if not self.dict_batches:
+            return lambda n: tuple(made(n).values())
+        return lambda n: self.inputs_targets(made(n))
+
+
+def _as_tensor(item: tuple[Any, Any]) -> tuple[Any, torch.Tensor]:
+    return item[0], torch.as_tensor(item[1])  # (a class label may be a plain int)
 
 
 def build_splits(cfg: Config) -> datasets.Splits:
-    """The dataset named by `data.dataset`, split into training and test data."""
+    """The data `data` names, split into training and test data."""
     data = cfg.data
+    if data.factory is not None:
+        return _user_splits(data)
+    if data.tokens is not None:
+        hf = cfg.model.hf_config is not None or cfg.model.hf_pretrained is not None
+        as_dicts = data.windows == "dicts" or (data.windows == "auto" and hf)
+        eval_path = resolve_data_path(data.eval_tokens) if data.eval_tokens else None
+        return token_splits(
+            *(resolve_data_path(data.tokens), data.dtype, data.seq_len, data.test_fraction),
+            eval_path=eval_path,
+            as_dicts=as_dicts,
+            vocab_size=data.vocab_size or 0,
+        )
     if data.dataset == "digits":
         return datasets.digits(data.test_fraction, seed=cfg.train.seed)
     path = resolve_data_path(data.path)
     if data.dataset == "verses":
         return datasets.verses(path, data.seq_len, data.test_fraction, data.packing, cfg.train.seed)
     return datasets.text(path, data.seq_len, data.test_fraction)
+
+
+def _user_splits(data: DataConfig) -> datasets.Splits:
+    """`data.factory(**data.args)`: (train, eval), or {"train": ..., "eval": ...}."""
+    made = user_code.call(data.factory, data.args, "data.factory")
+    if isinstance(made, Mapping) and {"train", "eval"} <= made.keys():
+        made = (made["train"], made["eval"])
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise ValueError(
+            f"data.factory {data.factory}: returned a {type(made).__name__}, not a pair "
+            "(train, eval) of datasets or a dict with keys 'train' and 'eval'"
+        )
+    for split, dataset in zip(("train", "eval"), made, strict=True):
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise ValueError(
+                f"data.factory {data.factory}: its {split} data is a {type(dataset).__name__}, "
+                "not a map-style dataset (__getitem__ and __len__)"
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"data.factory {data.factory}: its {split} data is empty")
+        _check_sample(dataset[0], f"data.factory {data.factory}: {split} sample 0")
+    return datasets.Splits(made[0], made[1], num_classes=0, input_dim=0)
+
+
+def _check_sample(sample: Any, what: str) -> None:
+    if isinstance(sample, Mapping):
+        if LABELS not in sample:
+            raise ValueError(f"{what} is a dict without a {LABELS!r} entry (the targets)")
+        if not all(isinstance(v, torch.Tensor) for v in sample.values()):
+            raise ValueError(f"{what}: every entry of a dict sample must be a tensor")
+    elif not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        raise ValueError(f"{what} is a {type(sample).__name__}: (input, target) or a dict")
 
 
 def build_job(cfg: Config, device: torch.device | str | None = None) -> Job:
@@ -59,16 +142,59 @@ def build_job(cfg: Config, device: torch.device | str | None = None) -> Job:
     splits = build_splits(cfg)
     torch.manual_seed(cfg.train.seed)
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        job = _model_job(cfg, splits)
+        job = _model_job(cfg, splits) if cfg.model.name else _user_job(cfg, splits, device)
     checkpoint_activations(job.model, cfg.strategy.activation_checkpointing)
     return job
+
+
+def _user_job(cfg: Config, splits: datasets.Splits, device) -> Job:
+    """The user's or a Hugging Face model, and its loss: `model.loss`; for dict samples the
+    model's own; else cross-entropy over the output's last dimension (or its `.logits`)."""
+    model, m, s = _user_model(cfg.model, device), cfg.model, cfg.strategy
+    dicts = isinstance(splits.train[0], Mapping)
+    if dicts and (s.name == "pp" or (s.name == "mesh" and s.pp > 1)):
+        # (a pipeline hands each stage one tensor: a dict of keyword inputs does not travel)
+        raise ValueError(f"dict samples (model(**batch)) need the whole model, not {s.describe()}")
+    if dicts:
+        dict_batches.call_with_keywords(model)
+    if m.loss is not None:
+        loss = user_code.load(m.loss)
+    else:
+        loss = dict_batches.output_loss if dicts else logits_loss
+    return Job(model, splits, loss, dict_batches=dicts, labels_apart=dicts and m.loss is not None)
+
+
+def _user_model(m: ModelConfig, device) -> nn.Module:
+    if m.factory is not None:
+        model = user_code.call(m.factory, m.args, "model.factory")
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"model.factory {m.factory}: returned a {type(model).__name__}, not a "
+                "torch.nn.Module"
+            )
+        return model
+    if m.hf_config is not None:
+        return hf_loading.from_config(m.hf_config)
+    if str(device) == "meta":  # the planner: shapes only, no weights read
+        return hf_loading.from_config(m.hf_pretrained)
+    return hf_loading.load_pretrained(m.hf_pretrained)
+
+
+def logits_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the output (or its `.logits`) over its last dimension, -100 ignored:
+    a classifier's (rows of classes) or a language model's (a row per token)."""
+    return lm_loss(dict_batches.logits_of(output), targets)
 
 
 def _model_job(cfg: Config, splits: datasets.Splits) -> Job:
     m = cfg.model
     if m.name == "gpt":
-        if cfg.data.dataset == "digits":
-            raise ValueError("model 'gpt' needs data.dataset 'text' or 'verses'")
+        if cfg.data.dataset not in ("text", "verses") and cfg.data.tokens is None:
+            raise ValueError("model 'gpt' needs data.dataset 'text' or 'verses', or data.tokens")
+        if cfg.data.tokens is not None and not cfg.data.vocab_size:
+            raise ValueError("model 'gpt' on data.tokens needs data.vocab_size")
+        if isinstance(splits.train[0], Mapping):
+            raise ValueError("model 'gpt' takes (input, target) windows: data.windows 'pairs'")
         # Packed rows need the document mask; a row of one document is plain causal attention.
         bos = splits.bos_token if cfg.data.packing == "pack" else None
         model = TinyGPT(

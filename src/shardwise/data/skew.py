@@ -16,7 +16,7 @@ row's, so this is the cost a kernel that skips masked blocks would pay.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from shardwise.data.datasets import PAD_TARGET
 
 def _describe(dataset: Dataset, index: int) -> tuple[int | None, int, int]:
     """(class label or None, tokens, attention cost) of one sample."""
-    _, target = dataset[index]
+    sample = dataset[index]
+    target = sample["labels"] if isinstance(sample, Mapping) else sample[1]  # (dict samples)
     if not (isinstance(target, torch.Tensor) and target.dim() > 0):
         return int(target), 1, 1
     # A sequence: one token per target that counts (padding's do not); attention is quadratic

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from shardwise import comm
 
@@ -75,13 +76,10 @@ class LossScaler:
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
+    """Floating-point tensors anywhere in `value` in `dtype`; containers keep their type (a
+    Hugging Face ModelOutput stays one, its `.loss` still there)."""
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    return tree_map_only(torch.Tensor, cast, value)
 
 
 def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | None) -> list:
@@ -93,8 +91,12 @@ def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | Non
 
     def cast_outputs(_module, _args, output):
         output = _cast_floats(output, torch.float32)
-        if scaler is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad: grad * scaler.scale)
+        # Every output that carries a gradient back, not only a tensor's: a Hugging Face model
+        # returns an object (its own loss, its logits) and backward starts from either.
+        leaves = {id(t): t for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
+        for t in leaves.values() if scaler is not None else ():  # (each once: scaled once)
+            if t.requires_grad:
+                t.register_hook(lambda grad: grad * scaler.scale)
         return output
 
     return [

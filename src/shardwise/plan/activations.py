@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from shardwise.observe.memory import PeakMeter, is_weight, optimizer_tensors
 
@@ -49,19 +50,26 @@ def saved_bytes(
     per_layer = []
     with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(pack, _unused):
         x = make_input()
-        if dtype is not None and x.is_floating_point():
-            x = x.to(dtype)
+        if dtype is not None:
+            x = cast_floats(x, dtype)
         for module in modules:
             before = sum(counted.values())
             x = functional_call(module, fake_state(module, dtype), (x,))
             per_layer.append(sum(counted.values()) - before)
         if dtype is not None:
-            x = x.float()
+            x = cast_floats(x, torch.float32)
         if loss is not None:
             before = sum(counted.values())
             loss(x)
             per_layer[-1] += sum(counted.values()) - before
     return sum(counted.values()), per_layer
+
+
+def cast_floats(value, dtype: torch.dtype):
+    """Every floating-point tensor in `value` (a tensor, a dict batch, a model's output object)
+    in `dtype`, as mixed precision's hooks cast inputs and outputs."""
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    return tree_map_only(torch.Tensor, cast, value)
 
 
 def _unused(_):
@@ -100,12 +108,12 @@ class TrainingPass(nn.Module):
         self.loss_fn, self.dtype, self.with_backward = loss_fn, dtype, with_backward
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.dtype is not None and x.is_floating_point():
-            x = x.to(self.dtype)
+        if self.dtype is not None:
+            x = cast_floats(x, self.dtype)
         for layer in self.layers:
             x = layer(x)
         if self.dtype is not None:
-            x = x.float()
+            x = cast_floats(x, torch.float32)
         loss = self.loss_fn(x, y) if self.loss_fn is not None else x.float().sum()
         if self.with_backward:
             loss.backward()
@@ -136,7 +144,7 @@ def backward_peak(
                 if isinstance(p, nn.Parameter) and p.requires_grad:
                     p.register_post_accumulate_grad_hook(let_go)
         state = {f"layers.0.{k}": v for k, v in params.items()}
-        meter = PeakMeter(alive=[x, y, *state.values()])
+        meter = PeakMeter(alive=[*tree_leaves((x, y)), *state.values()])
         try:
             with meter:
                 functional_call(TrainingPass([model], loss_fn, dtype), state, (x, y))

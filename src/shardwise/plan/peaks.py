@@ -25,15 +25,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 
 from shardwise.plan.activations import backward_peak, optimizer_peak
 from shardwise.plan.costs import CostJob
 
 
 def batch_bytes(batch: Callable, samples: int) -> int:
-    """Bytes of a batch of `samples` (inputs and targets)."""
+    """Bytes of a batch of `samples` (inputs and targets: tensors, or dicts of them; a tensor
+    that is both, a dict batch's labels, once)."""
     with FakeTensorMode():
-        return sum(t.numel() * t.element_size() for t in batch(samples))
+        tensors = {id(t): t for t in tree_leaves(batch(samples))}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def step_peak(

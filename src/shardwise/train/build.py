@@ -20,6 +20,7 @@ from shardwise.data import ledger
 from shardwise.data.balance import ThroughputBalancer
 from shardwise.data.queue_loader import QueueLoader
 from shardwise.data.skew import format_report, skew_report
+from shardwise.data.token_file import TokenWindows
 from shardwise.distributed.runtime import Runtime
 from shardwise.faults.injection import FaultInjector
 from shardwise.faults.nonfinite import NonFinitePolicy
@@ -76,7 +77,11 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
         *(cfg, rt, job, model, opt, scheduler, out, feed, checkpointer),
         NonFinitePolicy(train.nonfinite, train.max_bad_steps, announce=rt.is_main),
         Watchdog(rt.rank, rt.world_size, cfg.launch.hang_timeout_s, out),
-        Validator(job.splits.test, job.loss_fn, train.eval_batch_size, every=train.eval_every),
+        Validator(
+            *(job.splits.test, job.loss_fn, train.eval_batch_size),
+            every=train.eval_every,
+            inputs_targets=job.inputs_targets,
+        ),
         faults,
         PhaseTimer(model, train.measure, sample_every=train.log_every),
         _wrapped(cfg, job, faults),
@@ -119,7 +124,8 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
     loader = make_loader(cfg, job, job.model.data_shard())
     if isinstance(loader, QueueLoader):
         job.model.pace_by_rounds()
-    elif rt.is_main and not resume:
+    elif rt.is_main and not resume and not isinstance(job.splits.train, TokenWindows):
+        # (a token file's windows are alike, and reading each would read the whole file)
         report = skew_report(job.splits.train, loader.parts(0))
         (out / "data_skew.json").write_text(json.dumps(report, indent=1))
         print(f"shardwise: {format_report(report)}", flush=True)
@@ -181,7 +187,12 @@ def _predict(cfg: Config, job: Job, rt: Runtime, out: Path) -> dict[str, Any]:
     except (ValueError, OSError) as e:
         print(f"shardwise: {e}: no step time predicted", flush=True)
         calibration = None
-    predicted = prediction.for_run(cost_job, cfg.strategy, calibration)
+    try:
+        predicted = prediction.for_run(cost_job, cfg.strategy, calibration)
+    except Exception as e:  # a model that cannot be traced on fake tensors: train unpredicted
+        reason = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        print(f"shardwise: no prediction for this model ({reason})", flush=True)
+        return {}
     if calibration is not None:
         predicted["calibration"] = calibrate.age_note(calibration)
     (out / "prediction.json").write_text(json.dumps(predicted, indent=1))

@@ -148,7 +148,7 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
     start, step, bad = time.perf_counter(), 0, BadSteps(cfg.train, f"ps worker rank {rt.rank}")
     while (indices := model.client.next_batch()) is not None:
         faults.before_step(step + 1)  # (kill, or hang with the heartbeats going on)
-        x, y = default_collate([job.splits.train[i] for i in indices])
+        x, y = job.inputs_targets(default_collate([job.splits.train[i] for i in indices]))
         t0 = time.perf_counter()
         if delay := straggler_delay(cfg.train, index, cfg.strategy.workers, step):
             time.sleep(delay)  # a straggler: it computes slowly
@@ -179,9 +179,9 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
         }
         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
             batch = cfg.train.eval_batch_size
-            record["eval_accuracy"] = evaluate(
-                model, job.splits.test, job.loss_fn, batch, everyone=False
-            ).accuracy
+            scored = evaluate(model, job.splits.test, job.loss_fn, batch, False, job.inputs_targets)
+            if scored.accuracy is not None:
+                record["eval_accuracy"] = scored.accuracy
         metrics.write(record)
     metrics.close()
     strategy.close(model)
@@ -235,7 +235,9 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     ]
     job = _assembled(cfg, out)
     eval_loss, accuracy, _ = evaluate(
-        job.model, job.splits.test, job.loss_fn, cfg.train.eval_batch_size, everyone=False
+        *(job.model, job.splits.test, job.loss_fn, cfg.train.eval_batch_size),
+        everyone=False,
+        inputs_targets=job.inputs_targets,
     )
     save_model(run_dir / "checkpoint", job.model.state_dict(), {"name": cfg.name, "ps": True})
     workers = {}
@@ -260,7 +262,7 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
         "samples": samples,
         "samples_per_s": samples / train_time if train_time else 0.0,
         "eval_loss": eval_loss,
-        "eval_accuracy": accuracy,
+        **({} if accuracy is None else {"eval_accuracy": accuracy}),
         "staleness_histogram": histogram,
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "dead_workers": dead,

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from shardwise import comm
 from shardwise.data.datasets import PAD_TARGET
@@ -26,9 +27,9 @@ def run_step(run: TrainingRun, step: int) -> None:
     run.phases.start_step(step)
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
     with run.phases.phase("data"):
-        x, y = (t.to(run.rt.device) for t in run.feed.next(step))
+        x, y = run.job.inputs_targets(run.feed.next(step), run.rt.device)
     if peak is not None:
-        peak.include(x, y)
+        peak.include(*tree_leaves((x, y)))
     with peak or contextlib.nullcontext():
         local_loss, tokens, work_s = _forward_backward(run, step, x, y, waited0, measuring)
         with run.phases.phase("sync"):
@@ -117,8 +118,8 @@ def run_round(run: TrainingRun, step: int) -> None:
     model, opt = run.model, run.opt
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
     samples, loss_sum = 0, 0.0
-    for x, y in run.feed.round(step):
-        x, y = x.to(run.rt.device), y.to(run.rt.device)
+    for batch in run.feed.round(step):
+        x, y = run.job.inputs_targets(batch, run.rt.device)
         loss = run.wrapped.compute(x, y, run.wrapped.loss)
         if run.cfg.train.clip_grad_norm:
             model.clip_grad_norm_(run.cfg.train.clip_grad_norm)
@@ -184,7 +185,12 @@ def _evaluate(run: TrainingRun) -> dict[str, float]:
     comm.stats.end_step()  # nor are its messages
     if run.trace:
         run.trace.timeline.span("eval", started, time.perf_counter())
-    return {"eval_loss": scored.loss, "eval_accuracy": scored.accuracy}
+    return {"eval_loss": scored.loss, **accuracy_entry(scored)}
+
+
+def accuracy_entry(scored) -> dict[str, float]:
+    """An evaluation's accuracy, where its model is a classifier (else no entry at all)."""
+    return {} if scored.accuracy is None else {"eval_accuracy": scored.accuracy}
 
 
 def log_saves(run: TrainingRun) -> None:

@@ -30,7 +30,7 @@ from shardwise.plan import prediction
 from shardwise.ps.worker import PSConfig
 from shardwise.train.build import build
 from shardwise.train.exits import leave, signal_exit_code, stop_message
-from shardwise.train.step import log_saves, run_round, run_step
+from shardwise.train.step import accuracy_entry, log_saves, run_round, run_step
 from shardwise.train.training_run import TrainingRun
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and lazy init; not in samples/s
@@ -195,10 +195,8 @@ class Trainer:
         if run.rt.is_main:
             meta = {"step": cfg.train.steps, "world_size": run.rt.world_size, "name": cfg.name}
             save_model(run.out / "checkpoint", state, meta)
-        final = {"step": cfg.train.steps, "eval_loss": scored.loss}
-        run.metrics.log_board(
-            {**final, "eval_accuracy": scored.accuracy, "memory": run.measured.memory}
-        )
+        final = {"step": cfg.train.steps, "eval_loss": scored.loss, **accuracy_entry(scored)}
+        run.metrics.log_board({**final, "memory": run.measured.memory})
         run.metrics.close()
         summary["wall_time_s"] = time.perf_counter() - started
         if run.rt.is_main:
@@ -221,7 +219,7 @@ class Trainer:
             "steps": cfg.train.steps,
             "final_train_loss": measured.loss,
             "eval_loss": scored.loss,
-            "eval_accuracy": scored.accuracy,
+            **accuracy_entry(scored),
             "eval_targets": scored.targets,
             "samples_per_s": sum(measured.step_samples[skip:]) / sum(timed),
             "comm_bytes_per_step": per_step,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from shardwise.comm.accounting import native_volume
 from shardwise.plan.cost_models import CostModel
@@ -291,9 +292,12 @@ class Stage3Emulation(Stage2Emulation):
             self._start_gather(i + direction)
         self.copies[i] = None  # waited for
 
-    def _after(self, i: int, out: torch.Tensor) -> None:
-        if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda grad: self._gather(i, -1))
+    def _after(self, i: int, out) -> None:
+        # (any output: a tensor, a tuple, a Hugging Face ModelOutput)
+        grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled():
+            for t in grads:
+                t.register_hook(lambda grad: self._gather(i, -1))
         self.full[i] = None
 
     def _launched(self, i: int, earlier: list[int]) -> None:
