@@ -4,7 +4,8 @@ A model too large for one process's memory is built with its parameters on the m
 (shapes only) inside `empty_parameters()`; buffers stay real (they are small, and some, such
 as rotary frequencies, are computed by the constructor and saved nowhere). A
 `ParameterSource` then gives each rank only the values it keeps: ZeRO-3 reads its flat slice of
-each unit (`read_flat`), a replicated strategy the whole tensors (`materialize`).
+each unit (`read_flat`), tensor parallel its slice of each split weight (`read_slice`), a
+pipeline stage its own layers' tensors, a replicated strategy the whole tensors (`materialize`).
 
     with sw.empty_parameters():
         model = AutoModelForCausalLM.from_config(config)
@@ -17,6 +18,7 @@ init, with the weights read straight into the shards rather than materialised wh
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -27,7 +29,11 @@ from torch import nn
 @runtime_checkable
 class ParameterSource(Protocol):
     """Where a meta-device model's values come from (a checkpoint directory, an initialiser).
-    Names are the model's `state_dict` names; values come in the source's dtype."""
+    Names are the model's `state_dict` names; values come in the source's dtype.
+
+    A source may also have `read_slice(name, dim, start, stop)`, indices start..stop of `name`
+    along `dim` (what a tensor-parallel rank keeps of a weight split by columns); `read_slice`
+    below falls back on `read_flat` or `read` where it has none."""
 
     def __contains__(self, name: str) -> bool: ...
 
@@ -98,11 +104,11 @@ def placeholders(module: nn.Module, device: torch.device) -> None:
     swap_parameters(module, placeholder)
 
 
-def _checked(name: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if tuple(value.shape) != tuple(like.shape):
+def _checked(name: str, value: torch.Tensor, like: torch.Tensor | torch.Size) -> torch.Tensor:
+    shape = tuple(like.shape if isinstance(like, torch.Tensor) else like)
+    if tuple(value.shape) != shape:
         raise ValueError(
-            f"source tensor {name!r} has shape {tuple(value.shape)}, the model's "
-            f"{tuple(like.shape)}"
+            f"source tensor {name!r} has shape {tuple(value.shape)}, the model's {shape}"
         )
     return value
 
@@ -127,11 +133,38 @@ def read_whole(
     return nn.Parameter(value, requires_grad=p.requires_grad)
 
 
+def read_slice(
+    source: ParameterSource, name: str, shape: torch.Size, dim: int, start: int, stop: int
+) -> torch.Tensor:
+    """Indices start..stop along `dim` of the tensor `name` (whole: `shape`): by the source's
+    own `read_slice` where it has one; by `read_flat` where they are one run of the flattened
+    tensor (only size-1 dimensions before `dim`: a split by rows); else the whole tensor of
+    this one parameter, read and cut."""
+    if name not in source:
+        raise ValueError(f"the source has no tensor {name!r} for the model's parameter")
+    part = torch.Size((*shape[:dim], stop - start, *shape[dim + 1 :]))
+    if hasattr(source, "read_slice"):
+        return _checked(name, source.read_slice(name, dim, start, stop), part)
+    if math.prod(shape[:dim]) == 1:
+        inner = math.prod(shape[dim + 1 :])
+        values = source.read_flat(name, start * inner, stop * inner)
+        if values.numel() != part.numel():
+            raise ValueError(f"source tensor {name!r} is smaller than the model's parameter")
+        return values.reshape(part)
+    return _checked(name, source.read(name), shape).narrow(dim, start, stop - start).clone()
+
+
 @torch.no_grad()
-def load_buffers_from(module: nn.Module, source: ParameterSource) -> None:
-    """Persistent buffers the source holds (BatchNorm statistics); others stay as built."""
+def load_buffers_from(
+    module: nn.Module, source: ParameterSource, within: nn.Module | None = None
+) -> None:
+    """Persistent buffers the source holds (BatchNorm statistics); others stay as built. With
+    `within` (a part of `module`), only the buffers that part holds."""
     persistent = module.state_dict(keep_vars=True)
+    kept = None if within is None else {id(b) for b in within.buffers()}
     for name, b in module.named_buffers():
+        if kept is not None and id(b) not in kept:
+            continue
         if name in persistent and name in source:
             b.copy_(_checked(name, source.read(name), b))
 

@@ -21,7 +21,8 @@ A causal LM whose layers attend through a sliding window is refused (each block 
 plain causal mask), and so is any other model, in one line naming it. Each split is checked
 when it is made: the pieces in a row must give the model's own logits on a small sample, or the
 model is refused (one built like Llama that scales its embeddings in its forward, say, would
-otherwise train wrong without a word).
+otherwise train wrong without a word). A model whose parameters are on the meta device cannot
+run: its split is checked by structure alone (that check is the user's, on a real build).
 
 The last piece returns the model's own output class with HF's own loss (`model.loss_function`:
 ForCausalLMLoss, which shifts the labels; classification cross-entropy), so a user trains on
@@ -39,6 +40,7 @@ equals one forward of the whole batch only with microbatches=1.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.nn.meta_init import has_meta_parameters
 from shardwise.strategies.batch_share import batch_samples
 from shardwise.strategies.pipeline_stages import Microbatch
 
@@ -324,9 +327,21 @@ def _eval_run(model: nn.Module, run: Callable) -> Any:
 
 def hf_layers(model: nn.Module) -> tuple[list[nn.Module], HFFeed]:
     """`model`'s pieces in order and the feed of its batches; a ValueError naming the model if
-    it cannot be split, or if its pieces do not reproduce its own forward."""
+    it cannot be split, or if its pieces do not reproduce its own forward. Nothing runs on
+    meta-device parameters: a meta model's split is checked by its structure alone (the
+    adapter found every piece), its output class is the one its forward declares."""
     pieces_of, sample_of, items = _adapter(model)
     pieces = pieces_of(model)
+    if has_meta_parameters(model):
+        output_cls = _declared_output(model)
+    else:
+        output_cls = _checked_output(model, pieces, sample_of)
+    pieces[-1].output_cls = output_cls
+    return pieces, HFFeed(items, output_cls)
+
+
+def _checked_output(model: nn.Module, pieces: list[nn.Module], sample_of: Callable) -> type:
+    """The model's output class, once its pieces in a row gave its own logits on a sample."""
     first = next(model.parameters())
     sample = sample_of(model, first.device, first.dtype)
     expected = _eval_run(model, lambda: model(**sample))
@@ -341,7 +356,19 @@ def hf_layers(model: nn.Module) -> tuple[list[nn.Module], HFFeed]:
     got = _eval_run(model, through_pieces).logits
     if got.shape != expected.logits.shape or not torch.allclose(got, expected.logits, 1e-3, 1e-3):
         raise _cannot(model, "its pieces do not reproduce its forward (it does more than its plan)")
-    return pieces, HFFeed(items, type(expected))
+    return type(expected)
+
+
+def _declared_output(model: nn.Module) -> type:
+    """The ModelOutput class in the return annotation of the model's forward."""
+    try:
+        declared = typing.get_type_hints(type(model).forward).get("return")
+    except (NameError, TypeError):
+        declared = None
+    for cls in (declared, *typing.get_args(declared)):
+        if isinstance(cls, type) and hasattr(cls, "logits"):
+            return cls
+    raise _cannot(model, "its forward declares no output class, which a meta model needs")
 
 
 class HFFeed:

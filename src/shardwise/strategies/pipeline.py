@@ -45,6 +45,7 @@ from shardwise.comm.messages import (
     tensor_header,
 )
 from shardwise.distributed.runtime import Runtime
+from shardwise.nn.meta_init import ParameterSource
 from shardwise.strategies.base import (
     DistributedModel,
     LossFn,
@@ -62,6 +63,7 @@ from shardwise.strategies.pipeline_stages import (
     balanced_split,
     measure_layer_times,
     pipeline_layers,
+    read_stage,
 )
 from shardwise.strategies.pipeline_tied import TiedWeights, shared_parameters
 from shardwise.strategies.section import StrategySection
@@ -317,11 +319,7 @@ class Pipeline(Strategy):
         return balanced_split(weights, self.stages)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> PipelineModel:
-        if self.stages != runtime.world_size:
-            raise ValueError(
-                f"Pipeline(stages={self.stages}) needs {self.stages} ranks, got "
-                f"{runtime.world_size} (use a device mesh to combine it with data parallel)"
-            )
+        self.check_world(runtime)
         layers, feed = self.model_layers(model)  # (refusals come before any collective)
         starts = [*self.stage_starts(layers), len(layers)]
         if self.balance == "time" and self.split is None:
@@ -331,12 +329,43 @@ class Pipeline(Strategy):
             starts = cut.tolist()
         check_stages(layers, starts)
         broadcast_module_state(model, group=runtime.group)
+        mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
+        tied = shared_parameters(layers, starts, runtime.rank)
+        return self.stage_model(model, mine, runtime, feed, tied)
+
+    def wrap_from(self, model: nn.Module, runtime: Runtime, source: ParameterSource):
+        """A meta-device model: the stages are cut on its shapes, then each rank reads only
+        its own stage's parameters (a tied weight where this stage holds it) and buffers from
+        `source`; the other stages' stay on the meta device. Every rank reads the same
+        values, so nothing is broadcast."""
+        if self.balance == "time" and self.split is None:
+            raise ValueError(
+                "balance='time' runs the layers, which a meta-device model cannot: use "
+                "balance='params' or give split"
+            )
+        self.check_world(runtime)
+        layers, feed = self.model_layers(model)
+        starts = [*self.stage_starts(layers), len(layers)]
+        check_stages(layers, starts)
+        mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
+        tied = shared_parameters(layers, starts, runtime.rank)  # (found on the meta ones)
+        read = read_stage(model, mine, source, runtime.device)
+        tied = [(read.get(p, p), holders) for p, holders in tied]
+        return self.stage_model(model, mine, runtime, feed, tied)
+
+    def check_world(self, runtime: Runtime) -> None:
+        if self.stages != runtime.world_size:
+            raise ValueError(
+                f"Pipeline(stages={self.stages}) needs {self.stages} ranks, got "
+                f"{runtime.world_size} (use a device mesh to combine it with data parallel)"
+            )
+
+    def stage_model(self, model, mine: PipelineStage, runtime, feed, tied) -> PipelineModel:
+        """The pipeline model of this rank's stage `mine` (its keys mapped to `model`'s)."""
         full_names: dict[int, list[str]] = {}
         for name, t in model.state_dict(keep_vars=True).items():
             full_names.setdefault(id(t), []).append(name)  # a tied weight has two names
-        mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
         names = {k: full_names[id(t)] for k, t in mine.state_dict(keep_vars=True).items()}
-        tied = shared_parameters(layers, starts, runtime.rank)
         return PipelineModel(mine, runtime, self.schedule, self.microbatches, names, feed, tied)
 
     def model_layers(self, model: nn.Module) -> tuple[list[nn.Module], Any]:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.nn.meta_init import load_buffers_from, read_whole, swap_parameters
+
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
     """The model as layers in order, each one's output the next one's input."""
@@ -89,6 +91,27 @@ class PipelineStage(nn.Module):
         for layer in self.layers:
             x = layer(x, *context)
         return x
+
+
+@torch.no_grad()
+def read_stage(
+    model: nn.Module, stage: PipelineStage, source, device: torch.device
+) -> dict[nn.Parameter, nn.Parameter]:
+    """The meta parameters of `stage` (part of `model`) read whole from `source` under the
+    model's names, and its buffers; the other stages' parameters stay on the meta device.
+    Returns each parameter replaced -> its replacement."""
+    names: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, name)
+    replaced: dict[nn.Parameter, nn.Parameter] = {}
+
+    def read(_stage_name: str, p: nn.Parameter) -> nn.Parameter:
+        replaced[p] = read_whole(p, names[p], source, device)
+        return replaced[p]
+
+    swap_parameters(stage, read)
+    load_buffers_from(model, source, within=stage)
+    return replaced
 
 
 @dataclass

@@ -45,6 +45,13 @@ from shardwise.comm.parallel_ops import (
     vocab_parallel_cross_entropy,
 )
 from shardwise.distributed.runtime import Runtime
+from shardwise.nn.meta_init import (
+    ParameterSource,
+    load_buffers_from,
+    read_slice,
+    read_whole,
+    swap_parameters,
+)
 from shardwise.strategies.base import (
     DistributedModel,
     Strategy,
@@ -222,16 +229,33 @@ class TensorParallel(Strategy):
             parse_style(style)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> TensorParallelModel:
+        plan = self.checked_plan(model, runtime)  # refused here, before any collective
+        broadcast_module_state(model, group=runtime.group)  # slice the same full weights
+        vocab_head = self.apply_plan(model, plan, runtime)
+        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
+
+    def wrap_from(
+        self, model: nn.Module, runtime: Runtime, source: ParameterSource
+    ) -> TensorParallelModel:
+        """A meta-device model: the parallel layers are made from the meta ones (shapes
+        only), then each rank reads its slices of the split weights and the replicated rest
+        whole from `source`; no rank ever holds a split weight whole. Every rank reads the
+        same values, so nothing is broadcast."""
+        plan = self.checked_plan(model, runtime)
+        vocab_head = self.apply_plan(model, plan, runtime)
+        read_own_slices(model, source, runtime.rank, runtime.device)
+        load_buffers_from(model, source)
+        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
+
+    def checked_plan(self, model: nn.Module, runtime: Runtime) -> dict[str, str]:
         if self.size is not None and self.size != runtime.world_size:
             raise ValueError(
                 f"TensorParallel(size={self.size}) needs {self.size} ranks, got "
                 f"{runtime.world_size} (use a device mesh to combine it with data parallel)"
             )
         plan = self.plan or model_plan(model)
-        resolve(model, plan, runtime.world_size)  # refused here, before any collective
-        broadcast_module_state(model, group=runtime.group)  # slice the same full weights
-        vocab_head = self.apply_plan(model, plan, runtime)
-        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
+        resolve(model, plan, runtime.world_size)
+        return plan
 
     def apply_plan(self, model: nn.Module, plan: dict[str, str], rt) -> VocabParallelHead | None:
         """Replace the plan's modules of `model` by rank `rt.rank`'s parallel layers (`rt`: a
@@ -268,6 +292,35 @@ class TensorParallel(Strategy):
         if style == "vocab_embedding":
             return VocabParallelEmbedding(module, rank, parts, group)
         return VocabParallelHead(module, rank, parts, group, gather=not self.loss_parallel)
+
+
+@torch.no_grad()
+def read_own_slices(model: nn.Module, source: ParameterSource, rank: int, device) -> None:
+    """Every meta parameter of `model` (its plan applied) read from `source`: rank `rank`'s
+    slice of each split one (by its layer's `splits`), the others whole."""
+    splits: dict[nn.Parameter, tuple[str, Split]] = {}
+    for module_name, module in model.named_modules():
+        for pname, split in getattr(module, "splits", {}).items():
+            p = getattr(module, pname, None)
+            if p is not None:  # (a tied weight: the name of its first holder, as below)
+                splits.setdefault(p, (f"{module_name}.{pname}".lstrip("."), split))
+
+    def read(name: str, p: nn.Parameter) -> nn.Parameter:
+        if not p.is_meta or p not in splits:
+            return read_whole(p, name, source, device)
+        name, split = splits[p]
+        whole = (*p.shape[: split.dim], split.size, *p.shape[split.dim + 1 :])
+        start, stop = split.bounds[rank]
+        blocks = [  # rank r's slice of each block (q, k, v of a fused projection)
+            read_slice(
+                source, name, whole, split.dim, c * split.block + start, c * split.block + stop
+            )
+            for c in range(split.chunks)
+        ]
+        value = torch.cat(blocks, dim=split.dim).to(device, p.dtype)
+        return nn.Parameter(value, requires_grad=p.requires_grad)
+
+    swap_parameters(model, read)
 
 
 class TPConfig(StrategySection):
