@@ -346,7 +346,9 @@ def test_hf_pretrained_loads_the_saved_weights_sharded_or_not(tmp_path, monkeypa
     saved.save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")
     assert (tmp_path / "pretrained" / "model.safetensors.index.json").is_file()  # sharded
     sets = ["model.hf_config=null", "model.hf_pretrained=pretrained"]
-    loaded = build_job(load_config("hf.yaml", sets)).model
+    job = build_job(load_config("hf.yaml", sets))
+    assert all(p.is_meta for p in job.model.parameters())  # read by each rank's strategy
+    loaded = job.materialized().model  # (here: whole)
     assert type(loaded) is type(saved)
     expected = saved.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())

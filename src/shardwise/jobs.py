@@ -9,6 +9,7 @@ dicts of tensors, which the model takes as keyword arguments (`nn/dict_batches.p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from shardwise.job_sections import (
 )
 from shardwise.nn import dict_batches, hf_loading
 from shardwise.nn.dict_batches import LABELS
+from shardwise.nn.meta_init import ParameterSource, materialize
 from shardwise.nn.models import MLP, ConvNet, TinyGPT, lm_loss
 from shardwise.nn.recompute import checkpoint_activations
 from shardwise.nn.schedules import Schedule, scaled_lr
@@ -54,6 +56,15 @@ class Job:
     # otherwise the model gets them all and computes its own loss.
     dict_batches: bool = False
     labels_apart: bool = False
+    # Where the model's parameter values are when it was built on the meta device (a Hugging
+    # Face folder, `model.hf_pretrained`): each rank's strategy reads only its own part.
+    source: ParameterSource | None = None
+
+    def materialized(self) -> Job:
+        """The job with every parameter read whole (for what keeps the whole model anyway)."""
+        if self.source is not None:
+            materialize(self.model, self.source, torch.device("cpu"))
+        return dataclasses.replace(self, source=None)
 
     def inputs_targets(self, batch, device: torch.device | str | None = None):
         """A collated batch as (what the model is called with, the targets), on `device`."""
@@ -150,7 +161,7 @@ def build_job(cfg: Config, device: torch.device | str | None = None) -> Job:
 def _user_job(cfg: Config, splits: datasets.Splits, device) -> Job:
     """The user's or a Hugging Face model, and its loss: `model.loss`; for dict samples the
     model's own; else cross-entropy over the output's last dimension (or its `.logits`)."""
-    model, m, s = _user_model(cfg.model, device), cfg.model, cfg.strategy
+    (model, source), m, s = _user_model(cfg.model, device), cfg.model, cfg.strategy
     dicts = isinstance(splits.train[0], Mapping)
     if dicts and (s.name == "pp" or (s.name == "mesh" and s.pp > 1)):
         # (a pipeline hands each stage one tensor: a dict of keyword inputs does not travel)
@@ -161,10 +172,18 @@ def _user_job(cfg: Config, splits: datasets.Splits, device) -> Job:
         loss = user_code.load(m.loss)
     else:
         loss = dict_batches.output_loss if dicts else logits_loss
-    return Job(model, splits, loss, dict_batches=dicts, labels_apart=dicts and m.loss is not None)
+    apart = dicts and m.loss is not None
+    return Job(model, splits, loss, dict_batches=dicts, labels_apart=apart, source=source)
 
 
-def _user_model(m: ModelConfig, device) -> nn.Module:
+def _user_model(m: ModelConfig, device) -> tuple[nn.Module, ParameterSource | None]:
+    """The model, and where its values are if it holds none yet (`hf_pretrained`)."""
+    if m.hf_pretrained is not None and str(device) != "meta":
+        return hf_loading.load_pretrained(m.hf_pretrained)
+    return _built_model(m), None
+
+
+def _built_model(m: ModelConfig) -> nn.Module:
     if m.factory is not None:
         model = user_code.call(m.factory, m.args, "model.factory")
         if not isinstance(model, nn.Module):
@@ -173,11 +192,8 @@ def _user_model(m: ModelConfig, device) -> nn.Module:
                 "torch.nn.Module"
             )
         return model
-    if m.hf_config is not None:
-        return hf_loading.from_config(m.hf_config)
-    if str(device) == "meta":  # the planner: shapes only, no weights read
-        return hf_loading.from_config(m.hf_pretrained)
-    return hf_loading.load_pretrained(m.hf_pretrained)
+    # (hf_pretrained for the planner: its shapes only, made on the meta device)
+    return hf_loading.from_config(m.hf_config or m.hf_pretrained)
 
 
 def logits_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:

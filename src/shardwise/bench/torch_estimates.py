@@ -25,7 +25,9 @@ def memtracker_peak(config: str, sets: list[str], batch: int) -> int:
     `config` and `sets` describe, on `batch` samples, by torch's MemTracker on fake tensors:
     the model's state included, the batch itself not (as the trainer's own step peak)."""
     cfg = load_config(config, sets)
-    job = build_job(cfg)  # (its forwards patched for activation checkpointing where asked)
+    job = build_job(
+        cfg
+    ).materialized()  # (its forwards patched for activation checkpointing where asked)
     fake = FakeTensorMode()
     _make_fake(job.model, fake)
     x, y = (fake.from_tensor(t) for t in job.batch_like()(batch))

@@ -14,6 +14,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from shardwise.nn.hf_weights import HFWeights
+from shardwise.nn.meta_init import empty_parameters
+
 
 def transformers_module() -> ModuleType:
     try:
@@ -62,14 +65,13 @@ def from_config(path: Path | str) -> nn.Module:
     return model_class(config, path)._from_config(config, dtype=torch.float32)
 
 
-def load_pretrained(folder: Path | str) -> nn.Module:
+def load_pretrained(folder: Path | str) -> tuple[nn.Module, HFWeights]:
     """The model saved in `folder` (config.json and safetensors weights, one file or sharded
-    with model.safetensors.index.json), read whole by this process, in fp32.
-
-    Every rank calls this and holds the whole model until its strategy shards it: the place
-    where a sharded load (each rank reading only its own part) replaces it."""
+    with model.safetensors.index.json), built on the meta device (no weights in memory), and
+    its weights as a source: each rank's strategy reads only what the rank keeps (`sw.prepare`
+    with `source=`), in the model's dtype (fp32)."""
     config = hf_config(folder)
     cls = model_class(config, folder)
-    return cls.from_pretrained(
-        str(folder), config=config, dtype=torch.float32, local_files_only=True, use_safetensors=True
-    )
+    with empty_parameters():
+        model = cls._from_config(config, dtype=torch.float32)
+    return model, HFWeights(folder, getattr(model, "base_model_prefix", ""))

@@ -111,9 +111,10 @@ def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path):
         job.model,
         cfg.strategy.build(rt.world_size, out),
         optimizer=OPTIMIZERS[cfg.optim.name],
+        source=job.source,  # (a model on the meta device: each rank reads its own part)
         **optimizer_kwargs(cfg.optim),
     )
-    job = replace(job, model=model)
+    job = replace(job, model=model, source=None)
     for group in opt.param_groups:
         group["lr"] = base_lr(cfg.optim, cfg.data.batch_size, model.data_shard()[0])
     return job, opt, lr_scheduler(opt, schedule(cfg.optim, cfg.train.steps))
@@ -172,7 +173,8 @@ def _open_files(run: TrainingRun, keep: int | None) -> None:
 
 def _data_bytes(model: torch.nn.Module, device: torch.device) -> int:
     """Bytes of the tensors alive on `device` beside the model's own: the dataset, mostly."""
-    own = sum(memory.storage_bytes([*model.parameters(), *model.buffers()]).values())
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
+    own = sum(memory.storage_bytes(tensors).values())
     return memory.live_bytes(device) - own
 
 

@@ -49,7 +49,7 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
     rt = api.init(backend="gloo", timeout_s=cfg.launch.comm_timeout_s)
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)
     run_dir = agree_run_dir(cfg, requested_run_dir, rt)
-    job = build_job(cfg)
+    job = build_job(cfg).materialized()  # (servers and workers each hold the whole model)
     strategy = cfg.strategy.build(rt.world_size, run_dir)
     out = run_dir / "ps"
     out.mkdir(parents=True, exist_ok=True)
@@ -281,7 +281,7 @@ def _assembled(cfg: Config, out: Path) -> Job:
     """The job, its model's trainable parameters the servers' shards put together."""
     shards = [load_file(str(out / f"server{r}.safetensors")) for r in range(cfg.strategy.servers)]
     flat = torch.cat([shard["flat"] for shard in shards])
-    job = build_job(cfg)
+    job = build_job(cfg).materialized()
     with torch.no_grad():
         params = trainable(job.model)
         for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):

@@ -27,7 +27,8 @@ class ShardViews:
 
     def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
         own = unit.own_values()
-        return nn.Parameter(own if view else own.clone())
+        # (values read from a source are this rank's alone already: no copy)
+        return nn.Parameter(own if view or unit.initial is not None else own.clone())
 
     def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
         """The reduced slice becomes the shard's gradient."""
@@ -68,7 +69,10 @@ class FP32Masters:
         self.scaler = LossScaler(scaler_device) if mixed_precision == "fp16" else None
 
     def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
-        master = unit.master_init if self.mixed else unit.own_values().clone()
+        if self.mixed:
+            master = unit.master_init
+        else:  # (values read from a source are this rank's alone already: no copy)
+            master = unit.own_values() if unit.initial is not None else unit.own_values().clone()
         return nn.Parameter(master.to(self.device or master.device))
 
     def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
