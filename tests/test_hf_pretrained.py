@@ -101,7 +101,7 @@ def test_a_sharded_pretrained_folder_loads_each_rank_its_own_part_and_trains_exa
     for r in run(load_and_train, 2, str(folder), timeout_s=240):
         full = r["full_bytes"]
         assert whole > 0.9 * full, (whole, r)  # the measure sees a whole model
-        # Each rank: its half, plus one read in flight (measured 0.78 of the model), never the whole.
+        # Each rank: its half plus one read in flight (measured: 0.78 of the model), not the whole.
         assert r["zero3_growth"] < 0.9 * full, r
         assert r["diff"] <= 1e-5, r
 
