@@ -18,6 +18,7 @@
     shardwise plan --preset 70b --devices 1024 [--json]           # every strategy, ranked
     shardwise calibrate --nproc 4                                 # rates for the step-time model
     shardwise export CHECKPOINT out.safetensors                   # full fp32 weights
+    shardwise export CHECKPOINT hf-folder --hf                    # for from_pretrained
     shardwise configs                                             # the built-in configs
     shardwise config zero                                         # every field, its default
 
@@ -118,8 +119,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint.hf_export import export_hf
     from shardwise.checkpoint.reshardable import export_checkpoint
 
+    if args.hf or args.hf_config:
+        out = export_hf(args.checkpoint, args.out, args.hf_config)
+        print(f"shardwise: wrote a Hugging Face model folder (config.json, safetensors) to {out}")
+        return 0
     out = export_checkpoint(args.checkpoint, args.out)
     print(f"shardwise: wrote full fp32 weights to {out}")
     return 0
@@ -258,7 +264,17 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file")
     export.add_argument("checkpoint", help="a checkpoint directory (sharded or final)")
-    export.add_argument("out", help="output .safetensors path")
+    export.add_argument("out", help="output .safetensors path (with --hf: a folder)")
+    export.add_argument(
+        "--hf",
+        action="store_true",
+        help="write a Hugging Face folder (config.json + safetensors) for from_pretrained",
+    )
+    export.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="the config.json to write with it (default: the one its run recorded); implies --hf",
+    )
     export.set_defaults(func=cmd_export)
 
 

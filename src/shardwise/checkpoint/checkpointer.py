@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint import run_checkpoint
+from shardwise.checkpoint.hf_export import record_hf_config
 from shardwise.checkpoint.run_checkpoint import Found, RunCheckpointError
 from shardwise.checkpoint.run_saver import Saver
 from shardwise.comm import store as store_wait
@@ -54,6 +55,8 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.rt = model.runtime
         self.saver = Saver(self.run_dir, self.rt, keep, sync=not asynchronous, job=job)
+        if self.rt.is_main:  # (what `shardwise export --hf` writes as config.json)
+            record_hf_config(model, self.run_dir)
         self._loads = 0  # checkpoints chosen so far: each choice has a key of its own
         self.last_stall_s = 0.0  # the last save's copy: the only time training waits for it
 

@@ -346,13 +346,21 @@ def _load_strategy_state(model: DistributedModel, directory: Path) -> None:
         )
 
 
+def full_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's full (single-process) weights, whatever strategy and world saved it: a
+    final checkpoint, a reshardable one, or a run's checkpoint (its reshardable part)."""
+    directory = Path(directory)
+    if (directory / "sharded" / "manifest.json").is_file():  # run_checkpoint.SHARDED
+        directory = directory / "sharded"
+    if (directory / "model.safetensors").is_file() and not (directory / "manifest.json").exists():
+        return load_model(directory)  # a final checkpoint is already consolidated
+    weights, _, _ = read_full_state(directory)
+    return weights
+
+
 def export_checkpoint(directory: str | Path, out: str | Path) -> Path:
     """Consolidate a checkpoint into one safetensors file of full fp32 weights."""
-    directory = Path(directory)
-    if (directory / "model.safetensors").is_file() and not (directory / "manifest.json").exists():
-        weights = load_model(directory)  # a final checkpoint is already consolidated
-    else:
-        weights, _, _ = read_full_state(directory)
+    weights = full_weights(directory)
     weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
