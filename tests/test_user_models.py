@@ -168,12 +168,19 @@ def _gpt2_project(where: Path) -> Path:
     return where
 
 
+@pytest.mark.parametrize(
+    ("strategy", "replicas"),
+    [([], 2), (["--set", "strategy.name=pp", "--set", "strategy.microbatches=2"], 1)],
+    ids=["ddp", "pipeline"],
+)
 def test_an_hf_config_model_trains_on_a_token_file_as_one_process_would(
-    tmp_path, uncalibrated, monkeypatch
+    tmp_path, uncalibrated, monkeypatch, strategy, replicas
 ):
+    """Data parallel (2 replicas) or the model split in two stages (one replica, its batch
+    in micro-batches): the same global batches, the same end."""
     project = _gpt2_project(tmp_path)
     run = tmp_path / "run"
-    _train(project, "hf.yaml", "--nproc", "2", "--run-dir", str(run))
+    _train(project, "hf.yaml", "--nproc", "2", *strategy, "--run-dir", str(run))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and _steps(run / "metrics.jsonl") == [1, 2, 3, 4]
     assert np.isfinite(summary["eval_loss"]) and "eval_accuracy" not in summary  # (an LM's)
@@ -184,7 +191,10 @@ def test_an_hf_config_model_trains_on_a_token_file_as_one_process_would(
     cfg = load_config("hf.yaml")
     job = build_job(cfg)
     opt = OPTIMIZERS[cfg.optim.name](job.model.parameters(), **optimizer_kwargs(cfg.optim))
-    batches = loader(job.splits.train, 2 * 4, shuffle=True, seed=cfg.train.seed, shard=(1, 0))
+    global_batch = replicas * 4
+    batches = loader(
+        job.splits.train, global_batch, shuffle=True, seed=cfg.train.seed, shard=(1, 0)
+    )
     for _, batch in zip(range(4), batches, strict=False):  # (the first 4 batches)
         job.model(batch).loss.backward()
         opt.step()

@@ -161,11 +161,8 @@ def build_job(cfg: Config, device: torch.device | str | None = None) -> Job:
 def _user_job(cfg: Config, splits: datasets.Splits, device) -> Job:
     """The user's or a Hugging Face model, and its loss: `model.loss`; for dict samples the
     model's own; else cross-entropy over the output's last dimension (or its `.logits`)."""
-    (model, source), m, s = _user_model(cfg.model, device), cfg.model, cfg.strategy
+    (model, source), m = _user_model(cfg.model, device), cfg.model
     dicts = isinstance(splits.train[0], Mapping)
-    if dicts and (s.name == "pp" or (s.name == "mesh" and s.pp > 1)):
-        # (a pipeline hands each stage one tensor: a dict of keyword inputs does not travel)
-        raise ValueError(f"dict samples (model(**batch)) need the whole model, not {s.describe()}")
     if dicts:
         dict_batches.call_with_keywords(model)
     if m.loss is not None:
