@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import hf_models as H
 import shardwise as sw
+from harness import run_cli
 from shardwise.nn.hf_loading import load_pretrained
 from shardwise.nn.hf_weights import HFWeights
 from spawn import run
@@ -135,3 +136,27 @@ def test_the_reader_gives_tensors_and_slices_exactly_and_refuses_damage_in_one_l
     (damaged / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="not in the folder"):
         HFWeights(damaged)
+
+
+def test_the_finetune_example_runs_on_two_ranks_and_resumes(tmp_path):
+    """examples/finetune_hf.py: a Llama made in a local folder, fine-tuned under ZeRO-3 on two
+    ranks with frozen embeddings; run again with more steps, it resumes at its checkpoint, and
+    its checkpoint exports to a folder transformers loads, the embeddings as they were."""
+    script = str(Path(__file__).resolve().parents[1] / "examples" / "finetune_hf.py")
+    args = ["--run-dir", "run", "--model-dir", "pretrained", "--save-every", "2"]
+    first = run_cli("run", "--nproc", "2", script, *args, "--steps", "4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "step 1: loss" in first.stdout and "no checkpoint" in first.stdout
+    second = run_cli("run", "--nproc", "2", script, *args, "--steps", "6", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from" in second.stdout and "(step 4)" in second.stdout
+    assert "step 5: loss" in second.stdout  # (the first step after the checkpoint)
+
+    step6 = tmp_path / "run" / "checkpoints" / "step-000000006"
+    done = run_cli("export", str(step6), str(tmp_path / "finetuned"), "--hf")
+    assert done.returncode == 0, done.stderr
+    tuned = T.LlamaForCausalLM.from_pretrained(tmp_path / "finetuned").state_dict()
+    before = T.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained").state_dict()
+    name = "model.embed_tokens.weight"
+    assert torch.equal(tuned[name], before[name])  # frozen
+    assert not torch.equal(tuned["lm_head.weight"], before["lm_head.weight"])  # trained

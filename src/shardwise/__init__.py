@@ -27,6 +27,7 @@ from shardwise.distributed.runtime import Runtime, shutdown
 from shardwise.faults.nonfinite import NonFinitePolicy, NonFiniteStop
 from shardwise.faults.watchdog import Watchdog
 from shardwise.nn.deferred_init import SeededInit
+from shardwise.nn.hf_weights import HFWeights
 from shardwise.nn.meta_init import ParameterSource, empty_parameters
 from shardwise.nn.schedules import Schedule, lr_scheduler, scaled_lr
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -56,6 +57,7 @@ __all__ = [
     "DeviceMesh",
     "Evaluation",
     "Gossip",
+    "HFWeights",
     "Hybrid",
     "LocalSGD",
     "MeshParallel",
