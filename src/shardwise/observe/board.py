@@ -31,11 +31,13 @@ SECTIONS = {  # metrics.jsonl key -> TensorBoard tag
 class Board:
     """Scalars per step into RUN_DIR/tensorboard (rank 0 only)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, purge_step: int | None = None) -> None:
+        """`purge_step`: a resumed run's first step; what an earlier attempt wrote from there
+        on is hidden (TensorBoard's purge), so no step shows twice."""
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: ~1 s, rank 0
 
         self.path = run_dir / "tensorboard"
-        self._writer = SummaryWriter(log_dir=str(self.path))
+        self._writer = SummaryWriter(log_dir=str(self.path), purge_step=purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
         """One metrics record: its known keys, and `memory` (bytes per category)."""

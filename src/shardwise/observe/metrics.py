@@ -47,7 +47,8 @@ class MetricsWriter:
         (out / "timing").mkdir(parents=True, exist_ok=True)
         self.timing = MetricsFile(out / "timing" / f"rank{self.rt.rank}.jsonl", keep_steps)
         self.metrics = MetricsFile(out / "metrics.jsonl", keep_steps) if self.rt.is_main else None
-        self.board = Board(out) if tensorboard and self.rt.is_main else None
+        purge = None if keep_steps is None else keep_steps + 1
+        self.board = Board(out, purge) if tensorboard and self.rt.is_main else None
         self.progress = ProgressReporter(steps, name, self.rt.is_main, log_every)
         self.started = time.perf_counter()
 
