@@ -270,3 +270,21 @@ def on_a_mesh() -> dict:
 def test_hf_models_on_a_2x2_mesh_equal_one_process():
     for result in run(on_a_mesh, 4, timeout_s=300):
         assert result and all(diff <= 1e-5 for diff in result.values()), result
+
+
+def replicas_after_construction() -> dict:
+    """Each rank builds GPT-2 with a seed of its own (as a script that seeds by rank would);
+    data-parallel wrapping makes every replica rank 0's model, for DDP and each ZeRO stage."""
+    rank, out = dist.get_rank(), {}
+    rank0 = H.build("gpt2", seed=0).state_dict()
+    for name, strategy in STRATEGIES.items():
+        model, _ = sw.prepare(H.build("gpt2", seed=rank), strategy(), lr=LR)
+        full = model.full_state_dict()
+        out[name] = all(torch.equal(full[k], v) for k, v in rank0.items())
+        model.close()
+    return out
+
+
+def test_data_parallel_replicas_are_rank_0s_model_after_construction():
+    for result in run(replicas_after_construction, 2):
+        assert result == dict.fromkeys(STRATEGIES, True), result

@@ -1,5 +1,3 @@
-import sys
+from shardwise.cli import run
 
-from shardwise.cli import main
-
-sys.exit(main())
+run()

@@ -29,10 +29,14 @@ otherwise it validates the config, creates the run directory and launches the wo
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
 from shardwise.plan import calibrate as calibrate_module
@@ -328,5 +332,36 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def run() -> NoReturn:
+    """The `shardwise` command (and `python -m shardwise`): `main`, then `exit_now`."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's usage errors and --help
+        code = e.code
+    exit_now(code)
+
+
+def exit_now(code: int | str | None) -> NoReturn:
+    """End the process with `code` as `sys.exit` would, without the interpreter's teardown.
+
+    What exit runs that matters is run here: non-daemon threads are joined, the atexit
+    handlers run (logging, multiprocessing, the job store's), stdout and stderr are flushed.
+    What is skipped is the collection of every object and torch's C++ destructors: 0.75 s per
+    rank of every job and 0.4 s per command, measured on 2 cores, for nothing (the process is
+    ending; each file of ours is closed where it is written)."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
