@@ -175,8 +175,8 @@ class ModelConfig(Section):
     hf_pretrained: str | None = Field(
         None,
         description="a Hugging Face model loaded from this local folder: config.json and "
-        "safetensors weights, one file or sharded (model.safetensors.index.json); every rank "
-        "reads it whole, in fp32",
+        "safetensors weights, one file or sharded (model.safetensors.index.json), in fp32; "
+        "built on the meta device, each rank reads only the part its strategy keeps",
     )
     loss: str | None = Field(
         None,
