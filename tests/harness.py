@@ -2,6 +2,7 @@
 
     run_cli("plan", "--json", timeout=60)     # `python -m shardwise plan --json`, to its end
     start_cli(*train_args(run, "a=1"))        # `... train digits --set a=1 --run-dir RUN` started
+    finish(job_a, job_b)                      # jobs started together, each's (code, output)
     run_ps_job(run, "a=1") / start_ps_job(..) # `... train digits --set strategy.name=ps ...`
     run_python(script) / start_python(...)    # plain Python: a script, torchrun's module
     wait_until(log.exists, job=job)           # poll; the deadline only bounds a failure
@@ -99,6 +100,21 @@ def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def start_cli(*args: str, **kwargs) -> subprocess.Popen:
     """`python -m shardwise ARGS...` started: `start_python`'s keywords."""
     return start_python("-m", "shardwise", *args, **kwargs)
+
+
+def finish(*jobs: subprocess.Popen, timeout: float = 240) -> list[tuple[int, str]]:
+    """Each started job's (exit code, output) once it has ended. Jobs started together overlap
+    their start-up and waits (a job's ranks rarely keep both cores busy): two at once take about
+    two thirds of the time of one after the other."""
+    ended = []
+    try:
+        for job in jobs:
+            out, err = job.communicate(timeout=timeout)
+            ended.append((job.returncode, out + (err or "")))
+    finally:
+        for job in jobs:
+            job.kill()  # (one that hangs must not outlive its test)
+    return ended
 
 
 def ps_job_args(run_dir: Path, *pairs: str) -> list[str]:

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -86,8 +87,11 @@ def run(
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the others will now block in a collective; stop them below
     finally:
+        # Every rank has reported: the rest is their shutdown, which waits for every peer in
+        # a last barrier; with a rank gone (or hung, in `dies`) or failed, it cannot be met.
+        deadline = time.monotonic() + (0.5 if errors or dies else 5.0)
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
         server.close()

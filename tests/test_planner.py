@@ -117,7 +117,7 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
         "shardwise: plan: no calibration for 2 ranks on this machine: run shardwise calibrate "
         "--nproc 2"
     ]
-    argv = ["calibrate", "--nproc", "2", "--passes", "1"]
+    argv = ["calibrate", "--nproc", "2", "--passes", "1", "--quick"]
     argv += ["--calls", "10"]  # (the points' count and order are checked, not their accuracy)
     started = time.time()
     done = run_cli(*argv, timeout=300, env=env, cwd=tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from harness import run_cli, train_args
+from harness import finish, run_cli, start_cli, train_args
 from shardwise.observe import report
 from shardwise.observe.report_figures import FIGURES
 from shardwise.observe.report_inputs import load_run
@@ -29,12 +29,13 @@ COMMON = ["train.steps=16", "train.eval_every=8", "train.log_every=4", "optim.wa
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("report")
-    dirs = []
-    for name, sets in STRATEGIES.items():
-        run = root / name
-        job = run_cli(*train_args(run, *COMMON, *sets, nproc=2), cwd=root)
-        assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
-        dirs.append(run)
+    dirs = [root / name for name in STRATEGIES]
+    jobs = [  # (the three jobs run at once)
+        start_cli(*train_args(run, *COMMON, *sets, nproc=2), cwd=root)
+        for run, sets in zip(dirs, STRATEGIES.values(), strict=True)
+    ]
+    for code, out in finish(*jobs):
+        assert code == 0, out[-4000:]
     return dirs
 
 

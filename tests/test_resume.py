@@ -65,13 +65,13 @@ def _same_end(a: Path, b: Path) -> None:
     ids=["ddp-powersgd", "zero2-corrupt-newest"],
 )
 def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, strategy, corrupt):
-    straight = _train(tmp_path / "straight", *strategy)
-    _finish(straight)
+    straight = _train(tmp_path / "straight", *strategy)  # (both jobs run at once)
     fault = {"SHARDWISE_FAULT": "kill:rank=1:step=37"}
     faulty = _train(
         tmp_path / "faulty", *strategy, *corrupt, env=fault, extra=["--max-restarts", "1"]
     )
     out = _finish(faulty)
+    _finish(straight)
     assert "fault injected on rank 1: kill-rank1-step37" in out
     assert "shardwise: rank 1 was killed by SIGKILL; restarting every rank (restart 1 of 1)" in out
     assert (tmp_path / "faulty" / "faults" / "kill-rank1-step37").exists()  # fired once
@@ -85,8 +85,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, strategy, 
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_path):
-    straight = _train(tmp_path / "straight")
-    _finish(straight)
+    straight = _train(tmp_path / "straight")  # (both jobs run at once)
     slow = ["train.delay_s=[0.05, 0.05]"]  # (sleeps only: the arithmetic is the same)
     stopped = _train(tmp_path / "stopped", *slow)
     metrics = tmp_path / "stopped" / "metrics.jsonl"
@@ -107,6 +106,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_pat
     assert 15 <= step < STEPS and f"stopped after step {step}" in out
     resumed = _train(tmp_path / "stopped", extra=["--resume", str(tmp_path / "stopped")])
     assert f"(step {step})" in _finish(resumed)
+    _finish(straight)
     _same_end(tmp_path / "straight", tmp_path / "stopped")
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import shardwise as sw
-from harness import run_cli, set_args
+from harness import finish, run_cli, set_args, start_cli
 from shardwise import cli
 from shardwise.config import ConfigError, load_config
 from shardwise.data.datasets import Splits
@@ -117,9 +117,12 @@ def test_a_factory_job_killed_and_resumed_ends_as_the_job_run_straight_through(
     project, uncalibrated
 ):
     straight, stopped = project / "straight", project / "stopped"
-    _train(project, "user.yaml", "--run-dir", str(straight))
     killed = {"SHARDWISE_FAULT": "kill:rank=1:step=13"}
-    _train(project, "user.yaml", "--run-dir", str(stopped), env=killed, code=1)
+    ended = finish(  # (the two jobs run at once)
+        start_cli("train", "user.yaml", "--run-dir", str(straight), cwd=project),
+        start_cli("train", "user.yaml", "--run-dir", str(stopped), cwd=project, env=killed),
+    )
+    assert [code for code, _ in ended] == [0, 1], [out[-3000:] for _, out in ended]
     out = _train(project, "--resume", str(stopped))
     assert "resumed from" in out
 

@@ -223,8 +223,9 @@ def _averaged(tables: list[dict]) -> dict:
     return out
 
 
-def worker(out: str, passes: int, calls: int) -> None:
-    """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file."""
+def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
+    """One rank of `shardwise calibrate`: measure, agree, and (rank 0) write the file.
+    `quick`: one timing window per rate and one concurrency ratio, not medians of three."""
     import torch.distributed as dist
 
     from shardwise import api
@@ -234,9 +235,10 @@ def worker(out: str, passes: int, calls: int) -> None:
     threads = torch.get_num_threads()
     dist.barrier()
     # Alone (the others wait): how fast one rank's own work runs when nothing competes.
-    alone = measure.compute_rates() if rt.is_main else {}
+    windows = 1 if quick else 3
+    alone = measure.compute_rates(windows) if rt.is_main else {}
     dist.barrier()
-    shared = measure.compute_rates()  # every rank at once: the machine shared as in training
+    shared = measure.compute_rates(windows)  # every rank at once: the machine shared as in training
     gathered: list = [None] * rt.world_size
     dist.all_gather_object(gathered, shared)
     mean = {k: statistics.mean(r[k] for r in gathered) for k in shared}
@@ -249,7 +251,7 @@ def worker(out: str, passes: int, calls: int) -> None:
         **alone,
         # How many ranks' worth of work the machine does at once: N on N free cores, fewer
         # when ranks share cores (then a step is bounded by all ranks' work over this).
-        "concurrency": measure.concurrency(rt.is_main),
+        "concurrency": measure.concurrency(rt.is_main, times=windows, windows=windows),
         "shared": mean,
     }
     if rt.world_size > 1:
@@ -285,6 +287,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=str(CALLS),
         help=f"calls timed per point, at most (default {CALLS}; fewer: quicker, noisier)",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one timing window per rate, not the median of three (about 10 s less, noisier)",
+    )
 
 
 def _count(flag: str, text: str) -> int:
@@ -311,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         worker = ["--worker", str(out), str(args.passes), str(args.calls)]
+        worker += ["--quick"] if args.quick else []
         launch(["shardwise.plan.calibrate", *worker], args.nproc)
     except LaunchError as e:
         print(f"shardwise: calibrate: {e}", file=sys.stderr)
@@ -337,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:6] == ["--quick"])
     else:
         parser = argparse.ArgumentParser(prog="shardwise calibrate")
         add_arguments(parser)

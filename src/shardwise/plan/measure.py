@@ -33,13 +33,14 @@ def _throughput(fn: Callable[[], object], window_s: float = 0.3, windows: int = 
     return statistics.median(rates)
 
 
-def compute_rates() -> dict[str, float]:
+def compute_rates(windows: int = 3) -> dict[str, float]:
     """This rank's FLOP/s on 512 x 512 matmuls, bytes/s of element-wise work on 16 MiB, the
-    seconds of one small operator with autograd recording, and of reading one sample."""
+    seconds of one small operator with autograd recording, and of reading one sample (each
+    the median of `windows` timing windows)."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    flop_rate = 2 * 512**3 * _throughput(lambda: a @ b)
+    flop_rate = 2 * 512**3 * _throughput(lambda: a @ b, windows=windows)
     x = torch.randn(4 * 1024 * 1024)  # 16 MiB: beyond the caches, as activations are
-    bytes_rate = 3 * x.numel() * 4 * _throughput(lambda: x + x)
+    bytes_rate = 3 * x.numel() * 4 * _throughput(lambda: x + x, windows=windows)
     w = torch.randn(16, requires_grad=True)
 
     def small_ops() -> None:
@@ -48,16 +49,17 @@ def compute_rates() -> dict[str, float]:
             y = y * 1.0001
         y.sum().backward()
 
-    op_overhead = 1 / (401 * _throughput(small_ops))  # 200 forward ops, 200 backward, the sum
+    # 200 forward ops, 200 backward, the sum
+    op_overhead = 1 / (401 * _throughput(small_ops, windows=windows))
     return {
         "flop_rate": flop_rate,
         "bytes_rate": bytes_rate,
         "op_overhead_s": op_overhead,
-        "sample_read_s": _sample_read_s(),
+        "sample_read_s": _sample_read_s(windows),
     }
 
 
-def concurrency(is_main: bool, times: int = 3) -> float:
+def concurrency(is_main: bool, times: int = 3, windows: int = 3) -> float:
     """How many ranks' worth of matmuls the machine does at once: the ranks' summed rate when
     all run over one rank's alone, the median of `times` such ratios measured in turn. One
     ratio can catch a neighbour's burst on a shared VM: 1.63 for 2 ranks on 2 cores, where
@@ -69,16 +71,16 @@ def concurrency(is_main: bool, times: int = 3) -> float:
     ratios = []
     for _ in range(times):
         dist.barrier()
-        alone = torch.tensor([_throughput(lambda: a @ b) if is_main else 0.0])
+        alone = torch.tensor([_throughput(lambda: a @ b, windows=windows) if is_main else 0.0])
         dist.barrier()
-        summed = torch.tensor([_throughput(lambda: a @ b)])
+        summed = torch.tensor([_throughput(lambda: a @ b, windows=windows)])
         dist.all_reduce(summed)
         dist.broadcast(alone, 0)
         ratios.append(summed.item() / alone.item())
     return statistics.median(ratios)
 
 
-def _sample_read_s() -> float:
+def _sample_read_s(windows: int) -> float:
     """Seconds per sample that torch's DataLoader takes to read batches of 32 from a
     map-style dataset in memory, one sample at a time, and collate them (what the trainer's
     loader does each step)."""
@@ -86,7 +88,7 @@ def _sample_read_s() -> float:
 
     data = TensorDataset(torch.randn(1024, 64), torch.randint(0, 10, (1024,)))
     loader = DataLoader(data, batch_sampler=[range(i, i + 32) for i in range(0, 1024, 32)])
-    return 1 / (1024 * _throughput(lambda: sum(1 for _ in loader)))
+    return 1 / (1024 * _throughput(lambda: sum(1 for _ in loader), windows=windows))
 
 
 def _fit(points: list[tuple[float, float]]) -> dict[str, float]:
