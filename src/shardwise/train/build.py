@@ -41,6 +41,7 @@ from shardwise.observe.phases import PhaseTimer
 from shardwise.observe.step_trace import StepTrace
 from shardwise.observe.timeline import Timeline
 from shardwise.plan import calibrate, costs, prediction, predictors
+from shardwise.strategies.accumulation import check_accumulate
 from shardwise.train.data_feed import DataFeed, make_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
@@ -130,9 +131,12 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
         report = skew_report(job.splits.train, loader.parts(0))
         (out / "data_skew.json").write_text(json.dumps(report, indent=1))
         print(f"shardwise: {format_report(report)}", flush=True)
+    accumulate = cfg.train.accumulate  # every rank's batch must split into its micro-batches
+    if not isinstance(loader, QueueLoader):
+        check_accumulate(accumulate, loader.sizes)
     balancer = None
     if cfg.data.balance == "dynamic":
-        balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt)
+        balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt, minimum=accumulate)
     ledger_dir = out if cfg.train.sample_ledger else None
     return DataFeed(loader, set(cfg.train.skip_batches), ledger_dir, rt.rank), balancer
 
