@@ -18,6 +18,7 @@ from harness import run_cli, train_args
 from shardwise import comm
 from shardwise.config import ConfigError, validate
 from shardwise.nn.models import MLP, TinyGPT, lm_loss
+from shardwise.strategies.accumulation import check_accumulate
 from spawn import run
 
 STEPS = 10
@@ -201,6 +202,7 @@ def test_bad_accumulation_is_one_line():
         (lambda: sw.train_step(model, x[:3], y[:3], F.cross_entropy, accumulate=4), "3 samples"),
         (lambda: sw.train_step(model, x, y, F.cross_entropy, accumulate=0), "int >= 1"),
         (lambda: sw.train_step(model, x, y, F.cross_entropy, samples=9, accumulate=2), "function"),
+        (lambda: check_accumulate(2, [7, 1]), "rank 1's batch of 1 samples"),  # rank_weights
     ]
     for call, words in cases:
         with pytest.raises(ValueError, match=words) as err:

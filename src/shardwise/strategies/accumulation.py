@@ -42,9 +42,9 @@ def check_accumulate(micro_batches: int, batch_sizes: list[int] | None = None) -
     for rank, size in enumerate(batch_sizes or []):
         if size < micro_batches:
             raise ValueError(
-                f"accumulate={micro_batches}: rank {rank}'s batch of {size} samples cannot be "
-                f"split into {micro_batches} micro-batches (batch sizes {batch_sizes}): lower "
-                "accumulate or raise the batch size"
+                f"accumulate={micro_batches}: data-parallel rank {rank}'s batch of {size} samples "
+                f"cannot be split into {micro_batches} micro-batches (batch sizes "
+                f"{batch_sizes}): lower accumulate or raise the batch size"
             )
 
 

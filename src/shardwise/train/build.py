@@ -124,6 +124,8 @@ def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path):
 def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
     """The data feed, and the balancer that resizes its batches (`data.balance: dynamic`)."""
     loader = make_loader(cfg, job, job.model.data_shard())
+    if not isinstance(loader, QueueLoader):  # every rank's batch splits into its micro-batches
+        check_accumulate(cfg.train.accumulate, loader.sizes)
     if isinstance(loader, QueueLoader):
         job.model.pace_by_rounds()
     elif rt.is_main and not resume and not isinstance(job.splits.train, TokenWindows):
@@ -131,12 +133,11 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
         report = skew_report(job.splits.train, loader.parts(0))
         (out / "data_skew.json").write_text(json.dumps(report, indent=1))
         print(f"shardwise: {format_report(report)}", flush=True)
-    accumulate = cfg.train.accumulate  # every rank's batch must split into its micro-batches
-    if not isinstance(loader, QueueLoader):
-        check_accumulate(accumulate, loader.sizes)
     balancer = None
     if cfg.data.balance == "dynamic":
-        balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt, minimum=accumulate)
+        balancer = ThroughputBalancer(
+            loader, cfg.data.balance_every, rt, minimum=cfg.train.accumulate
+        )
     ledger_dir = out if cfg.train.sample_ledger else None
     return DataFeed(loader, set(cfg.train.skip_batches), ledger_dir, rt.rank), balancer
 
