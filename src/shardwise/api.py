@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ from shardwise.distributed import runtime
 from shardwise.distributed.runtime import WATCHDOG_ENV, Runtime
 from shardwise.faults.watchdog import Watchdog
 from shardwise.nn.meta_init import ParameterSource, buffers_to, has_meta_parameters
+from shardwise.strategies.accumulation import accumulated_step, local_gradients
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
 
 
@@ -76,8 +78,9 @@ def train_step(
     inputs: Any,
     targets: Any,
     loss_fn: Callable,
-    samples: int | None = None,
+    samples: int | Callable[[Any], int] | None = None,
     total: int | None = None,
+    accumulate: int = 1,
 ) -> torch.Tensor:
     """Forward, loss and backward of one batch, whatever the strategy; returns the loss.
 
@@ -88,17 +91,47 @@ def train_step(
     Batches may differ in size between ranks: data parallel weighs each rank's gradient by its
     share of the step's samples, so the update is the mean over the global batch. `samples`
     defaults to the batch's first dimension (pass a token count for a per-token loss over
-    sequences of unequal length); `total`, the step's samples over all replicas, is summed by a
-    small collective when not given (a loader that plans every rank's batch knows it).
+    sequences of unequal length, or a function that counts them from the targets); `total`,
+    the step's samples over all replicas, is summed by a small collective when not given (a
+    loader that plans every rank's batch knows it).
+
+    `accumulate=K` cuts the batch into K micro-batches along its first dimension and runs
+    forward and backward on each in turn, synchronising gradients once, in the last backward
+    (`strategies/accumulation.py`): the gradient of the whole batch, with the activations of
+    one micro-batch. A per-token loss then passes `samples` as a function of the targets, so
+    that each micro-batch can be weighed by its own count. A pipeline refuses (raise its
+    `microbatches` instead).
     """
-    return _distributed(model).train_step(inputs, targets, loss_fn, samples, total)
+    if accumulate == 1:
+        count = samples(targets) if callable(samples) else samples
+        return _distributed(model).train_step(inputs, targets, loss_fn, count, total)
+    if samples is not None and not callable(samples):
+        raise ValueError(
+            f"train_step(accumulate={accumulate}): samples={samples!r} counts the whole batch; "
+            "pass a function of a micro-batch's targets that counts its samples instead"
+        )
+    return accumulated_step(
+        _distributed(model), inputs, targets, loss_fn, accumulate, samples, total
+    )
 
 
 def declare_batch(model: nn.Module, samples: int, total: int | None = None) -> None:
     """For loops that call `loss.backward()` themselves: this rank's batch holds `samples` of
     the step's `total` (None: summed over the replicas). Call it on every rank before the
-    backward that synchronises gradients; `sw.train_step` does it for you."""
+    backward that synchronises gradients; `sw.train_step` does it for you. Accumulating by
+    hand (the backward passes before the last inside `model.no_sync()`), declare the rank's
+    whole batch once, before the last backward, with each micro-batch's loss multiplied by
+    its share of the rank's batch."""
     _distributed(model).declare_batch(samples, total)
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """For loops that accumulate gradients themselves: backward passes inside this context
+    keep their gradients local (no communication), whatever the strategy; the next backward
+    outside synchronises the sum. Where a strategy's backward sends no gradient (a plain
+    module, tensor parallel, local SGD, gossip, a parameter-server worker) there is nothing to
+    hold back. `sw.train_step(..., accumulate=K)` does all of it for you."""
+    return local_gradients(_distributed(model))
 
 
 def parallel_loss(model: nn.Module, loss_fn: Callable) -> Callable:

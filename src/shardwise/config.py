@@ -130,6 +130,25 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _accumulate_where_a_step_is_one_batch(self) -> Config:
+        s, k = self.strategy, self.train.accumulate
+        if k > 1 and (s.name == "pp" or (s.name == "mesh" and s.pp > 1)):
+            raise ValueError(
+                f"train.accumulate {k}: a pipeline accumulates over its micro-batches already: "
+                "set strategy.microbatches K times higher instead"
+            )
+        if k > self.data.batch_size:
+            raise ValueError(
+                f"train.accumulate {k}: a rank's batch of {self.data.batch_size} "
+                "(data.batch_size) cannot be split into that many micro-batches"
+            )
+        if k > 1 and self.data.mode == "queue" and s.name != "ps":
+            raise ValueError(
+                f"train.accumulate {k}: data.mode 'queue' takes one local step per chunk"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _verses_on_whole_models(self) -> Config:
         # The document mask does not travel between a pipeline's stages, and tensor parallel's
         # vocabulary-sharded loss does not leave padded targets out.

@@ -269,6 +269,14 @@ class TrainConfig(Section):
     clip_grad_norm: float | None = Field(
         None, gt=0, description="clip gradients to this global L2 norm (any strategy)"
     )
+    accumulate: int = Field(
+        1,
+        ge=1,
+        description="gradient accumulation: each rank's batch of a step runs forward and "
+        "backward as this many micro-batches (as equal as they go), gradients synchronised "
+        "once, in the last backward; the update is the whole batch's, the activations one "
+        "micro-batch's (a pipeline: raise strategy.microbatches instead)",
+    )
     eval_every: int = Field(0, ge=0, description="evaluate every K steps too (0: at the end only)")
     tensorboard: bool = Field(
         True, description="write TensorBoard event files to RUN_DIR/tensorboard (rank 0)"

@@ -36,10 +36,14 @@ def weighted_sizes(global_batch: int, weights: list[float]) -> list[int]:
 class ThroughputBalancer:
     """Re-plans the loader's per-replica batch sizes every `every` steps from measured speed."""
 
-    def __init__(self, loader: ShardedLoader, every: int, runtime: Runtime) -> None:
+    def __init__(
+        self, loader: ShardedLoader, every: int, runtime: Runtime, minimum: int = 1
+    ) -> None:
+        """`minimum`: the fewest samples a replica is given (one per accumulated micro-batch)."""
         if every < 1:
             raise ValueError(f"balance_every must be >= 1, got {every}")
         self.loader, self.every, self.runtime = loader, every, runtime
+        self.minimum = minimum
         # ranks that share one replica's batch (tensor or pipeline parallel) count as one
         self.ranks_per_replica = runtime.world_size // loader.replicas
         self.rates_seen: list[float] = []  # samples/s of this window's measured steps
@@ -66,7 +70,7 @@ class ThroughputBalancer:
         comm.all_reduce(rates)
         self.rates = rates.tolist()
         self.rates_seen, self.steps = [], 0
-        sizes = proportional(self.loader.global_batch, self.rates, minimum=1)
+        sizes = proportional(self.loader.global_batch, self.rates, minimum=self.minimum)
         if sizes != self.loader.sizes:
             self.loader.resize(sizes)
             self.first_at_new_sizes = True

@@ -68,6 +68,10 @@ class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
     def declare_batch(self, samples: int, total: int | None = None) -> None:
         self.data.declare_batch(samples, total)  # the weights are along the data axis
 
+    def no_sync(self):
+        """Gradient accumulation: the data axis's (a pipeline's are its micro-batches)."""
+        return self.data.no_sync()
+
     def adapt_loss(self, loss_fn: LossFn) -> LossFn:
         return loss_fn if self.split is None else self.split.adapt_loss(loss_fn)
 

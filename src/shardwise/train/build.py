@@ -41,6 +41,7 @@ from shardwise.observe.phases import PhaseTimer
 from shardwise.observe.step_trace import StepTrace
 from shardwise.observe.timeline import Timeline
 from shardwise.plan import calibrate, costs, prediction, predictors
+from shardwise.strategies.accumulation import check_accumulate
 from shardwise.train.data_feed import DataFeed, make_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
@@ -123,6 +124,8 @@ def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path):
 def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
     """The data feed, and the balancer that resizes its batches (`data.balance: dynamic`)."""
     loader = make_loader(cfg, job, job.model.data_shard())
+    if not isinstance(loader, QueueLoader):  # every rank's batch splits into its micro-batches
+        check_accumulate(cfg.train.accumulate, loader.sizes)
     if isinstance(loader, QueueLoader):
         job.model.pace_by_rounds()
     elif rt.is_main and not resume and not isinstance(job.splits.train, TokenWindows):
@@ -132,7 +135,9 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
         print(f"shardwise: {format_report(report)}", flush=True)
     balancer = None
     if cfg.data.balance == "dynamic":
-        balancer = ThroughputBalancer(loader, cfg.data.balance_every, rt)
+        balancer = ThroughputBalancer(
+            loader, cfg.data.balance_every, rt, minimum=cfg.train.accumulate
+        )
     ledger_dir = out if cfg.train.sample_ledger else None
     return DataFeed(loader, set(cfg.train.skip_batches), ledger_dir, rt.rank), balancer
 

@@ -155,7 +155,8 @@ def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -
         loss_fn = job.loss_fn
         if faults.poisons_loss(step + 1):  # an injected fault: this step's loss is NaN
             loss_fn = _poisoned(job.loss_fn)
-        loss = api.train_step(model, x, y, loss_fn)
+        # train.accumulate: K micro-batches' gradients summed, then one push (at opt.step)
+        loss = api.train_step(model, x, y, loss_fn, accumulate=cfg.train.accumulate)
         faults.observe_work(len(indices), time.perf_counter() - t0)
         faults.slow_ahead(len(indices), step=step + 1)
         step += 1

@@ -58,16 +58,26 @@ def _forward_backward(run: TrainingRun, step, x, y, waited0: float, measuring: b
         started = time.perf_counter()
         # The loader planned every rank's batch, so it knows the global one (in samples); a
         # per-token loss weighs real tokens, summed over the ranks by the strategy.
-        tokens = int((y != PAD_TARGET).sum()) if run.job.per_token else None
+        tokens = real_tokens(y) if run.job.per_token else None
         total = run.feed.global_batch if tokens is None else None
+        # `train.accumulate: K`: K micro-batches, each weighed by its own samples or tokens.
+        accumulate = run.cfg.train.accumulate
+        samples = tokens if accumulate == 1 or tokens is None else real_tokens
         with meter:
-            loss = run.wrapped.compute(x, y, run.wrapped.loss, samples=tokens, total=total)
+            loss = run.wrapped.compute(
+                x, y, run.wrapped.loss, samples=samples, total=total, accumulate=accumulate
+            )
         work_s = time.perf_counter() - started - (comm.stats.step_wait_s() - waited0)
         if step == run.cfg.train.steps:  # gradients present: the model state at its fullest
             run.measured.memory = memory_report(run.model, run.opt)
             if isinstance(meter, ActivationMeter):
                 run.measured.memory["activations"] = meter.peak
     return loss, tokens, work_s
+
+
+def real_tokens(y: torch.Tensor) -> int:
+    """The target tokens of a per-token loss's batch that are not padding."""
+    return int((y != PAD_TARGET).sum())
 
 
 def _agree(run: TrainingRun, local_loss: torch.Tensor, y: torch.Tensor, tokens: int | None):

@@ -2,8 +2,15 @@
 
 A unit's full gradient exists only from its first parameter's gradient until its reduce-scatter
 has run, during backward; afterwards a rank keeps only the averaged slice it owns. Memory with
-fp32 Adam: 4P parameters + (4P gradients + 8P optimizer state) / N. Gradients cannot be
-accumulated locally any more (`no_sync`): each backward reduces, and the shards add up.
+fp32 Adam: 4P parameters + (4P gradients + 8P optimizer state) / N.
+
+Gradient accumulation over K micro-batches can go two ways. Outside `no_sync()` every backward
+reduce-scatters and the averaged slices add up in the shards: K times the communication, but
+never more than a unit or two of full gradient at once. Inside `no_sync()` (FSDP2's
+`set_requires_gradient_sync(False)`), the full gradient of every unit stays and accumulates
+locally, and the first backward outside it adds its own and reduce-scatters each unit once:
+DDP's communication, at the price of 4P bytes of full gradients while accumulating (stage 1's
+memory).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ class ZeroStage2(ZeroStage1):
         unit = self.unit_of[p]
         if unit.grad_full is None:
             unit.grad_full = torch.zeros_like(unit.full, memory_format=torch.contiguous_format)
-        unit.slot(unit.grad_full, p).copy_(p.grad)
+        unit.slot(unit.grad_full, p).add_(p.grad)  # (onto zeros, or a no_sync() sum)
         p.grad = None  # the parameter's gradient is not kept beyond this hook
 
     def _launch(self, index: int) -> None:
@@ -44,11 +51,12 @@ class ZeroStage2(ZeroStage1):
         unit.grad_full = None  # reduced: only this rank's slice lives on, as the shard's grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for shard in self.shards:
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            unit.grad_full = None  # (what no_sync() accumulated, where it was discarded)
             shard.grad = None
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        raise RuntimeError(
-            f"ZeRO stage {self.stage} reduces every backward pass; to accumulate, call "
-            "backward k times (loss / k) before the step: the gradient shards add up"
-        )
+        """Backward passes inside accumulate every unit's full (unsharded) gradient locally,
+        without communication; the next one outside adds its own and reduce-scatters each unit
+        once (see the module's docstring: 4P bytes of full gradients meanwhile)."""
+        return self.backward.paused()

@@ -7,6 +7,11 @@ gradient of its output arrives in backward and freed once its gradient is reduce
 next unit's gather is started before waiting on this one's (prefetch), so communication overlaps
 compute. Memory with fp32 Adam: 16P/N plus one or two gathered units. Communication: two
 all-gathers and one reduce-scatter per step, 1.5x what DDP sends.
+
+Inside `no_sync()` (gradient accumulation) each unit is still gathered for its forward and its
+backward, micro-batch by micro-batch, and freed as soon as its gradients are in; what stays is
+its full gradient, accumulating until the backward outside reduce-scatters it (stage 2's
+`no_sync`): 4P bytes more while accumulating, one reduce-scatter per step.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class ZeroStage3(ZeroStage2):
         return [self.rest, *groups] if self.rest else groups
 
     def prepare_units(self) -> None:
+        self.grads_in: dict[FlatUnit, set[nn.Parameter]] = {}  # inside no_sync(): per unit
         offset = 1 if self.rest else 0
         module_names = {m: n for n, m in self.module.named_modules()}
         unit_names = ["(root)"] * offset + [module_names[m] for m in self.unit_modules]
@@ -136,6 +142,18 @@ class ZeroStage3(ZeroStage2):
     def _launch(self, index: int) -> None:
         super()._launch(index)
         self.units[index].free()  # its backward is done: the gathered weights can go
+        self.grads_in.pop(self.units[index], None)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        super()._on_grad(p)
+        if self.backward.enabled:
+            return  # the unit is freed once its reduce-scatter is launched
+        # Inside no_sync() nothing is launched: free the unit once all its gradients are in.
+        unit = self.unit_of[p]
+        self.grads_in.setdefault(unit, set()).add(p)
+        if len(self.grads_in[unit]) == len(unit.params):
+            del self.grads_in[unit]
+            unit.free()
 
     def gather_parameters(self) -> None:
         pass  # gathered on demand, unit by unit, in the next forward
