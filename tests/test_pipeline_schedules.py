@@ -204,15 +204,26 @@ def _mesh() -> dict[str, float]:
     weight gradient (a reduction too early would miss some, one per backward would fail)."""
     expected = _reference()
     out = {}
-    for schedule in ("zb-h1", "interleaved"):
+    for schedule, data in (("zb-h1", sw.DDP()), ("interleaved", sw.DDP()), ("zb-h1", sw.ZeRO())):
         pipeline = sw.Pipeline(schedule=schedule, microbatches=2)
-        strategy = sw.MeshParallel(dp=2, pp=2, data=sw.DDP(), pipeline=pipeline)
-        out[schedule] = _diff(_train(strategy), expected)
+        strategy = sw.MeshParallel(dp=2, pp=2, data=data, pipeline=pipeline)
+        out[f"{schedule} {type(data).__name__}"] = _diff(_train(strategy), expected)
+    pipeline = sw.Pipeline(schedule="zb-h1", microbatches=2)
+    try:
+        sw.prepare(
+            _sequential(), sw.MeshParallel(dp=2, pp=2, data=sw.ZeRO(stage=2), pipeline=pipeline)
+        )
+    except ValueError as e:
+        out["refused"] = str(e)
     return out
 
 
 def test_new_schedules_data_parallel_on_a_mesh():
     for result in run(_mesh, 4, timeout_s=300):
+        assert result.pop("refused") == (
+            "the zb-h1 schedule needs sw.DDP() or sw.ZeRO(stage=1) along the data axis, not "
+            "ZeRO stage 2"
+        )
         for name, diff in result.items():
             assert diff <= TOL, (name, diff)
 

@@ -120,6 +120,11 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
                 f"a weight tied across pipeline stages needs sw.DDP() along the data axis, "
                 f"not {type(strategy).__name__}"
             )
+        if self.schedule not in ("gpipe", "1f1b") and getattr(strategy, "stage", 1) > 1:
+            raise ValueError(  # (they reduce once, after the last W: gradients accumulate)
+                f"the {self.schedule} schedule needs sw.DDP() or sw.ZeRO(stage=1) along the data "
+                f"axis, not ZeRO stage {strategy.stage}"
+            )
         self.module = strategy.wrap(self.module, runtime)
         return self.module
 
