@@ -97,3 +97,15 @@ def bubble_formula(schedule: str, stages: int, microbatches: int, chunks: int = 
     if schedule == "zb-h1":
         return (s - 1) / (3 * m + s - 1)
     return (s - 1) / (m + s - 1)
+
+
+def held_microbatches(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The most micro-batches' activations rank 0 holds at once, in units of a whole stage's
+    (a chunk holds 1/v of them): M under GPipe, min(S, M) under 1F1B and ZB-H1 (whose W
+    deferrals make every rank hold rank 0's), and interleaved's warm-up plus one, in chunks."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "interleaved":
+        warmup = min((chunks - 1) * stages + 2 * (stages - 1), microbatches * chunks)
+        return min(warmup + 1, microbatches * chunks) / chunks
+    return min(stages, microbatches)
