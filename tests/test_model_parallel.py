@@ -111,10 +111,10 @@ def test_schedules_run_every_microbatch_once_and_1f1b_bounds_in_flight(stages, m
         for name in ("gpipe", "1f1b"):
             order = schedule_order(name, s, stages, m)
             assert sorted(order) == sorted(
-                [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+                [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
             )
             in_flight, peak = 0, 0
-            for op, _ in order:
+            for op, _, _ in order:
                 in_flight += 1 if op == "F" else -1
                 peak = max(peak, in_flight)
             assert peak == (m if name == "gpipe" else min(stages - s, m))

@@ -1,11 +1,15 @@
-"""Benchmark: our pipeline schedules against torch.distributed.pipelining, same split, same run.
+"""Benchmark: our pipeline schedules against torch.distributed.pipelining's of the same names.
 
-Tiny GPT (4 blocks, d_model 256, seq 128) in 2 stages ([embedding, block 0, block 1] and
-[block 2, block 3, head]), global batch 16, AdamW. For each schedule (GPipe, 1F1B) and number of
-micro-batches M in {1, 2, 4, 8}, ours and torch's are timed step by step in alternation (ours
-then torch's, then torch's then ours, ...), so that the machine's drift hits both alike and each
-pair of neighbouring steps gives one speed ratio. Reported per (schedule, M, implementation) and
-per stage:
+Tiny GPT (4 blocks, d_model 256, seq 128) on 2 ranks, global batch 16, AdamW. Schedules: GPipe,
+1F1B, interleaved 1F1B (v = 2: chunks [embedding, block 0], [block 1], [block 2], [block 3,
+head], ranks holding chunks 0, 2 and 1, 3) and ZB-H1 (the backward split into the input's
+gradient and the weights', deferred); torch's rivals are ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's order),
+on the same cuts. For each schedule and number of micro-batches M (2, 4, 8), ours and torch's are
+timed step by step in alternation (ours then torch's, then torch's then ours, ...), so that the
+machine's drift hits both alike and each pair of neighbouring steps gives one speed ratio. In
+the ZB-H1 cells torch's 1F1B runs in the same alternation: zero bubble's gain over the schedule
+it replaces. Reported per (schedule, M, implementation) and per rank:
 
 - step time (median) and samples/s (single-process training of the same batch as the baseline);
 - ours over torch's speed: the geometric mean of the paired ratios with its 95% confidence
@@ -13,14 +17,15 @@ per stage:
   (schedule, M) (`--control`): what identical code measures as, i.e. the noise floor (step
   times drift together, so the interval alone is too narrow). "Not slower" holds when ours'
   interval reaches 1 or its ratio is within the control's interval;
-- bubble fraction, measured: 1 - (time the stage computes) / (step time), where compute time
-  is the sum of its forward and backward passes (module hooks: forward pre/post, backward from
-  the output gradient's arrival to the last parameter gradient), the same yardstick for both
-  implementations; beside it the formula (S-1)/(M+S-1), which assumes equal stages and free
-  messages;
+- bubble fraction, measured: 1 - (the rank's CPU time in the step) / (step time). Each rank
+  computes on its own thread (one thread per rank) and sleeps while it waits for a message, so
+  its CPU time is its compute, split backward or not, by the same yardstick for both
+  implementations; beside it the schedule's formula (`pipeline_schedule.bubble_formula`:
+  (S-1)/(M+S-1), interleaved (S-1)/(v*M+S-1), ZB-H1 (S-1)/(3M+S-1)), which assumes equal
+  stages, F = B = W and free messages;
 - peak activation memory: the most bytes autograd held for backward at once
-  (`observe.memory.ActivationMeter`), which 1F1B bounds by S - stage micro-batches, measured
-  in a separate step (its hooks cost time, so timed steps run without them).
+  (`observe.memory.ActivationMeter`), measured in a separate step (its hooks cost time, so
+  timed steps run without them).
 
 torch's 1F1B refuses M < S (reported as such); its schedules divide gradients by M, so the loss
 function returns micro-batch means there, as ours does internally.
@@ -44,78 +49,55 @@ import shardwise as sw
 from shardwise.bench.common import gpt_batch, gpt_model
 from shardwise.nn.models import lm_loss
 from shardwise.observe.memory import ActivationMeter
+from shardwise.strategies.pipeline_schedule import bubble_formula
 from shardwise.strategies.pipeline_stages import PipelineStage, pipeline_layers
 
-SPLIT = 3  # stage 1 starts at layer 3 (block 2)
-
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+CHUNKS = 2  # interleaved's v
+SPLITS = {"interleaved": [2, 3, 4]}  # start layers of chunks 1.. (the others: one cut, at 3)
+TORCH_NAMES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+}
 
 _model, _batch = gpt_model, gpt_batch
 
 
-class BusyTimer:
-    """Seconds a stage module spends computing: forward passes plus backward passes."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.busy = 0.0
-        self._start: float | None = None
-        self._bwd_start: float | None = None
-        self._bwd_end: float | None = None
-        module.register_forward_pre_hook(self._fwd_pre)
-        module.register_forward_hook(self._fwd_post)
-        module.register_full_backward_pre_hook(self._bwd_pre)
-        for p in module.parameters():
-            p.register_post_accumulate_grad_hook(self._grad_done)
-
-    def _fwd_pre(self, *_):
-        self._start = time.perf_counter()
-
-    def _fwd_post(self, *_):
-        self.busy += time.perf_counter() - self._start
-
-    def _bwd_pre(self, *_):
-        self.flush()
-        self._bwd_start = time.perf_counter()
-
-    def _grad_done(self, _p):
-        self._bwd_end = time.perf_counter()
-
-    def flush(self) -> None:
-        """Close the backward in progress (call at the end of a step)."""
-        if self._bwd_start is not None and self._bwd_end is not None:
-            self.busy += max(0.0, self._bwd_end - self._bwd_start)
-        self._bwd_start = self._bwd_end = None
-
-    def take(self) -> float:
-        self.flush()
-        busy, self.busy = self.busy, 0.0
-        return busy
+def _split(schedule: str) -> list[int]:
+    return SPLITS.get(schedule, [3])
 
 
 def build_ours(schedule: str, m: int):
-    strategy = sw.Pipeline(stages=2, schedule=schedule, microbatches=m, split=[SPLIT])
+    strategy = sw.Pipeline(stages=2, schedule=schedule, microbatches=m, split=_split(schedule))
     model, opt = sw.prepare(_model(), strategy, lr=1e-4)
-    timer = BusyTimer(model.stage)
 
     def step(x, y) -> None:
         sw.train_step(model, x, y, lm_loss)
         opt.step()
         opt.zero_grad()
 
-    return step, timer
+    return step
 
 
 def build_torch(schedule: str, m: int):
-    from torch.distributed.pipelining import PipelineStage as TorchStage
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     layers = pipeline_layers(_model())
-    module = PipelineStage(layers[:SPLIT] if rank == 0 else layers[SPLIT:])
-    stage = TorchStage(module, rank, 2, torch.device("cpu"))
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    sched = cls(stage, n_microbatches=m, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    timer = BusyTimer(module)
+    bounds = [0, *_split(schedule), len(layers)]
+    mine = range(rank, len(bounds) - 1, world)  # this rank's chunks of the model
+    modules = [PipelineStage(layers[bounds[g] : bounds[g + 1]]) for g in mine]
+    stages = [
+        pipelining.PipelineStage(mod, g, len(bounds) - 1, torch.device("cpu"))
+        for mod, g in zip(modules, mine, strict=True)
+    ]
+    cls = getattr(pipelining, TORCH_NAMES[schedule])
+    # The interleaved classes take a list of stages (one per chunk this rank holds).
+    single = schedule in ("gpipe", "1f1b")
+    sched = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=lm_loss)
+    opt = torch.optim.AdamW([p for mod in modules for p in mod.parameters()], lr=1e-4)
 
     def step(x, y) -> None:
         if rank == 0:
@@ -125,7 +107,7 @@ def build_torch(schedule: str, m: int):
         opt.step()
         opt.zero_grad()
 
-    return step, timer
+    return step
 
 
 def activation_peak(step, batch) -> int:
@@ -136,12 +118,12 @@ def activation_peak(step, batch) -> int:
     return meter.peak
 
 
-def timed_step(step, timer: BusyTimer, batch) -> tuple[float, float]:
-    """(seconds, busy seconds) of one step on this rank, starting together with the others."""
+def timed_step(step, batch) -> tuple[float, float]:
+    """(seconds, CPU seconds) of one step on this rank, starting together with the others."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, busy0 = time.perf_counter(), time.thread_time()
     step(*batch)
-    return time.perf_counter() - t0, timer.take()
+    return time.perf_counter() - t0, time.thread_time() - busy0
 
 
 def speed_ratio(ours: list[float], rival: list[float]) -> tuple[float, float, float]:
@@ -172,23 +154,26 @@ def single_process_rate(batch, steps: int) -> float:
 
 
 def bench_cell(schedule: str, m: int, stages: int, batch, args) -> list[dict]:
-    """One (schedule, M): ours, torch's (and the control), timed step by step in alternation."""
+    """One (schedule, M): ours, torch's (and the control, and in ZB-H1's cells torch's 1F1B),
+    timed step by step in alternation."""
     impls = {"ours": build_ours(schedule, m)}
-    if schedule == "1f1b" and m < stages:
-        refused = f"torch's 1F1B refuses M={m} < {stages} stages"
+    refused = None
+    if schedule in ("1f1b", "zb-h1") and m < stages:
+        refused = f"torch's {TORCH_NAMES[schedule]} refuses M={m} < {stages} stages"
     else:
-        impls["torch"], refused = build_torch(schedule, m), None
+        impls["torch"] = build_torch(schedule, m)
         if args.control == f"{schedule}:{m}":  # the same code twice: the noise floor
             impls["torch (control)"] = build_torch(schedule, m)
+    if schedule == "zb-h1" and m >= stages:
+        impls["torch 1f1b"] = build_torch("1f1b", m)
     peaks = {}
-    for key, (step, timer) in impls.items():
+    for key, step in impls.items():
         step(*batch)  # warm-up (and torch's shape inference)
         peaks[key] = activation_peak(step, batch)
-        timer.take()
-    times = {k: ([], []) for k in impls}  # per step: (seconds, busy seconds)
+    times = {k: ([], []) for k in impls}  # per step: (seconds, CPU seconds)
     for i in range(args.steps * args.reps):  # alternating: ours, torch, torch, ours...
         for key in list(impls)[:: 1 if i % 2 == 0 else -1]:
-            seconds, busy = timed_step(*impls[key], batch)
+            seconds, busy = timed_step(impls[key], batch)
             times[key][0].append(seconds)
             times[key][1].append(busy)
     per_stage = gather({k: (*v, peaks[k]) for k, v in times.items()})
@@ -199,6 +184,7 @@ def bench_cell(schedule: str, m: int, stages: int, batch, args) -> list[dict]:
     rows = []
     for key in impls:
         step_s = statistics.median(step_times[key])
+        measured_as = "1f1b" if key == "torch 1f1b" else schedule
         row = {
             "schedule": schedule,
             "microbatches": m,
@@ -209,10 +195,16 @@ def bench_cell(schedule: str, m: int, stages: int, batch, args) -> list[dict]:
                 1 - statistics.fmean(s[key][1]) / statistics.fmean(step_times[key])
                 for s in per_stage
             ],
-            "bubble_formula": (stages - 1) / (m + stages - 1),
+            "bubble_formula": bubble_formula(measured_as, stages, m, CHUNKS),
             "activation_peak_bytes": [s[key][2] for s in per_stage],
         }
-        if key != "torch" and "torch" in impls:
+        if key == "ours":
+            for rival in ("torch", "torch 1f1b"):
+                if rival in impls:
+                    suffix = "" if rival == "torch" else "_1f1b"
+                    ratio = speed_ratio(step_times[key], step_times[rival])
+                    row[f"speed_over_torch{suffix}"] = ratio
+        elif key == "torch (control)":
             row["speed_over_torch"] = speed_ratio(step_times[key], step_times["torch"])
         rows.append(row)
     if refused:
@@ -225,7 +217,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--microbatches", default="2,4,8")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--control", default="1f1b:4", help="SCHEDULE:M timed torch vs torch")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -233,7 +226,7 @@ def main() -> None:
     stages = rt.world_size
     batch = _batch(args.batch)
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in args.schedules.split(","):
         for m in (int(v) for v in args.microbatches.split(",")):
             rows += bench_cell(schedule, m, stages, batch, args)
     single = single_process_rate(batch, args.steps)
@@ -279,6 +272,12 @@ def checks(rows: list[dict]) -> dict:
                     r["activation_peak_bytes"], rival["activation_peak_bytes"], strict=True
                 )
             )
+        if "speed_over_torch_1f1b" in r:  # the acceptance: >= 1.08x torch's 1F1B at M = 4
+            ratio, low, high = r["speed_over_torch_1f1b"]
+            out[f"zb-h1_m{m}_speed_ours_over_torch_1f1b"] = ratio
+            out[f"zb-h1_m{m}_speed_over_torch_1f1b_ci95"] = f"{low:.3f}-{high:.3f}"
+            if m == 4:
+                out["zb-h1_m4_at_least_1.08x_torch_1f1b"] = ratio >= 1.08
         gpipe = by.get(("gpipe", m, "ours"))
         if schedule == "1f1b" and m >= 4 and gpipe:
             out[f"m{m}_1f1b_peak_below_gpipe"] = max(r["activation_peak_bytes"]) < max(
@@ -287,10 +286,10 @@ def checks(rows: list[dict]) -> dict:
     return out
 
 
-def speed_cell(row: dict) -> str:
-    if "speed_over_torch" not in row:
+def speed_cell(row: dict, key: str = "speed_over_torch") -> str:
+    if key not in row:
         return ""
-    ratio, low, high = row["speed_over_torch"]
+    ratio, low, high = row[key]
     return f"{ratio:.3f} ({low:.3f}-{high:.3f})"
 
 
@@ -313,12 +312,13 @@ def print_table(result: dict) -> None:
         "formula",
         "act. peak MiB (per stage)",
         "ours/torch speed (95% CI)",
+        "ours/torch 1F1B",
     ):
         t.add_column(col, justify="right")
     for r in result["rows"]:
         if "refused" in r:
             t.add_row(
-                r["schedule"], str(r["microbatches"]), r["impl"], "-", "-", r["refused"], "", "", ""
+                r["schedule"], str(r["microbatches"]), r["impl"], "-", "-", r["refused"], *[""] * 4
             )
             continue
         t.add_row(
@@ -331,8 +331,9 @@ def print_table(result: dict) -> None:
             f"{r['bubble_formula']:.2f}",
             " / ".join(f"{a / 2**20:.1f}" for a in r["activation_peak_bytes"]),
             speed_cell(r),
+            speed_cell(r, "speed_over_torch_1f1b"),
         )
-    Console(width=140).print(t)
+    Console(width=170).print(t)
     for k, v in result["checks"].items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
 

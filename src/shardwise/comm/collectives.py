@@ -208,26 +208,34 @@ def exchange(
     stats.record(op, sum(_nbytes(t) for t, _ in sends), timer.elapsed())
 
 
-def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> Handle:
-    """Start sending `tensor` to group rank `dst`; keep `tensor` alive until the handle's wait."""
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Handle:
+    """Start sending `tensor` to group rank `dst`; keep `tensor` alive until the handle's wait.
+    A receive matches the sends from its source with its `tag`, in the order they were sent."""
     assert tensor.is_contiguous(), "send a contiguous tensor"
     return _issue(
         "send",
         _nbytes(tensor),
-        lambda: dist.isend(tensor, group=group, group_dst=dst),
+        lambda: dist.isend(tensor, group=group, group_dst=dst, tag=tag),
         async_op=True,
         group=group,
         tensor=tensor,
     )
 
 
-def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> Handle:
+def irecv(
+    tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0
+) -> Handle:
     """Post a receive into `tensor` from group rank `src`; `wait()` on the handle (timed).
 
     Posting early lets the transfer happen while this rank computes: gloo moves a message
     only once its receive is posted."""
     return _issue(
-        "recv", 0, lambda: dist.irecv(tensor, group=group, group_src=src), True, group, tensor
+        "recv",
+        0,
+        lambda: dist.irecv(tensor, group=group, group_src=src, tag=tag),
+        True,
+        group,
+        tensor,
     )
 
 

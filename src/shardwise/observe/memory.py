@@ -249,7 +249,10 @@ class _Saved:
 
     def __init__(self, meter: ActivationMeter, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        self.meter, self.tensor, self.key = meter, tensor, storage.data_ptr()
+        # Detached: a tensor a node saves of its own output would otherwise hold that node,
+        # a cycle through C++ that only the backward breaks (by freeing what it saved), never
+        # where the graph is retained (a zero-bubble B pass), so the graph would leak.
+        self.meter, self.tensor, self.key = meter, tensor.detach(), storage.data_ptr()
         meter._add(self.key, storage.nbytes())
 
     def __del__(self) -> None:

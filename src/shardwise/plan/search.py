@@ -37,6 +37,8 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
+from shardwise.strategies.pipeline_schedule import bubble_formula, held_microbatches
+
 GB = 1e9
 # Sizes and counts (devices, layers, hidden, batch, ...) are whole numbers from 1 to MAX_SIZE,
 # rates and amounts finite numbers from MIN_RATE to MAX_RATE: every formula below stays a
@@ -154,6 +156,7 @@ class Plan:
     microbatches: int
     checkpointing: bool
     offload: bool
+    schedule: str = "1f1b"  # pp > 1: its pipeline schedule (strategies/pipeline_schedule.py)
     memory: dict[str, float] = field(default_factory=dict)  # bytes per device by category
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per device per step
     time: dict[str, float] = field(default_factory=dict)  # seconds per step by part
@@ -281,7 +284,7 @@ def _memory(plan: Plan, spec: TransformerSpec, psi: float, layers: int) -> dict[
     if plan.offload:
         optimizer = 0.0
     full_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    in_flight = min(plan.pp, m)
+    in_flight = held_microbatches(plan.schedule, plan.pp, m, 2)
     if plan.checkpointing:
         activations = layers * in_flight * 2 * s * b * h + full_layer
     else:
@@ -309,7 +312,8 @@ def _compute_s(plan: Plan, spec: TransformerSpec, cluster: ClusterSpec) -> tuple
     forward = tokens * (2 * spec.params() + 4 * s * spec.hidden * spec.layers) / (tp * pp)
     passes = 4 if plan.checkpointing else 3
     compute = passes * forward / (cluster.tflops * 1e12)
-    return compute, compute * (pp - 1) / plan.microbatches
+    bubble = bubble_formula(plan.schedule, pp, plan.microbatches, 2)  # (v = 2 interleaved)
+    return compute, compute * bubble / (1 - bubble)  # 1F1B: compute * (pp - 1) / M
 
 
 def _tensor_parallel(

@@ -164,7 +164,9 @@ class MeshConfig(StrategySection):
     data: Literal["ddp", "zero1", "zero2"] = Field(
         "ddp", description="strategy along the data dimension"
     )
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pp > 1: schedule")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = Field(
+        "1f1b", description="pp > 1: schedule"
+    )
     microbatches: int = Field(4, ge=1, description="pp > 1: micro-batches per step")
     loss_parallel: bool = Field(True, description="tp > 1: loss from vocabulary slices")
 

@@ -55,7 +55,8 @@ from shardwise.strategies.base import (
 )
 from shardwise.strategies.ddp import DDP, broadcast_module_state
 from shardwise.strategies.hf_stages import hf_layers, is_hf_model
-from shardwise.strategies.pipeline_schedule import Inbox, schedule_order
+from shardwise.strategies.pipeline_messages import StepMessages
+from shardwise.strategies.pipeline_schedule import SCHEDULES, schedule_order
 from shardwise.strategies.pipeline_stages import (
     Microbatch,
     PipelineStage,
@@ -67,8 +68,7 @@ from shardwise.strategies.pipeline_stages import (
 )
 from shardwise.strategies.pipeline_tied import TiedWeights, shared_parameters
 from shardwise.strategies.section import StrategySection
-
-SCHEDULES = ("gpipe", "1f1b")
+from shardwise.strategies.zero_bubble import NOTHING_DEFERRED, DeferredWeights, split_backward
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -95,10 +95,12 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         names: dict[str, list[str]],
         feed: Any = None,
         tied: list[tuple[nn.Parameter, list[int]]] = (),
+        num_chunks: int = 1,
     ) -> None:
         super().__init__(stage, runtime)
         self.index, self.stages, self.group = runtime.rank, runtime.world_size, runtime.group
         self.schedule, self.microbatches = schedule, microbatches
+        self.num_chunks = num_chunks  # chunks of the model on this rank: interleaved's v
         self.names = names  # stage state-dict key -> the unsplit model's key(s)
         self.feed = feed or TensorFeed()  # how a batch becomes micro-batches
         self.tied = TiedWeights(list(tied), self.index, self.group)  # held by other stages too
@@ -117,6 +119,11 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
             raise ValueError(
                 f"a weight tied across pipeline stages needs sw.DDP() along the data axis, "
                 f"not {type(strategy).__name__}"
+            )
+        if self.schedule not in ("gpipe", "1f1b") and getattr(strategy, "stage", 1) > 1:
+            raise ValueError(  # (they reduce once, after the last W: gradients accumulate)
+                f"the {self.schedule} schedule needs sw.DDP() or sw.ZeRO(stage=1) along the data "
+                f"axis, not ZeRO stage {strategy.stage}"
             )
         self.module = strategy.wrap(self.module, runtime)
         return self.module
@@ -152,59 +159,86 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         # samples / total: one pipeline is one replica; a mesh declares them along its data axis.
         m = self.microbatches
         feeds = self.feed.split(inputs, targets, m, self.is_first, self.is_last)
-        order = schedule_order(self.schedule, self.index, self.stages, m)
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        inbox = Inbox(self)  # receives posted one message ahead
+        order = schedule_order(self.schedule, self.index, self.stages, m, self.num_chunks)
+        messages = StepMessages(self)  # receives posted one op ahead
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        deferred: dict[tuple[int, int], DeferredWeights] = {}
         step_loss = torch.zeros((), device=self.device)
         self.tied.begin_step()
-        for k, (op, i) in enumerate(order):
+        for k, (op, i, c) in enumerate(order):
             if op == "F":
-                x = feeds[i].x if self.is_first else inbox.activation(i)
-                inbox.prefetch(order, k + 1, saved)  # (the next message lands while this runs)
-                out = self._forward_microbatch(i, x, feeds[i], loss_fn, step_loss)
-                saved[i] = (None if self.is_first else x, out)
+                first = messages.boundary_in(c) < 0
+                x = feeds[i].x if first else messages.activation(i, c)
+                messages.prefetch(order, k + 1, saved)  # (the next message lands meanwhile)
+                out = self._forward_microbatch(i, c, x, feeds[i], loss_fn, step_loss, messages)
+                saved[(i, c)] = (None if first else x, out)
+            elif op == "B":
+                x, out = saved.pop((i, c))
+                last = messages.boundary_out(c) == self.stages * self.num_chunks - 1
+                grad = None if last else messages.gradient(i, c, out)
+                messages.prefetch(order, k + 1, saved)
+                with self._accumulating(i):
+                    input_grad, deferred[(i, c)] = self._backward(out, grad, x, c)
+                loss = messages.loss(c) if i == m - 1 and not last else None
+                step_loss = step_loss if loss is None else loss  # (it follows the last gradient)
+                if x is not None:
+                    messages.send_gradient(input_grad, i, c, step_loss)
             else:
-                x, out = saved.pop(i)
-                grad = None if self.is_last else inbox.gradient(i, out)
-                inbox.prefetch(order, k + 1, saved)
-                step_loss = self._backward_microbatch(i, x, out, grad, inbox, step_loss)
+                with self._accumulating(i):
+                    deferred.pop((i, c)).run()
+        self._reduce_data_axis()
         self.tied.sum_grads()
-        self._wait_sends()
+        messages.wait_sends()
         # Every rank now holds the loss: it travelled back with the gradients, stage by stage,
         # which costs no synchronising collective at the end of the step.
         return step_loss
 
+    def _chunk(self, c: int) -> nn.Module:
+        """This rank's chunk `c` (the stage itself, through its data-parallel wrapper, if one)."""
+        return self.stage if self.num_chunks == 1 else _unwrapped(self.stage)[c]
+
     def _forward_microbatch(
-        self, i: int, x, feed: Microbatch, loss_fn: LossFn, step_loss
+        self, i: int, c: int, x, feed: Microbatch, loss_fn: LossFn, step_loss, messages
     ) -> torch.Tensor:
-        """Micro-batch `i` through the stage: the last adds its loss to `step_loss`."""
-        out = self.stage(x, *feed.context)
-        if self.is_last:
+        """Micro-batch `i` through chunk `c`: the model's last adds its loss to `step_loss`."""
+        out = self._chunk(c)(x, *feed.context)
+        if messages.boundary_out(c) == self.stages * self.num_chunks - 1:
             out = loss_fn(out, feed.target) / feed.parts
             step_loss += out.detach()
-        else:  # micro-batches have one shape: a header with the first one only
-            self._send(out, self.index + 1, header=i == 0)
+        else:
+            messages.send_activation(out, i, c)
         return out
 
-    def _backward_microbatch(self, i: int, x, out, grad, inbox: Inbox, step_loss) -> torch.Tensor:
-        """Micro-batch `i` back through the stage (`grad`: its output's gradient, None on the
-        last stage), its input's gradient sent back; returns the step's loss, which the stages
-        before the last receive after the last micro-batch's gradient and pass back."""
-        last = i == self.microbatches - 1
-        # Data parallel along a mesh: reduce gradients once, after the last micro-batch.
-        sync = last or not hasattr(self.stage, "no_sync")
-        with contextlib.nullcontext() if sync else self.stage.no_sync():
-            if self.is_last:
-                out.backward()
-            else:
-                out.backward(grad)
-        if last and not self.is_last:  # the step's loss follows the last gradient
-            step_loss = inbox.loss()
-        if x is not None:
-            self._send(x.grad, self.index - 1, header=False)
-            if last:
-                self._send(step_loss.reshape(1), self.index - 1, header=False)
-        return step_loss
+    def _backward(self, out, grad, x, c: int) -> tuple[torch.Tensor | None, DeferredWeights]:
+        """Micro-batch's backward through chunk `c` (`grad`: its output's gradient, None for
+        the loss): the input's gradient, and the weights' gradient still to run (zb-h1)."""
+        if self.schedule == "zb-h1":
+            params = [p for p in _unwrapped(self.stage).parameters() if p.requires_grad]
+            return split_backward(out, grad, x, params)
+        out.backward(grad)
+        return (None if x is None else x.grad), NOTHING_DEFERRED
+
+    def _accumulating(self, i: int) -> contextlib.AbstractContextManager:
+        """Data parallel along a mesh reduces gradients once a step. GPipe and 1F1B end with
+        micro-batch M-1's backward, which reduces; the chunks of interleaved and the deferred
+        weight gradients of zb-h1 end elsewhere: everything accumulates, then
+        `_reduce_data_axis`."""
+        if not hasattr(self.stage, "no_sync"):
+            return contextlib.nullcontext()
+        if i == self.microbatches - 1 and self.schedule in ("gpipe", "1f1b"):
+            return contextlib.nullcontext()
+        return self.stage.no_sync()
+
+    def _reduce_data_axis(self) -> None:
+        """Reduce a data-parallel stage's gradients after a schedule that does not end in one
+        backward over all of them: one backward that adds zero to every weight's gradient,
+        in which the wrapper's gradient hooks see each weight once and reduce (the sum is
+        unchanged: g + 0 == g)."""
+        if self.schedule in ("gpipe", "1f1b") or not hasattr(self.stage, "no_sync"):
+            return
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        zeros = [torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p) for p in params]
+        torch.autograd.backward(params, zeros)
 
     @torch.no_grad()
     def forward(self, inputs: Any = None, **batch: Any) -> Any:
@@ -213,13 +247,14 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         if torch.is_grad_enabled():
             raise RuntimeError("a pipeline model trains through model.train_step(x, y, loss_fn)")
         x, context = self.feed.whole(batch or inputs)
-        if not self.is_first:
-            x = self._recv_activation(self.index - 1)
-        out = self.stage(x, *context)
-        if not self.is_last:
-            self._send(out, self.index + 1, header=True)
-            self._wait_sends()
-        tensors = self.feed.pack(out) if self.is_last else [None] * self.feed.count(context)
+        for c in range(self.num_chunks):  # chunk c is the model's chunk c*S + this rank
+            if c > 0 or not self.is_first:
+                x = self._recv_activation((self.index - 1) % self.stages)
+            x = self._chunk(c)(x, *context)
+            if c < self.num_chunks - 1 or not self.is_last:
+                self._send(x, (self.index + 1) % self.stages, header=True)
+        self._wait_sends()
+        tensors = self.feed.pack(x) if self.is_last else [None] * self.feed.count(context)
         return self.feed.unpack([self._from_last(t) for t in tensors])
 
     def _from_last(self, tensor: torch.Tensor | None) -> torch.Tensor:
@@ -273,9 +308,13 @@ class Pipeline(Strategy):
     """Options for pipeline parallel.
 
     stages: number of stages (= ranks along the pipeline).
-    schedule: 'gpipe' or '1f1b'.
-    microbatches: micro-batches per step (the batch must divide into them).
-    split: start layer of stages 1..S-1 (e.g. [3] for 2 stages); None balances automatically.
+    schedule: 'gpipe', '1f1b', 'interleaved' or 'zb-h1' (`pipeline_schedule.py` compares them).
+    microbatches: micro-batches per step (the batch must divide into them; interleaved: a
+        multiple of the stages).
+    virtual_stages: interleaved only: chunks of the model per rank, v (default 2); the model is
+        cut into stages * v chunks, rank s holding chunks s, s + stages, ...
+    split: start layer of stages 1..S-1 (e.g. [3] for 2 stages; interleaved: of chunks
+        1..S*v-1); None balances automatically.
     balance: 'params' (equal parameter counts) or 'time' (measured forward+backward time per
         layer on `sample_input`).
     """
@@ -286,10 +325,21 @@ class Pipeline(Strategy):
     split: list[int] | None = None
     balance: str = "params"
     sample_input: torch.Tensor | None = None
+    virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "interleaved" and self.num_chunks < 2:
+            raise ValueError(
+                f"interleaved needs virtual_stages >= 2 (with 1 it is '1f1b'), got "
+                f"{self.virtual_stages}"
+            )
+        if self.schedule != "interleaved" and self.num_chunks != 1:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved', not "
+                f"{self.schedule!r}"
+            )
         if self.stages < 1:
             raise ValueError(f"pipeline stages must be >= 1, got {self.stages}")
         if self.microbatches < 1:
@@ -299,16 +349,20 @@ class Pipeline(Strategy):
         if self.balance == "time" and self.sample_input is None and self.split is None:
             raise ValueError("balance='time' measures layers on sample_input: pass one")
 
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of the model per rank: v under interleaved, else 1."""
+        default = 2 if self.schedule == "interleaved" else 1
+        return default if self.virtual_stages is None else self.virtual_stages
+
     def stage_starts(self, layers: list[nn.Module]) -> list[int]:
+        """The first layer of each of the stages * v chunks, in the model's order."""
+        parts = self.stages * self.num_chunks
         if self.split is not None:
             starts = [0, *self.split]
-            if (
-                len(starts) != self.stages
-                or starts != sorted(set(starts))
-                or starts[-1] >= len(layers)
-            ):
+            if len(starts) != parts or starts != sorted(set(starts)) or starts[-1] >= len(layers):
                 raise ValueError(
-                    f"split {self.split} must give {self.stages - 1} increasing start layers "
+                    f"split {self.split} must give {parts - 1} increasing start layers "
                     f"in 1..{len(layers) - 1}"
                 )
             return starts
@@ -316,7 +370,18 @@ class Pipeline(Strategy):
             weights = measure_layer_times(layers, self.sample_input)
         else:
             weights = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
-        return balanced_split(weights, self.stages)
+        return balanced_split(weights, parts)
+
+    def rank_share(self, layers: list[nn.Module], bounds: list[int], rank: int):
+        """Rank `rank`'s module (its stage, or under interleaved a list of its chunks) and
+        its weights that other ranks hold too (`pipeline_tied.py`)."""
+        chunks = [layers[bounds[c] : bounds[c + 1]] for c in range(len(bounds) - 1)]
+        per_rank = [[x for c in chunks[s :: self.stages] for x in c] for s in range(self.stages)]
+        starts = [sum(len(r) for r in per_rank[:s]) for s in range(self.stages + 1)]
+        tied = shared_parameters([x for r in per_rank for x in r], starts, rank)
+        if self.num_chunks == 1:
+            return PipelineStage(chunks[rank]), tied
+        return nn.ModuleList(PipelineStage(c) for c in chunks[rank :: self.stages]), tied
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> PipelineModel:
         self.check_world(runtime)
@@ -329,8 +394,7 @@ class Pipeline(Strategy):
             starts = cut.tolist()
         check_stages(layers, starts)
         broadcast_module_state(model, group=runtime.group)
-        mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
-        tied = shared_parameters(layers, starts, runtime.rank)
+        mine, tied = self.rank_share(layers, starts, runtime.rank)
         return self.stage_model(model, mine, runtime, feed, tied)
 
     def wrap_from(self, model: nn.Module, runtime: Runtime, source: ParameterSource):
@@ -347,8 +411,7 @@ class Pipeline(Strategy):
         layers, feed = self.model_layers(model)
         starts = [*self.stage_starts(layers), len(layers)]
         check_stages(layers, starts)
-        mine = PipelineStage(layers[starts[runtime.rank] : starts[runtime.rank + 1]])
-        tied = shared_parameters(layers, starts, runtime.rank)  # (found on the meta ones)
+        mine, tied = self.rank_share(layers, starts, runtime.rank)  # (found on the meta ones)
         read = read_stage(model, mine, source, runtime.device)
         tied = [(read.get(p, p), holders) for p, holders in tied]
         return self.stage_model(model, mine, runtime, feed, tied)
@@ -359,14 +422,21 @@ class Pipeline(Strategy):
                 f"Pipeline(stages={self.stages}) needs {self.stages} ranks, got "
                 f"{runtime.world_size} (use a device mesh to combine it with data parallel)"
             )
+        if self.schedule == "interleaved" and (self.stages < 2 or self.microbatches % self.stages):
+            raise ValueError(
+                f"interleaved runs micro-batches in rounds of one per stage: microbatches="
+                f"{self.microbatches} must be a multiple of stages={self.stages} (>= 2)"
+            )
 
-    def stage_model(self, model, mine: PipelineStage, runtime, feed, tied) -> PipelineModel:
+    def stage_model(self, model, mine: nn.Module, runtime, feed, tied) -> PipelineModel:
         """The pipeline model of this rank's stage `mine` (its keys mapped to `model`'s)."""
         full_names: dict[int, list[str]] = {}
         for name, t in model.state_dict(keep_vars=True).items():
             full_names.setdefault(id(t), []).append(name)  # a tied weight has two names
         names = {k: full_names[id(t)] for k, t in mine.state_dict(keep_vars=True).items()}
-        return PipelineModel(mine, runtime, self.schedule, self.microbatches, names, feed, tied)
+        return PipelineModel(
+            mine, runtime, self.schedule, self.microbatches, names, feed, tied, self.num_chunks
+        )
 
     def model_layers(self, model: nn.Module) -> tuple[list[nn.Module], Any]:
         """The model's layers in order, and the feed that brings its batches to them."""
@@ -383,8 +453,13 @@ class Pipeline(Strategy):
 class PPConfig(StrategySection):
     name: Literal["pp"] = Field("pp", description="the parallelism strategy")
     stages: int | None = Field(None, ge=1, description="pipeline stages (default: the world)")
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="pipeline schedule")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = Field(
+        "1f1b", description="pipeline schedule (docs/strategies.md compares them)"
+    )
     microbatches: int = Field(4, ge=1, description="micro-batches per step")
+    virtual_stages: int | None = Field(
+        None, ge=1, description="interleaved: model chunks per rank (default 2)"
+    )
     split: list[int] | None = Field(
         None, description="first layer of stages 1..S-1; default: balanced by parameters"
     )

@@ -1,94 +1,111 @@
-"""The order of a pipeline stage's work in one step, and its receives, posted ahead.
+"""The order of a pipeline rank's work in one step: which micro-batch, which chunk, which pass.
 
-`schedule_order` gives the ("F", i) / ("B", i) sequence of GPipe (all forwards, then all
-backwards) or 1F1B (PipeDream-Flush: warm-up forwards, then one forward and one backward in
-turn); `pipeline.py` describes both. `Inbox` posts each receive as soon as the op that needs it
-is known, so a message lands while the stage computes.
+An op is a tuple (kind, micro-batch, chunk): kind "F" (forward), "B" (backward; under a
+zero-bubble schedule only the gradient of the chunk's input) or "W" (the gradient of the chunk's
+weights, which a zero-bubble schedule defers); chunk is the rank's own chunk index (0 unless the
+rank holds several, as under interleaved 1F1B). Four schedules, S ranks, M micro-batches:
+
+- gpipe (Huang et al., 2019): all M forwards, then all M backwards. Bubble (S-1)/(M+S-1).
+- 1f1b (PipeDream-Flush, Narayanan et al., 2021): S-s-1 warm-up forwards on rank s, then one
+  forward and one backward in turn, then the remaining backwards. The same bubble; at most S-s
+  micro-batches' activations held, whatever M is.
+- interleaved (Narayanan et al., 2021, Megatron-LM): the model cut into S*v chunks, rank s
+  holding chunks s, s+S, s+2S, ...; the forwards go through the rank's chunks S micro-batches at
+  a time, the backwards the other way. A chunk's pass is v times shorter, so the warm-up and
+  drain are too: bubble (S-1)/(v*M+S-1), for v times the messages. M must be a multiple of S.
+- zb-h1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism", ZB-H1): 1F1B with each backward
+  split in two. B computes only the input's gradient, which the previous rank waits for; W,
+  the weights' gradient, nobody waits for, so rank s defers it by s micro-batches and does it
+  where 1F1B would idle. With F, B and W of equal length the bubble is (S-1)/(3M+S-1) of the
+  step, a third of 1F1B's, for the same peak memory as 1F1B on rank 0.
 """
 
 from __future__ import annotations
 
-from typing import Any
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
-import torch
-
-from shardwise import comm
-from shardwise.comm.messages import read_tensor_header, recv_header
+Op = tuple[str, int, int]  # (kind "F"/"B"/"W", micro-batch, this rank's chunk)
 
 
-class Inbox:
-    """A stage's receives in one step, each posted as soon as the next op that needs it is
-    known, before the compute of the op in hand, so the transfer overlaps that compute. (A
-    message sent before its receive is posted costs about a round trip more on gloo: the
-    step's loss, received after the last backward, waited 0.58 ms on the MLP; posted with the
-    last gradient, 0.03 ms.) One header per step gives the activations' shape (micro-batches
-    are equal chunks)."""
-
-    def __init__(self, model: Any) -> None:  # the PipelineModel
-        self.model = model
-        self.shape: tuple[list[int], torch.dtype] | None = None
-        self.posted: dict[tuple[str, int], tuple[comm.Handle, torch.Tensor]] = {}
-
-    def _post(self, key: tuple[str, int], buffer: torch.Tensor, src: int) -> None:
-        self.posted[key] = (comm.irecv(buffer, src, self.model.group), buffer)
-
-    def _take(self, key: tuple[str, int]) -> torch.Tensor:
-        handle, buffer = self.posted.pop(key)
-        handle.wait()
-        return buffer
-
-    def activation(self, i: int) -> torch.Tensor:
-        model = self.model
-        if self.shape is None:  # the step's first activation brings the header
-            head = recv_header(model.index - 1, model.group, model.device)
-            self.shape = read_tensor_header(head)
-        if ("F", i) not in self.posted:
-            self._post_activation(i)
-        x = self._take(("F", i))
-        return x.requires_grad_(x.is_floating_point())
-
-    def _post_activation(self, i: int) -> None:
-        shape, dtype = self.shape
-        buffer = torch.empty(shape, dtype=dtype, device=self.model.device)
-        self._post(("F", i), buffer, self.model.index - 1)
-
-    def gradient(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        if ("B", i) not in self.posted:
-            self._post_gradient(i, out)
-        return self._take(("B", i))
-
-    def _post_gradient(self, i: int, out: torch.Tensor) -> None:
-        model = self.model
-        self._post(("B", i), torch.empty_like(out), model.index + 1)
-        if i == model.microbatches - 1:  # the step's loss follows this gradient: posted too
-            self._post(("loss", 0), torch.empty(1, device=model.device), model.index + 1)
-
-    def loss(self) -> torch.Tensor:
-        """The step's loss, sent by the next stage right after the last micro-batch's gradient."""
-        return self._take(("loss", 0)).reshape(())
-
-    def prefetch(self, order: list[tuple], start: int, saved: dict) -> None:
-        """Post the receive of the next op that needs one, if it is not posted yet."""
-        model = self.model
-        for op, i in order[start:]:
-            if op == "F" and not model.is_first and self.shape is not None:
-                if ("F", i) not in self.posted:
-                    self._post_activation(i)
-                return
-            if op == "B" and not model.is_last and i in saved:
-                if ("B", i) not in self.posted:
-                    self._post_gradient(i, saved[i][1])
-                return
-
-
-def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple]:
-    """The ("F", i) / ("B", i) sequence stage `stage` runs in one step."""
+def schedule_order(
+    schedule: str, stage: int, stages: int, microbatches: int, chunks: int = 1
+) -> list[Op]:
+    """The ops rank `stage` of `stages` runs in one step of `microbatches` micro-batches, with
+    `chunks` chunks of the model on each rank (interleaved only)."""
     m = microbatches
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    if schedule == "1f1b":
+        return one_f_one_b(stage, stages, m)
+    if schedule == "interleaved":
+        return interleaved(stage, stages, m, chunks)
+    if schedule == "zb-h1":
+        return zb_h1(stage, stages, m)
+    raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def one_f_one_b(stage: int, stages: int, m: int) -> list[Op]:
     warmup = min(stages - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
+    order = [("F", i, 0) for i in range(warmup)]
     for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(m - warmup, m)]
-    return order
+        order += [("F", warmup + i, 0), ("B", i, 0)]
+    return order + [("B", i, 0) for i in range(m - warmup, m)]
+
+
+def interleaved(stage: int, stages: int, m: int, chunks: int) -> list[Op]:
+    """Megatron-LM's interleaved 1F1B: forward k of the rank's M*v runs chunk (k // S) % v
+    (S micro-batches per chunk in turn), backward k the chunks in reverse; the warm-up is the
+    v-1 chunks' first rounds plus two ops per rank still ahead, so that the first backward's
+    gradient has arrived when it runs."""
+    total = m * chunks
+
+    def microbatch(k: int) -> int:
+        return (k // (stages * chunks)) * stages + k % stages
+
+    def forward(k: int) -> Op:
+        return ("F", microbatch(k), (k // stages) % chunks)
+
+    def backward(k: int) -> Op:
+        return ("B", microbatch(k), chunks - 1 - (k // stages) % chunks)
+
+    warmup = min((chunks - 1) * stages + 2 * (stages - stage - 1), total)
+    order = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [forward(warmup + k), backward(k)]
+    return order + [backward(k) for k in range(total - warmup, total)]
+
+
+def zb_h1(stage: int, stages: int, m: int) -> list[Op]:
+    """1F1B's forwards and input-gradient backwards, rank s doing W(i) after B(i+s): the last
+    rank defers most, filling the drain's bubble, and holds no more than rank 0 does."""
+    order: list[Op] = []
+    deferred = 0  # weight gradients done so far
+    for op in one_f_one_b(stage, stages, m):
+        order.append(op)
+        if op[0] == "B" and op[1] >= stage:
+            order.append(("W", deferred, 0))
+            deferred += 1
+    return order + [("W", i, 0) for i in range(deferred, m)]
+
+
+def bubble_formula(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The idle fraction of a step with equal stages and free messages: (S-1)/(M+S-1) for GPipe
+    and 1F1B, (S-1)/(v*M+S-1) interleaved, and ZB-H1's with F = B = W: (S-1)/(3M+S-1)."""
+    s, m = stages, microbatches
+    if schedule == "interleaved":
+        return (s - 1) / (chunks * m + s - 1)
+    if schedule == "zb-h1":
+        return (s - 1) / (3 * m + s - 1)
+    return (s - 1) / (m + s - 1)
+
+
+def held_microbatches(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The most micro-batches' activations rank 0 holds at once, in units of a whole stage's
+    (a chunk holds 1/v of them): M under GPipe, min(S, M) under 1F1B and ZB-H1 (whose W
+    deferrals make every rank hold rank 0's), and interleaved's warm-up plus one, in chunks."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "interleaved":
+        warmup = min((chunks - 1) * stages + 2 * (stages - 1), microbatches * chunks)
+        return min(warmup + 1, microbatches * chunks) / chunks
+    return min(stages, microbatches)

@@ -33,7 +33,9 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def balanced_split(weights: list[float], stages: int) -> list[int]:
-    """Start index of each stage for contiguous stages minimising the heaviest stage's weight.
+    """Start index of each stage for contiguous stages minimising the heaviest stage's weight,
+    none of them weightless where the weights allow (a stage of a lone activation has nothing
+    to train: more cuts, as interleaved's, would otherwise make such stages on ties).
 
     Dynamic programming over (layers used, stages used); L and S are small.
     """
@@ -43,7 +45,12 @@ def balanced_split(weights: list[float], stages: int) -> list[int]:
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    inf = float("inf")
+    starts = _min_max_starts(prefix, stages, weighted=True)
+    return starts if starts is not None else _min_max_starts(prefix, stages, weighted=False)
+
+
+def _min_max_starts(prefix: list[float], stages: int, weighted: bool) -> list[int] | None:
+    n, inf = len(prefix) - 1, float("inf")
     # best[k][i]: heaviest stage when the first i layers form k stages; cut[k][i]: last start.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
@@ -51,9 +58,13 @@ def balanced_split(weights: list[float], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
+                if weighted and prefix[i] - prefix[j] <= 0:
+                    continue
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
                 if cost < best[k][i]:
                     best[k][i], cut[k][i] = cost, j
+    if best[stages][n] == inf:
+        return None
     starts, i = [], n
     for k in range(stages, 0, -1):
         i = cut[k][i]
