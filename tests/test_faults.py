@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import run_cli, run_python, train_args
+from harness import finish, run_cli, run_python, start_cli, train_args
 from shardwise.checkpoint import run_checkpoint
 from shardwise.faults import injection as faults
 from shardwise.faults.nonfinite import all_finite
@@ -39,7 +39,7 @@ def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
     result = _job(
         run,
         "train.steps=40",
-        "launch.hang_timeout_s=10",
+        "launch.hang_timeout_s=6",
         nproc=3,
         env={"SHARDWISE_FAULT": "hang:rank=1:step=12"},
     )
@@ -108,17 +108,20 @@ def test_first_difference_names_the_first_differing_call():
 
 
 def test_a_nan_on_one_rank_skips_the_step_everywhere_and_names_the_rank(tmp_path):
-    faulty = _job(
-        tmp_path / "nan", "train.steps=20", *NAN_JOB, env={"SHARDWISE_FAULT": "nan:rank=1:step=5"}
+    nan = {"SHARDWISE_FAULT": "nan:rank=1:step=5"}
+    (faulty, out), (clean, clean_out) = finish(  # (the two jobs run at once)
+        start_cli(*train_args(tmp_path / "nan", "train.steps=20", *NAN_JOB), env=nan),
+        # the same job whose data leaves that batch out: one update fewer, the same updates
+        start_cli(
+            *train_args(tmp_path / "clean", "train.steps=19", "train.skip_batches=[5]", *NAN_JOB)
+        ),
     )
-    assert faulty.returncode == 0, faulty.stderr[-2000:]
-    assert "step 5: non-finite loss on rank 1 (global batch 5)" in faulty.stdout
+    assert faulty == 0, out[-2000:]
+    assert "step 5: non-finite loss on rank 1 (global batch 5)" in out
     lines = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     skipped = [x for x in lines if x.get("skipped")]
     assert [(x["step"], x["nonfinite_ranks"]) for x in skipped] == [(5, [1])]
-    # the same job whose data leaves that batch out: one update fewer, the same updates
-    clean = _job(tmp_path / "clean", "train.steps=19", "train.skip_batches=[5]", *NAN_JOB)
-    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert clean == 0, clean_out[-2000:]
     a = load_file(str(tmp_path / "nan" / "checkpoint" / "model.safetensors"))
     b = load_file(str(tmp_path / "clean" / "checkpoint" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -146,16 +149,18 @@ def test_the_gradient_check_finds_any_nonfinite_element_and_nothing_else(dtype):
 def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_path):
     bad = {"SHARDWISE_FAULT": "nan:rank=0:step=12,nan:rank=1:step=13"}
     sets = ["train.steps=20", "train.checkpoint_every=10", *NAN_JOB]
-    rolled = _job(
-        tmp_path / "rolled", *sets, "train.nonfinite=rollback", "train.max_bad_steps=2", env=bad
+    rollback = ["train.nonfinite=rollback", "train.max_bad_steps=2"]
+    (rolled, out), (clean, clean_out) = finish(  # (the two jobs run at once)
+        start_cli(*train_args(tmp_path / "rolled", *sets, *rollback), env=bad),
+        start_cli(*train_args(tmp_path / "clean", *sets, "train.skip_batches=[12, 13]")),
     )
-    assert rolled.returncode == 0, rolled.stderr[-2000:]
-    assert "rolled back from step 13 to" in rolled.stdout
-    assert "global batches [12, 13] left out" in rolled.stdout
-    clean = _job(tmp_path / "clean", *sets, "train.skip_batches=[12, 13]")
+    assert rolled == 0, out[-2000:]
+    assert "rolled back from step 13 to" in out
+    assert "global batches [12, 13] left out" in out
     a = load_file(str(tmp_path / "rolled" / "checkpoint" / "model.safetensors"))
     b = load_file(str(tmp_path / "clean" / "checkpoint" / "model.safetensors"))
-    assert clean.returncode == 0 and all(torch.equal(a[k], b[k]) for k in a)
+    assert clean == 0, clean_out[-2000:]
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_rollback_gives_up_when_rolling_back_makes_no_progress(tmp_path):
