@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from ps_batches import global_batch, mlp
-from shardwise.comm.compression import codec_fingerprint, make_codec, to_bytes
+from shardwise.comm.compressed_collectives import codec_fingerprint, make_codec
+from shardwise.comm.compression import to_bytes
 from shardwise.comm.flat import unflatten
 from shardwise.nn.models import MLP
 from shardwise.ps import protocol

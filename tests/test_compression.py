@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.comm.compression import Int8Codec, make_codec, pack_signs, unpack_signs
+from shardwise.comm.compressed_collectives import make_codec
+from shardwise.comm.compression import Int8Codec, pack_signs, unpack_signs
 from shardwise.nn.models import MLP
 from spawn import run
 
@@ -149,7 +150,7 @@ class _Bucket:
 def powersgd_vs_torch_hook():
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    from shardwise.comm.compression import PowerSGD
+    from shardwise.comm.powersgd import PowerSGD
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = [(32, 16), (16,), (20, 6, 4), (3, 3)]  # two compressed, a bias and a small matrix

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from shardwise.comm.compression import PowerSGD
+from shardwise.comm.powersgd import PowerSGD
 from shardwise.data.datasets import digits, text
 from shardwise.job_sections import resolve_data_path
 from shardwise.nn.models import MLP, TinyGPT, lm_loss, num_parameters

@@ -21,31 +21,24 @@ nothing is lost, only delayed. State is kept per buffer, keyed by the buffer's i
 bucket, ZeRO's unit, the PS's server), and `state_dict` saves all of it, random generators
 included, so a resumed run continues bit-identically.
 The bytes counted by the accounting layer are those of the tensors really exchanged.
+PowerSGD lives in `powersgd.py`; codecs by name and the asynchronous collectives that run them
+(DDP's, ZeRO's) in `compressed_collectives.py`.
 """
 
 from __future__ import annotations
 
-import zlib
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from shardwise.comm.accounting import stats
-from shardwise.comm.algorithms import ThreadedAllReduce
 from shardwise.comm.collectives import (
-    Handle,
     ProcessGroup,
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
-    group_rank,
     group_size,
     reduce_scatter_tensor,
 )
-from shardwise.comm.flat import flatten, unflatten
 
 Layout = list[tuple[torch.dtype, int]]  # an encoding's tensors: dtype and length of each
 
@@ -322,221 +315,3 @@ class SignCodec(WireCodec):
 
     def layout(self, numel):
         return [(torch.int32, -(-numel // 32)), (torch.float32, 1)]
-
-
-def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning `matrix`'s (reduced QR; column signs do not matter here,
-    since P's and Q's signs cancel in P Q^T)."""
-    return torch.linalg.qr(matrix).Q
-
-
-class PowerSGD(Codec):
-    """Rank-r PowerSGD (Vogels et al., NeurIPS 2019): one power-iteration step per matrix.
-
-    For each gradient matrix M (n x m, with error feedback added): P = M Q, all-reduced and
-    orthogonalised; Q = M^T P, all-reduced; the result is P Q^T. Q is kept for the next step
-    (warm start). Tensors that would not shrink at least `min_compression_rate` times (biases,
-    small matrices) are all-reduced uncompressed. Each rank keeps as its error its corrected
-    gradient minus its share (1/n) of the aggregated approximation. Its two rounds of
-    all-reduce have no one-message encoding, so it is no `WireCodec` (the PS cannot use it).
-    """
-
-    name = "powersgd"
-
-    def __init__(
-        self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0, start_iter: int = 0
-    ) -> None:
-        super().__init__()
-        if rank < 1:
-            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
-        self.rank, self.min_compression_rate = rank, min_compression_rate
-        # Plain all-reduce for the first `start_iter` reductions of each buffer: the start of
-        # training is the most sensitive to approximate gradients (torch's start_powerSGD_iter).
-        self.start_iter = start_iter
-        self.calls: dict[int, int] = {}
-        self.generator = torch.Generator().manual_seed(seed)
-        self.shapes: dict[int, list[torch.Size]] = {}
-        self.qs: dict[int, list[torch.Tensor]] = {}
-
-    def describe(self, key: int, shapes: list[torch.Size]) -> None:
-        """The shapes of the tensors that make up buffer `key`, in order."""
-        self.shapes[key] = [torch.Size(s) for s in shapes]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = super().state_dict()
-        state.update({f"calls.{k}": torch.tensor(n) for k, n in self.calls.items()})
-        for k, qs in self.qs.items():
-            state.update({f"q.{k}.{i}": q for i, q in enumerate(qs)})
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self.calls = {
-            int(k.split(".")[1]): int(v) for k, v in state.items() if k.startswith("calls.")
-        }
-        qs: dict[int, dict[int, torch.Tensor]] = {}
-        for name, q in state.items():
-            if name.startswith("q."):
-                _, key, i = name.split(".")
-                qs.setdefault(int(key), {})[int(i)] = q.clone()
-        self.qs = {k: [by_index[i] for i in sorted(by_index)] for k, by_index in qs.items()}
-
-    def _matrix_rank(self, shape: torch.Size) -> int | None:
-        """The rank to compress a tensor of `shape` with, or None to send it as it is."""
-        if len(shape) < 2:
-            return None
-        n, m = shape[0], shape[1:].numel()
-        r = min(n, m, self.rank)
-        return r if (n + m) * r * self.min_compression_rate < n * m else None
-
-    def reduce_scatter(self, full, shard, group, key) -> None:
-        # The sum of low-rank approximations is not the approximation of each slice: reduce
-        # the whole unit's factors (what they cost is what is sent), keep this rank's slice.
-        total = full.clone()
-        self.reduce(total, group, key)
-        shard.copy_(total.view(group_size(group), -1)[group_rank(group)])
-
-    def reduce(self, buffer, group, key) -> None:
-        self.calls[key] = self.calls.get(key, 0) + 1
-        if self.calls[key] <= self.start_iter:
-            all_reduce(buffer, group=group)
-            return
-        shapes = self.shapes.get(key, [buffer.shape])
-        corrected = self.with_feedback(buffer, key)
-        views = list(corrected.split([s.numel() for s in shapes]))
-        ranks = [self._matrix_rank(s) for s in shapes]
-        matrices = [v.view(s[0], -1) for v, s, r in zip(views, shapes, ranks, strict=True) if r]
-        plain = [v for v, r in zip(views, ranks, strict=True) if r is None]
-        if key not in self.qs:  # the same seed on every rank: the same random start
-            self.qs[key] = [
-                torch.randn(m.shape[1], r, generator=self.generator).to(m)
-                for m, r in zip(matrices, filter(None, ranks), strict=True)
-            ]
-        qs = [orthogonalize(q.to(m)) for q, m in zip(self.qs[key], matrices, strict=True)]
-        flat_plain = torch.cat(plain) if plain else corrected.new_empty(0)
-        ps = [m @ q for m, q in zip(matrices, qs, strict=True)]
-        # Two rounds of messages: the uncompressed tensors with the Ps, then the Qs.
-        self._all_reduce_together([flat_plain, *ps], group)
-        ps = [orthogonalize(p) for p in ps]
-        qs = [m.t() @ p for m, p in zip(matrices, ps, strict=True)]
-        self._all_reduce_together(qs, group)
-        self.qs[key] = qs
-        approx = [p @ q.t() for p, q in zip(ps, qs, strict=True)]
-        out, offset_plain, matrix_iter = [], 0, iter(approx)
-        for v, r in zip(views, ranks, strict=True):
-            if r is None:
-                out.append(flat_plain[offset_plain : offset_plain + v.numel()])
-                offset_plain += v.numel()
-            else:
-                out.append(next(matrix_iter).reshape(-1))
-        total = torch.cat(out)
-        n = group_size(group)
-        self.residuals[key] = corrected - total / n  # this rank's share of what was lost
-        buffer.copy_(total)
-
-    @staticmethod
-    def _all_reduce_together(tensors: list[torch.Tensor], group) -> None:
-        """One message for many tensors: flatten, all-reduce, copy back."""
-        tensors = [t for t in tensors if t.numel()]
-        if not tensors:
-            return
-        flat = flatten(tensors)
-        all_reduce(flat, group=group)
-        for t, piece in zip(tensors, unflatten(flat, tensors), strict=True):
-            t.copy_(piece)
-
-
-CODEC_SPEC = "fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or powersgd:RANK[:WARMUP]"
-
-
-def make_codec(spec: str) -> Codec:
-    """`fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01`, `sign`, `powersgd:4[:START]`."""
-    codec = _codec(spec)
-    codec.spec = spec
-    return codec
-
-
-def _codec(spec: str) -> Codec:
-    name, _, arg = spec.partition(":")
-    try:
-        if name == "fp16":
-            return CastCodec(torch.float16)
-        if name == "bf16":
-            return CastCodec(torch.bfloat16)
-        if name == "int8":
-            return Int8Codec()
-        if name in ("topk", "randomk"):
-            ratio = float(arg) if arg else 0.01
-            return TopK(ratio) if name == "topk" else RandomK(ratio)
-        if name == "sign":
-            return SignCodec()
-        if name == "powersgd":  # powersgd:RANK or powersgd:RANK:START_ITER
-            rank, _, start = arg.partition(":")
-            return PowerSGD(int(rank) if rank else 4, start_iter=int(start) if start else 0)
-    except ValueError as e:
-        if "must be" in str(e):
-            raise
-    raise ValueError(f"compression must be {CODEC_SPEC}, got {spec!r}")
-
-
-def codec_fingerprint(spec: str | None) -> int:
-    """A number that two ends of a connection compare to agree on a codec (0: none)."""
-    return 0 if spec is None else zlib.crc32(spec.encode()) or 1
-
-
-class CompressedAllReduce(ThreadedAllReduce):
-    """A DDP all-reduce algorithm that runs a codec on the communication thread."""
-
-    def __init__(self, codec: Codec, timeout: timedelta | None) -> None:
-        super().__init__()
-        self.codec = codec
-        self.op = f"compressed_{codec.name}"
-        self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
-        self.index: dict[int, int] = {}  # a buffer's address -> its index (the codec's key)
-
-    def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
-        # A bucket's buffer lives as long as the model: its address finds its index.
-        key = self.index.setdefault(buffer.data_ptr(), len(self.index))
-        self.codec.describe(key, shapes)
-
-    def _run(self, buffer: torch.Tensor) -> None:
-        key = self.index.setdefault(buffer.data_ptr(), len(self.index))
-        self.codec.reduce(buffer, self.group, key=key)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.codec.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.codec.load_state_dict(state)
-
-
-class CompressedReduceScatter:
-    """ZeRO's reduce-scatter of flat units through a codec, asynchronously: on a thread and a
-    process group of its own (as `CompressedAllReduce`), so backward runs on meanwhile and the
-    codec's messages never interleave with the training thread's collectives."""
-
-    def __init__(self, codec: Codec, timeout: timedelta | None) -> None:
-        self.codec = codec
-        self.op = f"compressed_{codec.name}"
-        self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-codec")
-
-    def describe(self, key: int, shapes: list[torch.Size]) -> None:
-        self.codec.describe(key, shapes)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.codec.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.codec.load_state_dict(state)
-
-    def start(self, full: torch.Tensor, shard: torch.Tensor, key: int) -> Handle:
-        """Begin writing into `shard` this rank's slice of the sum of every rank's `full`."""
-        return Handle(self.op, self._thread.submit(self._run, full, shard, key), None)
-
-    def _run(self, full: torch.Tensor, shard: torch.Tensor, key: int) -> None:
-        with stats.background():
-            self.codec.reduce_scatter(full, shard, self.group, key)
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)

@@ -23,14 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.comm.compression import (
-    WireCodec,
-    codec_fingerprint,
-    from_bytes,
-    make_codec,
-    to_bytes,
-    wire_nbytes,
-)
+from shardwise.comm.compressed_collectives import codec_fingerprint, make_codec
+from shardwise.comm.compression import WireCodec, from_bytes, to_bytes, wire_nbytes
 
 PS_CODECS = "fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign"
 

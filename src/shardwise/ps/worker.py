@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from shardwise.comm.compression import codec_fingerprint
+from shardwise.comm.compressed_collectives import codec_fingerprint
 from shardwise.comm.flat import split_bounds, unflatten
 from shardwise.distributed import runtime
 from shardwise.distributed.runtime import Runtime

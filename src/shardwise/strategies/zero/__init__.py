@@ -24,7 +24,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from shardwise.comm.compression import CODEC_SPEC, make_codec
+from shardwise.comm.compressed_collectives import CODEC_SPEC, make_codec
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.meta_init import (
     ParameterSource,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.comm.compression import CompressedReduceScatter, make_codec
+from shardwise.comm.compressed_collectives import CompressedReduceScatter, make_codec
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.meta_init import ParameterSource
 from shardwise.nn.sync_batchnorm import SyncBatchNorm
