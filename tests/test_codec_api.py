@@ -119,6 +119,8 @@ def test_zero_reduce_scatter_through_each_codec():
 def test_zero_compression_is_checked_before_anything_runs():
     with pytest.raises(ValueError, match="compression must be"):
         sw.ZeRO(stage=2, compression="zip")
+    with pytest.raises(ValueError, match="use 'bf16'"):
+        sw.ZeRO(stage=2, compression="topk:0.1", mixed_precision="fp16")
     with pytest.raises(ValueError, match="ps compression must be"):
         sw.ParameterServer(compression="powersgd:4")
     with pytest.raises(ValueError, match="rule 'gradient' and no relays"):

@@ -99,7 +99,7 @@ class Server:
         self.shard = Shard(model, rank, options.servers, optimizer_cls, optimizer_kwargs)
         self.params, self.optimizer = self.shard.params, self.shard.optimizer  # (never replaced)
         self.signature = signature(model)
-        self.codec = compressed.ps_codec(options.compression)  # of pushes (None: fp32)
+        self.push_codec = compressed.ps_codec(options.compression)  # (None: fp32)
         pull_codec = compressed.ps_codec(options.pull_codec)
         self.pulls = compressed.PullMirrors(pull_codec) if pull_codec else None
         self.version = 0
@@ -214,8 +214,8 @@ class Server:
         senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
         # (every receive thread reads on after a DONE: what a client sends after it is refused)
         numel, push_dtype = self.shard.numel, None
-        if self.codec is not None:  # pushes are the codec's bytes
-            numel = max(numel, compressed.wire_size(self.codec, numel))
+        if self.push_codec is not None:  # pushes are the codec's bytes
+            numel = max(numel, compressed.wire_size(self.push_codec, numel))
             push_dtype = torch.uint8
         start_receivers(senders, self.group, self.inbox, set(), numel, push_dtype)
 
@@ -241,9 +241,9 @@ class Server:
     def _decoded(self, h: torch.Tensor, payload) -> tuple[torch.Tensor | None, str | None]:
         """A compressed PUSH's values, decoded after its codec and bytes are checked, or what
         is wrong with it; any other message as it came."""
-        if self.codec is None or Kind(int(h[0])) != Kind.PUSH or payload is None:
+        if self.push_codec is None or Kind(int(h[0])) != Kind.PUSH or payload is None:
             return payload, None
-        values, problem = compressed.read(self.codec, int(h[4]), payload, self.shard.numel)
+        values, problem = compressed.read(self.push_codec, int(h[4]), payload, self.shard.numel)
         return values, problem and f"PUSH {problem}"
 
     def _problem(self, src: int, h: torch.Tensor, payload) -> str | None:

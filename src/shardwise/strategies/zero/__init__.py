@@ -79,6 +79,11 @@ class ZeRO(Strategy):
         compute_dtype(self.mixed_precision)  # validates the name
         if self.compression is not None:
             make_codec(self.compression)  # validates the spec
+            if self.mixed_precision == "fp16":  # (an overflow's inf would stay in a residual)
+                raise ValueError(
+                    f"ZeRO compression={self.compression!r} with mixed_precision='fp16' (loss "
+                    "scaling): use 'bf16', or no compression"
+                )
         if self.offload not in (None, "cpu", "disk"):
             raise ValueError(f"offload must be None, 'cpu' or 'disk', got {self.offload!r}")
         if self.stage not in STAGES:
