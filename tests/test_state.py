@@ -41,6 +41,10 @@ DATA_PARALLEL = {
     "zero2_fp16": lambda: sw.ZeRO(stage=2, mixed_precision="fp16"),
     "zero3_bf16": lambda: sw.ZeRO(stage=3, mixed_precision="bf16"),
     "zero1_cpu_offload": lambda: sw.ZeRO(stage=1, offload="cpu"),
+    # ZeRO's codec state: int8's generator, top-k's residuals per unit, PowerSGD's Qs and count
+    "zero1_int8": lambda: sw.ZeRO(stage=1, bucket_mb=0.0005, compression="int8"),
+    "zero2_topk": lambda: sw.ZeRO(stage=2, bucket_mb=0.0005, compression="topk:0.3"),
+    "zero3_powersgd": lambda: sw.ZeRO(stage=3, compression="powersgd:1:2"),
     "local_sgd": lambda: sw.LocalSGD(period=2, warmup_steps=1),
     "gossip": lambda: sw.Gossip(),
     "hybrid": lambda: sw.Hybrid(global_every=2),

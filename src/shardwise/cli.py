@@ -230,7 +230,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--out", help="JSON result file (comm: output directory)")
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
-    bench.add_argument("--variants", help="balance: equal, weighted, dynamic, queue (commas)")
+    bench.add_argument(
+        "--variants", help="balance: equal, weighted, dynamic, queue; comm: its variants (commas)"
+    )
     bench.add_argument(
         "--confirm", type=int, help="planner: fresh runs of the top choice and the 3 fastest"
     )

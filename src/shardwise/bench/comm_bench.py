@@ -1,7 +1,9 @@
 """Benchmark: what communication costs, per variant, on an emulated multi-host network.
 
 One training run per variant on the same data from the same initial weights: torch DDP, our DDP
-without compression, each codec, and each relaxed strategy. Reported per variant: bytes this
+without compression, each codec, and each relaxed strategy; and torch DDP with its own
+compression hooks (`fp16_compress_hook`, `powerSGD_hook` at our PowerSGD's rank and warm-up),
+the rivals our fp16 and PowerSGD rows are read against. Reported per variant: bytes this
 rank sent per step (our accounting; torch DDP's by the all-reduce formula), compression ratio
 against uncompressed DDP (mean over all steps, and steady state = the median step, which
 excludes PowerSGD's plain warm-up steps), step time, wall-clock to reach a target training
@@ -9,7 +11,7 @@ loss, and final loss; a PNG of loss against wall-clock; one JSON line. For Power
 reduction, sum of m*n over sum of (m+n)*r (uncompressed tensors counted whole), is printed
 beside the measured one.
 
-Run: shardwise bench comm --hosts 2 --rate 100mbit   (needs network namespaces; see
+Run: shardwise bench comm --models mlp --rate 100mbit   (needs network namespaces; see
 `shardwise.distributed.emulated_cluster`; without them it runs on loopback and says so)
 """
 
@@ -25,26 +27,33 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from shardwise.comm.compression import PowerSGD
+from shardwise.comm.powersgd import PowerSGD
 from shardwise.data.datasets import digits, text
 from shardwise.job_sections import resolve_data_path
 from shardwise.nn.models import MLP, TinyGPT, lm_loss, num_parameters
 
-VARIANTS = {
+POWERSGD_RANK, POWERSGD_WARMUP = 4, 10  # ours ('powersgd:RANK:WARMUP') and torch's alike
+
+VARIANTS = {  # (None: torch's DDP, with the hook its name says)
     "torch_ddp": None,
     "ddp": lambda: sw.DDP(),
     "fp16": lambda: sw.DDP(compression="fp16"),
+    "torch_fp16_hook": None,  # torch DDP + fp16_compress_hook
     "bf16": lambda: sw.DDP(compression="bf16"),
     "int8": lambda: sw.DDP(compression="int8"),
     "topk_1%": lambda: sw.DDP(compression="topk:0.01"),
     "randomk_1%": lambda: sw.DDP(compression="randomk:0.01"),
     "sign": lambda: sw.DDP(compression="sign"),
-    "powersgd_r4": lambda: sw.DDP(compression="powersgd:4:10"),  # 10 plain steps first
+    "powersgd_r4": lambda: sw.DDP(compression=f"powersgd:{POWERSGD_RANK}:{POWERSGD_WARMUP}"),
+    "torch_powersgd_r4": None,  # torch DDP + powerSGD_hook, the same rank and warm-up
     "local_sgd_h4": lambda: sw.LocalSGD(period=4),
     "gossip_ring": lambda: sw.Gossip(topology="ring"),
     "adaptive": lambda: sw.AdaptiveSync(threshold=0.02),
 }
 
+
+# Each of our rows beside torch's equivalent: the table's "vs torch" column.
+RIVALS = {"ddp": "torch_ddp", "fp16": "torch_fp16_hook", "powersgd_r4": "torch_powersgd_r4"}
 
 DEFAULT_TARGET = {"gpt": 2.6, "mlp": 0.3}  # training losses both models reach in 60 steps
 
@@ -69,11 +78,54 @@ def ideal_powersgd_ratio(model: nn.Module, rank: int = 4) -> float:
     return full / sent
 
 
+def torch_ddp(module: nn.Module, key: str) -> nn.parallel.DistributedDataParallel:
+    """torch's DDP, with the comm hook that variant `key` names (none for torch_ddp)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    # Buckets of 25 MiB as ours, the first one too (torch's default makes it 1 MiB): with two
+    # buckets, powerSGD_hook's second all-reduce, issued from a gloo callback thread, can
+    # interleave with the next bucket's first one from the training thread, and gloo aborts on
+    # the mismatch (seen here on the emulated network).
+    model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=25)
+    if key == "torch_fp16_hook":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif key == "torch_powersgd_r4":
+        state = torch_powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=POWERSGD_WARMUP,
+            min_compression_rate=2,  # ours too: compress a matrix that shrinks at least 2x
+        )
+        model.register_comm_hook(state, torch_powersgd.powerSGD_hook)
+    return model
+
+
+def torch_bytes(key: str, model: nn.Module, step: int) -> int:
+    """What torch's DDP sends per rank in `step` (0-based), which our accounting does not see:
+    the ring all-reduce volume of what its hook all-reduces (fp32, fp16, or PowerSGD's
+    factors and uncompressed tensors after the warm-up)."""
+    world = dist.get_world_size()
+    ring = lambda nbytes: 2 * (world - 1) * nbytes // world  # noqa: E731
+    params = num_parameters(model)
+    if key == "torch_fp16_hook":
+        return ring(2 * params)
+    if key == "torch_powersgd_r4" and step >= POWERSGD_WARMUP:
+        codec = PowerSGD(POWERSGD_RANK)
+        values = sum(
+            (p.shape[0] + p[0].numel()) * r if (r := codec._matrix_rank(p.shape)) else p.numel()
+            for p in model.parameters()
+        )
+        return ring(4 * values)
+    return ring(4 * params)
+
+
 def train_variant(key: str, model_name: str, steps: int) -> dict:
     factory, dataset, batch, loss_fn, lr = workload(model_name)
     torch.manual_seed(0)
-    if key == "torch_ddp":
-        model = nn.parallel.DistributedDataParallel(factory())
+    rival = key.startswith("torch_")
+    if rival:
+        model = torch_ddp(factory(), key)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
     else:
         model, opt = sw.prepare(factory(), VARIANTS[key](), optimizer=torch.optim.AdamW, lr=lr)
@@ -84,7 +136,7 @@ def train_variant(key: str, model_name: str, steps: int) -> dict:
     curve, sent = [], []
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
         x, y = next(batches)
         sw.comm.stats.end_step()
         loss = loss_fn(model(x), y)
@@ -92,13 +144,13 @@ def train_variant(key: str, model_name: str, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         step_bytes = sw.comm.stats.end_step().bytes
-        if key == "torch_ddp":  # not through our layer: the ring all-reduce volume
-            step_bytes = 2 * (world - 1) * 4 * params // world
+        if rival:  # not through our layer: the ring all-reduce volume of what it reduces
+            step_bytes = torch_bytes(key, model, step)
         sent.append(step_bytes)
         mean = loss.detach().reshape(1).clone()
         dist.all_reduce(mean)
         curve.append((time.perf_counter() - start, mean.item() / world))
-    if key != "torch_ddp":
+    if not rival:
         model.close()
     steady = sorted(sent)[len(sent) // 2]  # median: PowerSGD's warm-up steps send plain grads
     return {
@@ -110,8 +162,10 @@ def train_variant(key: str, model_name: str, steps: int) -> dict:
 
 
 def summarise(results: dict, target: float, ideal: float) -> dict:
-    base = results["ddp"]["bytes_per_step"]
-    steady_base = results["ddp"]["steady_bytes_per_step"]
+    # Ratios against our uncompressed DDP, or torch's when only that ran (the same bytes).
+    plain = results.get("ddp") or results.get("torch_ddp")
+    base = plain["bytes_per_step"] if plain else 0
+    steady_base = plain["steady_bytes_per_step"] if plain else 0
     relaxed = ("local_sgd", "gossip", "adaptive")  # no steady per-step volume: it varies by design
     table = {}
     for key, r in results.items():
@@ -121,22 +175,37 @@ def summarise(results: dict, target: float, ideal: float) -> dict:
         reached = next((curve[i][0] for i, v in enumerate(smooth) if v <= target), None)
         table[key] = {
             "bytes_per_step": r["bytes_per_step"],
-            "compression_ratio": base / r["bytes_per_step"] if r["bytes_per_step"] else None,
+            "compression_ratio": base / r["bytes_per_step"]
+            if base and r["bytes_per_step"]
+            else None,
             "steady_bytes_per_step": r["steady_bytes_per_step"],
             "steady_ratio": (
                 steady_base / r["steady_bytes_per_step"]
-                if r["steady_bytes_per_step"] and not key.startswith(relaxed)
+                if steady_base and r["steady_bytes_per_step"] and not key.startswith(relaxed)
                 else None
             ),
             "step_time_s": curve[-1][0] / len(curve),
             "time_to_target_s": reached,
             "final_loss": smooth[-1],
         }
+    for ours, theirs in RIVALS.items():
+        if ours in table and theirs in table:
+            table[ours]["vs_torch"] = versus(table[ours], table[theirs])
     if "powersgd_r4" in table:
         psgd = table["powersgd_r4"]
         psgd["ideal_ratio"] = ideal
         psgd["fraction_of_ideal"] = (psgd["steady_ratio"] or 0) / ideal
     return table
+
+
+def versus(ours: dict, theirs: dict) -> dict:
+    """Ours against torch's equivalent: time to the target loss (ratio, < 1: we are faster)
+    and the final loss (relative difference, < 0: ours is lower)."""
+    a, b = ours["time_to_target_s"], theirs["time_to_target_s"]
+    return {
+        "time_to_target_ratio": a / b if a is not None and b else None,
+        "final_loss_diff": (ours["final_loss"] - theirs["final_loss"]) / theirs["final_loss"],
+    }
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -154,7 +223,7 @@ def plot(results: dict, path: Path, title: str) -> None:
             v,
             label=key,
             color=colors[(2 * i) % 20 + (2 * i) // 20],
-            linewidth=2 if key in ("torch_ddp", "powersgd_r4") else 1,
+            linewidth=2 if key in ("torch_ddp", "powersgd_r4", "torch_powersgd_r4") else 1,
         )
     ax.set_xlabel("wall-clock (s)")
     ax.set_ylabel("training loss (mean over ranks)")
@@ -217,6 +286,7 @@ def print_table(table: dict, title: str) -> None:
         "step s",
         "to target s",
         "final loss",
+        "vs torch: time, loss",
     )
     for col in columns:
         t.add_column(col, justify="right")
@@ -227,6 +297,11 @@ def print_table(table: dict, title: str) -> None:
             steady += f" (ideal {v['ideal_ratio']:.1f}x, {v['fraction_of_ideal']:.0%})"
         reached = f"{v['time_to_target_s']:.1f}" if v["time_to_target_s"] is not None else "never"
         steady_bytes = f"{v['steady_bytes_per_step'] / 2**20:.3f} MiB" if v["steady_ratio"] else "-"
+        rival = "-"
+        if vs := v.get("vs_torch"):
+            ratio_t = vs["time_to_target_ratio"]
+            time_text = f"{ratio_t:.2f}x" if ratio_t is not None else "n/a"
+            rival = f"{time_text}, {vs['final_loss_diff']:+.1%}"
         t.add_row(
             key,
             f"{v['bytes_per_step'] / 2**20:.3f} MiB",
@@ -236,8 +311,9 @@ def print_table(table: dict, title: str) -> None:
             f"{v['step_time_s']:.2f}",
             reached,
             f"{v['final_loss']:.4f}",
+            rival,
         )
-    Console(width=120).print(t)
+    Console(width=150).print(t)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ def run_comm_benchmark(args: argparse.Namespace) -> int:
     argv += ["--out-dir", args.out or default_out("comm")]
     if args.target_loss:
         argv += ["--target-loss", str(args.target_loss)]
+    if args.variants:  # e.g. ddp,fp16,torch_fp16_hook,powersgd_r4,torch_powersgd_r4
+        argv += ["--variants", args.variants]
     if not emulated_cluster.available():
         print("shardwise: no network namespaces here: measuring on loopback instead")
         launch(["shardwise.bench.comm_bench", *argv, "--network", "loopback"], args.world_size)

@@ -23,6 +23,7 @@ def native_volume(op: str, nbytes: int, group_size: int, is_root: bool = False) 
 
     all_reduce: ring reduce-scatter + all-gather, 2(n-1)/n of the payload.
     all_gather / reduce_scatter: (n-1)/n of the full (gathered / unscattered) payload.
+    all_to_all: (n-1)/n of the payload (every chunk but this rank's own, sent once, directly).
     broadcast: the root sends the payload once to each other rank (flat tree).
     reduce: every non-root rank sends its payload once to the root (flat tree).
     """
@@ -31,7 +32,7 @@ def native_volume(op: str, nbytes: int, group_size: int, is_root: bool = False) 
         return 0
     if op == "all_reduce":
         return 2 * (n - 1) * nbytes // n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * nbytes // n
     if op == "broadcast":
         return (n - 1) * nbytes if is_root else 0

@@ -187,6 +187,25 @@ def reduce_scatter_tensor(
     )
 
 
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Split `tensor` into group-size equal chunks, chunk r to rank r; `output` receives rank
+    r's chunk for this rank at place r. This rank sends every chunk but its own."""
+    volume = native_volume("all_to_all", _nbytes(tensor), group_size(group))
+    return _issue(
+        "all_to_all",
+        volume,
+        lambda: dist.all_to_all_single(output, tensor, group=group, async_op=True),
+        async_op,
+        group,
+        tensor,
+    )
+
+
 def exchange(
     sends: Sequence[tuple[torch.Tensor, int]],
     recvs: Sequence[tuple[torch.Tensor, int]],

@@ -1,43 +1,54 @@
-"""Gradient compression codecs: send fewer bytes per gradient bucket.
+"""Gradient compression codecs: send fewer bytes per gradient bucket, unit or message.
 
-Each codec turns a flat (already world-size-divided) gradient buffer into the sum over ranks,
-approximately, while sending less. Two shapes of exchange exist:
+One codec serves every collective that moves gradients: DDP's all-reduce of a bucket
+(`reduce`), ZeRO's reduce-scatter of a flat unit (`reduce_scatter`) and, for codecs whose
+message is one rank's encoding of a flat tensor (`WireCodec`: `encode`/`decode`, a fixed
+layout per length), the parameter server's pushes and pulls (`ps/compressed.py`).
+The exchange follows from what can be summed on the wire:
 
-- cast codecs (`fp16`, `bf16`) all-reduce a lower-precision copy: sums stay meaningful;
+- cast codecs (`fp16`, `bf16`) all-reduce or reduce-scatter a lower-precision copy;
 - quantising and sparsifying codecs (`int8`, `topk`, `randomk`, `sign`) cannot be summed on the
-  wire (int8 overflows, sparse indices differ by rank), so each rank's encoding is all-gathered
-  and every rank decodes and sums all of them.
+  wire (int8 overflows, sparse indices differ by rank): for an all-reduce each rank's encoding
+  is all-gathered and every rank decodes and sums all of them; for a reduce-scatter each rank
+  encodes each destination's chunk, an all-to-all hands every rank the encodings of its own
+  chunk, and it decodes and sums only those;
+- PowerSGD all-reduces low-rank factors (sums of factors are meaningful); a reduce-scatter
+  all-reduces the factors of the whole unit and keeps the owned slice.
 
-Biased codecs (top-k, random-k, sign) keep **error feedback** (Seide et al. 2014; Karimireddy
-et al. 2019): what a step did not send is added to the next step's gradient, so nothing is
-lost, only delayed. State is kept per buffer, keyed by the buffer's index (the order in which
-the strategy describes its buffers), and `state_dict` saves all of it, random generators
+Biased codecs (top-k, random-k, sign, PowerSGD) keep **error feedback** (Seide et al. 2014;
+Karimireddy et al. 2019): what a step did not send is added to the next step's gradient, so
+nothing is lost, only delayed. State is kept per buffer, keyed by the buffer's index (DDP's
+bucket, ZeRO's unit, the PS's server), and `state_dict` saves all of it, random generators
 included, so a resumed run continues bit-identically.
 The bytes counted by the accounting layer are those of the tensors really exchanged.
+PowerSGD lives in `powersgd.py`; codecs by name and the asynchronous collectives that run them
+(DDP's, ZeRO's) in `compressed_collectives.py`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from shardwise.comm.algorithms import ThreadedAllReduce
 from shardwise.comm.collectives import (
     ProcessGroup,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all_single,
     group_size,
+    reduce_scatter_tensor,
 )
-from shardwise.comm.flat import flatten, unflatten
+
+Layout = list[tuple[torch.dtype, int]]  # an encoding's tensors: dtype and length of each
 
 
 class Codec(ABC):
-    """Compress-exchange-decompress for one flat buffer, in place."""
+    """Compress-exchange-decompress of one flat buffer: the sum over the group, or this rank's
+    slice of it, approximately, in fewer bytes."""
 
     name = "codec"
+    spec = "codec"  # the string `make_codec` was given
 
     def __init__(self) -> None:
         self.residuals: dict[int, torch.Tensor] = {}
@@ -46,6 +57,13 @@ class Codec(ABC):
     @abstractmethod
     def reduce(self, buffer: torch.Tensor, group: ProcessGroup | None, key: int) -> None:
         """Replace `buffer` (this rank's contribution) by the decoded sum over the group."""
+
+    @abstractmethod
+    def reduce_scatter(
+        self, full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, key: int
+    ) -> None:
+        """Write into `shard` this rank's slice (group-rank order) of the decoded sum of every
+        rank's `full` (whose length the group size divides). `full` is left as it was."""
 
     def describe(self, key: int, shapes: list[torch.Size]) -> None:  # noqa: B027 - optional
         """Buffer `key` holds tensors of `shapes` (PowerSGD compresses each matrix)."""
@@ -75,29 +93,115 @@ class Codec(ABC):
         self.residuals[key] = corrected - sent
 
 
-class CastCodec(Codec):
-    """All-reduce in fp16 or bf16: half the bytes, rounding error only."""
+class WireCodec(Codec):
+    """A codec whose message is one rank's encoding of a flat tensor: a few tensors of a fixed
+    layout for a given length (`layout`), sent as one uint8 message (`to_bytes`) and checked
+    when read from outside (`problem`). Error feedback, where `feedback` is set, keeps what
+    `decode(encode(x))` lost of `x`."""
+
+    feedback = False
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors that stand for the flat tensor `x`, laid out as `layout(x.numel())`."""
+
+    @abstractmethod
+    def decode(self, parts: list[torch.Tensor], numel: int) -> torch.Tensor:
+        """The flat float32 tensor of `numel` values that `parts` stand for."""
+
+    @abstractmethod
+    def layout(self, numel: int) -> Layout:
+        """(dtype, length) of each tensor that `encode` makes of `numel` values."""
+
+    def problem(self, parts: list[torch.Tensor], numel: int) -> str | None:
+        """What is wrong with an encoding read from outside (None: it decodes safely)."""
+        floats = [p for p in parts if p.is_floating_point()]
+        if any(not bool(p.isfinite().all()) for p in floats):
+            return f"{self.name} encoding holds non-finite values"
+        return None
+
+    def encode_chunks(self, x: torch.Tensor, key: int, chunks: int = 1) -> list[list[torch.Tensor]]:
+        """The encodings of `chunks` equal slices of `x` (plus, with error feedback, what
+        earlier calls for `key` left unsent; what this one leaves is kept)."""
+        corrected = self.with_feedback(x, key) if self.feedback else x
+        encoded = [self.encode(c) for c in corrected.view(chunks, -1)]
+        if self.feedback:
+            m = corrected.numel() // chunks
+            sent = torch.cat([self.decode(e, m).to(corrected) for e in encoded])
+            self.keep_residual(key, corrected, sent)
+        return encoded
+
+    def reduce(self, buffer, group, key) -> None:
+        (parts,) = self.encode_chunks(buffer, key)
+        mine = to_bytes(parts)
+        n = group_size(group)
+        everyone = torch.empty(n, mine.numel(), dtype=torch.uint8, device=mine.device)
+        all_gather_into_tensor(everyone.view(-1), mine, group=group)
+        buffer.copy_(self._decode_sum(everyone, buffer.numel()))
+
+    def reduce_scatter(self, full, shard, group, key) -> None:
+        n = group_size(group)
+        outgoing = torch.stack([to_bytes(e) for e in self.encode_chunks(full, key, n)])
+        incoming = torch.empty_like(outgoing)  # row r: rank r's encoding of this rank's chunk
+        all_to_all_single(incoming.view(-1), outgoing.view(-1), group=group)
+        shard.copy_(self._decode_sum(incoming, shard.numel()))
+
+    def _decode_sum(self, rows: torch.Tensor, numel: int) -> torch.Tensor:
+        """The sum of the decoded encodings, one per row of uint8 `rows`."""
+        layout = self.layout(numel)
+        return sum(self.decode(from_bytes(row, layout), numel) for row in rows)
+
+
+def to_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """An encoding's tensors end to end as one uint8 message (the bytes on the wire)."""
+    return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+
+
+def wire_nbytes(layout: Layout) -> int:
+    return sum(n * torch.empty(0, dtype=d).element_size() for d, n in layout)
+
+
+def from_bytes(message: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """The tensors of `layout` read back from a `to_bytes` message (of exactly that size)."""
+    assert message.numel() == wire_nbytes(layout), "check the length before reading"
+    parts, offset = [], 0
+    for dtype, n in layout:
+        size = n * torch.empty(0, dtype=dtype).element_size()
+        # (a copy: a slice at an odd offset cannot be viewed as a wider dtype)
+        parts.append(message[offset : offset + size].clone().view(dtype))
+        offset += size
+    return parts
+
+
+class CastCodec(WireCodec):
+    """All-reduce (or reduce-scatter) in fp16 or bf16: half the bytes, rounding error only."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
+    def encode(self, x):
+        return [x.to(self.dtype)]
+
+    def decode(self, parts, numel):
+        return parts[0].to(torch.float32)
+
+    def layout(self, numel):
+        return [(self.dtype, numel)]
+
     def reduce(self, buffer, group, key) -> None:
         low = buffer.to(self.dtype)
         all_reduce(low, group=group)
         buffer.copy_(low)
 
-
-def _gather(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """All ranks' equal-sized tensors stacked along a new first dimension."""
-    n = group_size(group)
-    out = torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=group)
-    return out
+    def reduce_scatter(self, full, shard, group, key) -> None:
+        low = torch.empty(shard.numel(), dtype=self.dtype, device=shard.device)
+        reduce_scatter_tensor(low, full.to(self.dtype), group=group)
+        shard.copy_(low)
 
 
-class Int8Codec(Codec):
+class Int8Codec(WireCodec):
     """QSGD-style stochastic quantisation to int8 with one fp32 scale per buffer: unbiased,
     E[decode(encode(x))] = x, and about a quarter of fp32's bytes (Alistarh et al. 2017)."""
 
@@ -108,25 +212,26 @@ class Int8Codec(Codec):
         super().__init__()
         self.generator = torch.Generator().manual_seed(seed)
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x):
+        x = x.to(torch.float32)
         scale = x.abs().max().clamp_min(torch.finfo(x.dtype).tiny).reshape(1)
         scaled = x / scale * self.levels
         noise = torch.rand(x.shape, generator=self.generator, dtype=x.dtype).to(x.device)
         # floor(v + u), u ~ U[0, 1): rounds up with probability frac(v), so the mean is v.
-        return torch.floor(scaled + noise).to(torch.int8), scale.to(torch.float32)
+        return [torch.floor(scaled + noise).to(torch.int8), scale]
 
-    def decode(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def decode(self, parts, numel):
+        q, scale = parts
         return q.to(torch.float32) * (scale / self.levels)
 
-    def reduce(self, buffer, group, key) -> None:
-        q, scale = self.encode(buffer)
-        qs, scales = _gather(q, group), _gather(scale, group)
-        total = sum(self.decode(qs[r], scales[r]) for r in range(qs.shape[0]))
-        buffer.copy_(total)
+    def layout(self, numel):
+        return [(torch.int8, numel), (torch.float32, 1)]
 
 
-class SparseCodec(Codec):
+class SparseCodec(WireCodec):
     """Send `ratio` of the coordinates (values and int32 indices), with error feedback."""
+
+    feedback = True
 
     def __init__(self, ratio: float, seed: int = 0) -> None:
         super().__init__()
@@ -139,18 +244,26 @@ class SparseCodec(Codec):
     def select(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Indices of the k coordinates to send."""
 
-    def reduce(self, buffer, group, key) -> None:
-        corrected = self.with_feedback(buffer, key)
-        k = max(1, int(corrected.numel() * self.ratio))
-        indices = self.select(corrected, k)
-        values = corrected[indices]
-        sent = torch.zeros_like(corrected)
-        sent[indices] = values
-        self.keep_residual(key, corrected, sent)
-        all_values = _gather(values, group)
-        all_indices = _gather(indices.to(torch.int32), group).long()
-        buffer.zero_()
-        buffer.index_add_(0, all_indices.view(-1), all_values.view(-1))
+    def k(self, numel: int) -> int:
+        return max(1, int(numel * self.ratio)) if numel else 0
+
+    def encode(self, x):
+        indices = self.select(x, self.k(x.numel()))
+        return [x[indices].to(torch.float32), indices.to(torch.int32)]
+
+    def decode(self, parts, numel):
+        values, indices = parts
+        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+        return out.index_add_(0, indices.long(), values)
+
+    def layout(self, numel):
+        return [(torch.float32, self.k(numel)), (torch.int32, self.k(numel))]
+
+    def problem(self, parts, numel):
+        indices = parts[1]
+        if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < numel):
+            return f"{self.name} indices out of [0, {numel})"
+        return super().problem(parts, numel)
 
 
 class TopK(SparseCodec):
@@ -186,184 +299,19 @@ def unpack_signs(words: torch.Tensor, numel: int) -> torch.Tensor:
     return (bits.view(-1)[:numel] * 2 - 1).to(torch.float32)
 
 
-class SignCodec(Codec):
+class SignCodec(WireCodec):
     """1-bit compression: signs times one scale (mean |x|), with error feedback (Bernstein et
     al., signSGD, 2018; Seide et al., 1-bit SGD, 2014)."""
 
     name = "sign"
+    feedback = True
 
-    def reduce(self, buffer, group, key) -> None:
-        corrected = self.with_feedback(buffer, key)
-        scale = corrected.abs().mean().reshape(1)
-        words = pack_signs(corrected)
-        sent = unpack_signs(words, corrected.numel()).to(corrected.dtype) * scale
-        self.keep_residual(key, corrected, sent)
-        all_words, scales = _gather(words, group), _gather(scale, group)
-        total = sum(
-            unpack_signs(all_words[r], buffer.numel()).to(buffer.dtype) * scales[r]
-            for r in range(all_words.shape[0])
-        )
-        buffer.copy_(total)
+    def encode(self, x):
+        return [pack_signs(x), x.abs().mean().reshape(1).to(torch.float32)]
 
+    def decode(self, parts, numel):
+        words, scale = parts
+        return unpack_signs(words, numel) * scale
 
-def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning `matrix`'s (reduced QR; column signs do not matter here,
-    since P's and Q's signs cancel in P Q^T)."""
-    return torch.linalg.qr(matrix).Q
-
-
-class PowerSGD(Codec):
-    """Rank-r PowerSGD (Vogels et al., NeurIPS 2019): one power-iteration step per matrix.
-
-    For each gradient matrix M (n x m, with error feedback added): P = M Q, all-reduced and
-    orthogonalised; Q = M^T P, all-reduced; the result is P Q^T. Q is kept for the next step
-    (warm start). Tensors that would not shrink at least `min_compression_rate` times (biases,
-    small matrices) are all-reduced uncompressed. Each rank keeps as its error its corrected
-    gradient minus its share (1/n) of the aggregated approximation.
-    """
-
-    name = "powersgd"
-
-    def __init__(
-        self, rank: int = 4, min_compression_rate: float = 2.0, seed: int = 0, start_iter: int = 0
-    ) -> None:
-        super().__init__()
-        if rank < 1:
-            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
-        self.rank, self.min_compression_rate = rank, min_compression_rate
-        # Plain all-reduce for the first `start_iter` reductions of each buffer: the start of
-        # training is the most sensitive to approximate gradients (torch's start_powerSGD_iter).
-        self.start_iter = start_iter
-        self.calls: dict[int, int] = {}
-        self.generator = torch.Generator().manual_seed(seed)
-        self.shapes: dict[int, list[torch.Size]] = {}
-        self.qs: dict[int, list[torch.Tensor]] = {}
-
-    def describe(self, key: int, shapes: list[torch.Size]) -> None:
-        """The shapes of the tensors that make up buffer `key`, in order."""
-        self.shapes[key] = [torch.Size(s) for s in shapes]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = super().state_dict()
-        state.update({f"calls.{k}": torch.tensor(n) for k, n in self.calls.items()})
-        for k, qs in self.qs.items():
-            state.update({f"q.{k}.{i}": q for i, q in enumerate(qs)})
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self.calls = {
-            int(k.split(".")[1]): int(v) for k, v in state.items() if k.startswith("calls.")
-        }
-        qs: dict[int, dict[int, torch.Tensor]] = {}
-        for name, q in state.items():
-            if name.startswith("q."):
-                _, key, i = name.split(".")
-                qs.setdefault(int(key), {})[int(i)] = q.clone()
-        self.qs = {k: [by_index[i] for i in sorted(by_index)] for k, by_index in qs.items()}
-
-    def _matrix_rank(self, shape: torch.Size) -> int | None:
-        """The rank to compress a tensor of `shape` with, or None to send it as it is."""
-        if len(shape) < 2:
-            return None
-        n, m = shape[0], shape[1:].numel()
-        r = min(n, m, self.rank)
-        return r if (n + m) * r * self.min_compression_rate < n * m else None
-
-    def reduce(self, buffer, group, key) -> None:
-        self.calls[key] = self.calls.get(key, 0) + 1
-        if self.calls[key] <= self.start_iter:
-            all_reduce(buffer, group=group)
-            return
-        shapes = self.shapes.get(key, [buffer.shape])
-        corrected = self.with_feedback(buffer, key)
-        views = list(corrected.split([s.numel() for s in shapes]))
-        ranks = [self._matrix_rank(s) for s in shapes]
-        matrices = [v.view(s[0], -1) for v, s, r in zip(views, shapes, ranks, strict=True) if r]
-        plain = [v for v, r in zip(views, ranks, strict=True) if r is None]
-        if key not in self.qs:  # the same seed on every rank: the same random start
-            self.qs[key] = [
-                torch.randn(m.shape[1], r, generator=self.generator).to(m)
-                for m, r in zip(matrices, filter(None, ranks), strict=True)
-            ]
-        qs = [orthogonalize(q.to(m)) for q, m in zip(self.qs[key], matrices, strict=True)]
-        flat_plain = torch.cat(plain) if plain else corrected.new_empty(0)
-        ps = [m @ q for m, q in zip(matrices, qs, strict=True)]
-        # Two rounds of messages: the uncompressed tensors with the Ps, then the Qs.
-        self._all_reduce_together([flat_plain, *ps], group)
-        ps = [orthogonalize(p) for p in ps]
-        qs = [m.t() @ p for m, p in zip(matrices, ps, strict=True)]
-        self._all_reduce_together(qs, group)
-        self.qs[key] = qs
-        approx = [p @ q.t() for p, q in zip(ps, qs, strict=True)]
-        out, offset_plain, matrix_iter = [], 0, iter(approx)
-        for v, r in zip(views, ranks, strict=True):
-            if r is None:
-                out.append(flat_plain[offset_plain : offset_plain + v.numel()])
-                offset_plain += v.numel()
-            else:
-                out.append(next(matrix_iter).reshape(-1))
-        total = torch.cat(out)
-        n = group_size(group)
-        self.residuals[key] = corrected - total / n  # this rank's share of what was lost
-        buffer.copy_(total)
-
-    @staticmethod
-    def _all_reduce_together(tensors: list[torch.Tensor], group) -> None:
-        """One message for many tensors: flatten, all-reduce, copy back."""
-        tensors = [t for t in tensors if t.numel()]
-        if not tensors:
-            return
-        flat = flatten(tensors)
-        all_reduce(flat, group=group)
-        for t, piece in zip(tensors, unflatten(flat, tensors), strict=True):
-            t.copy_(piece)
-
-
-def make_codec(spec: str) -> Codec:
-    """`fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01`, `sign`, `powersgd:4[:START]`."""
-    name, _, arg = spec.partition(":")
-    if name == "fp16":
-        return CastCodec(torch.float16)
-    if name == "bf16":
-        return CastCodec(torch.bfloat16)
-    if name == "int8":
-        return Int8Codec()
-    if name in ("topk", "randomk"):
-        ratio = float(arg) if arg else 0.01
-        return TopK(ratio) if name == "topk" else RandomK(ratio)
-    if name == "sign":
-        return SignCodec()
-    if name == "powersgd":  # powersgd:RANK or powersgd:RANK:START_ITER
-        rank, _, start = arg.partition(":")
-        return PowerSGD(int(rank) if rank else 4, start_iter=int(start) if start else 0)
-    raise ValueError(
-        "compression must be fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
-        f"powersgd:RANK, got {spec!r}"
-    )
-
-
-class CompressedAllReduce(ThreadedAllReduce):
-    """A DDP all-reduce algorithm that runs a codec on the communication thread."""
-
-    def __init__(self, codec: Codec, timeout: timedelta | None) -> None:
-        super().__init__()
-        self.codec = codec
-        self.op = f"compressed_{codec.name}"
-        self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
-        self.index: dict[int, int] = {}  # a buffer's address -> its index (the codec's key)
-
-    def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
-        # A bucket's buffer lives as long as the model: its address finds its index.
-        key = self.index.setdefault(buffer.data_ptr(), len(self.index))
-        self.codec.describe(key, shapes)
-
-    def _run(self, buffer: torch.Tensor) -> None:
-        key = self.index.setdefault(buffer.data_ptr(), len(self.index))
-        self.codec.reduce(buffer, self.group, key=key)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.codec.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.codec.load_state_dict(state)
+    def layout(self, numel):
+        return [(torch.int32, -(-numel // 32)), (torch.float32, 1)]

@@ -112,16 +112,18 @@ def start_receivers(
     inbox: queue.Queue,
     until_done: set[int] | None = None,
     max_numel: int = 1 << 31,
+    push_dtype: torch.dtype | None = None,
 ) -> None:
     """A thread per peer: (rank, header, payload) into `inbox` for each message; (rank, None,
     ProtocolError) for a header refused before its payload was read (the peer may go on);
     and (rank, None, reason) once its connection closes or breaks, when the thread ends.
-    Threads of the ranks in `until_done` (all when None) end after that peer's DONE."""
+    Threads of the ranks in `until_done` (all when None) end after that peer's DONE.
+    `push_dtype`: what a PUSH's payload holds (default fp32; uint8 when compressed)."""
 
     def receive(rank: int) -> None:
         while True:
             try:
-                h, payload = protocol.recv(rank, group=group, max_numel=max_numel)
+                h, payload = protocol.recv(rank, push_dtype, group, max_numel)
             except protocol.ProtocolError as e:
                 inbox.put((rank, None, e))
                 continue

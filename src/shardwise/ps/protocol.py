@@ -35,9 +35,12 @@ COORDINATOR = 0  # server 0: deals out batches and, in sync mode, decides each r
 class Kind(IntEnum):
     """What a message is. "Worker" is the asking side: a worker, or a relay for its group."""
 
-    HELLO = 1  # worker -> server: the model's signature; reply OK [version] or ERROR
-    PULL = 2  # worker -> server: [clock]; reply OK [version] + parameters
-    PUSH = 3  # worker -> server: [clock, version used, workers summed (0: one)] + gradient
+    HELLO = 1  # worker -> server: [codec fingerprint] + the model's signature; reply OK
+    #            [version] or ERROR
+    PULL = 2  # worker -> server: [clock]; reply OK [version, codec fingerprint] + parameters
+    #           (compressed: the codec's bytes of the difference from the worker's copy)
+    PUSH = 3  # worker -> server: [clock, version used, workers summed (0: one), codec
+    #           fingerprint] + gradient (compressed: the codec's bytes)
     DONE = 4  # worker -> server: no more steps from this worker
     NEXT = 5  # worker -> server 0: [for which worker (0: me)]; reply BATCH [epoch, worker] +
     #           indices, WAIT [worker] (none now, one may come back from a dead worker) or END
@@ -123,9 +126,9 @@ class ProtocolError(ValueError):
 MAX_TEXT = 1 << 20  # bytes of a JSON payload (a model's signature, an error message)
 MAX_INDICES = 1 << 24  # a batch's sample indices, a round's member ranks
 
+# (a PUSH's is fp32, or uint8 when compressed: the receiver says which)
 PAYLOAD_DTYPE = {
     Kind.HELLO: torch.uint8,
-    Kind.PUSH: torch.float32,
     Kind.ERROR: torch.uint8,
     Kind.BATCH: torch.int64,
     Kind.ROUND: torch.int64,

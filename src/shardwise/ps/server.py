@@ -31,7 +31,7 @@ from torch import nn
 
 from shardwise.distributed import runtime
 from shardwise.faults.injection import FaultInjector
-from shardwise.ps import protocol
+from shardwise.ps import compressed, protocol
 from shardwise.ps.consistency import mode_for
 from shardwise.ps.dealer import dealing
 from shardwise.ps.liveness import HeartbeatSender
@@ -66,6 +66,10 @@ class ServerReport:
     refused: int = 0  # messages refused (malformed, out of turn, from a client no longer served)
     rounds: list[list[int]] = field(default_factory=list)  # sync: the clients of each update
     resumed_from: int | None = None
+    # Bytes this server wrote and read on the wire (headers and payloads, `protocol.traffic`):
+    # pulls answered and pushes received, compressed or not.
+    bytes_sent: int = 0
+    bytes_received: int = 0
     final: torch.Tensor | None = field(default=None, repr=False)  # this shard, at the end
 
 
@@ -95,6 +99,9 @@ class Server:
         self.shard = Shard(model, rank, options.servers, optimizer_cls, optimizer_kwargs)
         self.params, self.optimizer = self.shard.params, self.shard.optimizer  # (never replaced)
         self.signature = signature(model)
+        self.push_codec = compressed.ps_codec(options.compression)  # (None: fp32)
+        pull_codec = compressed.ps_codec(options.pull_codec)
+        self.pulls = compressed.PullMirrors(pull_codec) if pull_codec else None
         self.version = 0
         self._make_bookkeeping(clients)
         self._connect()
@@ -173,16 +180,18 @@ class Server:
                 continue
             if h is None:
                 self._not_a_message(client, payload)
-            elif problem := self._problem(client, h, payload):
-                self._refuse(client, problem)
             else:
-                self.handlers[Kind(int(h[0]))](client, h, payload)
-                self._answer_pulls()
+                self._handle(client, h, payload)
             for lost, why in self.peers.lost_undeclared():  # its connection broke
                 self._declare_dead(lost, self.peers.heartbeats.silent_for(lost), why)
         self.outbox.close()
         self._beats.stop()
         self.report.clocks = dict(self.clock)
+        for (direction, _, _), (_, nbytes) in protocol.traffic.snapshot().items():
+            if direction == "sent":
+                self.report.bytes_sent += nbytes
+            else:
+                self.report.bytes_received += nbytes
         self.report.final = self.shard.final()
         self.report.consumed_batches, self.report.consumed_samples = self.dealer.consumed()
         return self.report
@@ -204,7 +213,11 @@ class Server:
         )
         senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
         # (every receive thread reads on after a DONE: what a client sends after it is refused)
-        start_receivers(senders, self.group, self.inbox, set(), max_numel=self.shard.numel)
+        numel, push_dtype = self.shard.numel, None
+        if self.push_codec is not None:  # pushes are the codec's bytes
+            numel = max(numel, compressed.wire_size(self.push_codec, numel))
+            push_dtype = torch.uint8
+        start_receivers(senders, self.group, self.inbox, set(), numel, push_dtype)
 
     def _declare_silent_and_stuck(self) -> None:
         """Declare dead the clients silent past the timeout, and those alive but stuck."""
@@ -215,7 +228,24 @@ class Server:
             why = f"stuck at clock {clock} for {still_s:.1f} s (alive, no progress)"
             self._declare_dead(client, still_s, why)
 
+    def _handle(self, src: int, h: torch.Tensor, payload) -> None:
+        """Refuse the message (one line saying why), or hand it to its kind's handler."""
+        payload, problem = self._decoded(h, payload)
+        if problem := problem or self._problem(src, h, payload):
+            self._refuse(src, problem)
+            return
+        self.handlers[Kind(int(h[0]))](src, h, payload)
+        self._answer_pulls()
+
     # ---- what is not handled: broken connections and refused messages
+    def _decoded(self, h: torch.Tensor, payload) -> tuple[torch.Tensor | None, str | None]:
+        """A compressed PUSH's values, decoded after its codec and bytes are checked, or what
+        is wrong with it; any other message as it came."""
+        if self.push_codec is None or Kind(int(h[0])) != Kind.PUSH or payload is None:
+            return payload, None
+        values, problem = compressed.read(self.push_codec, int(h[4]), payload, self.shard.numel)
+        return values, problem and f"PUSH {problem}"
+
     def _problem(self, src: int, h: torch.Tensor, payload) -> str | None:
         """What is wrong with the message (its form and turn first, then whether its sender is
         served)."""
@@ -253,6 +283,9 @@ class Server:
     # ---- the handlers, one per kind of message
     def _on_hello(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:
         problem = check_hello(self.signature, payload)
+        if problem is None and int(h[1]) != self.o.codec_fingerprint():
+            codecs = f"compression {self.o.compression}, pull_compression {self.o.pull_codec}"
+            problem = f"its codecs are not this server's ({codecs})"
         if problem is None:
             self.clock[src] = self.version  # a resumed server: workers continue from here
             self.clock_unsaid.add(src)  # (its first PULL says which clock it goes on from)
@@ -361,7 +394,11 @@ class Server:
             if client not in self.peers.live:
                 continue
             if self.mode.may_answer(self, client, clock):
-                self.outbox.send(client, Kind.OK, self.version, payload=self.shard.values())
+                ints, values = (self.version,), self.shard.values()
+                if self.pulls is not None:  # [version, codec fingerprint (0: plain fp32)]
+                    fingerprint, values = self.pulls.answer(client, values)
+                    ints = (self.version, fingerprint)
+                self.outbox.send(client, Kind.OK, *ints, payload=values)
                 self.peers.note_served(client)
             else:
                 still.append((client, clock))
@@ -373,6 +410,8 @@ class Server:
         queue, and so do those of a dead relay's workers (they stop with it: the supervisor
         restarts the job)."""
         self.peers.mark_dead(client, silent_s)
+        if self.pulls is not None:
+            self.pulls.forget(client)
         self.report.dead_workers[client] = silent_s
         self.mode.forget(client)
         self.dealer.lost(self.groups.get(client, [client]))

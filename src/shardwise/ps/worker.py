@@ -23,10 +23,12 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from shardwise.comm.compressed_collectives import codec_fingerprint
 from shardwise.comm.flat import split_bounds, unflatten
 from shardwise.distributed import runtime
 from shardwise.distributed.runtime import Runtime
 from shardwise.ps import protocol
+from shardwise.ps.compressed import PS_CODECS, PullReplicas, PushEncoder, ps_codec
 from shardwise.ps.liveness import HeartbeatSender, UpstreamGuard
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
@@ -34,6 +36,7 @@ from shardwise.strategies.base import DistributedModel, DistributedOptimizer, St
 from shardwise.strategies.section import StrategySection
 
 MODES = ("sync", "async", "ssp")
+PS_CODEC_PATTERN = r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$"
 
 
 class PSError(RuntimeError):
@@ -62,6 +65,13 @@ class ParameterServer(Strategy):
     relays: a second level (0: none): R relay processes, each serving an equal group of the
         workers as if it were the server, summing their pushes into one per clock (sync) and
         asking for their batches; the servers then hear from R relays instead of W workers.
+    compression: a codec for pushes (gradients, error feedback on the worker) and, unless
+        `pull_compression` says otherwise, pulls (the difference from the worker's copy, which
+        the server mirrors): 'fp16', 'bf16', 'int8', 'topk:RATIO', 'randomk:RATIO' or 'sign'
+        (`ps/compressed.py`); rule 'gradient', no relays.
+    pull_compression: the codec for pulls when not `compression`'s ('none': plain fp32). A
+        sparse codec on pulls leaves the workers' copies lagging (each pull refreshes only a
+        few coordinates of parameters that all move): 'int8' suits pulls better.
     """
 
     servers: int = 1
@@ -76,6 +86,8 @@ class ParameterServer(Strategy):
     snapshot_every: int = 0
     snapshot_dir: str | None = None
     relays: int = 0
+    compression: str | None = None
+    pull_compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -97,6 +109,27 @@ class ParameterServer(Strategy):
                 "ps relays work with mode sync or async: SSP bounds each worker by the slowest "
                 "of all, which a relay does not see (use relays: 0 for ssp)"
             )
+        for spec in (self.compression, self.pull_codec):
+            ps_codec(spec)  # validates the spec
+        if (self.compression or self.pull_codec) and (self.relays or self.rule != "gradient"):
+            raise ValueError(
+                f"ps compression={self.compression!r}, pull_compression="
+                f"{self.pull_compression!r} need rule 'gradient' and no relays "
+                f"(got rule {self.rule!r}, relays {self.relays})"
+            )
+
+    @property
+    def pull_codec(self) -> str | None:
+        """The codec spec for pulls (None: plain fp32)."""
+        if self.pull_compression is None:
+            return self.compression
+        return None if self.pull_compression == "none" else self.pull_compression
+
+    def codec_fingerprint(self) -> int:
+        """What a worker's HELLO and its server must agree on: both codecs (0: none)."""
+        if self.compression is None and self.pull_codec is None:
+            return 0
+        return codec_fingerprint(f"{self.compression}/{self.pull_codec}")
 
     def is_server(self, rank: int | None = None) -> bool:
         return (runtime.current().rank if rank is None else rank) < self.servers
@@ -180,10 +213,15 @@ class PSClient:
             stuck_after_s,
             options.heartbeat_s,
         )
+        worker = role == "worker"  # (a relay's connection upward is never compressed)
+        push_codec, pull_codec = ps_codec(options.compression), ps_codec(options.pull_codec)
+        self.pushes = PushEncoder(push_codec) if push_codec and worker else None
+        self.pulls = PullReplicas(pull_codec) if pull_codec and worker else None
         sig = protocol.pack(signature(model))
         clocks = []
         for server in self.servers:
-            self._send(server, Kind.HELLO, payload=sig)
+            # (the codecs' fingerprint: a server with other ones refuses this worker now)
+            self._send(server, Kind.HELLO, options.codec_fingerprint(), payload=sig)
             try:
                 h, _ = self._recv(server)
             except PSError:
@@ -215,10 +253,16 @@ class PSClient:
         for server in self.servers:
             self._send(server, Kind.PULL, self.clock)
         pieces = []
-        for server in self.servers:
-            h, piece = self._recv(server, torch.float32)
+        for server, (start, end) in zip(self.servers, self.plan.bounds, strict=True):
+            dtype = self.pulls.dtype(server) if self.pulls else torch.float32
+            h, piece = self._recv(server, dtype)
             self.version = int(h[1])
-            pieces.append(piece if piece is not None else torch.zeros(0))
+            piece = piece if piece is not None else torch.zeros(0, dtype=dtype)
+            if self.pulls is not None:
+                piece, problem = self.pulls.take(server, int(h[2]), piece, end - start)
+                if problem:
+                    raise PSError(f"parameter server {server} answered a pull with {problem}")
+            pieces.append(piece)
         flat = torch.cat(pieces)
         for p, value in zip(self.params, unflatten(flat, self.params), strict=True):
             p.copy_(value)
@@ -226,9 +270,13 @@ class PSClient:
     def push(self, tensors: list[torch.Tensor]) -> None:
         """One value per parameter (gradients, or parameters under the averaging rule)."""
         flat = flat_values(tensors)
-        for server, piece in zip(self.servers, self.plan.split(flat), strict=True):
+        fingerprint = self.pushes.fingerprint if self.pushes else 0
+        for i, (server, piece) in enumerate(zip(self.servers, self.plan.split(flat), strict=True)):
             payload = piece if piece.numel() else None
-            self._send(server, Kind.PUSH, self.clock, self.version, payload=payload)
+            if payload is not None and self.pushes is not None:
+                payload = self.pushes.encode(piece, server_index=i)
+            # [clock, version used, workers summed (0: one), codec fingerprint]
+            self._send(server, Kind.PUSH, self.clock, self.version, 0, fingerprint, payload=payload)
         self.clock += 1
 
     def skip(self) -> None:
@@ -351,6 +399,16 @@ class PSConfig(StrategySection):
     relays: int = Field(
         0, ge=0, description="two-level: relays between workers and servers (sync/async)"
     )
+    compression: str | None = Field(
+        None,
+        description=f"codec for pushes and pulls: {PS_CODECS} (rule gradient, no relays)",
+        pattern=PS_CODEC_PATTERN,
+    )
+    pull_compression: str | None = Field(
+        None,
+        description="codec for pulls if not compression's: the same names, or none (fp32)",
+        pattern=r"^(none|fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$",
+    )
 
     @model_validator(mode="after")
     def _relays_fit(self) -> PSConfig:
@@ -360,6 +418,9 @@ class PSConfig(StrategySection):
             raise ValueError(f"{self.relays} relays need at least as many workers")
         if self.min_workers is not None and self.min_workers > self.workers:
             raise ValueError(f"min_workers {self.min_workers} exceeds workers {self.workers}")
+        compressed = self.compression or self.pull_compression not in (None, "none")
+        if compressed and (self.relays or self.rule != "gradient"):
+            raise ValueError("ps compression and pull_compression need rule gradient, relays 0")
         return self
 
     def build(self, world_size: int, run_dir: Path) -> ParameterServer:
@@ -372,7 +433,9 @@ class PSConfig(StrategySection):
 
     def describe(self) -> str:
         relays = f"{self.relays} relays, " if self.relays else ""
+        pulls = f", pulls {self.pull_compression}" if self.pull_compression else ""
+        codec = f", {self.compression}{pulls}" if self.compression or pulls else ""
         return (
             f"parameter server ({self.mode}, {self.servers} server(s), {relays}"
-            f"{self.workers} workers)"
+            f"{self.workers} workers{codec})"
         )

@@ -29,7 +29,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.algorithms import AllReduceName, NativeAllReduce, make_all_reduce
-from shardwise.comm.compression import CompressedAllReduce, make_codec
+from shardwise.comm.compressed_collectives import CompressedAllReduce, make_codec
 from shardwise.comm.flat import flatten, unflatten
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm

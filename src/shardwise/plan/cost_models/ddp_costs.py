@@ -70,7 +70,8 @@ def ring_bytes(numel: int, n: int, rank: int) -> int:
 def codec_bytes(costs: Costs, spec: str, buckets: list[int], shapes: list, n: int) -> None:
     """Bytes of DDP's gradient codecs (`comm.compression`), per bucket of `numel` elements:
     casts all-reduce half the bytes; int8, top-k, random-k and sign all-gather their payload
-    (values and a scale, or indices and values, or packed signs and a scale) from every rank;
+    (values and a scale, or indices and values, or packed signs and a scale: one message, the
+    encoding's bytes end to end) from every rank;
     PowerSGD all-reduces the uncompressed tensors with the P factors, then the Q factors."""
     name, _, arg = spec.partition(":")
     if n == 1:
@@ -82,12 +83,12 @@ def codec_bytes(costs: Costs, spec: str, buckets: list[int], shapes: list, n: in
         if name in ("fp16", "bf16"):
             costs.add_comm("all_reduce", native_volume("all_reduce", 2 * numel, n))
         elif name == "int8":
-            costs.add_comm("all_gather", (n - 1) * (numel + FP32), calls=2)
+            costs.add_comm("all_gather", (n - 1) * (numel + FP32))
         elif name in ("topk", "randomk"):
             k = max(1, int(numel * (float(arg) if arg else 0.01)))
-            costs.add_comm("all_gather", (n - 1) * 8 * k, calls=2)  # int32 indices, fp32 values
+            costs.add_comm("all_gather", (n - 1) * 8 * k)  # int32 indices, fp32 values
         elif name == "sign":
-            costs.add_comm("all_gather", (n - 1) * (FP32 * -(-numel // 32) + FP32), calls=2)
+            costs.add_comm("all_gather", (n - 1) * (FP32 * -(-numel // 32) + FP32))
         else:
             _powersgd_bytes(costs, arg, mine, n)
 

@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from shardwise.comm.compressed_collectives import CODEC_SPEC, make_codec
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.meta_init import (
     ParameterSource,
@@ -61,6 +62,9 @@ class ZeRO(Strategy):
         (`shardwise train` uses the run directory).
     sync_batchnorm: replace BatchNorm layers by SyncBatchNorm (global-batch statistics), as
         DDP does: data parallel then trains as one process on the global batch would.
+    compression: a gradient codec for the reduce-scatter ('fp16', 'bf16', 'int8',
+        'topk:RATIO', 'randomk:RATIO', 'sign', 'powersgd:RANK[:WARMUP]'; see
+        `shardwise.comm.compression`), whole-world ZeRO only.
     """
 
     stage: int = 1
@@ -69,9 +73,17 @@ class ZeRO(Strategy):
     offload: str | None = None
     offload_dir: str | None = None
     sync_batchnorm: bool = True
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         compute_dtype(self.mixed_precision)  # validates the name
+        if self.compression is not None:
+            make_codec(self.compression)  # validates the spec
+            if self.mixed_precision == "fp16":  # (an overflow's inf would stay in a residual)
+                raise ValueError(
+                    f"ZeRO compression={self.compression!r} with mixed_precision='fp16' (loss "
+                    "scaling): use 'bf16', or no compression"
+                )
         if self.offload not in (None, "cpu", "disk"):
             raise ValueError(f"offload must be None, 'cpu' or 'disk', got {self.offload!r}")
         if self.stage not in STAGES:
@@ -80,6 +92,7 @@ class ZeRO(Strategy):
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroStage1:
+        self._check_compression(runtime)
         if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
             model = convert_sync_batchnorm(model)
         broadcast_module_state(model, group=runtime.group)
@@ -91,6 +104,7 @@ class ZeRO(Strategy):
         whole parameters, so they read them whole."""
         if self.stage != 3:
             return super().wrap_from(model, runtime, source)
+        self._check_compression(runtime)
         if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
             model = convert_sync_batchnorm(model)
         trainable = {p for p in model.parameters() if p.requires_grad}
@@ -98,6 +112,13 @@ class ZeRO(Strategy):
         load_buffers_from(model, source)
         placeholders(model, runtime.device)
         return self._stage(model, runtime, source)
+
+    def _check_compression(self, runtime: Runtime) -> None:
+        if self.compression is not None and runtime.group is not None:
+            raise ValueError(
+                f"ZeRO compression={self.compression!r} applies to whole-world ZeRO only, "
+                "not along a device-mesh axis"
+            )
 
     def _stage(
         self, model: nn.Module, runtime: Runtime, source: ParameterSource | None = None
@@ -115,7 +136,8 @@ class ZeRO(Strategy):
             prefix = f"shardwise-offload-rank{runtime.rank}-"
             offload_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         stage = STAGES[self.stage]
-        return stage(model, runtime, masters, int(self.bucket_mb * 2**20), offload_dir, source)
+        bucket_bytes = int(self.bucket_mb * 2**20)
+        return stage(model, runtime, masters, bucket_bytes, offload_dir, source, self.compression)
 
 
 class ZeROConfig(StrategySection):
@@ -136,13 +158,18 @@ class ZeROConfig(StrategySection):
         "files (default: the run directory)",
     )
     sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
+    compression: str | None = Field(
+        None,
+        description=f"gradient codec for the reduce-scatter: {CODEC_SPEC}",
+        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+(:\d+)?)?)$",
+    )
 
     def build(self, world_size: int, run_dir: Path) -> ZeRO:
         offload_dir = self.offload_dir or str(run_dir)
         return ZeRO(**self.options(exclude={"offload_dir"}), offload_dir=offload_dir)
 
     def describe(self) -> str:
-        return f"zero-{self.stage}"
+        return f"zero-{self.stage}" + (f" ({self.compression})" if self.compression else "")
 
 
 __all__ = ["STAGES", "ZeRO", "ZeROConfig", "ZeroStage1", "ZeroStage2", "ZeroStage3", "stage3_units"]

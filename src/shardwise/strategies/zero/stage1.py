@@ -8,7 +8,9 @@ slices, then every unit's updated slices are all-gathered into the full paramete
 
 Memory with fp32 Adam: 4P parameters + 4P gradients (kept, as in DDP: the parameters' `.grad`
 are views into each unit's full gradient buffer) + 8P/N optimizer state. Communication:
-reduce-scatter + all-gather, the volume of one all-reduce, as DDP.
+reduce-scatter + all-gather, the volume of one all-reduce, as DDP. With a gradient codec
+(`compression`, `comm/compression.py`) the reduce-scatter runs through it on a communication
+thread; its error feedback is kept per unit and saved with the model's extra state.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.compressed_collectives import CompressedReduceScatter, make_codec
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.meta_init import ParameterSource
 from shardwise.nn.sync_batchnorm import SyncBatchNorm
@@ -58,6 +61,7 @@ class ZeroStage1(DistributedModel):
         bucket_bytes: int,
         offload_dir: Path | None = None,
         source: ParameterSource | None = None,
+        compression: str | None = None,
     ) -> None:
         super().__init__(module, runtime)
         self.masters, self.offload_dir = masters, offload_dir
@@ -90,8 +94,19 @@ class ZeroStage1(DistributedModel):
             if isinstance(m, SyncBatchNorm):
                 m.batch_share = self.batch_share  # its backward weighs uneven batches too
         self.hooks: list = []  # module hooks the strategy added, removed by close()
+        self.codec = None if compression is None else self._codec(compression)
         self.prepare_units()
         self.hooks += masters.install(module)
+
+    def _codec(self, spec: str) -> CompressedReduceScatter:
+        """The codec's reduce-scatter, told each unit's tensors (PowerSGD compresses each
+        matrix; the padding is one more, uncompressed, vector)."""
+        codec = CompressedReduceScatter(make_codec(spec), self.runtime.timeout)
+        for key, unit in enumerate(self.units):
+            padding = unit.full.numel() - sum(unit.numels)
+            shapes = [p.shape for p in unit.params] + [torch.Size([padding])] * (padding > 0)
+            codec.describe(key, shapes)
+        return codec
 
     def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
         """Which parameters share a unit: buckets by size, in reverse registration order."""
@@ -119,6 +134,9 @@ class ZeroStage1(DistributedModel):
         unit = self.units[index]
         self.batch_share.weigh(unit.grad_full)  # the mean, before summing (fp16-safe)
         unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
+        if self.codec is not None:
+            unit.handle = self.codec.start(unit.grad_full, unit.reduced, key=index)
+            return
         unit.handle = comm.reduce_scatter_tensor(
             unit.reduced, unit.grad_full, group=self.runtime.group, async_op=True
         )
@@ -226,10 +244,14 @@ class ZeroStage1(DistributedModel):
         return {k: full[v] if v in full else v.detach().clone() for k, v in state.items()}
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        return self.masters.state_dict()  # the loss scale (fp16)
+        # The loss scale (fp16) and the codec's per-unit residuals and generator.
+        codec = {} if self.codec is None else self.codec.state_dict()
+        return {**self.masters.state_dict(), **prefixed("comm.", codec)}
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.masters.load_state_dict(state)
+        self.masters.load_state_dict({k: v for k, v in state.items() if not k.startswith("comm.")})
+        if self.codec is not None:
+            self.codec.load_state_dict(unprefixed("comm.", state))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's shards (fp32 masters where kept), the buffers and frozen parameters, the
@@ -306,6 +328,8 @@ class ZeroStage1(DistributedModel):
 
     def close(self) -> None:
         self.backward.remove()
+        if self.codec is not None:
+            self.codec.close()
         for hook in self.hooks:
             hook.remove()
         if self.disk_step is not None:
