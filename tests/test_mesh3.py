@@ -180,6 +180,7 @@ def _llama_meshes() -> dict:
         _refusal(H.build("llama"), sw.MeshParallel(dp=1, tp=4)),
         _refusal(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), sw.MeshParallel(dp=1, pp=4)),
         _refusal(H.build("llama"), sw.MeshParallel(dp=2, tp=2, pp=2)),
+        _refusal(H.build("gpt2"), _mesh(dp=2, pp=2)),  # its embedding is its head
     ]
     return out if dist.get_rank() == 0 else {}
 
@@ -201,6 +202,7 @@ def test_dp2_tp2_and_dp2_pp2_zero3_on_llama_equal_one_process():
         "tensor-parallel ranks",
         "cannot split 2 layers into 4 pipeline stages",
         "mesh dp=2 x tp=2 x pp=2 = 8 ranks, but the world has 4",
+        "a weight tied across pipeline stages needs sw.DDP() along the data axis, not ZeRO",
     ], result["refusals"]
 
 
