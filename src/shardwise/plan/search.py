@@ -367,13 +367,11 @@ def _offload_s(plan: Plan, cluster: ClusterSpec, psi: float) -> float:
 
 def unsupported(plan: Plan) -> str:
     """Why shardwise cannot run `plan` yet ('' where it can): its mesh composes data parallel
-    with one of tensor and pipeline parallel, ZeRO-3 and offload on whole-world data parallel
-    only (micro-batches without a pipeline run as `train.accumulate`)."""
+    (DDP, ZeRO 1-3) with tensor and pipeline parallel; offload runs on whole-world data
+    parallel only (micro-batches without a pipeline run as `train.accumulate`)."""
     split = plan.tp > 1 or plan.pp > 1
-    if plan.tp > 1 and plan.pp > 1:
-        return "tensor x pipeline parallel is not composed on a mesh yet"
-    if split and (plan.zero == 3 or plan.offload):
-        return "ZeRO-3 and offload run on whole-world data parallel only"
+    if split and plan.offload:
+        return "offload runs on whole-world data parallel only"
     return ""
 
 

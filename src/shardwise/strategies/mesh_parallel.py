@@ -1,15 +1,26 @@
-"""Composition on a device mesh: a model-parallel strategy inside, data parallel across.
+"""Composition on a device mesh: tensor and pipeline parallel inside, data parallel across.
 
 With `dp=2, tp=2` on 4 ranks, ranks {0, 1} and {2, 3} each hold one tensor-parallel copy of
 the model, and ranks {0, 2} and {1, 3} (same slice, different data) average their gradients.
 With `dp=2, pp=2`, each pipeline stage is data parallel with its twin in the other pipeline.
-The mesh (`distributed/mesh.py`) creates the groups once; each strategy sees only its axis's group
-through the runtime it is given, so DDP or ZeRO run unchanged along the data axis.
+With `dp=2, tp=2, pp=2` on 8 ranks, each stage is split over a tp pair, tp rank i of stage s
+sends its activations to tp rank i of stage s+1 (the pipeline's group is the pp line of the
+mesh), and each (stage, slice) is data parallel with its twin in the other replica. The mesh
+(`distributed/mesh.py`) creates the groups once; each strategy sees only its axis's group
+through the runtime it is given, so TP, the pipeline, DDP and ZeRO run unchanged along theirs.
 
-Order of wrapping (`MeshParallel.wrap`, the one place where they are composed): the
-model-parallel strategy splits the model first; data parallel then wraps what this rank holds
-(the tensor-parallel model, or the pipeline's stage). Gradients of a split parameter are
-averaged only with the ranks that hold the same slice.
+Order of wrapping (`MeshParallel.wrap`, the one place where they are composed), as in
+Megatron-LM and torchtitan: tensor parallel slices the layers first; the pipeline cuts the
+sliced model's layers into stages (where the unsliced model would be cut, the same for every
+tp rank); data parallel then wraps what this rank holds (its stage, or the tensor-parallel
+model). Gradients of a slice are averaged only with the ranks that hold the same slice; ZeRO
+shards that slice along the data axis (stage 3: the stage's layers are its units).
+
+A pipeline runs several micro-batch backwards per step: the data axis's `no_sync()` keeps all
+but the last micro-batch's gradients local (ZeRO-2/3 accumulate full gradients per unit), and
+the last backward reduces the step's sum once (`PipelineModel._accumulating`).
+`mesh_state.py` turns the state back into the single-process one (full state dicts,
+reshardable checkpoints) and cuts such a state for this rank.
 """
 
 from __future__ import annotations
@@ -20,37 +31,62 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 from torch import nn
 
 from shardwise import comm
-from shardwise.distributed.mesh import DeviceMesh, build_mesh
+from shardwise.comm.parallel_ops import gather_split
+from shardwise.distributed.mesh import DeviceMesh, build_mesh, check_sizes
 from shardwise.distributed.runtime import Runtime
-from shardwise.strategies.base import DistributedModel, LossFn, Strategy, UnsplitCheckpointsOnly
+from shardwise.strategies.base import EXTRA, DistributedModel, LossFn, Strategy
 from shardwise.strategies.ddp import DDP
-from shardwise.strategies.pipeline import Pipeline
+from shardwise.strategies.mesh_state import (
+    cut_state,
+    data_axis_state,
+    gather_stage_states,
+    gather_tensor_axis,
+    grad_pieces,
+)
+from shardwise.strategies.pipeline import Pipeline, PipelineModel
 from shardwise.strategies.section import StrategySection
-from shardwise.strategies.tensor_parallel import TensorParallel
+from shardwise.strategies.tensor_parallel import (
+    TensorParallel,
+    TensorParallelModel,
+    split_parameters,
+)
 from shardwise.strategies.zero import ZeRO, ZeroStage1
 
+LAYOUT = EXTRA + "mesh"  # the state dict's record of the mesh that saved it
 
-class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
-    """A model split along the tp or pp axis (`split`, or None) and data parallel along dp
-    (`data`). Questions about the split model go to `split`; gradients and the optimizer are
-    `data`'s (its wrapper is inside the pipeline, or around the tensor-parallel model)."""
+
+class MeshModel(DistributedModel):
+    """A model split along tp (`tensor`) and/or pp (`pipeline`), data parallel along dp
+    (`data`, which wraps this rank's stage or tensor-parallel model). Gradients and the
+    optimizer are `data`'s; the loss and predictions the tensor-parallel model's; the
+    schedule the pipeline's."""
 
     def __init__(
         self,
         outer: DistributedModel,
         runtime: Runtime,
         mesh: DeviceMesh,
-        split: DistributedModel | None,
         data: DistributedModel,
+        tensor: TensorParallelModel | None = None,
+        pipeline: PipelineModel | None = None,
     ) -> None:
         super().__init__(outer, runtime)
         self.mesh = mesh
-        # Plain references (not submodules): both already sit inside `outer`.
-        self.__dict__.update(split=split, data=data)
+        # Plain references (not submodules): they already sit inside `outer`.
+        self.__dict__.update(data=data, tensor=tensor, pipeline=pipeline)
+        # The tensor-parallel slices among what `data` wraps (by its module's state-dict keys).
+        self.splits = split_parameters(data.module) if tensor is not None else {}
+        named = data.module.named_parameters(remove_duplicate=False)
+        self.sliced = {id(p) for n, p in named if n in self.splits}
+
+    @property
+    def split(self) -> DistributedModel | None:
+        """The model-parallel model: the pipeline, or the tensor-parallel model."""
+        return self.pipeline or self.tensor
 
     def train_step(
         self,
@@ -60,10 +96,10 @@ class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
         samples: int | None = None,
         total: int | None = None,
     ) -> torch.Tensor:
-        if self.split is None:
+        if self.pipeline is None:
             return super().train_step(inputs, targets, loss_fn, samples, total)
         self.declare_batch_of(inputs, targets, samples, total)
-        return self.split.train_step(inputs, targets, loss_fn)
+        return self.pipeline.train_step(inputs, targets, self.adapt_loss(loss_fn))
 
     def declare_batch(self, samples: int, total: int | None = None) -> None:
         self.data.declare_batch(samples, total)  # the weights are along the data axis
@@ -73,22 +109,37 @@ class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
         return self.data.no_sync()
 
     def adapt_loss(self, loss_fn: LossFn) -> LossFn:
-        return loss_fn if self.split is None else self.split.adapt_loss(loss_fn)
+        return loss_fn if self.tensor is None else self.tensor.adapt_loss(loss_fn)
 
     def predict(self, output: torch.Tensor) -> torch.Tensor:
-        return output.argmax(-1) if self.split is None else self.split.predict(output)
+        return output.argmax(-1) if self.tensor is None else self.tensor.predict(output)
 
     def data_shard(self) -> tuple[int, int]:
         return self.mesh.dp_size, self.mesh.coords["dp"]
 
+    # ---- gradients and the optimizer: the data axis's
     def local_grads(self) -> list[torch.Tensor]:
         return self.data.local_grads()
 
     def grad_square_sum(self) -> torch.Tensor:
-        if isinstance(self.data, ZeroStage1):
-            raise ValueError("clip_grad_norm_ on a mesh needs DDP along the data axis")
-        # DDP leaves every replica the same averaged gradients: the model-parallel rule holds.
-        return (self.split or self.data).grad_square_sum()
+        """Σ g² over the whole model, each element counted once: every rank adds the squares
+        of what it holds that no other rank counts (a DDP replica's at dp 0 only, a replicated
+        weight's at tp 0 only, a weight tied across stages at its first holder), then one
+        all-reduce over the mesh."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
+        for p, grad in grad_pieces(self.data):
+            if self._counted_here(p):
+                squares += grad.detach().float().pow(2).sum().to(squares.device)
+        comm.all_reduce(squares, group=self.runtime.group)
+        return squares
+
+    def _counted_here(self, p: nn.Parameter) -> bool:
+        coords = self.mesh.coords
+        if coords["dp"] != 0 and not isinstance(self.data, ZeroStage1):
+            return False  # DDP: every replica holds the same averaged gradient
+        if coords["tp"] != 0 and id(p) not in self.sliced:
+            return False  # replicated over the tp group (layer norms, row-parallel biases)
+        return self.pipeline is None or self.pipeline.tied.counted_here(p)
 
     def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         return self.data.make_optimizer(optimizer_cls, **kwargs)
@@ -96,17 +147,88 @@ class MeshModel(UnsplitCheckpointsOnly, DistributedModel):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.data.zero_grad(set_to_none)
 
+    # ---- state
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        # Along the data axis every replica holds the same values (ZeRO 1/2 all-gather the
-        # updated slices after each step), so the model-parallel model reassembles them.
-        return (self.split or self.data).full_state_dict()
+        """Whole along the data axis (the data strategy's gather), then the tensor-parallel
+        slices, then the stages: the single-process state dict, on every rank."""
+        state = self.data.full_state_dict()
+        if self.tensor is not None:
+            group = self.tensor.group
+            state = {
+                k: gather_split(v, self.splits[k], group) if k in self.splits else v
+                for k, v in state.items()
+            }
+        return state if self.pipeline is None else self.pipeline.gather_stages(state)
+
+    def _layout(self) -> torch.Tensor:
+        stage = getattr(self.data, "stage", 0)  # ZeRO's stage; 0 for DDP
+        sizes = self.mesh.sizes
+        return torch.tensor([sizes["dp"], sizes["tp"], sizes["pp"], stage], dtype=torch.int64)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.data.state_dict(*args, **kwargs)
+        """The data strategy's state of this rank's piece, and the mesh's layout (a piece
+        fits only the same place of the same mesh)."""
+        return {**self.data.state_dict(*args, **kwargs), LAYOUT: self._layout()}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign=False):
-        return self.data.load_state_dict(state_dict, strict=strict, assign=assign)
+        state = dict(state_dict)
+        saved = state.pop(LAYOUT, None)
+        if saved is not None and saved.tolist() != self._layout().tolist():
+            dp, tp, pp, stage = saved.tolist()
+            raise ValueError(
+                f"this state is a piece of a mesh dp={dp} x tp={tp} x pp={pp} (ZeRO stage "
+                f"{stage}, 0: DDP), not of this one ({self._layout().tolist()}): load a "
+                "reshardable checkpoint (sw.load_checkpoint) to change the layout"
+            )
+        return self.data.load_state_dict(state, strict=strict, assign=assign)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return self.data.extra_state()
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.data.load_extra_state(state)
+
+    def checkpoint_shard(self, optimizer: torch.optim.Optimizer):
+        """The reshardable checkpoint of the unsplit model, one unit per parameter (the
+        layout of a single process's): gathered onto rank 0, which alone writes it."""
+        layout: dict[str, Any] = {"num_shards": 1, "strategy": self.checkpoint_name()}
+        gathered = self._gathered_state(optimizer)
+        if gathered is None:
+            return {**layout, "units": []}, None
+        params, states, names = gathered
+        layout["units"] = [{"params": [[n, list(params[n].shape)]]} for n in names]
+        is_param = set(names)
+        tensors = {f"buffer/{k}": v for k, v in params.items() if k not in is_param}
+        for i, name in enumerate(names):
+            tensors[f"unit{i}/param"] = params[name].reshape(-1)
+            for key, value in states.get(name, {}).items():
+                tensors[f"unit{i}/{key}"] = value.reshape(-1) if value.dim() else value
+        return layout, tensors
+
+    def _gathered_state(self, optimizer):
+        """The whole training state under single-process names on rank 0, None elsewhere:
+        the data axis's onto dp 0, the slices onto tp 0, the stages onto pp 0."""
+        state = data_axis_state(self.data, optimizer)
+        if state is None:
+            return None
+        if self.tensor is not None:
+            gather_tensor_axis(state, self.splits, self.tensor.group)
+            if self.mesh.coords["tp"] != 0:
+                return None
+        if self.pipeline is not None:
+            state = gather_stage_states(state, self.pipeline.names, self.pipeline.group)
+        return state if self.runtime.rank == 0 else None
+
+    @torch.no_grad()
+    def load_full_state(self, optimizer, params, states) -> None:
+        """This rank's part of a whole training state (any layout saved it, or one process)."""
+        keys = list(self.data.module.state_dict(keep_vars=True))
+        names = self.pipeline.names if self.pipeline is not None else {k: [k] for k in keys}
+        full_name = {k: names[k][0] for k in keys}
+        tp_rank = self.mesh.coords["tp"]
+        local = cut_state(params, states, keys, full_name, self.splits, tp_rank)
+        self.data.load_full_state(optimizer, *local)
 
     def close(self) -> None:
         self.data.close()
@@ -118,9 +240,9 @@ class MeshParallel(Strategy):
     """Options for a composed run.
 
     dp, tp, pp: mesh sizes; dp=None takes what is left of the world. Their product must be the
-        world size. One of tp and pp may be above 1 (TP x PP is not composed yet).
-    data: the strategy along the data axis: sw.DDP() (native all-reduce) or sw.ZeRO(stage=1
-        or 2).
+        world size; all three may be above 1.
+    data: the strategy along the data axis: sw.DDP() (native all-reduce) or sw.ZeRO(stage=1,
+        2 or 3).
     tensor: TensorParallel options when tp > 1 (its size is the mesh's).
     pipeline: Pipeline options when pp > 1 (its stages are the mesh's).
     """
@@ -133,27 +255,39 @@ class MeshParallel(Strategy):
     pipeline: Pipeline = field(default_factory=Pipeline)
 
     def __post_init__(self) -> None:
-        if self.tp > 1 and self.pp > 1:
-            raise ValueError("tensor x pipeline parallel on one mesh is not supported yet")
         if not isinstance(self.data, (DDP, ZeRO)):
-            raise ValueError(f"data must be sw.DDP() or sw.ZeRO(stage=1|2), got {self.data!r}")
-        if isinstance(self.data, ZeRO) and self.data.stage == 3:
-            raise ValueError("ZeRO stage 3 along a mesh's data axis is not supported yet")
+            raise ValueError(f"data must be sw.DDP() or sw.ZeRO(stage=1|2|3), got {self.data!r}")
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> MeshModel:
+        check_sizes(runtime.world_size, self.dp, self.tp, self.pp)  # before any group exists
         mesh = build_mesh(self.dp, self.tp, self.pp, runtime)
-        data_rt = mesh.runtime("dp", runtime)
-        if mesh.pp_size > 1:
-            pipeline = dataclasses.replace(self.pipeline, stages=mesh.pp_size)
-            split = pipeline.wrap(model, mesh.runtime("pp", runtime))
-            data = split.wrap_stage(self.data, data_rt)
-            return MeshModel(split, runtime, mesh, split, data)
-        split = None
-        if mesh.tp_size > 1:
+        pipeline = self._pipeline(model, mesh, runtime) if mesh.pp_size > 1 else None
+        tensor = None
+        if mesh.tp_size > 1:  # slices the model's layers in place
             tensor = dataclasses.replace(self.tensor, size=mesh.tp_size)
-            model = split = tensor.wrap(model, mesh.runtime("tp", runtime))
-        data = self.data.wrap(model, data_rt)
-        return MeshModel(data, runtime, mesh, split, data)
+            tensor = tensor.wrap(model, mesh.runtime("tp", runtime))
+        data_rt = mesh.runtime("dp", runtime)
+        if pipeline is None:
+            data = self.data.wrap(model if tensor is None else tensor.module, data_rt)
+            return MeshModel(data, runtime, mesh, data, tensor)
+        staged = pipeline.wrap(model, mesh.runtime("pp", runtime))
+        data = staged.wrap_stage(self.data, data_rt)
+        if tensor is not None:  # the loss and predictions, over this stage's slices only
+            tensor = TensorParallelModel(data.module, tensor.runtime, tensor.vocab_start)
+        return MeshModel(staged, runtime, mesh, data, tensor, staged)
+
+    def _pipeline(self, model: nn.Module, mesh: DeviceMesh, runtime: Runtime) -> Pipeline:
+        """The pipeline options with the mesh's stages. Under tensor parallel every tp rank
+        must cut at the same layers, and balancing the slices would not (a vocabulary of 11
+        rows over 2 ranks is 6 + 5): the unsliced model is cut, rank 0's cut for all."""
+        pipeline = dataclasses.replace(self.pipeline, stages=mesh.pp_size)
+        if mesh.tp_size == 1 or pipeline.split is not None:
+            return pipeline
+        layers, _ = pipeline.model_layers(model)
+        starts = pipeline.stage_starts(layers)
+        cut = torch.tensor(starts, dtype=torch.int64, device=runtime.device)
+        comm.broadcast(cut, src=0, group=runtime.group)  # (balance='time' measures per rank)
+        return dataclasses.replace(pipeline, split=cut.tolist()[1:])
 
 
 class MeshConfig(StrategySection):
@@ -161,7 +295,7 @@ class MeshConfig(StrategySection):
     dp: int | None = Field(None, ge=1, description="data-parallel size (default: the rest)")
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     pp: int = Field(1, ge=1, description="pipeline stages")
-    data: Literal["ddp", "zero1", "zero2"] = Field(
+    data: Literal["ddp", "zero1", "zero2", "zero3"] = Field(
         "ddp", description="strategy along the data dimension"
     )
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = Field(
@@ -169,12 +303,6 @@ class MeshConfig(StrategySection):
     )
     microbatches: int = Field(4, ge=1, description="pp > 1: micro-batches per step")
     loss_parallel: bool = Field(True, description="tp > 1: loss from vocabulary slices")
-
-    @model_validator(mode="after")
-    def _one_model_dimension(self) -> MeshConfig:
-        if self.tp > 1 and self.pp > 1:
-            raise ValueError("tensor x pipeline parallel on one mesh is not supported yet")
-        return self
 
     def build(self, world_size: int, run_dir: Path) -> MeshParallel:
         data = DDP() if self.data == "ddp" else ZeRO(stage=int(self.data[-1]))

@@ -270,7 +270,12 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's tensors, under the unsplit model's keys, on every rank."""
-        stage_state = _unwrapped(self.stage).state_dict()
+        return self.gather_stages(_unwrapped(self.stage).state_dict())
+
+    @torch.no_grad()
+    def gather_stages(self, stage_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's `stage_state` (keyed as this stage's state dict; on a mesh, whole
+        along the other axes) under the unsplit model's keys, on every rank of the pipeline."""
         # (A tied weight is under each of its names, from every stage that holds it.)
         local = {n: v.detach().cpu() for k, v in stage_state.items() for n in self.names[k]}
         parts = comm.all_gather_object(local, group=self.group)

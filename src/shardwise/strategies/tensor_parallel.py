@@ -152,28 +152,36 @@ class VocabParallelHead(ColumnParallelLinear):
 
 
 # ---- the strategy ------------------------------------------------------------------------------
-def vocab_parallel_loss(loss_fn, head: VocabParallelHead | None, group):
-    """The loss from the head's vocabulary slices of the logits (`loss_fn` without one)."""
-    if head is None:
+def vocab_parallel_loss(loss_fn, vocab_start: int | None, group):
+    """The loss from vocabulary slices of the logits, this rank's starting at `vocab_start`
+    (`loss_fn` where the logits are whole: None)."""
+    if vocab_start is None:
         return loss_fn
-    return lambda logits, target: vocab_parallel_cross_entropy(logits, target, head.start, group)
+    return lambda logits, target: vocab_parallel_cross_entropy(logits, target, vocab_start, group)
+
+
+def split_parameters(module: nn.Module) -> dict[str, Split]:
+    """State-dict key -> how it is split, for every parameter of `module` (the whole model or
+    a pipeline stage of it) that a parallel layer holds a slice of; the rest are replicated."""
+    out = {}
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, split in getattr(sub, "splits", {}).items():
+            if getattr(sub, pname, None) is not None:
+                out[f"{module_name}.{pname}" if module_name else pname] = split
+    return out
 
 
 class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
-    """This rank's slices of the split layers, and the replicated rest."""
+    """This rank's slices of the split layers, and the replicated rest. `vocab_start`: where
+    this rank's slice of the vocabulary starts, when the loss is computed from the slices."""
 
-    def __init__(self, module: nn.Module, runtime: Runtime, vocab: VocabParallelHead | None):
+    def __init__(self, module: nn.Module, runtime: Runtime, vocab_start: int | None):
         super().__init__(module, runtime)
-        self.group, self.vocab_head = runtime.group, vocab
+        self.group, self.vocab_start = runtime.group, vocab_start
 
     def sharded_parameters(self) -> dict[str, Split]:
         """Name -> how it is split, for every parameter that is not replicated."""
-        out = {}
-        for module_name, module in self.module.named_modules():
-            for pname, split in getattr(module, "splits", {}).items():
-                if getattr(module, pname, None) is not None:
-                    out[f"{module_name}.{pname}" if module_name else pname] = split
-        return out
+        return split_parameters(self.module)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -192,13 +200,12 @@ class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
         return sharded + square_sum([p.grad for n, p in named if n not in splits], device)
 
     def adapt_loss(self, loss_fn):
-        return vocab_parallel_loss(loss_fn, self.vocab_head, self.group)
+        return vocab_parallel_loss(loss_fn, self.vocab_start, self.group)
 
     def predict(self, logits: torch.Tensor) -> torch.Tensor:
-        head = self.vocab_head
-        if head is None:
+        if self.vocab_start is None:
             return logits.argmax(-1)
-        return vocab_parallel_argmax(logits, head.start, self.group)
+        return vocab_parallel_argmax(logits, self.vocab_start, self.group)
 
     def data_shard(self) -> tuple[int, int]:
         return 1, 0  # every rank of the group sees the same batch
@@ -231,8 +238,7 @@ class TensorParallel(Strategy):
     def wrap(self, model: nn.Module, runtime: Runtime) -> TensorParallelModel:
         plan = self.checked_plan(model, runtime)  # refused here, before any collective
         broadcast_module_state(model, group=runtime.group)  # slice the same full weights
-        vocab_head = self.apply_plan(model, plan, runtime)
-        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
+        return TensorParallelModel(model, runtime, self._vocab_start(model, plan, runtime))
 
     def wrap_from(
         self, model: nn.Module, runtime: Runtime, source: ParameterSource
@@ -242,10 +248,16 @@ class TensorParallel(Strategy):
         whole from `source`; no rank ever holds a split weight whole. Every rank reads the
         same values, so nothing is broadcast."""
         plan = self.checked_plan(model, runtime)
-        vocab_head = self.apply_plan(model, plan, runtime)
+        vocab_start = self._vocab_start(model, plan, runtime)
         read_own_slices(model, source, runtime.rank, runtime.device)
         load_buffers_from(model, source)
-        return TensorParallelModel(model, runtime, vocab_head if self.loss_parallel else None)
+        return TensorParallelModel(model, runtime, vocab_start)
+
+    def _vocab_start(self, model: nn.Module, plan: dict[str, str], rt) -> int | None:
+        """Apply the plan; where this rank's vocabulary slice starts if the loss is computed
+        from the slices (a 'vocab_head' and loss_parallel), else None."""
+        head = self.apply_plan(model, plan, rt)
+        return head.start if head is not None and self.loss_parallel else None
 
     def checked_plan(self, model: nn.Module, runtime: Runtime) -> dict[str, str]:
         if self.size is not None and self.size != runtime.world_size:

@@ -1,7 +1,9 @@
 """The device mesh's cost model (`strategies.mesh_parallel`): dp replicas of a model split by
-tensor parallel (tp) or by pipeline stages (pp). Each rank costs what its model piece costs
-(`tensor_parallel`, `pipeline`), on its replica's share of the batch, plus the data axis's
-all-reduce of that piece's gradients in DDP's buckets (Narayanan et al., 2021's "PTD-P")."""
+tensor parallel (tp), by pipeline stages (pp), or both. Each rank costs what its model piece
+costs (`tensor_parallel`, `pipeline`; under both, the pipeline's stage of the tensor-parallel
+slices, `tp_local`, with its share of tensor parallel's all-reduces), on its replica's share of
+the batch, plus the data axis's all-reduce of that piece's gradients in DDP's buckets
+(Narayanan et al., 2021's "PTD-P")."""
 
 from __future__ import annotations
 
@@ -11,8 +13,20 @@ from shardwise.comm.accounting import native_volume
 from shardwise.distributed.mesh import coordinates
 from shardwise.plan.cost_models import CostModel
 from shardwise.plan.cost_models.ddp_costs import ddp_costs
-from shardwise.plan.cost_models.pipeline_costs import pipeline_compute, pp_costs
-from shardwise.plan.cost_models.tensor_parallel_costs import tp_compute, tp_costs
+from shardwise.plan.cost_models.pipeline_costs import (
+    num_chunks,
+    pipeline_compute,
+    pipeline_stages,
+    pp_costs,
+    rank_chunks,
+)
+from shardwise.plan.cost_models.tensor_parallel_costs import (
+    _tokens,
+    tp_calls,
+    tp_compute,
+    tp_costs,
+    tp_local,
+)
 from shardwise.plan.costs import FP32, CostJob, Costs, bucket_sizes
 from shardwise.plan.work import Compute, replica_compute
 from shardwise.strategies.ddp import DDPConfig
@@ -29,7 +43,9 @@ def mesh_costs(job: CostJob, s: StrategySection) -> Costs:
     dp, tp, pp = sizes(s, job.world_size)
     where = coordinates(job.rank, {"dp": dp, "tp": tp, "pp": pp})
     samples = job.global_batch // dp
-    if tp > 1:
+    if tp > 1 and pp > 1:
+        costs = tp_pp_costs(job, s, (tp, where["tp"]), (pp, where["pp"]), samples, dp > 1)
+    elif tp > 1:
         costs = tp_costs(job, s, tp, where["tp"], samples, data_parallel=dp > 1)
     elif pp > 1:
         costs = pp_costs(job, s, pp, where["pp"], samples, data_parallel=dp > 1)
@@ -44,11 +60,39 @@ def mesh_costs(job: CostJob, s: StrategySection) -> Costs:
     return costs
 
 
+def tp_pp_costs(job: CostJob, s, tp: tuple, pp: tuple, samples: int, data_parallel) -> Costs:
+    """Stage pp[1] of pp[0] of the model as tp rank tp[1] of tp[0] holds it (its slices), and
+    that stage's share of tensor parallel's all-reduces (the share of the split layers it holds:
+    the blocks' are alike)."""
+    local = tp_local(job, s.loss_parallel, *tp)
+    costs = pp_costs(local, s, pp[0], pp[1], samples, data_parallel)
+    tokens = _tokens(job, samples)
+    if tokens is not None:
+        layers, starts = pipeline_stages(local, pp[0] * num_chunks(s), None)
+        bounds = [*starts, len(layers)]
+        held = [
+            x
+            for g in rank_chunks(pp[1], pp[0], num_chunks(s))
+            for x in layers[bounds[g] : bounds[g + 1]]
+        ]
+        share = _split_layers(held) / max(_split_layers(layers), 1)
+        for nbytes, calls in tp_calls(job.model, tp[0], tokens):
+            costs.add_comm("all_reduce", nbytes * calls * share, calls * share, ranks=tp[0])
+    return costs
+
+
+def _split_layers(layers: list) -> int:
+    return sum(1 for layer in layers for m in layer.modules() if hasattr(m, "splits"))
+
+
 def mesh_compute(
     job: CostJob, s: StrategySection, costs: Costs, cal: dict, shared: dict | None
 ) -> Compute:
     """This rank's model piece's step, on its replica's share of the batch."""
     dp, tp, pp = sizes(s, job.world_size)
+    if pp > 1 and tp > 1:  # the pipeline of this rank's tensor-parallel slices
+        local = tp_local(job, s.loss_parallel, tp, job.rank % tp)
+        return pipeline_compute(local, s, pp, dp, cal, shared)
     if pp > 1:
         return pipeline_compute(job, s, pp, dp, cal, shared)
     if tp > 1:

@@ -137,7 +137,8 @@ def tp_local(job: CostJob, loss_parallel: bool, parts: int, rank: int) -> CostJo
     group = TraceGroup(parts, rank)
     runtime = SimpleNamespace(world_size=parts, rank=rank, group=group)
     head = TensorParallel().apply_plan(model, model.TP_PLAN, runtime)
-    loss_fn = vocab_parallel_loss(job.loss_fn, head if loss_parallel else None, group)
+    vocab_start = head.start if head is not None and loss_parallel else None
+    loss_fn = vocab_parallel_loss(job.loss_fn, vocab_start, group)
     return replace(job, model=model, loss_fn=loss_fn)
 
 
