@@ -3,7 +3,11 @@ of N (S = ceil(U / N) elements per rank); stage 1 keeps full gradients, 2 only t
 slice, 3 frees the full parameters after each use; one reduce-scatter per unit, one
 all-gather per unit after the step (stage 3: before forward and before backward instead).
 Its peak emulates the units' buffers on fake tensors as `strategies.zero` makes and frees
-them (`Stage1Emulation` and its subclasses)."""
+them (`Stage1Emulation` and its subclasses).
+
+Hybrid (HSDP, `shard_group=K`): all of the above inside a shard group of K ranks (N is K,
+S = ceil(U / K): 16P/K at stage 3 with fp32 Adam), plus one all-reduce of each unit's reduced
+slice (S elements) among the N/K replicas: 2(N/K - 1)/(N/K) x S x bytes per unit and step."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from shardwise.plan.peaks import step_peak
 from shardwise.plan.work import data_parallel_compute
 from shardwise.strategies.grad_buckets import assign_buckets
 from shardwise.strategies.section import StrategySection
-from shardwise.strategies.zero.stage3 import stage3_units
+from shardwise.strategies.zero.stage3 import stage3_units, unit_groups
 
 
 @dataclass(frozen=True)
@@ -47,23 +51,30 @@ def _units(job: CostJob, s: StrategySection) -> _Units:
     gradient buckets of bucket_mb."""
     params, modules, rest = job.params(), [], []
     if s.stage == 3:
+        # As the strategy cuts them: a parameter two units share (tied embeddings) is the rest's.
         found = stage3_units(job.model)
-        units = [[p for p in m.parameters() if p.requires_grad] for m in found]
+        kept = [(m, g) for m, g in zip(found, unit_groups(job.model, found), strict=True) if g]
+        units = [g for _, g in kept]
         covered = {id(p) for unit in units for p in unit}
         rest = [p for p in params if id(p) not in covered]
         units = [rest, *units] if rest else units
         names = {id(m): name for name, m in job.model.named_modules()}
-        modules = [names[id(m)] for m in found]
+        modules = [names[id(m)] for m, _ in kept]
     else:
         units = assign_buckets(params, int(s.bucket_mb * 2**20))
-    shards = [-(-sum(numels(unit)) // job.world_size) for unit in units]
+    shards = [-(-sum(numels(unit)) // shard_size(job, s)) for unit in units]
     return _Units(units, modules, bool(rest), shards)
+
+
+def shard_size(job: CostJob, s: StrategySection) -> int:
+    """K: the ranks a unit is sharded over (the shard group; by default the world)."""
+    return s.shard_group or job.world_size
 
 
 def _memory(job: CostJob, s: StrategySection, shards: list[int]) -> tuple[dict[str, int], int]:
     """The rank's model state by category, and the bytes of every unit's padded compute
     buffer."""
-    n, compute = job.world_size, HALF.get(s.mixed_precision, FP32)
+    n, compute = shard_size(job, s), HALF.get(s.mixed_precision, FP32)
     fp32_masters = s.mixed_precision is not None or s.offload is not None
     full = sum(S * n for S in shards) * compute
     shard = sum(shards) * FP32
@@ -92,7 +103,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         job.model,
         [[names[id(p)] for p in unit] for unit in units.params],
         units.modules,
-        job.world_size,
+        shard_size(job, s),
         DTYPES.get(s.mixed_precision, torch.float32),
         s.mixed_precision is not None or s.offload is not None,
         job.backend == "gloo",
@@ -109,32 +120,43 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         # Stages 1 and 2 gather every unit after the step, from compute copies of the slices.
         after_step=0 if s.stage == 3 else sum(units.shards) * HALF.get(s.mixed_precision, FP32),
     )
-    _traffic(costs, units, job.world_size, s.stage, HALF.get(s.mixed_precision, FP32))
+    k, compute = shard_size(job, s), HALF.get(s.mixed_precision, FP32)
+    _traffic(costs, units, k, s.stage, compute, ranks=k if k < job.world_size else None)
+    replicas = job.world_size // k
+    for S in units.shards:  # HSDP: each reduced slice averaged across the replicas
+        volume = native_volume("all_reduce", S * compute, replicas)
+        costs.add_comm("all_reduce", volume, ranks=replicas)
     if s.mixed_precision == "fp16":
         costs.notes.append("fp16 loss scaling: its overflow all-reduce is not counted")
     return costs
 
 
-def _traffic(costs: Costs, units: _Units, n: int, stage: int, compute: int) -> None:
-    """Each unit's reduce-scatter and all-gathers, and which of them a unit's compute hides."""
+def _traffic(
+    costs: Costs, units: _Units, n: int, stage: int, compute: int, ranks: int | None
+) -> None:
+    """Each unit's reduce-scatter and all-gathers among its `n` ranks (`ranks`: a group of the
+    world, None: all of it), and which of them a unit's compute hides."""
     shards = units.shards
     for k, S in enumerate(shards):
         unit_bytes = S * n * compute
         # Backward makes the first unit's gradients last: the others' reduce-scatters run
         # while it computes, and all are waited for after it.
         reduced = native_volume("reduce_scatter", unit_bytes, n)
-        costs.add_comm("reduce_scatter", reduced, prefetched=k > 0)
+        costs.add_comm("reduce_scatter", reduced, ranks=ranks, prefetched=k > 0)
         volume = native_volume("all_gather", unit_bytes, n)
-        if stage < 3:
-            costs.add_comm("all_gather", volume)
+        if stage < 3 or (k == 0 and units.rest):
+            # (stage 3's rest, gathered before forward, stays gathered through backward)
+            costs.add_comm("all_gather", volume, ranks=ranks)
             continue
-        # Stage 3 gathers each unit twice. A unit's gather starts in the hook of the unit
+        # Stage 3 gathers each other unit twice. A unit's gather starts in the hook of the unit
         # before it (forward: the previous, backward: the next) and is waited for after that
         # unit's compute; forward's first block (and the rest before it) and backward's
         # first, the last unit, are gathered on the spot.
-        exposed = (k < (2 if units.rest else 1)) + (k == len(shards) - 1)
-        costs.add_comm("all_gather", exposed * volume, calls=exposed)
-        costs.add_comm("all_gather", (2 - exposed) * volume, calls=2 - exposed, prefetched=True)
+        exposed = (k == (1 if units.rest else 0)) + (k == len(shards) - 1)
+        costs.add_comm("all_gather", exposed * volume, calls=exposed, ranks=ranks)
+        costs.add_comm(
+            "all_gather", (2 - exposed) * volume, calls=2 - exposed, ranks=ranks, prefetched=True
+        )
 
 
 class Stage1Emulation:
