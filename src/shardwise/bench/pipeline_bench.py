@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.bench.common import gpt_batch, gpt_model
+from shardwise.comm.named_tensors import all_gather_named
 from shardwise.nn.models import lm_loss
 from shardwise.observe.memory import ActivationMeter
 from shardwise.strategies.pipeline_schedule import bubble_formula
@@ -134,9 +135,26 @@ def speed_ratio(ours: list[float], rival: list[float]) -> tuple[float, float, fl
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def gather(stats: dict) -> list[dict]:
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, stats)
+def gather(stats: dict[str, tuple[list[float], list[float], int]]) -> list[dict]:
+    """Every stage's {impl: (step seconds, CPU seconds, activation peak)}, as tensors."""
+    local = []
+    for key, (seconds, busy, peak) in stats.items():
+        local.append((("seconds", key), torch.tensor(seconds, dtype=torch.float64)))
+        local.append((("busy", key), torch.tensor(busy, dtype=torch.float64)))
+        local.append((("peak", key), torch.tensor(peak, dtype=torch.int64)))
+    out = []
+    for part in all_gather_named(local):
+        got = {(what, key): t for (what, key), t in part}
+        out.append(
+            {
+                key: (
+                    got["seconds", key].tolist(),
+                    got["busy", key].tolist(),
+                    int(got["peak", key]),
+                )
+                for key in stats
+            }
+        )
     return out
 
 

@@ -273,25 +273,3 @@ def barrier(group: ProcessGroup | None = None) -> None:
     with recorder.blocked_in(recorded):
         dist.barrier(group=group)
     stats.record("barrier", 0, timer.elapsed())
-
-
-def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = None) -> object:
-    """Broadcast a small picklable object (configuration, paths); counted by call only."""
-    box = [obj]
-    recorded = recorder.issue("broadcast_object", group)
-    timer = Timer()
-    with recorder.blocked_in(recorded):
-        dist.broadcast_object_list(box, group_src=src, group=group)
-    stats.record("broadcast_object", 0, timer.elapsed())
-    return box[0]
-
-
-def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
-    """Every rank's picklable object, in group-rank order; counted by call only."""
-    out: list = [None] * group_size(group)
-    recorded = recorder.issue("all_gather_object", group)
-    timer = Timer()
-    with recorder.blocked_in(recorded):
-        dist.all_gather_object(out, obj, group=group)
-    stats.record("all_gather_object", 0, timer.elapsed())
-    return out

@@ -239,9 +239,10 @@ def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
     alone = measure.compute_rates(windows) if rt.is_main else {}
     dist.barrier()
     shared = measure.compute_rates(windows)  # every rank at once: the machine shared as in training
-    gathered: list = [None] * rt.world_size
-    dist.all_gather_object(gathered, shared)
-    mean = {k: statistics.mean(r[k] for r in gathered) for k in shared}
+    keys = sorted(shared)  # (the same names on every rank)
+    summed = torch.tensor([shared[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(summed)
+    mean = {k: v / rt.world_size for k, v in zip(keys, summed.tolist(), strict=True)}
     result = {
         "host": socket.gethostname(),
         "nproc": rt.world_size,

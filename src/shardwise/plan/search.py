@@ -27,6 +27,10 @@ bf16 parameters and gradients, K = 12 bytes of fp32 master weights and Adam mome
                     parameters per micro-batch, under its compute; every collective costs
                     volume / bandwidth + latency, over NVLink inside a node and the network
                     across nodes
+    HSDP            ZeRO-3 sharded over the K data-parallel ranks of a node and replicated across
+                    the dp/K nodes: model states / K; a reduce-scatter and two all-gathers of the
+                    gradients' size among K over NVLink, and an all-reduce of 1/K of them among
+                    dp/K over the network
     offload         gradients out and parameters back over PCIe, and Adam on the host at
                     `host_adam_s_per_param` seconds per parameter
 
@@ -160,6 +164,7 @@ class Plan:
     checkpointing: bool
     offload: bool
     schedule: str = "1f1b"  # pp > 1: its pipeline schedule (strategies/pipeline_schedule.py)
+    shard_group: int | None = None  # HSDP: ZeRO shards over this many dp ranks (None: all dp)
     memory: dict[str, float] = field(default_factory=dict)  # bytes per device by category
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per device per step
     time: dict[str, float] = field(default_factory=dict)  # seconds per step by part
@@ -173,6 +178,8 @@ class Plan:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.zero:
             parts.append(f"zero{self.zero}")
+        if self.shard_group:
+            parts.append(f"hsdp{self.shard_group}")
         parts.append(f"mb{self.micro_batch}x{self.microbatches}")
         if self.checkpointing:
             parts.append("ckpt")
@@ -225,19 +232,39 @@ def candidates(spec: TransformerSpec, cluster: ClusterSpec) -> list[Plan]:
         (dp, tp, pp, [b for b in MICRO_BATCHES if spec.batch // dp % b == 0])
         for dp, tp, pp in _meshes(spec, cluster.devices)
     ]
-    count = sum(len(micro) * len(_options(pp)) for _, _, pp, micro in meshes)
+    count = sum(
+        len(micro) * (len(_options(pp)) + len(_hybrid_options(dp, tp, pp, cluster)))
+        for dp, tp, pp, micro in meshes
+    )
     if count > MAX_PLANS:
         raise ValueError(
             f"{cluster.devices} devices and a batch of {spec.batch} split {count} ways, more "
             f"than the {MAX_PLANS} priced at most: plan fewer devices, or a batch with fewer "
             "divisors"
         )
-    return [
+    plans = [
         Plan(dp, tp, pp, zero, b, spec.batch // dp // b, ckpt, offload)
         for dp, tp, pp, micro in meshes
         for b in micro
         for zero, ckpt, offload in _options(pp)
     ]
+    return plans + [
+        Plan(dp, tp, pp, 3, b, spec.batch // dp // b, ckpt, offload, shard_group=k)
+        for dp, tp, pp, micro in meshes
+        for b in micro
+        for k, ckpt, offload in _hybrid_options(dp, tp, pp, cluster)
+    ]
+
+
+def _hybrid_options(
+    dp: int, tp: int, pp: int, cluster: ClusterSpec
+) -> list[tuple[int, bool, bool]]:
+    """(shard group, checkpointing, offload) of HSDP (ZeRO-3 on whole-world data parallel)
+    where the data-parallel ranks span several nodes: sharded over a node's ranks."""
+    k = cluster.devices_per_node
+    if tp > 1 or pp > 1 or dp <= k or dp % k:
+        return []
+    return [(k, c, o) for c, o in itertools.product((False, True), (False, True))]
 
 
 def price(plan: Plan, spec: TransformerSpec, cluster: ClusterSpec) -> Plan:
@@ -279,7 +306,7 @@ def _memory(plan: Plan, spec: TransformerSpec, psi: float, layers: int) -> dict[
     activations of the micro-batches in flight, and ZeRO-3's gathered layers."""
     h, s, a = spec.hidden, spec.seq, spec.heads
     tp, b, m = plan.tp, plan.micro_batch, plan.microbatches
-    shard = plan.dp if plan.dp > 1 else 1
+    shard = plan.shard_group or plan.dp  # (HSDP: a node's ranks)
     params = 2 * psi / (shard if plan.zero >= 3 else 1)
     grads = 2 * psi / (shard if plan.zero >= 2 else 1)
     if plan.zero >= 2 and m > 1:  # micro-batches accumulate full gradients, reduced once
@@ -356,6 +383,8 @@ def _data_parallel(
     dp, m = plan.dp, plan.microbatches
     if dp == 1:
         return 0.0, 0.0
+    if plan.shard_group:
+        return _hybrid_data_parallel(plan, cluster, psi, compute)
     volume = (dp - 1) / dp * 2 * psi  # one reduce-scatter or all-gather of the bf16 gradients
     calls = 2 * m + 1 if plan.zero == 3 else 2
     dp_bytes = volume * calls
@@ -365,11 +394,30 @@ def _data_parallel(
     return dp_bytes, max(0.0, transfer - overlap)
 
 
+def _hybrid_data_parallel(
+    plan: Plan, cluster: ClusterSpec, psi: float, compute: float
+) -> tuple[float, float]:
+    """HSDP's bytes and exposed seconds: within a shard group of K (a node), two all-gathers
+    of the parameters per micro-batch and one reduce-scatter of the gradients per step;
+    across the dp/K groups, an all-reduce of the 1/K slice (ZeRO-3's, reduced once after the
+    last micro-batch, its gathers under each one's compute)."""
+    k, replicas, m = plan.shard_group, plan.dp // plan.shard_group, plan.microbatches
+    grad_bytes = 2 * psi
+    inside = (2 * m + 1) * (k - 1) / k * grad_bytes
+    across = 2 * (replicas - 1) / replicas * grad_bytes / k
+    seconds = inside / cluster.bandwidth(k, plan.tp) + across / cluster.bandwidth(
+        replicas, k * plan.tp
+    )
+    transfer = seconds + (2 * m + 2) * cluster.latency_s
+    overlap = compute * (2 / 3)
+    return inside + across, max(0.0, transfer - overlap)
+
+
 def _offload_s(plan: Plan, cluster: ClusterSpec, psi: float) -> float:
     """Offload's seconds: fp32 gradients out, bf16 parameters back, Adam on the host."""
     if not plan.offload:
         return 0.0
-    moved = psi / (plan.dp if plan.dp > 1 and plan.zero >= 1 else 1)
+    moved = psi / ((plan.shard_group or plan.dp) if plan.zero >= 1 else 1)
     return moved * 6 / (cluster.pcie_gbyte * GB) + moved * cluster.host_adam_s_per_param
 
 
@@ -387,11 +435,22 @@ def unsupported(plan: Plan) -> str:
 
 def plan_sets(plan: Plan) -> list[str]:
     """`plan` as `shardwise train` overrides (`--set`): a mesh of its sizes with its ZeRO
-    stage (bf16 over fp32 masters, as priced) along the data axis, its schedule and
-    micro-batches (without a pipeline: `train.accumulate`), and each replica's batch."""
-    sets = ["strategy.name=mesh", f"strategy.dp={plan.dp}", f"strategy.tp={plan.tp}"]
-    sets += [f"strategy.pp={plan.pp}"]
-    sets += [f"strategy.data=zero{plan.zero}", "strategy.mixed_precision=bf16"] if plan.zero else []
+    stage (bf16 over fp32 masters, as priced) along the data axis (HSDP: ZeRO-3 with its
+    shard group), its schedule and micro-batches (without a pipeline: `train.accumulate`),
+    and each replica's batch."""
+    if plan.shard_group:
+        sets = [
+            "strategy.name=zero",
+            "strategy.stage=3",
+            f"strategy.shard_group={plan.shard_group}",
+        ]
+        sets += ["strategy.mixed_precision=bf16"]
+    else:
+        sets = ["strategy.name=mesh", f"strategy.dp={plan.dp}", f"strategy.tp={plan.tp}"]
+        sets += [f"strategy.pp={plan.pp}"]
+        sets += [f"strategy.data=zero{plan.zero}", "strategy.mixed_precision=bf16"] * bool(
+            plan.zero
+        )
     sets += ["strategy.offload=cpu"] if plan.offload else []
     sets += ["strategy.activation_checkpointing=true"] if plan.checkpointing else []
     if plan.pp > 1:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.named_tensors import all_gather_named
 from shardwise.comm.parallel_ops import Split, gather_split
 from shardwise.strategies.base import DistributedModel
 from shardwise.strategies.zero import ZeroStage1
@@ -86,16 +87,21 @@ def gather_stage_states(state: TrainingState, names: dict[str, list[str]], group
     """Every stage's `state` under the unsplit model's names (`names`: stage key -> the model's
     keys; a tied weight is taken under its first), on every rank of the pipeline group."""
     params, states, param_names = state
-    local = (
-        {names[k][0]: v.detach().cpu() for k, v in params.items()},
-        {names[k][0]: {key: v.detach().cpu() for key, v in s.items()} for k, s in states.items()},
-        [names[k][0] for k in param_names],
-    )
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    # Sent as named tensors (no pickle): ("p", name) a parameter, ("s", name, key) one of its
+    # optimizer state's tensors, ("n", name) an empty marker keeping the parameters' order.
+    local = [(("p", names[k][0]), v) for k, v in params.items()]
+    local += [(("s", names[k][0], key), v) for k, s in states.items() for key, v in s.items()]
+    local += [(("n", names[k][0]), torch.empty(0)) for k in param_names]
     merged: TrainingState = ({}, {}, [])
-    for part in comm.all_gather_object(local, group=group):
-        merged[0].update(part[0])
-        merged[1].update(part[1])
-        merged[2].extend(n for n in part[2] if n not in merged[2])  # (tied: held twice)
+    for part in all_gather_named(local, group, device):
+        for key, value in part:
+            if key[0] == "p" and len(key) == 2:
+                merged[0][key[1]] = value
+            elif key[0] == "s" and len(key) == 3:
+                merged[1].setdefault(key[1], {})[key[2]] = value
+            elif key[0] == "n" and len(key) == 2 and key[1] not in merged[2]:
+                merged[2].append(key[1])  # (a tied weight: held by two stages, named once)
     return merged
 
 

@@ -44,6 +44,7 @@ from shardwise.comm.messages import (
     send_header,
     tensor_header,
 )
+from shardwise.comm.named_tensors import all_gather_named
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.meta_init import ParameterSource
 from shardwise.strategies.base import (
@@ -277,9 +278,9 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         """Every stage's `stage_state` (keyed as this stage's state dict; on a mesh, whole
         along the other axes) under the unsplit model's keys, on every rank of the pipeline."""
         # (A tied weight is under each of its names, from every stage that holds it.)
-        local = {n: v.detach().cpu() for k, v in stage_state.items() for n in self.names[k]}
-        parts = comm.all_gather_object(local, group=self.group)
-        return {k: v.to(self.device) for part in parts for k, v in part.items()}
+        local = [((n,), v) for k, v in stage_state.items() for n in self.names[k]]
+        parts = all_gather_named(local, self.group, self.device)
+        return {key[0]: v.to(self.device) for part in parts for key, v in part}
 
     def grad_square_sum(self) -> torch.Tensor:
         grads = [

@@ -5,7 +5,11 @@ all-gather per unit after the step (stage 3: before each forward and backward in
 per micro-batch under accumulation). A gradient codec (`compression`) sends what it encodes in
 the reduce-scatter's place (`comm.compression`'s wire layouts). Its peak emulates the units'
 buffers on fake tensors as `strategies.zero` makes and frees them (`Stage1Emulation` and its
-subclasses)."""
+subclasses).
+
+Hybrid (HSDP, `shard_group=K`): all of the above inside a shard group of K ranks (N is K,
+S = ceil(U / K): 16P/K at stage 3 with fp32 Adam), plus one all-reduce of each unit's reduced
+slice (S elements) among the N/K replicas: 2(N/K - 1)/(N/K) x S x bytes per unit and step."""
 
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from shardwise.plan.peaks import step_peak
 from shardwise.plan.work import data_parallel_compute
 from shardwise.strategies.grad_buckets import assign_buckets
 from shardwise.strategies.section import StrategySection
-from shardwise.strategies.zero.stage3 import stage3_units
+from shardwise.strategies.zero.stage3 import stage3_units, unit_groups
 
 
 @dataclass(frozen=True)
@@ -52,17 +56,24 @@ def _units(job: CostJob, s: StrategySection) -> _Units:
     gradient buckets of bucket_mb."""
     params, modules, rest = job.params(), [], []
     if s.stage == 3:
+        # As the strategy cuts them: a parameter two units share (tied embeddings) is the rest's.
         found = stage3_units(job.model)
-        units = [[p for p in m.parameters() if p.requires_grad] for m in found]
+        kept = [(m, g) for m, g in zip(found, unit_groups(job.model, found), strict=True) if g]
+        units = [g for _, g in kept]
         covered = {id(p) for unit in units for p in unit}
         rest = [p for p in params if id(p) not in covered]
         units = [rest, *units] if rest else units
         names = {id(m): name for name, m in job.model.named_modules()}
-        modules = [names[id(m)] for m in found]
+        modules = [names[id(m)] for m, _ in kept]
     else:
         units = assign_buckets(params, int(s.bucket_mb * 2**20))
-    shards = [-(-sum(numels(unit)) // job.world_size) for unit in units]
+    shards = [-(-sum(numels(unit)) // shard_size(job, s)) for unit in units]
     return _Units(units, modules, bool(rest), shards)
+
+
+def shard_size(job: CostJob, s: StrategySection) -> int:
+    """K: the ranks a unit is sharded over (the shard group; by default the world)."""
+    return s.shard_group or job.world_size
 
 
 def zero_state(job: CostJob, s: StrategySection) -> tuple[_Units, dict[str, int], int]:
@@ -76,7 +87,7 @@ def zero_state(job: CostJob, s: StrategySection) -> tuple[_Units, dict[str, int]
 def _memory(job: CostJob, s: StrategySection, shards: list[int]) -> tuple[dict[str, int], int]:
     """The rank's model state by category, and the bytes of every unit's padded compute
     buffer."""
-    n, compute = job.world_size, HALF.get(s.mixed_precision, FP32)
+    n, compute = shard_size(job, s), HALF.get(s.mixed_precision, FP32)
     fp32_masters = s.mixed_precision is not None or s.offload is not None
     full = sum(S * n for S in shards) * compute
     shard = sum(shards) * FP32
@@ -104,7 +115,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         job.model,
         [[names[id(p)] for p in unit] for unit in units.params],
         units.modules,
-        job.world_size,
+        shard_size(job, s),
         DTYPES.get(s.mixed_precision, torch.float32),
         s.mixed_precision is not None or s.offload is not None,
         job.backend == "gloo",
@@ -124,7 +135,12 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         # Under accumulation stages 2 and 3 keep every unit's full gradient (no_sync).
         accumulated=full if s.stage >= 2 else None,
     )
-    zero_traffic(costs, units, job.world_size, s, job.accumulate)
+    k = shard_size(job, s)
+    zero_traffic(costs, units, k, s, job.accumulate, ranks=k if k < job.world_size else None)
+    replicas, compute = job.world_size // k, HALF.get(s.mixed_precision, FP32)
+    for S in units.shards:  # HSDP: each reduced slice averaged across the replicas
+        volume = native_volume("all_reduce", S * compute, replicas)
+        costs.add_comm("all_reduce", volume, ranks=replicas)
     if s.stage == 3 and job.accumulate > 1:  # (measured 12-16% above the unit-less bound)
         costs.peak = None
         costs.notes.append("ZeRO-3 under accumulation: its gathers in no_sync not emulated")
@@ -152,14 +168,16 @@ def zero_traffic(
             reduced = native_volume("reduce_scatter", unit_bytes, n)
             costs.add_comm("reduce_scatter", reduced, ranks=ranks, prefetched=k > 0)
         volume = native_volume("all_gather", unit_bytes, n)
-        if stage < 3:
-            costs.add_comm("all_gather", volume, ranks=ranks)
+        if stage < 3 or (k == 0 and units.rest):
+            # (stage 3's rest, gathered before forward, stays gathered through backward)
+            gathers = passes if stage == 3 else 1  # (stages 1-2: once, after the step)
+            costs.add_comm("all_gather", gathers * volume, calls=gathers, ranks=ranks)
             continue
-        # Stage 3 gathers each unit twice a pass. A unit's gather starts in the hook of the
-        # unit before it (forward: the previous, backward: the next) and is waited for after
-        # that unit's compute; forward's first block (and the rest before it) and backward's
-        # first, the last unit, are gathered on the spot.
-        exposed = passes * ((k < (2 if units.rest else 1)) + (k == len(shards) - 1))
+        # Stage 3 gathers each other unit twice a pass. A unit's gather starts in the hook of
+        # the unit before it (forward: the previous, backward: the next) and is waited for
+        # after that unit's compute; forward's first block (and the rest before it) and
+        # backward's first, the last unit, are gathered on the spot.
+        exposed = passes * ((k == (1 if units.rest else 0)) + (k == len(shards) - 1))
         hidden = 2 * passes - exposed
         costs.add_comm("all_gather", exposed * volume, calls=exposed, ranks=ranks)
         costs.add_comm("all_gather", hidden * volume, calls=hidden, ranks=ranks, prefetched=True)

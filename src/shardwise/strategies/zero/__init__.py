@@ -8,6 +8,11 @@ stage a short extension of the one before:
 - `stage2.py`: + the gradients (4P + 12P/N);
 - `stage3.py`: + the parameters, gathered unit by unit around forward and backward (16P/N).
 
+`shard_group=K` makes any stage hybrid (HSDP): the state is sharded over groups of K consecutive
+ranks and replicated across the N/K groups (`distributed/shard_groups.py`); gradients are
+reduce-scattered inside a group, then each slice is all-reduced across the groups (16P/K with
+stage 3, the inter-node traffic 1/K of the gradients).
+
 `units.py` holds the flat, padded buffers every stage shards; `masters.py` what the optimizer
 steps (the buffer's slices, or fp32 master weights with loss scaling, offloadable).
 Any element-wise `torch.optim` optimizer (SGD, Adam, AdamW, ...) works unchanged on the slices.
@@ -26,6 +31,7 @@ from torch import nn
 
 from shardwise.comm.compressed_collectives import CODEC_SPEC, make_codec
 from shardwise.distributed.runtime import Runtime
+from shardwise.distributed.shard_groups import build_shard_groups, check_shard_size
 from shardwise.nn.meta_init import (
     ParameterSource,
     load_buffers_from,
@@ -65,6 +71,9 @@ class ZeRO(Strategy):
     compression: a gradient codec for the reduce-scatter ('fp16', 'bf16', 'int8',
         'topk:RATIO', 'randomk:RATIO', 'sign', 'powersgd:RANK[:WARMUP]'; see
         `shardwise.comm.compression`), whole-world ZeRO only.
+    shard_group: None (shard over all ranks) or K: hybrid sharding (HSDP), the state sharded
+        over each group of K consecutive ranks (a node) and replicated across the N/K groups;
+        K must divide the world size. Whole-world ZeRO only (not along a device-mesh axis).
     """
 
     stage: int = 1
@@ -74,9 +83,16 @@ class ZeRO(Strategy):
     offload_dir: str | None = None
     sync_batchnorm: bool = True
     compression: str | None = None
+    shard_group: int | None = None
 
     def __post_init__(self) -> None:
         compute_dtype(self.mixed_precision)  # validates the name
+        check_shard_size(self.shard_group)  # (the world is checked at wrap)
+        if self.compression is not None and self.shard_group is not None:
+            raise ValueError(
+                f"ZeRO compression={self.compression!r} with shard_group={self.shard_group}: "
+                "codecs run on whole-world ZeRO only (no shard_group)"
+            )
         if self.compression is not None:
             make_codec(self.compression)  # validates the spec
             if self.mixed_precision == "fp16":  # (an overflow's inf would stay in a residual)
@@ -93,6 +109,7 @@ class ZeRO(Strategy):
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroStage1:
         self._check_compression(runtime)
+        self._check_shard_group(runtime)
         if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
             model = convert_sync_batchnorm(model)
         broadcast_module_state(model, group=runtime.group)
@@ -105,6 +122,7 @@ class ZeRO(Strategy):
         if self.stage != 3:
             return super().wrap_from(model, runtime, source)
         self._check_compression(runtime)
+        self._check_shard_group(runtime)
         if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
             model = convert_sync_batchnorm(model)
         trainable = {p for p in model.parameters() if p.requires_grad}
@@ -118,6 +136,14 @@ class ZeRO(Strategy):
             raise ValueError(
                 f"ZeRO compression={self.compression!r} applies to whole-world ZeRO only, "
                 "not along a device-mesh axis"
+            )
+
+    def _check_shard_group(self, runtime: Runtime) -> None:
+        check_shard_size(self.shard_group, runtime.world_size)
+        if self.shard_group is not None and runtime.group is not None:
+            raise ValueError(
+                f"ZeRO shard_group={self.shard_group} applies to whole-world ZeRO only, not "
+                "along a device-mesh axis"
             )
 
     def _stage(
@@ -137,7 +163,11 @@ class ZeRO(Strategy):
             offload_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         stage = STAGES[self.stage]
         bucket_bytes = int(self.bucket_mb * 2**20)
-        return stage(model, runtime, masters, bucket_bytes, offload_dir, source, self.compression)
+        groups = build_shard_groups(self.shard_group, runtime)  # (collective)
+        return stage(
+            *(model, runtime, masters, bucket_bytes, offload_dir, source, self.compression),
+            groups=groups,
+        )
 
 
 class ZeROConfig(StrategySection):
@@ -163,13 +193,23 @@ class ZeROConfig(StrategySection):
         description=f"gradient codec for the reduce-scatter: {CODEC_SPEC}",
         pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+(:\d+)?)?)$",
     )
+    shard_group: int | None = Field(
+        None,
+        ge=1,
+        description="hybrid sharding (HSDP): shard over groups of this many consecutive ranks "
+        "(a node), replicate across the groups; must divide the world size (default: all ranks)",
+    )
 
     def build(self, world_size: int, run_dir: Path) -> ZeRO:
+        check_shard_size(self.shard_group, world_size)
         offload_dir = self.offload_dir or str(run_dir)
         return ZeRO(**self.options(exclude={"offload_dir"}), offload_dir=offload_dir)
 
     def describe(self) -> str:
-        return f"zero-{self.stage}" + (f" ({self.compression})" if self.compression else "")
+        hybrid = f" (hsdp {self.shard_group})" if self.shard_group else ""
+        return (
+            f"zero-{self.stage}" + (f" ({self.compression})" if self.compression else "") + hybrid
+        )
 
 
 __all__ = ["STAGES", "ZeRO", "ZeROConfig", "ZeroStage1", "ZeroStage2", "ZeroStage3", "stage3_units"]

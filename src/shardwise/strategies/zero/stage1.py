@@ -11,6 +11,10 @@ are views into each unit's full gradient buffer) + 8P/N optimizer state. Communi
 reduce-scatter + all-gather, the volume of one all-reduce, as DDP. With a gradient codec
 (`compression`, `comm/compression.py`) the reduce-scatter runs through it on a communication
 thread; its error feedback is kept per unit and saved with the model's extra state.
+
+Hybrid (HSDP, `shard_group=K`): everything above happens inside a shard group of K ranks (N
+becomes K), and each reduced slice is then all-reduced across the N/K replicas of its owner
+(`groups.replicate`) before the shard takes it; replicas step identical slices.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm.compressed_collectives import CompressedReduceScatter, make_codec
 from shardwise.distributed.runtime import Runtime
+from shardwise.distributed.shard_groups import ShardGroups, whole
 from shardwise.nn.meta_init import ParameterSource
 from shardwise.nn.sync_batchnorm import SyncBatchNorm
 from shardwise.strategies.base import (
@@ -62,15 +67,18 @@ class ZeroStage1(DistributedModel):
         offload_dir: Path | None = None,
         source: ParameterSource | None = None,
         compression: str | None = None,
+        groups: ShardGroups | None = None,
     ) -> None:
         super().__init__(module, runtime)
         self.masters, self.offload_dir = masters, offload_dir
+        self.groups = groups or whole(runtime)  # whom the units are sharded over
+        shard_over = (self.groups.shard_rank, self.groups.shard_size)
         self.disk_step: DiskOffloadedStep | None = None
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.units = [
             FlatUnit(
-                *(params, runtime.rank, runtime.world_size, masters.compute_dtype, runtime.group),
+                *(params, *shard_over, masters.compute_dtype, self.groups.shard),
                 source=None if source is None else (source, [self.names[p] for p in params]),
             )
             for params in self.unit_params([p for _, p in named], bucket_bytes)
@@ -138,7 +146,7 @@ class ZeroStage1(DistributedModel):
             unit.handle = self.codec.start(unit.grad_full, unit.reduced, key=index)
             return
         unit.handle = comm.reduce_scatter_tensor(
-            unit.reduced, unit.grad_full, group=self.runtime.group, async_op=True
+            unit.reduced, unit.grad_full, group=self.groups.shard, async_op=True
         )
 
     def _finish(self) -> None:
@@ -153,6 +161,10 @@ class ZeroStage1(DistributedModel):
             return  # completed already
         unit.handle.wait()
         unit.handle = None
+        if self.groups.is_hybrid:
+            # HSDP: sum the slice over its owners in every shard group. `batch_share` weighed
+            # each rank's gradient as its share of the whole world's batch: the sum is the mean.
+            comm.all_reduce(unit.reduced, group=self.groups.replicate)
         self.masters.take_grad(unit, self.shards[index], self.keeps_full_grads)
         self.release_full_grad(unit)
         unit.reduced = None
@@ -203,7 +215,7 @@ class ZeroStage1(DistributedModel):
         """Every unit's full compute buffer from all ranks' updated slices."""
         handles = [
             comm.all_gather_into_tensor(
-                u.full, self._compute_copy(s), self.runtime.group, async_op=True
+                u.full, self._compute_copy(s), self.groups.shard, async_op=True
             )
             for u, s in zip(self.units, self.shards, strict=True)
         ]
@@ -222,7 +234,8 @@ class ZeroStage1(DistributedModel):
     def grad_square_sum(self) -> torch.Tensor:
         device = self.units[0].full.device  # offloaded shards are on the CPU
         squares = square_sum(self.local_grads(), device).to(device)
-        comm.all_reduce(squares, group=self.runtime.group)  # disjoint shards: sum over ranks
+        # Disjoint shards: sum over the shard group (its replicas hold the same slices).
+        comm.all_reduce(squares, group=self.groups.shard)
         return squares
 
     @torch.no_grad()
@@ -235,7 +248,7 @@ class ZeroStage1(DistributedModel):
             device = unit.full.device
             flat = torch.empty(unit.full.numel(), dtype=shard.dtype, device=device)
             comm.all_gather_into_tensor(
-                flat, shard.detach().to(device).contiguous(), self.runtime.group
+                flat, shard.detach().to(device).contiguous(), self.groups.shard
             )
             for p in unit.params:
                 full[p] = unit.slot(flat, p).clone()
@@ -275,7 +288,9 @@ class ZeroStage1(DistributedModel):
         self.gather_parameters()
 
     def checkpoint_name(self) -> str:
-        return f"zero-{self.stage}"
+        # Hybrid: another shard size at the same world size holds other slices (`state_dict`).
+        hybrid = f"-hsdp{self.groups.shard_size}" if self.groups.is_hybrid else ""
+        return f"zero-{self.stage}{hybrid}"
 
     def scales_loss(self) -> bool:
         return getattr(self.masters, "scaler", None) is not None
@@ -288,12 +303,14 @@ class ZeroStage1(DistributedModel):
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         layout = {
-            "num_shards": self.runtime.world_size,
+            "num_shards": self.groups.shard_size,
             "strategy": self.checkpoint_name(),
             "units": [
                 {"params": [[self.names[p], list(p.shape)] for p in u.params]} for u in self.units
             ],
         }
+        if self.runtime.rank >= self.groups.shard_size:
+            return layout, None  # a replica of the first shard group's slices: written there
         tensors = buffer_tensors(self.module, frozen=True) if self.runtime.rank == 0 else {}
         for i, shard in enumerate(self.shards):
             tensors[f"unit{i}/param"] = shard.detach()
