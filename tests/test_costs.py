@@ -62,16 +62,26 @@ GPT_ONLY = [
     {"name": "pp", "schedule": "gpipe", "microbatches": 4},
     {"name": "pp", "schedule": "1f1b", "microbatches": 2},
     {"name": "pp", "schedule": "1f1b", "microbatches": 2, "activation_checkpointing": True},
+    {"name": "pp", "schedule": "zb-h1", "microbatches": 4},
+    {"name": "zero", "stage": 2, "compression": "int8", "bucket_mb": 0.02},
+    {"name": "zero", "stage": 3, "accumulate": 2},  # (train.accumulate: not the section's)
+    {"name": "tp", "accumulate": 2},
 ]
+WORLD_2 = [{"name": "pp", "schedule": "interleaved", "microbatches": 4}]  # (4 layers: 2 x 2)
 MESH = [  # world 4 only
     {"name": "mesh", "dp": 2, "tp": 2, "activation_checkpointing": True},
     {"name": "mesh", "dp": 2, "pp": 2, "microbatches": 2},
+    {"name": "mesh", "dp": 2, "tp": 2, "data": "zero3"},
+    {"name": "mesh", "dp": 2, "pp": 2, "microbatches": 2, "data": "zero3"},
+    {"name": "mesh", "dp": 2, "pp": 2, "microbatches": 4, "schedule": "interleaved"},
+    {"name": "mesh", "dp": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1", "data": "zero1"},
 ]
 
 
 def _section(options: dict):
     by_name = {s.model_fields["name"].default: s for s in SECTIONS}
-    return by_name[options["name"]].model_validate(options)
+    own = {k: v for k, v in options.items() if k != "accumulate"}
+    return by_name[options["name"]].model_validate(own)
 
 
 def _batch(name: str, step: int, index: int, share: int):
@@ -89,6 +99,7 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
     """(measured memory, measured bytes per step by op, predicted costs) on this rank."""
     section = _section(options)
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    accumulate = options.get("accumulate", 1)
     loss_fn = small_models.loss_fn(model_name)
     with torch.device("meta"):
         meta = small_models.build(model_name)
@@ -100,6 +111,7 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
         batch=small_models.fake_batch(model_name),
         loss_fn=loss_fn,
         global_batch=BATCH,
+        accumulate=accumulate,
     )
     predicted = predict(job, section).as_dict()
     before = live_bytes()  # what earlier cases left (torch's caches: it lasts)
@@ -120,7 +132,7 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
         meter = ActivationMeter()
         with PeakMeter() if step >= metered else contextlib.nullcontext() as peak:
             with meter:
-                sw.train_step(model, x, y, loss_fn, total=BATCH)
+                sw.train_step(model, x, y, loss_fn, total=BATCH, accumulate=accumulate)
             if step == STEPS - 1:
                 memory = {**sw.memory_report(model, opt), "activations": meter.peak}
             opt.step()
@@ -140,7 +152,7 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
 
 
 def _all(tmp: str) -> list:
-    mesh = MESH if torch.distributed.get_world_size() == 4 else []
+    mesh = MESH if torch.distributed.get_world_size() == 4 else WORLD_2
     cases = [("mlp", o) for o in STRATEGIES] + [("gpt", o) for o in STRATEGIES + GPT_ONLY + mesh]
     # The meters find the tensors alive through the garbage collector, three times a case: a
     # full pass over the 180,000 objects torch's import made took 60% of the test's time.
@@ -149,6 +161,13 @@ def _all(tmp: str) -> list:
     gc.collect()
     gc.freeze()
     return [(name, options, _measure(name, options, tmp)) for name, options in cases]
+
+
+def _peak_unmodelled(options: dict) -> bool:
+    """ZeRO-2/3 on a mesh's data axis, and ZeRO-3 under accumulation, predict no peak: their
+    units' buffers are not emulated there (the shifted bounds were 12-31% low)."""
+    mesh_zero = options.get("data") in ("zero2", "zero3")
+    return mesh_zero or (options.get("stage") == 3 and options.get("accumulate", 1) > 1)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -163,6 +182,8 @@ def test_predicted_memory_and_bytes_match_the_measured(world, tmp_path):
                     failures.append(f"{where}: {category} predicted {want}, measured {got}")
             for what in ("activations", "peak"):
                 want, got = predicted[what], memory[what]
+                if want is None and what == "peak" and _peak_unmodelled(options):
+                    continue
                 if want is None or abs(want - got) > 0.1 * got:
                     failures.append(f"{where}: {what} predicted {want}, measured {got}")
             measured, calls = measured
@@ -171,7 +192,8 @@ def test_predicted_memory_and_bytes_match_the_measured(world, tmp_path):
             posts = calls.pop("posts")
             if predicted["calls"] != calls:
                 failures.append(f"{where}: calls predicted {predicted['calls']}, got {calls}")
-            if "pp" in options or options["name"] == "pp":  # the step-time model's posts
+            one_chunk = options.get("schedule", "1f1b") in ("gpipe", "1f1b")
+            if one_chunk and ("pp" in options or options["name"] == "pp"):  # priced posts
                 sizes = {"dp": options.get("dp", 1), "tp": 1, "pp": options.get("pp", world)}
                 stage = coordinates(rank, sizes)["pp"]
                 want = posts_per_step(stage, sizes["pp"], options["microbatches"])

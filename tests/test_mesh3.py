@@ -3,7 +3,8 @@ single-process training after 10 AdamW steps on the same global batches, clipped
 norm; its full state dict, exact resume and a reshardable checkpoint loaded into another layout
 (one 8-rank spawn: our TinyGPT, and a Hugging Face Llama with transformers' TP plan and
 hf_stages' cut); dp x tp and dp x pp with ZeRO-3 on that Llama, and the shapes that do not fit,
-refused in one line (one 4-rank spawn)."""
+refused in one line (one 4-rank spawn); ZeRO offloaded to host memory and to disk along the
+data axis of dp x tp and dp x pp (another)."""
 
 from __future__ import annotations
 
@@ -212,3 +213,36 @@ def test_mesh_config_takes_zero3_and_all_three_axes():
     assert built.pipeline.microbatches == 2
     with pytest.raises(ValueError, match=r"data must be sw.DDP\(\) or sw.ZeRO\(stage=1\|2\|3\)"):
         sw.MeshParallel(tp=2, data=sw.Pipeline())
+
+
+# ---- ZeRO offload along a mesh's data axis ------------------------------------------------
+def _offloaded(directory: str) -> dict[str, float]:
+    """dp 2 x tp 2 with ZeRO-2 offloaded to host memory, dp 2 x pp 2 with ZeRO-3 offloaded to
+    disk (fp32 masters apart from the compute copy): max abs difference from one process."""
+    states, _ = _reference()
+    meshes = {
+        "dp2_tp2_zero2_cpu": _mesh(sw.ZeRO(stage=2, offload="cpu"), dp=2, tp=2),
+        "dp2_pp2_zero3_disk": _mesh(
+            sw.ZeRO(stage=3, offload="disk", offload_dir=directory), dp=2, pp=2
+        ),
+    }
+    out = {}
+    for name, strategy in meshes.items():
+        model, opt = sw.prepare(_gpt(), strategy, lr=1e-3)
+        _steps(model, opt, range(STEPS))
+        out[name] = _diff(sw.full_state_dict(model), states[-1])
+        model.close()
+    out["disk_files_left"] = len(list(Path(directory).iterdir()))  # (each rank's, removed)
+    return out
+
+
+def test_zero_offload_along_the_data_axis_equals_one_process(tmp_path):
+    result = run(_offloaded, 4, str(tmp_path), timeout_s=300)[0]
+    assert result.pop("disk_files_left") == 0, result
+    assert all(diff <= TOL for diff in result.values()), result
+    built = MeshConfig(dp=2, tp=2, data="zero3", mixed_precision="bf16", offload="disk")
+    data = built.build(4, tmp_path).data
+    assert (data.stage, data.mixed_precision, data.offload) == (3, "bf16", "disk")
+    assert data.offload_dir == str(tmp_path)  # (`shardwise train`: the run directory)
+    with pytest.raises(ValueError, match="offload='cpu' is ZeRO's: set data to zero1"):
+        MeshConfig(dp=2, tp=2, offload="cpu")

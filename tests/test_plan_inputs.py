@@ -42,11 +42,11 @@ BAD = [
     (["plan", "--preset", "70b", "--devices", "64", "--heads", "60"], "must divide hidden"),
     (["plan", "--config", "digits", "--nproc", "0"], "--nproc must be a whole number"),
     (["plan", "--config", "digits", "--nproc", "2"], "no calibration for 2 ranks"),
-    # 735,134,400 has 1,344 divisors: as devices, batch and heads, 725,448 ways to split (and 4
-    # HSDP plans: its nodes of 8 over whole-world data parallel).
+    # 735,134,400 has 1,344 divisors: as devices, batch and heads, 1,690,752 ways to split (ZeRO
+    # 0-3 on every mesh; and 4 HSDP plans: its nodes of 8 over whole-world data parallel).
     (
         ["plan", "--preset", "70b", "--layers", "1e9", *HUGE],
-        "split 725452 ways, more than the 100000 priced at most",
+        "split 1690756 ways, more than the 100000 priced at most",
     ),
     (["plan", "--spec", "SPEC", "devices: .nan\n"], "devices must be a whole number"),
     (["plan", "--spec", "SPEC", "devices: 64\nmemory_gb: -80\n"], "memory_gb must be a number"),

@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 
 from harness import run_cli
+from shardwise.config import load_config
 from shardwise.plan import calibrate
 from shardwise.plan.model_states import model_states
-from shardwise.plan.search import PRESETS, ClusterSpec, Plan, price, search
+from shardwise.plan.search import PRESETS, ClusterSpec, Plan, plan_sets, price, search
 
 FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
 
@@ -55,6 +56,26 @@ def test_seventy_billion_on_1024_devices_answers_in_under_a_second_and_fits():
     assert plain.memory["params"] == pytest.approx(2 * spec.params(), rel=0.01)
     assert "needs" in plain.reason and "of 80 GB" in plain.reason
     assert all(p.step_time_s >= best.step_time_s for p in fits)
+
+
+def test_the_top_ten_plans_for_70b_are_configs_shardwise_trains():
+    """`shardwise plan --preset 70b --devices 1024`: each of the ten fastest says it runs, and
+    its overrides make a config of its mesh, ZeRO stage (bf16, offload), checkpointing,
+    micro-batches (a pipeline's, else train.accumulate) and per-replica batch."""
+    spec = PRESETS["70b"]
+    fits, _ = search(spec, ClusterSpec(devices=1024, memory_gb=80, network_gbit=400))
+    for plan in fits[:10]:
+        assert plan.unsupported == "", plan.strategy
+        cfg = load_config("tiny_gpt", [*plan_sets(plan), "launch.nproc=1024"])
+        s = cfg.strategy
+        assert (s.name, s.dp, s.tp, s.pp) == ("mesh", plan.dp, plan.tp, plan.pp)
+        assert s.data == f"zero{plan.zero}" and s.mixed_precision == "bf16"
+        assert s.offload == ("cpu" if plan.offload else None)
+        assert s.activation_checkpointing == plan.checkpointing
+        micro = s.microbatches if plan.pp > 1 else cfg.train.accumulate
+        assert micro == plan.microbatches
+        assert cfg.data.batch_size * plan.dp == spec.batch
+    assert any(p.offload for p in fits[:10]) and any(p.microbatches > 1 for p in fits[:10])
 
 
 def test_a_trillion_parameters_on_10000_devices_in_under_a_second():

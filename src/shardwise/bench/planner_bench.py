@@ -2,18 +2,19 @@
 
 For the MLP on digits (2 x 512 hidden units; `--models mlp-small`: the digits config as it
 comes, whose steps are mostly wake-ups on shared cores) and a tiny GPT (2 blocks, 32
-characters), at 2 and 4 ranks, every exact
-strategy `shardwise plan --config` considers (DDP native and ring, ZeRO 1-3, tensor parallel,
-both pipeline schedules, dp x tp and dp x pp meshes; the GPT's also with activation
-checkpointing) trains `--steps` steps on the same global batch. Each run's rank 0 wrote its
-prediction before its first step (`prediction.json`, priced at this machine's calibration) and
-its measurements after (`summary.json`): model state, activations, the step's peak, bytes per
-step and the median step time. For DDP, where a rank holds the whole model, torch's own
-estimate of the step's peak stands beside ours (`torch_estimates`: its MemTracker on fake
-tensors). The bench prints every pair with its error, the Kendall rank correlation of
-predicted and measured step times over all runs, and whether the plan's top choice for the
-GPT on 4 ranks (the fastest predicted) ran within 10% of the fastest measured: first in the
-sweep, then on fresh runs of it and the three fastest measured, in turns (`--confirm`).
+characters), at 2 and 4 ranks, every exact strategy `shardwise plan --config` considers (DDP
+native and ring, ZeRO 1-3, HSDP, DDP and ZeRO-3 accumulating, tensor parallel, the four
+pipeline schedules, dp x tp and dp x pp meshes with DDP or ZeRO-3 along dp, dp x tp x pp; the
+GPT's also with activation checkpointing; `--strategies` names a subset) trains `--steps` steps
+on the same global batch. Each run's rank 0 wrote its prediction before its first step
+(`prediction.json`, priced at this machine's calibration) and its measurements after
+(`summary.json`): model state, activations, the step's peak, bytes per step and the median step
+time. For DDP, where a rank holds the whole model, torch's own estimate of the step's peak
+stands beside ours (`torch_estimates`: its MemTracker on fake tensors). The bench prints every
+pair with its error, the Kendall rank correlation of predicted and measured step times over all
+runs, and whether the plan's top choice for the GPT on 4 ranks (the fastest predicted) ran
+within 10% of the fastest measured: first in the sweep, then on fresh runs of it and the three
+fastest measured, in turns (`--confirm`).
 
 The machine is calibrated afresh before each round's runs of each world size (`shardwise
 calibrate`, into the user's cache, where the runs read it; 3 passes over all rounds), and a
@@ -163,6 +164,11 @@ def _parser() -> argparse.ArgumentParser:
         help="price the runs at the stored calibration where there is one (default: calibrate "
         "each world size afresh before each round's runs)",
     )
+    parser.add_argument(
+        "--strategies",
+        help="comma-separated candidate names to run (default: every one the plan considers), "
+        "e.g. hsdp2,zero3+acc2,dp2-pp2-zb-h1",
+    )
     parser.add_argument("--out", required=True, help="output directory")
     return parser
 
@@ -187,7 +193,10 @@ def _sweep(
             for model in models:
                 work = WORKLOADS[model]
                 candidates = config_candidates(load_config(work.config, list(work.sets)), nproc)
+                chosen = set(args.strategies.split(",")) if args.strategies else set(candidates)
                 for name, sets in candidates.items():
+                    if name not in chosen:
+                        continue
                     key = f"{model} n{nproc} {name}"
                     jobs[key] = (model, name, sets, nproc, args.steps or work.steps)
                     runs.setdefault(key, []).append(run_one(out, *jobs[key]))

@@ -26,33 +26,57 @@ from shardwise.plan.search import divisors
 from shardwise.strategies.pipeline import Pipeline, check_stages
 from shardwise.strategies.pipeline_stages import pipeline_layers
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+ACCUMULATE = "accumulate"  # a candidate's train.accumulate, beside its strategy's options
+
 
 def candidate_options(cfg: Config, model: nn.Module, nproc: int) -> dict[str, dict]:
     """Exact strategies for `cfg`'s `model` on `nproc` ranks, each a `strategy:` section's
-    options by name, with and without activation checkpointing: DDP (native, ring), ZeRO 1-3,
-    and where the model splits, tensor parallel, both pipeline schedules and dp x tp / dp x pp
+    options by name (and `accumulate`: its train.accumulate), with and without activation
+    checkpointing: DDP (native, ring), ZeRO 1-3, HSDP (ZeRO-3 over groups of 2), DDP and
+    ZeRO-3 accumulating 2 micro-batches, and where the model splits, tensor parallel, the four
+    pipeline schedules, and dp x tp, dp x pp (DDP or ZeRO-3 along dp) and dp x tp x pp
     meshes."""
     found = {
         "ddp": {"name": "ddp"},
         "ddp-ring": {"name": "ddp", "algorithm": "ring"},
         **{f"zero{s}": {"name": "zero", "stage": s} for s in (1, 2, 3)},
     }
+    if nproc >= 4 and nproc % 2 == 0:  # HSDP: pairs of ranks shard, the pairs replicate
+        found["hsdp2"] = {"name": "zero", "stage": 3, "shard_group": 2}
+    if cfg.data.batch_size >= 2:  # each rank's batch in two micro-batches
+        found["ddp+acc2"] = {"name": "ddp", ACCUMULATE: 2}
+        found["zero3+acc2"] = {"name": "zero", "stage": 3, ACCUMULATE: 2}
     heads = getattr(cfg.model, "n_head", 0) if cfg.model.name == "gpt" else 0
     try:
         layers = len(pipeline_layers(model))
     except ValueError:
         layers = 0
+    splits_tp = heads and hasattr(model, "TP_PLAN")
     for split in divisors(nproc)[1:]:
         dp = nproc // split
         mesh = {"name": "mesh", "dp": dp}
-        if heads and heads % split == 0 and hasattr(model, "TP_PLAN"):
-            tp = {"name": "tp"} if dp == 1 else {**mesh, "tp": split}
-            found[f"tp{split}" if dp == 1 else f"dp{dp}-tp{split}"] = tp
-        if layers >= split and _pipelines(model, split):
-            for schedule in ("gpipe", "1f1b"):
-                name = f"pp{split}-{schedule}" if dp == 1 else f"dp{dp}-pp{split}-{schedule}"
-                pp = {"name": "pp"} if dp == 1 else {**mesh, "pp": split}
-                found[name] = {**pp, "schedule": schedule}
+        if splits_tp and heads % split == 0:
+            if dp == 1:
+                found[f"tp{split}"] = {"name": "tp"}
+            else:
+                found[f"dp{dp}-tp{split}"] = {**mesh, "tp": split}
+                found[f"dp{dp}-tp{split}-zero3"] = {**mesh, "tp": split, "data": "zero3"}
+        for schedule in SCHEDULES:
+            chunks = 2 if schedule == "interleaved" else 1  # (v = 2 model chunks a rank)
+            if chunks > 1 and 4 % split:  # (its 4 micro-batches: a multiple of the stages)
+                continue
+            if layers < split * chunks or not _pipelines(model, split * chunks):
+                continue
+            name = f"pp{split}-{schedule}" if dp == 1 else f"dp{dp}-pp{split}-{schedule}"
+            pp = {"name": "pp"} if dp == 1 else {**mesh, "pp": split}
+            found[name] = {**pp, "schedule": schedule}
+            if dp > 1 and schedule in ("gpipe", "1f1b"):  # (ZeRO-2/3 reduce once, after all)
+                found[f"{name}-zero3"] = {**pp, "schedule": schedule, "data": "zero3"}
+        for pp in divisors(split)[1:-1] if splits_tp else []:  # dp x tp x pp
+            tp = split // pp
+            if heads % tp == 0 and layers >= pp and _pipelines(model, pp):
+                found[f"dp{dp}-tp{tp}-pp{pp}"] = {**mesh, "tp": tp, "pp": pp}
     with_ckpt = {
         f"{name}+ckpt": {**options, "activation_checkpointing": True}
         for name, options in found.items()
@@ -73,7 +97,10 @@ def _pipelines(model: nn.Module, stages: int) -> bool:
 
 def as_sets(options: dict) -> list[str]:
     """A candidate's options as `--set` overrides (what `shardwise train` takes)."""
-    return [f"strategy.{key}={_scalar(value)}" for key, value in options.items()]
+    return [
+        f"train.accumulate={value}" if key == ACCUMULATE else f"strategy.{key}={_scalar(value)}"
+        for key, value in options.items()
+    ]
 
 
 def _scalar(value: object) -> str:
@@ -94,7 +121,11 @@ def candidate_config(cfg: Config, options: dict, nproc: int) -> Config:
     `ConfigError` where the config refuses it)."""
     own = cfg.strategy.model_dump() if options["name"] == cfg.strategy.name else {}
     launch = cfg.launch.model_copy(update={"nproc": nproc})
-    return validate({**dict(cfg), "strategy": {**own, **options}, "launch": launch})
+    strategy = {k: v for k, v in options.items() if k != ACCUMULATE}
+    train = cfg.train.model_copy(update={"accumulate": options.get(ACCUMULATE, 1)})
+    return validate(
+        {**dict(cfg), "strategy": {**own, **strategy}, "launch": launch, "train": train}
+    )
 
 
 class MetaJob:
@@ -123,7 +154,8 @@ class MetaJob:
         """Rank 0's predicted costs and step time under `cfg` (a candidate's config), and the
         batch each replica takes (`batch_size`: what `--set data.batch_size` must say)."""
         strategy = cfg.strategy
-        job = replace(self.cost_job, model=self.model(strategy.activation_checkpointing))
+        model = self.model(strategy.activation_checkpointing)
+        job = replace(self.cost_job, model=model, accumulate=cfg.train.accumulate)
         predicted = prediction.for_run(job, strategy, calibration)
         predicted["batch_size"] = self.global_batch // replicas(strategy, self.nproc)
         return predicted

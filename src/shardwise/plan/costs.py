@@ -115,6 +115,7 @@ class CostJob:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     global_batch: int = 0  # samples per step over all replicas
     backend: str = "gloo"  # torch.distributed's (gloo's reduce-scatter copies its buffer)
+    accumulate: int = 1  # train.accumulate: a rank's batch runs in this many micro-batches
 
     @classmethod
     def of(cls, job: Job, cfg: Config, world_size: int, rank: int, global_batch: int) -> CostJob:
@@ -130,10 +131,16 @@ class CostJob:
             backend=torch.distributed.get_backend()
             if torch.distributed.is_initialized()
             else "gloo",
+            accumulate=cfg.train.accumulate,
         )
 
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def micro(self, samples: int) -> int:
+        """The largest of the `accumulate` micro-batches a rank's batch of `samples` is cut
+        into (`strategies.accumulation.split_batch`: as equal as they go)."""
+        return -(-samples // self.accumulate)
 
     def activations(
         self,
@@ -141,10 +148,12 @@ class CostJob:
         dtype: torch.dtype | None = None,
         layers: Sequence[nn.Module] | None = None,
     ) -> tuple[int, list[int]] | None:
-        """Bytes saved by one forward of `samples` through `layers` (default: the model), and
-        per layer; None without a batch to trace."""
+        """Bytes saved by one forward of `samples` (its largest micro-batch, under
+        accumulation: one is alive at a time) through `layers` (default: the model), and per
+        layer; None without a batch to trace."""
         if self.batch is None or samples < 1:
             return None
+        samples = self.micro(samples)
         made: dict[str, torch.Tensor] = {}
 
         def inputs() -> torch.Tensor:

@@ -52,6 +52,7 @@ def step_peak(
     step_extra: int = 0,
     after_step: int = 0,
     backward: int | None = None,
+    accumulated: int | None = None,
 ) -> int | None:
     """The largest of the three moments for a rank of `job` (a `costs.CostJob`) whose model state is
     `memory` (by category) and whose optimizer steps tensors of `optimizer_numels`.
@@ -64,19 +65,26 @@ def step_peak(
     `step_extra`: the strategy's buffers beside the optimizer's temporaries; `after_step`:
     its buffers after the step, with the gradients still there (averages, gathers).
     `backward`: what backward makes at its peak, where the caller traced it (a pipeline
-    stage's whole schedule)."""
+    stage's whole schedule). Under accumulation (`job.accumulate` > 1), the micro-batches after
+    the first run their backward beside the gradients accumulated so far: `accumulated` bytes
+    (default: `made_grads`; ZeRO-2/3 under no_sync: every unit's full buffer)."""
     if job.batch is None or samples < 1:
         return None
     state = sum(memory.values()) + batch_bytes(job.batch, samples) + buffers
     held = state - (made_grads or 0)
     if backward is None:
-        backward = backward_peak(
+        backward = backward_peak(  # (under accumulation, its largest micro-batch's)
             job.model,
-            lambda: job.batch(samples),
+            lambda: job.batch(job.micro(samples)),
             job.loss_fn,
             dtype,
             keep_grads=made_grads is not None,
             emulation=emulation,
         )
     step = optimizer_peak(optimizer_numels, job.optimizer) + step_extra
-    return max(held + backward, state + step, state + after_step)
+    later = 0
+    if job.accumulate > 1:
+        micro = lambda: job.batch(job.micro(samples))  # noqa: E731
+        kept = made_grads or 0 if accumulated is None else accumulated
+        later = kept + backward_peak(job.model, micro, job.loss_fn, dtype, keep_grads=False)
+    return max(held + max(backward, later), state + step, state + after_step)

@@ -19,11 +19,14 @@ bf16 parameters and gradients, K = 12 bytes of fp32 master weights and Adam mome
                     (pp - 1) / m of the compute
     communication   tensor parallel: 4 all-reduces of s·b·h bf16 per layer and micro-batch
                     (2 more with recompute), exposed; pipeline: one activation forward and one
-                    gradient backward per micro-batch and stage boundary; data parallel: an
-                    all-reduce (ZeRO-1/2: reduce-scatter + all-gather) of the gradients, 1.5x
-                    that for ZeRO-3, overlapped with the last micro-batch's backward; every
-                    collective costs volume / bandwidth + latency, over NVLink inside a node and
-                    the network across nodes
+                    gradient backward per micro-batch and stage boundary; data parallel: once
+                    per step, after the last micro-batch (a pipeline's, or accumulation's:
+                    ZeRO-2/3 hold full gradients meanwhile), an all-reduce (ZeRO-1/2:
+                    reduce-scatter + all-gather) of the gradients overlapped with that
+                    micro-batch's backward; ZeRO-3: a reduce-scatter and two gathers of the
+                    parameters per micro-batch, under its compute; every collective costs
+                    volume / bandwidth + latency, over NVLink inside a node and the network
+                    across nodes
     HSDP            ZeRO-3 sharded over the K data-parallel ranks of a node and replicated across
                     the dp/K nodes: model states / K; a reduce-scatter and two all-gathers of the
                     gradients' size among K over NVLink, and an all-reduce of 1/K of them among
@@ -187,6 +190,7 @@ class Plan:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["strategy"] = self.strategy
+        out["sets"] = plan_sets(self)  # (what `shardwise train` takes, where it runs it)
         return out
 
 
@@ -214,12 +218,11 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
 def _options(pp: int) -> list[tuple[int, bool, bool]]:
-    """(ZeRO stage, checkpointing, offload) for a mesh of `pp` stages: ZeRO-2/3 reduce every
-    micro-batch's gradients and do not split by stages; offload moves ZeRO's optimizer shards
-    to the host, so needs a stage."""
-    zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
+    """(ZeRO stage, checkpointing, offload) for a mesh of `pp` stages (every stage runs on
+    any mesh's data axis); offload moves ZeRO's optimizer shards to the host, so needs a
+    stage."""
     both = (False, True)
-    return [(z, c, o) for z, c, o in itertools.product(zeros, both, both) if z or not o]
+    return [(z, c, o) for z, c, o in itertools.product((0, 1, 2, 3), both, both) if z or not o]
 
 
 def candidates(spec: TransformerSpec, cluster: ClusterSpec) -> list[Plan]:
@@ -306,6 +309,8 @@ def _memory(plan: Plan, spec: TransformerSpec, psi: float, layers: int) -> dict[
     shard = plan.shard_group or plan.dp  # (HSDP: a node's ranks)
     params = 2 * psi / (shard if plan.zero >= 3 else 1)
     grads = 2 * psi / (shard if plan.zero >= 2 else 1)
+    if plan.zero >= 2 and m > 1:  # micro-batches accumulate full gradients, reduced once
+        grads += 2 * psi
     optimizer = 12 * psi / (shard if plan.zero >= 1 else 1)
     host = optimizer if plan.offload else 0.0
     if plan.offload:
@@ -371,38 +376,41 @@ def _data_parallel(
     plan: Plan, cluster: ClusterSpec, psi: float, compute: float
 ) -> tuple[float, float]:
     """Data parallel's bytes and the seconds its gradients' reduction adds past the backward
-    it overlaps."""
-    dp = plan.dp
+    it overlaps. Micro-batches (a pipeline's, or accumulation's) reduce once per step, after
+    the last backward: an all-reduce of the gradients (ZeRO: a reduce-scatter and, 1-2, the
+    step's all-gather); ZeRO-3 gathers the parameters for each micro-batch's forward and
+    backward instead, prefetched under its compute."""
+    dp, m = plan.dp, plan.microbatches
     if dp == 1:
         return 0.0, 0.0
     if plan.shard_group:
         return _hybrid_data_parallel(plan, cluster, psi, compute)
-    grad_bytes = 2 * psi
-    volume = 2 * (dp - 1) / dp * grad_bytes * (1.5 if plan.zero == 3 else 1.0)
-    rounds = plan.microbatches if plan.zero >= 2 else 1  # (ZeRO-2/3: each micro-batch's)
-    dp_bytes = volume * rounds
-    transfer = dp_bytes / cluster.bandwidth(dp, plan.tp) + 2 * rounds * cluster.latency_s
-    overlap = (compute / plan.microbatches) * (2 / 3) * rounds  # the backward it can hide under
+    volume = (dp - 1) / dp * 2 * psi  # one reduce-scatter or all-gather of the bf16 gradients
+    calls = 2 * m + 1 if plan.zero == 3 else 2
+    dp_bytes = volume * calls
+    transfer = dp_bytes / cluster.bandwidth(dp, plan.tp) + calls * cluster.latency_s
+    # The last micro-batch's backward hides the reduction; ZeRO-3's gathers every one's.
+    overlap = (compute / m) * (2 / 3) * (m if plan.zero == 3 else 1)
     return dp_bytes, max(0.0, transfer - overlap)
 
 
 def _hybrid_data_parallel(
     plan: Plan, cluster: ClusterSpec, psi: float, compute: float
 ) -> tuple[float, float]:
-    """HSDP's bytes and exposed seconds: within a shard group of K (a node), a reduce-scatter
-    and two all-gathers of the gradients' size; across the dp/K groups, an all-reduce of the
-    1/K slice; every micro-batch's (ZeRO-3)."""
-    k, replicas = plan.shard_group, plan.dp // plan.shard_group
+    """HSDP's bytes and exposed seconds: within a shard group of K (a node), two all-gathers
+    of the parameters per micro-batch and one reduce-scatter of the gradients per step;
+    across the dp/K groups, an all-reduce of the 1/K slice (ZeRO-3's, reduced once after the
+    last micro-batch, its gathers under each one's compute)."""
+    k, replicas, m = plan.shard_group, plan.dp // plan.shard_group, plan.microbatches
     grad_bytes = 2 * psi
-    inside = 3 * (k - 1) / k * grad_bytes
+    inside = (2 * m + 1) * (k - 1) / k * grad_bytes
     across = 2 * (replicas - 1) / replicas * grad_bytes / k
-    rounds = plan.microbatches
     seconds = inside / cluster.bandwidth(k, plan.tp) + across / cluster.bandwidth(
         replicas, k * plan.tp
     )
-    transfer = rounds * seconds + 3 * rounds * cluster.latency_s
-    overlap = (compute / plan.microbatches) * (2 / 3) * rounds
-    return (inside + across) * rounds, max(0.0, transfer - overlap)
+    transfer = seconds + (2 * m + 2) * cluster.latency_s
+    overlap = compute * (2 / 3)
+    return inside + across, max(0.0, transfer - overlap)
 
 
 def _offload_s(plan: Plan, cluster: ClusterSpec, psi: float) -> float:
@@ -414,13 +422,42 @@ def _offload_s(plan: Plan, cluster: ClusterSpec, psi: float) -> float:
 
 
 def unsupported(plan: Plan) -> str:
-    """Why shardwise cannot run `plan` yet ('' where it can): its mesh composes data parallel
-    (DDP, ZeRO 1-3) with tensor and pipeline parallel; offload runs on whole-world data
-    parallel only (micro-batches without a pipeline run as `train.accumulate`)."""
-    split = plan.tp > 1 or plan.pp > 1
-    if split and plan.offload:
-        return "offload runs on whole-world data parallel only"
+    """Why shardwise cannot run `plan` yet ('' where it can, as `plan_sets` says): its mesh
+    composes data parallel (ZeRO 1-3, bf16 and offload included) with tensor and pipeline
+    parallel; micro-batches without a pipeline run as `train.accumulate`. Its DDP computes in
+    fp32, where the search prices bf16."""
+    if plan.zero == 0 and plan.dp > 1:
+        return "DDP trains in fp32 (bf16 priced): the same with ZeRO-1 runs"
+    if plan.pp > 1 and plan.zero >= 2 and plan.schedule not in ("gpipe", "1f1b"):
+        return f"ZeRO-{plan.zero} under the {plan.schedule} schedule"
     return ""
+
+
+def plan_sets(plan: Plan) -> list[str]:
+    """`plan` as `shardwise train` overrides (`--set`): a mesh of its sizes with its ZeRO
+    stage (bf16 over fp32 masters, as priced) along the data axis (HSDP: ZeRO-3 with its
+    shard group), its schedule and micro-batches (without a pipeline: `train.accumulate`),
+    and each replica's batch."""
+    if plan.shard_group:
+        sets = [
+            "strategy.name=zero",
+            "strategy.stage=3",
+            f"strategy.shard_group={plan.shard_group}",
+        ]
+        sets += ["strategy.mixed_precision=bf16"]
+    else:
+        sets = ["strategy.name=mesh", f"strategy.dp={plan.dp}", f"strategy.tp={plan.tp}"]
+        sets += [f"strategy.pp={plan.pp}"]
+        sets += [f"strategy.data=zero{plan.zero}", "strategy.mixed_precision=bf16"] * bool(
+            plan.zero
+        )
+    sets += ["strategy.offload=cpu"] if plan.offload else []
+    sets += ["strategy.activation_checkpointing=true"] if plan.checkpointing else []
+    if plan.pp > 1:
+        sets += [f"strategy.schedule={plan.schedule}", f"strategy.microbatches={plan.microbatches}"]
+    elif plan.microbatches > 1:
+        sets += [f"train.accumulate={plan.microbatches}"]
+    return [*sets, f"data.batch_size={plan.micro_batch * plan.microbatches}"]
 
 
 def search(spec: TransformerSpec, cluster: ClusterSpec) -> tuple[list[Plan], list[Plan]]:

@@ -39,6 +39,7 @@ KIND = {  # how each recorded op is priced: which calibrated collective it behav
     "reduce": "all_reduce",
     "all_gather": "all_gather",
     "reduce_scatter": "reduce_scatter",
+    "all_to_all": "reduce_scatter",  # (a codec's: each rank's slices, sent once)
     "send": "send",
     "gossip": "exchange",
     "ring_all_reduce": "exchange",

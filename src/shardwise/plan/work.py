@@ -40,6 +40,10 @@ class Work:
     def __add__(self, other: Work) -> Work:
         return Work(self.ops + other.ops, self.flops + other.flops, self.bytes + other.bytes)
 
+    def times(self, k: int) -> Work:
+        """This work done `k` times."""
+        return Work(self.ops * k, self.flops * k, self.bytes * k)
+
     def seconds(self, cal: dict) -> float:
         return (
             self.ops * cal["op_overhead_s"]
@@ -132,8 +136,9 @@ def replica_compute(
     """A rank that runs its model's whole step at once: forward and backward of `samples`
     through `job`'s model, the finite check and optimizer step on tensors of `numels`
     elements, and reading the batch; each of the job's ranks does as much (at the `shared`
-    rates, where ranks compute at once on cores of their own)."""
-    traced = training_work(job, samples)
+    rates, where ranks compute at once on cores of their own). Under accumulation, forward
+    and backward run once per micro-batch (priced as `accumulate` of the largest)."""
+    traced = training_work(job, job.micro(samples)).times(job.accumulate)
     traced += after_backward_work(numels, job.optimizer)
     path = traced.seconds(cal) + reading(samples, cal)
     alike = path if shared is None else traced.seconds(shared) + reading(samples, shared)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from shardwise import comm
@@ -303,9 +303,32 @@ class MeshConfig(StrategySection):
     )
     microbatches: int = Field(4, ge=1, description="pp > 1: micro-batches per step")
     loss_parallel: bool = Field(True, description="tp > 1: loss from vocabulary slices")
+    mixed_precision: Literal["bf16"] | None = Field(  # (fp16's loss scaling: whole-world ZeRO)
+        None, description="data: zero*: bf16 compute over ZeRO's fp32 master weights"
+    )
+    offload: Literal["cpu", "disk"] | None = Field(
+        None, description="data: zero*: ZeRO's master weights and optimizer state offloaded"
+    )
+
+    @model_validator(mode="after")
+    def _zero_options_need_zero(self) -> MeshConfig:
+        for option in ("mixed_precision", "offload"):
+            if getattr(self, option) is not None and self.data == "ddp":
+                raise ValueError(
+                    f"{option}={getattr(self, option)!r} is ZeRO's: set data to zero1, zero2 "
+                    "or zero3 (DDP along the data axis has no such option)"
+                )
+        return self
 
     def build(self, world_size: int, run_dir: Path) -> MeshParallel:
-        data = DDP() if self.data == "ddp" else ZeRO(stage=int(self.data[-1]))
+        data = DDP()
+        if self.data != "ddp":  # (offload to disk: each rank's files under the run directory)
+            data = ZeRO(
+                stage=int(self.data[-1]),
+                mixed_precision=self.mixed_precision,
+                offload=self.offload,
+                offload_dir=str(run_dir) if self.offload else None,
+            )
         return MeshParallel(
             dp=self.dp,
             tp=self.tp,
@@ -320,4 +343,6 @@ class MeshConfig(StrategySection):
 
     def describe(self) -> str:
         sizes = f"dp={self.dp or 'rest'} x tp={self.tp} x pp={self.pp}"
-        return f"mesh ({sizes}, {self.data}" + (f", {self.schedule})" if self.pp > 1 else ")")
+        offload = self.offload and f"offload {self.offload}"
+        extras = [o for o in (self.mixed_precision, offload, self.pp > 1 and self.schedule) if o]
+        return f"mesh ({', '.join([sizes, self.data, *extras])})"

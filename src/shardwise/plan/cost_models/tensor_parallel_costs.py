@@ -116,10 +116,11 @@ def tp_costs(
     if not s.loss_parallel:
         costs.notes.append("tp without loss_parallel: the logits' gather is not counted")
     samples = job.global_batch if samples is None else samples
-    tokens = _tokens(job, samples)
+    tokens = _tokens(job, job.micro(samples))  # (under accumulation: per micro-batch)
     if tokens is not None:
+        k = job.accumulate
         for nbytes, calls in tp_calls(job.model, parts, tokens):
-            costs.add_comm("all_reduce", nbytes * calls, calls, ranks=parts)
+            costs.add_comm("all_reduce", k * nbytes * calls, k * calls, ranks=parts)
         local = tp_local(job, s.loss_parallel, parts, rank)
         costs.activations = local.activations(samples)[0]
         # Its gradients are plain ones, made each step (a mesh's data axis keeps them in
