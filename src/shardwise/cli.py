@@ -239,6 +239,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--quick", action="store_true", help="all: fewer steps and strategies; planner: 4 ranks"
     )
+    bench.add_argument(
+        "--strategies", help="planner: only these candidates (commas, as `plan --config` names)"
+    )
+    bench.add_argument(
+        "--stored-calibration",
+        action="store_true",
+        help="planner: price every run with the stored calibration (no fresh one per round)",
+    )
     bench.set_defaults(func=cmd_bench)
 
 

@@ -57,6 +57,8 @@ def run_planner_benchmark(args: argparse.Namespace) -> int:
     argv += ["--repeats", str(args.reps)] if args.reps else []
     argv += ["--models", args.models]
     argv += ["--confirm", str(args.confirm)] if args.confirm is not None else []
+    argv += ["--strategies", args.strategies] if args.strategies else []
+    argv += ["--stored-calibration"] if args.stored_calibration else []
     return planner_main(argv + (["--steps", str(args.steps)] if args.steps else []))
 
 

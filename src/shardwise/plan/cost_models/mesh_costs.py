@@ -121,16 +121,21 @@ def tp_pp_costs(job: CostJob, s, tp: tuple, pp: tuple, samples: int, data_parall
     costs = pp_costs(local, s, pp[0], pp[1], samples, data_parallel)
     tokens = _tokens(job, samples)
     if tokens is not None:
-        layers, starts = pipeline_stages(local, pp[0] * num_chunks(s), None)
+        # The stages are cut on the unsplit model (as `MeshParallel.wrap` cuts them): this
+        # stage's split layers run their all-reduces, the last's the loss's too.
+        layers, starts = pipeline_stages(job, pp[0] * num_chunks(s), None)
         bounds = [*starts, len(layers)]
-        held = [
-            x
+        held = {
+            id(module)
             for g in rank_chunks(pp[1], pp[0], num_chunks(s))
-            for x in layers[bounds[g] : bounds[g + 1]]
-        ]
-        share = _split_layers(held) / max(_split_layers(layers), 1)
-        for nbytes, calls in tp_calls(job.model, tp[0], tokens):
-            costs.add_comm("all_reduce", nbytes * calls * share, calls * share, ranks=tp[0])
+            for layer in layers[bounds[g] : bounds[g + 1]]
+            for module in layer.modules()
+        }
+        # Each micro-batch runs its own all-reduces (the bytes of the batch in all, M times
+        # the calls): on two cores a call's latency, not its bytes, is most of its time.
+        m = s.microbatches
+        for nbytes, calls in tp_calls(job.model, tp[0], tokens, only=held):
+            costs.add_comm("all_reduce", nbytes * calls, calls * m, ranks=tp[0])
     return costs
 
 

@@ -59,12 +59,15 @@ def _part(size: int, parts: int, rank: int) -> int:
     return end - start
 
 
-def tp_calls(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> list[tuple[int, int]]:
+def tp_calls(
+    model: nn.Module, parts: int, tokens: int, elem: int = FP32, only: set[int] | None = None
+) -> list[tuple[int, int]]:
     """(bytes per call, calls) of tensor parallel's all-reduces per step over `tokens` rows of
     activations: forward after each row-parallel layer and the vocabulary embedding (twice
     inside a checkpointed region, but for its last row-parallel layer), backward before each
     column-parallel layer and the head, and three of one float per token in the
-    vocabulary-parallel loss (max, sum of exponentials, target logit)."""
+    vocabulary-parallel loss (max, sum of exponentials, target logit). `only`: the ids of the
+    modules to count (a pipeline stage's), where not all."""
     plan = getattr(model, "TP_PLAN", {})
     regions = recomputed(model)
     # torch's recompute stops at the region's last saved tensor: the region's final
@@ -73,6 +76,8 @@ def tp_calls(model: nn.Module, parts: int, tokens: int, elem: int = FP32) -> lis
     final = {max((n for n in rowwise if n.startswith(r + ".")), default=None) for r in regions}
     calls = []
     for name, module in model.named_modules():
+        if only is not None and id(module) not in only:
+            continue
         style = _style(plan, name)
         if style == "rowwise":
             width = module.out_features
