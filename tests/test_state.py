@@ -56,6 +56,7 @@ MODEL_PARALLEL = {  # world size 2
     "pp_gpipe": lambda: sw.Pipeline(stages=2, schedule="gpipe", microbatches=2),
 }
 MESHES = {  # world size 4
+    "hsdp_zero3": lambda: sw.ZeRO(stage=3, shard_group=2),
     "mesh_dp2_tp2_ddp": lambda: sw.MeshParallel(dp=2, tp=2, data=sw.DDP()),
     "mesh_dp2_pp2_zero1": lambda: sw.MeshParallel(
         dp=2, pp=2, data=sw.ZeRO(stage=1), pipeline=sw.Pipeline(microbatches=2)
