@@ -48,6 +48,7 @@ class Calls:
     calls: float
     ranks: int | None  # the group's size (None: every rank)
     prefetched: bool = False  # started one unit ahead and waited for after its compute
+    in_path: bool = False  # priced inside a pipeline's ops, on its schedule's critical path
 
 
 @dataclass
@@ -68,10 +69,11 @@ class Costs:
         calls: float = 1,
         ranks: int | None = None,
         prefetched: bool = False,
+        in_path: bool = False,
     ) -> None:
         """`calls` of `op` sending `nbytes` in all, among `ranks` ranks (None: every rank)."""
         if nbytes:  # (a collective over one rank sends nothing)
-            self.traffic.append(Calls(op, nbytes, calls, ranks, prefetched))
+            self.traffic.append(Calls(op, nbytes, calls, ranks, prefetched, in_path))
 
     @property
     def comm(self) -> dict[str, float]:

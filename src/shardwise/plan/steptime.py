@@ -50,11 +50,12 @@ def comm_seconds(costs: Costs, cal: dict, compute_s: float, world: int) -> float
     """Every collective call (the trainer's loss all-reduce among them) at the calibrated
     time of its kind and payload (each call after a little compute, as in a step), and the
     waiting for ranks that share cores to arrive after the step's compute (`arrival_wait`). A
-    pipeline's messages are priced in its schedule (`pipeline_finish`) instead."""
+    pipeline's messages, and the tensor-parallel all-reduces inside its stages' ops, are priced
+    in its schedule (`pipeline_finish`) instead."""
     trainer = trainer_comm(world)
     seconds = sum(call_seconds(cal, KIND[op], nbytes) for op, nbytes in trainer.items())
     for t in costs.traffic:
-        if t.op != "send":
+        if t.op != "send" and not t.in_path:
             kind = KIND.get(t.op, "all_reduce")
             if t.prefetched:  # started a unit of compute before it is waited for
                 kind = f"prefetched_{kind}"

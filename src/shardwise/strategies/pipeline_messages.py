@@ -124,13 +124,17 @@ class StepMessages:
         tag = self.tag(LOSS, self.boundary_out(chunk))
         return self._take(tag).reshape(()) if tag in self.posted else None
 
-    def prefetch(self, order: list, start: int, saved: dict) -> None:
-        """Post the receive of the next op that needs one, if it is not posted yet."""
+    def prefetch(self, order: list, start: int, saved: dict, ahead: int = 2) -> None:
+        """Post the receives of the next `ahead` ops that need one, where not posted yet.
+        (Interleaved chunks make a peer send a message several ops before this rank needs
+        it; posted one op ahead, it would often arrive first and cost a round trip more.)"""
         last = self.size * self.chunks - 1
         for kind, i, chunk in order[start:]:
+            if ahead == 0:
+                return
             if kind == "F" and self.boundary_in(chunk) >= 0:
                 self._post_activation(i, chunk)
-                return
-            if kind == "B" and self.boundary_out(chunk) < last and (i, chunk) in saved:
+                ahead -= 1
+            elif kind == "B" and self.boundary_out(chunk) < last and (i, chunk) in saved:
                 self._post_gradient(i, chunk, saved[(i, chunk)][1])
-                return
+                ahead -= 1

@@ -33,6 +33,7 @@ from shardwise.plan.cost_models.tensor_parallel_costs import (
 )
 from shardwise.plan.cost_models.zero_costs import zero_costs, zero_state, zero_traffic
 from shardwise.plan.costs import FP32, CostJob, Costs, bucket_sizes
+from shardwise.plan.rates import call_seconds
 from shardwise.plan.work import Compute, replica_compute
 from shardwise.strategies.ddp import DDPConfig
 from shardwise.strategies.pipeline_stages import PipelineStage
@@ -135,7 +136,7 @@ def tp_pp_costs(job: CostJob, s, tp: tuple, pp: tuple, samples: int, data_parall
         # the calls): on two cores a call's latency, not its bytes, is most of its time.
         m = s.microbatches
         for nbytes, calls in tp_calls(job.model, tp[0], tokens, only=held):
-            costs.add_comm("all_reduce", nbytes * calls, calls * m, ranks=tp[0])
+            costs.add_comm("all_reduce", nbytes * calls, calls * m, ranks=tp[0], in_path=True)
     return costs
 
 
@@ -150,12 +151,32 @@ def mesh_compute(
     dp, tp, pp = sizes(s, job.world_size)
     if pp > 1 and tp > 1:  # the pipeline of this rank's tensor-parallel slices
         local = tp_local(job, s.loss_parallel, tp, job.rank % tp)
-        return pipeline_compute(local, s, pp, dp, cal, shared)
+        in_ops = _tp_seconds_per_op(job, s, tp, pp, job.global_batch // dp, cal)
+        return pipeline_compute(local, s, pp, dp, cal, shared, in_ops)
     if pp > 1:
         return pipeline_compute(job, s, pp, dp, cal, shared)
     if tp > 1:
         return tp_compute(job, s, costs, tp, dp, cal, shared)
     return replica_compute(job, job.global_batch // dp, costs.optimizer_numels, cal, shared)
+
+
+def _tp_seconds_per_op(
+    job: CostJob, s: StrategySection, tp: int, pp: int, samples: int, cal: dict
+) -> list[float] | None:
+    """Each model chunk's tensor-parallel all-reduces in one micro-batch's forward and
+    backward, in seconds: they block the chunk's op, so they lie on the pipeline's path (its
+    bubbles repeat them) rather than beside it."""
+    tokens = _tokens(job, samples // s.microbatches)
+    if tokens is None:
+        return None
+    layers, starts = pipeline_stages(job, pp * num_chunks(s), None)
+    bounds = [*starts, len(layers)]
+    seconds = []
+    for g in range(len(starts)):
+        held = {id(m) for layer in layers[bounds[g] : bounds[g + 1]] for m in layer.modules()}
+        calls = tp_calls(job.model, tp, tokens, only=held)
+        seconds.append(sum(n * call_seconds(cal, "all_reduce", b, tp) for b, n in calls))
+    return seconds
 
 
 MODEL = CostModel(mesh_costs, mesh_compute, sizes)

@@ -335,15 +335,26 @@ def _add_posts(
 
 
 def pipeline_compute(
-    job: CostJob, s: StrategySection, stages: int, replicas: int, cal: dict, shared: dict | None
+    job: CostJob,
+    s: StrategySection,
+    stages: int,
+    replicas: int,
+    cal: dict,
+    shared: dict | None,
+    in_ops: list[float] | None = None,
 ) -> Compute:
     """A pipeline of `stages` ranks in each of `replicas` replicas: its critical path from
     running its schedule, its busiest rank's work, and every rank's work (at the `shared`
-    rates where ranks compute at once on cores of their own)."""
+    rates where ranks compute at once on cores of their own). `in_ops`: each chunk's seconds
+    of blocking collectives per micro-batch (a tp x pp mesh's all-reduces), half in its
+    forward, half in its backward."""
     samples, m, v = job.global_batch // replicas, s.microbatches, num_chunks(s)
     layers, starts = pipeline_stages(job, stages * v, getattr(s, "split", None))
     bounds = [*starts, len(layers)]
     forward, backward, after, traced = _stage_times(job, layers, bounds, samples // m, cal)
+    if in_ops is not None:
+        forward = [f + t / 2 for f, t in zip(forward, in_ops, strict=True)]
+        backward = [b + t / 2 for b, t in zip(backward, in_ops, strict=True)]
     boundary = boundary_bytes(job, layers, bounds, samples // m)
     orders = [schedule_order(s.schedule, k, stages, m, v) for k in range(stages)]
     messages = [call_seconds(cal, "send", b) for b in boundary]
