@@ -24,6 +24,10 @@ STEPS, BATCH, LR = 10, 12, 1e-2
 TOL = 1e-5
 # One step against torch: the same kernels on the same micro-batches.
 TORCH_TOL = 1e-6
+ACCUMULATE_REFUSED = (
+    "a pipeline already accumulates gradients over its micro-batches: raise the strategy's "
+    "microbatches (K times as many) instead of accumulating K steps"
+)
 
 
 def _sequential() -> nn.Sequential:
@@ -184,12 +188,18 @@ def _two_ranks() -> dict:
         sw.prepare(_sequential(), sw.Pipeline(schedule="interleaved", microbatches=3))
     except ValueError as e:
         out["refused"] = str(e)
+    model, _ = sw.prepare(_sequential(), sw.Pipeline(microbatches=2))
+    try:  # (before any forward: nothing half-run)
+        sw.train_step(model, *_batch(0), F.cross_entropy, accumulate=2)
+    except ValueError as e:
+        out["accumulate refused"] = str(e)
     return out
 
 
 def test_new_schedules_equal_one_process_and_torchs_schedules():
     for result in run(_two_ranks, 2, timeout_s=300):
         assert result.pop("zb-h1 is 1f1b bitwise") is True
+        assert result.pop("accumulate refused") == ACCUMULATE_REFUSED
         assert result.pop("refused") == (
             "interleaved runs micro-batches in rounds of one per stage: microbatches=3 must be "
             "a multiple of stages=2 (>= 2)"
@@ -215,11 +225,19 @@ def _mesh() -> dict[str, float]:
         )
     except ValueError as e:
         out["refused"] = str(e)
+    mesh = sw.MeshParallel(dp=2, pp=2, pipeline=sw.Pipeline(microbatches=2))
+    model, _ = sw.prepare(_sequential(), mesh)
+    try:
+        with sw.no_sync(model):
+            pass
+    except ValueError as e:
+        out["no_sync refused"] = str(e)
     return out
 
 
 def test_new_schedules_data_parallel_on_a_mesh():
     for result in run(_mesh, 4, timeout_s=300):
+        assert result.pop("no_sync refused") == ACCUMULATE_REFUSED
         assert result.pop("refused") == (
             "the zb-h1 schedule needs sw.DDP() or sw.ZeRO(stage=1) along the data axis, not "
             "ZeRO stage 2"

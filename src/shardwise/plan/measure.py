@@ -159,7 +159,11 @@ def collective_rates(groups: dict[int, object], calls: int = CALLS) -> dict[str,
                 str(g): _collective(op, group, g, pace) for g, group in groups.items()
             }
     for op in ("all_gather", "reduce_scatter"):
-        out[f"prefetched_{op}"] = _prefetched(op, n, pace)
+        out[f"prefetched_{op}"] = _prefetched(op, None, n, pace)
+        if groups:  # (HSDP's shard groups and a mesh's data axis prefetch among g ranks)
+            out[f"prefetched_{op}"]["groups"] = {
+                str(g): _prefetched(op, group, g, pace) for g, group in groups.items()
+            }
     out["send"] = _send(pace)
     points = [(size, _post_s(size, 2 * calls)) for size in SIZES]
     out["post"] = timings(_agreed(points, among=2))
@@ -271,10 +275,11 @@ def _collective(op: str, group, n: int, pace: _Pace) -> dict:
     return timings(agreed)
 
 
-def _prefetched(op: str, n: int, pace: _Pace) -> dict:
-    """Mean seconds an all-gather or reduce-scatter started a burst of compute earlier adds to
-    its caller's time, as ZeRO's are: each call starts the next one, then waits for the one it
-    started before the burst (which went on meanwhile; the two calls' wake-ups overlap).
+def _prefetched(op: str, group, n: int, pace: _Pace) -> dict:
+    """Mean seconds an all-gather or reduce-scatter among the `n` ranks of `group` (None: all)
+    started a burst of compute earlier adds to its caller's time, as ZeRO's are: each call
+    starts the next one, then waits for the one it started before the burst (which went on
+    meanwhile; the two calls' wake-ups overlap).
     ZeRO-3 prefetches each unit's gather one unit ahead; ZeRO reduce-scatters each unit's
     gradients as backward makes them and waits for them all after it. What it adds is the
     burst and the wait together less the burst with nothing in flight: where ranks fill the
@@ -285,8 +290,8 @@ def _prefetched(op: str, n: int, pace: _Pace) -> dict:
 
     def start(full: torch.Tensor, part: torch.Tensor) -> comm.Handle:
         if op == "all_gather":
-            return comm.all_gather_into_tensor(full, part, async_op=True)
-        return comm.reduce_scatter_tensor(part, full, async_op=True)
+            return comm.all_gather_into_tensor(full, part, group, async_op=True)
+        return comm.reduce_scatter_tensor(part, full, group=group, async_op=True)
 
     points = []
     for size in SIZES:

@@ -28,8 +28,6 @@ import torch
 
 from shardwise.strategies.base import DistributedModel, LossFn
 from shardwise.strategies.batch_share import batch_samples
-from shardwise.strategies.mesh_parallel import MeshModel
-from shardwise.strategies.pipeline import PipelineModel
 
 Count = Callable[[Any], int]  # a (micro-)batch's samples, from its targets
 
@@ -62,7 +60,6 @@ def accumulated_step(
     `count(targets)`: a piece's samples (default: its first dimension; e.g. its real tokens);
     `total`: the step's over every replica (None: summed by the strategy)."""
     check_accumulate(micro_batches)
-    _refuse_pipelines(model)
     pieces = split_batch(inputs, targets, micro_batches)
     counts = [batch_samples(x) if count is None else count(y) for x, y in pieces]
     whole = sum(counts)
@@ -83,19 +80,10 @@ def accumulated_step(
 
 def local_gradients(model: DistributedModel) -> contextlib.AbstractContextManager[None]:
     """The backward passes inside keep their gradients local: the strategy's `no_sync()`, or
-    nothing to hold back where its backward sends no gradient. A pipeline refuses."""
-    _refuse_pipelines(model)
+    nothing to hold back where its backward sends no gradient. A pipeline's `no_sync` refuses
+    (one line): its schedule accumulates over its own micro-batches."""
     no_sync = getattr(model, "no_sync", None)
     return no_sync() if no_sync is not None else contextlib.nullcontext()
-
-
-def _refuse_pipelines(model: DistributedModel) -> None:
-    split = model.split if isinstance(model, MeshModel) else model
-    if isinstance(split, PipelineModel):
-        raise ValueError(
-            "a pipeline already accumulates gradients over its micro-batches: raise the "
-            "strategy's microbatches (K times as many) instead of accumulating K steps"
-        )
 
 
 def split_batch(inputs: Any, targets: Any, parts: int) -> list[tuple[Any, Any]]:

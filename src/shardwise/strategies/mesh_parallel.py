@@ -105,7 +105,10 @@ class MeshModel(DistributedModel):
         self.data.declare_batch(samples, total)  # the weights are along the data axis
 
     def no_sync(self):
-        """Gradient accumulation: the data axis's (a pipeline's are its micro-batches)."""
+        """Gradient accumulation: the data axis's; a pipeline refuses (its micro-batches are its
+        accumulation)."""
+        if self.pipeline is not None:
+            return self.pipeline.no_sync()
         return self.data.no_sync()
 
     def adapt_loss(self, loss_fn: LossFn) -> LossFn:

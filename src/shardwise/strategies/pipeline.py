@@ -149,6 +149,13 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         self._sends.clear()
 
     # ---- training
+    def no_sync(self):
+        """Refused: the schedule already accumulates gradients over its micro-batches."""
+        raise ValueError(
+            "a pipeline already accumulates gradients over its micro-batches: raise the "
+            "strategy's microbatches (K times as many) instead of accumulating K steps"
+        )
+
     def train_step(
         self,
         inputs: Any,
