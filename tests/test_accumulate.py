@@ -20,6 +20,7 @@ from shardwise.config import ConfigError, validate
 from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from shardwise.strategies.accumulation import check_accumulate
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS = 10
 SIZES = [5, 4]  # rank batches: uneven between ranks, and 5 splits unevenly into 2 (3 + 2)
@@ -84,10 +85,6 @@ def _train(strategy, k: int, build=_mlp, batches=_mlp_batch, loss_fn=F.cross_ent
     return state, sent, scale
 
 
-def _diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 STRATEGIES = {
     "ddp": lambda: sw.DDP(),
     "zero1": lambda: sw.ZeRO(stage=1, bucket_mb=0.0005),  # several units
@@ -105,8 +102,8 @@ def accumulating_strategies() -> dict:
         once, sent_once, scale_once = _train(strategy(), 1)
         twice, sent_twice, scale_twice = _train(strategy(), 2)
         out[name] = {
-            "diff": _diff(twice, reference),
-            "diff_k1": _diff(once, reference),
+            "diff": max_abs_diff(twice, reference),
+            "diff_k1": max_abs_diff(once, reference),
             "sent": (sent_once, sent_twice),
             "scales": (scale_once, scale_twice),
         }
@@ -116,7 +113,7 @@ def accumulating_strategies() -> dict:
     count = lambda y: int((y != -100).sum())  # noqa: E731
     for name in ("ddp", "zero3"):
         state, _, _ = _train(STRATEGIES[name](), 3, _gpt, _gpt_batch, lm_loss, samples=count)
-        out[f"{name}-tokens"] = {"diff": _diff(state, tokens)}
+        out[f"{name}-tokens"] = {"diff": max_abs_diff(state, tokens)}
     return out
 
 
@@ -172,7 +169,7 @@ def tensor_parallel_accumulates() -> float:
         sw.train_step(model, x, y, lm_loss, accumulate=2, samples=count)
         opt.step()
         opt.zero_grad()
-    return _diff(sw.full_state_dict(model), reference)
+    return max_abs_diff(sw.full_state_dict(model), reference)
 
 
 def test_tensor_parallel_accumulates_exactly():

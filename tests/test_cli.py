@@ -39,8 +39,9 @@ def test_default_job_trains_on_two_ranks_and_writes_a_run_directory(tmp_path):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 121))
     assert {"loss", "lr", "samples_per_s", "comm_bytes", "comm_wait_s"} <= lines[0].keys()
-    # One 25 MiB bucket holds all 26,122 gradients: 4 bytes each, sent 2(n-1)/n = once at n=2,
-    # plus the 40-byte agreement after backward (loss sum, count, stop, a flag per rank).
+    # One bucket (the default's smallest, 1 MiB) holds all 26,122 gradients: 4 bytes each,
+    # sent 2(n-1)/n = once at n=2, plus the 40-byte agreement after backward (loss sum,
+    # count, stop, a flag per rank).
     assert lines[0]["comm_bytes"] == 26_122 * 4 + 40
     # Predicted before step 1 (prediction.json), beside the measurement in the summary.
     predicted = json.loads((run_dir / "prediction.json").read_text())

@@ -10,6 +10,7 @@ import torch
 import shardwise as sw
 from hf_models import SEQ, build, config, make_batch, rows, transformers
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS = 10
 BATCH = 8  # 2 micro-batches of 4 (ResNet's BatchNorm sees 4 samples each)
@@ -130,11 +131,6 @@ def _ranks():
     return out
 
 
-def _diff(got: dict, expected: dict) -> float:
-    assert got.keys() == expected.keys(), set(got) ^ set(expected)
-    return max((got[k] - expected[k]).abs().max().item() for k in got)
-
-
 @pytest.fixture(scope="module")
 def results():
     return run(_ranks, 2, timeout_s=300)
@@ -155,7 +151,7 @@ def test_hf_models_split_by_themselves_train_as_in_one_process(results):
         for name, (state, ref_losses) in expected.items():
             got, losses = rank_result[name]
             loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-            diff = _diff(got, state)
+            diff = max_abs_diff(got, state)
             print(f"{name}: max abs diff {diff:.2e}, loss diff {loss_diff:.2e}")
             assert diff <= TOL and loss_diff <= TOL, (name, diff, loss_diff)
         got, whole = rank_result["resnet"][0], expected["resnet_whole"][0]

@@ -13,6 +13,7 @@ from hf_models import build, config, make_batch, model_class
 from shardwise.strategies.hf_tp_plan import hf_plan, shipped_plan
 from shardwise.strategies.tp_plan import resolve
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS = 10
 BATCH = 4
@@ -46,11 +47,6 @@ def _hf_idiom(model, opt, steps: int) -> list[float]:
 def _reference(model: nn.Module, steps: int) -> tuple[dict, list[float]]:
     losses = _hf_idiom(model, torch.optim.AdamW(model.parameters(), lr=1e-3), steps)
     return model.state_dict(), losses
-
-
-def _diff(got: dict, expected: dict) -> float:
-    assert got.keys() == expected.keys(), set(got) ^ set(expected)
-    return max((got[k] - expected[k]).abs().max().item() for k in got)
 
 
 def _plain_model() -> nn.Sequential:
@@ -124,10 +120,10 @@ def test_hf_llama_trains_under_its_own_plan_as_in_one_process():
             "embed": "VocabParallelEmbedding",
         }
         diffs = {
-            "llama": _diff(state, expected),
+            "llama": max_abs_diff(state, expected),
             "llama_loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-            "tied": _diff(tied, tied_expected),
-            "plain": _diff(plain, plain_expected.state_dict()),
+            "tied": max_abs_diff(tied, tied_expected),
+            "plain": max_abs_diff(plain, plain_expected.state_dict()),
         }
         print("max |shardwise - one process|:", {k: f"{v:.2e}" for k, v in diffs.items()})
         assert shared and all(diff <= TOL for diff in diffs.values()), diffs

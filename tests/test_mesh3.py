@@ -22,6 +22,7 @@ from shardwise.checkpoint.reshardable import full_weights
 from shardwise.nn.models import TinyGPT, lm_loss
 from shardwise.strategies.mesh_parallel import MeshConfig
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS, RESUME_AT = 10, 5
 BATCH = 8  # global batch: 2 replicas x 4 samples, 2 micro-batches of 2 per replica
@@ -74,11 +75,6 @@ def _steps(model, opt, steps: range) -> list[float]:
     return norms
 
 
-def _diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 def _mesh(data: sw.Strategy | None = None, **sizes) -> sw.MeshParallel:
     pipeline = sw.Pipeline(schedule="1f1b", microbatches=2)
     return sw.MeshParallel(**sizes, data=data or sw.ZeRO(stage=3), pipeline=pipeline)
@@ -121,14 +117,14 @@ def _full_mesh(directory: str) -> dict:
     if importlib.util.find_spec("transformers"):
         llama = _llama_trained({"dp2_tp2_pp2": _mesh(dp=2, tp=2, pp=2)})["dp2_tp2_pp2"]
     return {
-        "straight": _diff(straight, states[-1]),
-        "at_save": _diff(at_save, states[RESUME_AT - 1]),
-        "checkpoint_file": _diff(full_weights(directory), states[RESUME_AT - 1]),
+        "straight": max_abs_diff(straight, states[-1]),
+        "at_save": max_abs_diff(at_save, states[RESUME_AT - 1]),
+        "checkpoint_file": max_abs_diff(full_weights(directory), states[RESUME_AT - 1]),
         "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
         "clipped": min(ref_norms) > MAX_NORM,
         "exact_resume": all(torch.equal(straight[k], exact[k]) for k in straight),
-        "resharded": _diff(resharded, states[-1]),
-        "ddp": _diff(ddp_state, states[-1]),
+        "resharded": max_abs_diff(resharded, states[-1]),
+        "ddp": max_abs_diff(ddp_state, states[-1]),
         "ddp_norms": max(abs(a - b) / b for a, b in zip(ddp_norms, ref_norms, strict=True)),
         "llama": llama,
     }
@@ -169,7 +165,7 @@ def _llama_trained(meshes: dict[str, sw.MeshParallel]) -> dict[str, float]:
                 model(**mine).loss.backward()
             opt.step()
             opt.zero_grad()
-        out[name] = _diff(sw.full_state_dict(model), expected)
+        out[name] = max_abs_diff(sw.full_state_dict(model), expected)
         model.close()
     return out
 
@@ -230,7 +226,7 @@ def _offloaded(directory: str) -> dict[str, float]:
     for name, strategy in meshes.items():
         model, opt = sw.prepare(_gpt(), strategy, lr=1e-3)
         _steps(model, opt, range(STEPS))
-        out[name] = _diff(sw.full_state_dict(model), states[-1])
+        out[name] = max_abs_diff(sw.full_state_dict(model), states[-1])
         model.close()
     out["disk_files_left"] = len(list(Path(directory).iterdir()))  # (each rank's, removed)
     return out

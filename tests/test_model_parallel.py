@@ -14,6 +14,7 @@ from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from shardwise.strategies.pipeline import check_stages, schedule_order
 from shardwise.strategies.pipeline_stages import balanced_split
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS = 10
 BATCH = 8  # global batch: divisible by every micro-batch count tested
@@ -69,11 +70,6 @@ def _train(
     state = sw.full_state_dict(model)
     model.close()
     return state, losses
-
-
-def _diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 # ---- pure functions ----------------------------------------------------------------------------
@@ -139,7 +135,7 @@ def _tp_run():
     with torch.no_grad():
         checks["gathered"] = (gathered(x) - full).abs().max().item()
     return (
-        _diff(got, expected),
+        max_abs_diff(got, expected),
         max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
         checks,
     )
@@ -182,7 +178,7 @@ def _pp_run(schedules, microbatches):
             strategy = sw.Pipeline(stages=dist.get_world_size(), schedule=schedule, microbatches=m)
             got, losses = _train(strategy)
             loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-            out[(schedule, m)] = (_diff(got, expected), loss_diff)
+            out[(schedule, m)] = (max_abs_diff(got, expected), loss_diff)
     return out
 
 
@@ -212,7 +208,7 @@ def _pp_sequential_and_eval():
     with torch.no_grad():
         out = model(x)
         ref_out = reference(x)
-    return (out - ref_out).abs().max().item(), _diff(
+    return (out - ref_out).abs().max().item(), max_abs_diff(
         sw.full_state_dict(model), reference.state_dict()
     )
 
@@ -235,7 +231,7 @@ def _pp_balanced_by_time():
         refused = ""
     except NotImplementedError as e:
         refused = str(e)
-    return _diff(got, expected), refused
+    return max_abs_diff(got, expected), refused
 
 
 def test_pipeline_balanced_by_time_and_split_checkpoints_refused():
@@ -304,7 +300,7 @@ def _mesh_run():
         # Uneven batches along the data axis where the micro-batches allow (2 + 6 samples).
         got, losses = _train(strategy, sizes=None if "gpipe" in name else [2, 6])
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-        out[name] = (_diff(got, expected), loss_diff)
+        out[name] = (max_abs_diff(got, expected), loss_diff)
     try:
         sw.prepare(_gpt(), sw.MeshParallel(dp=2, tp=4))
     except ValueError as e:

@@ -18,6 +18,7 @@ import shardwise as sw
 from shardwise.strategies.pipeline_schedule import SCHEDULES, schedule_order
 from shardwise.strategies.pipeline_stages import PipelineStage
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS, BATCH, LR = 10, 12, 1e-2
 # fp32 summation order (micro-batches, stages) over 10 AdamW steps: the exactness bar.
@@ -70,11 +71,6 @@ def _train(strategy: sw.Strategy, model: nn.Module | None = None, source=None) -
     state = sw.full_state_dict(model)
     model.close()
     return state
-
-
-def _diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 class DictSource:
@@ -150,7 +146,9 @@ def _gpt2_runs() -> dict[str, float]:
 
     expected = train()
     return {
-        f"gpt2 {s}": _diff(train(sw.Pipeline(stages=2, schedule=s, microbatches=4)), expected)
+        f"gpt2 {s}": max_abs_diff(
+            train(sw.Pipeline(stages=2, schedule=s, microbatches=4)), expected
+        )
         for s in ("zb-h1", "interleaved")
     }
 
@@ -167,7 +165,7 @@ def _two_ranks() -> dict:
         ),
     }
     states = {name: _train(strategy) for name, strategy in runs.items()}
-    out.update({name: _diff(state, expected) for name, state in states.items()})
+    out.update({name: max_abs_diff(state, expected) for name, state in states.items()})
     # B and W run the kernels a whole backward runs, on the same values: bit for bit 1F1B.
     out["zb-h1 is 1f1b bitwise"] = all(
         torch.equal(states["zb-h1"][k], states["1f1b"][k]) for k in expected
@@ -176,12 +174,12 @@ def _two_ranks() -> dict:
         meta = _sequential()
     source = DictSource(_sequential().state_dict())
     meta_run = sw.Pipeline(schedule="interleaved", microbatches=4)
-    out["interleaved from meta"] = _diff(_train(meta_run, meta, source), expected)
+    out["interleaved from meta"] = max_abs_diff(_train(meta_run, meta, source), expected)
     for schedule, m, chunks in (("interleaved", 4, 2), ("zb-h1", 4, 1), ("zb-h1", 2, 1)):
         loss, grads = _one_step_ours(schedule, m)
         torch_loss, torch_grads = _one_step_torch(schedule, m, chunks)
         assert grads.keys() == torch_grads.keys()
-        out[f"torch {schedule} M={m} grads"] = _diff(grads, torch_grads)
+        out[f"torch {schedule} M={m} grads"] = max_abs_diff(grads, torch_grads)
         out[f"torch {schedule} M={m} loss"] = 0.0 if torch_loss is None else abs(loss - torch_loss)
     out.update(_gpt2_runs())
     try:
@@ -217,7 +215,7 @@ def _mesh() -> dict[str, float]:
     for schedule, data in (("zb-h1", sw.DDP()), ("interleaved", sw.DDP()), ("zb-h1", sw.ZeRO())):
         pipeline = sw.Pipeline(schedule=schedule, microbatches=2)
         strategy = sw.MeshParallel(dp=2, pp=2, data=data, pipeline=pipeline)
-        out[f"{schedule} {type(data).__name__}"] = _diff(_train(strategy), expected)
+        out[f"{schedule} {type(data).__name__}"] = max_abs_diff(_train(strategy), expected)
     pipeline = sw.Pipeline(schedule="zb-h1", microbatches=2)
     try:
         sw.prepare(

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise.nn.models import MLP, ConvNet
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS = 20
 TOL = 1e-5
@@ -63,10 +64,6 @@ def _train(
     return state
 
 
-def _diff(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def _all_variants(sizes: list[int]) -> dict[str, float]:
     expected = _reference(sum(sizes))
     group = 2 if len(sizes) % 2 == 0 else 1  # 1: a ring between groups of one
@@ -80,12 +77,12 @@ def _all_variants(sizes: list[int]) -> dict[str, float]:
         "zero-3": (sw.ZeRO(stage=3), "declared"),
     }
     diffs = {
-        name: _diff(_train(strategy, sizes, how), expected)
+        name: max_abs_diff(_train(strategy, sizes, how), expected)
         for name, (strategy, how) in variants.items()
     }
     # SyncBatchNorm couples the ranks' backward passes: its sums are weighted too.
     cnn = _train(sw.DDP(), sizes, "count", kind="cnn")
-    diffs["ddp syncbn"] = _diff(cnn, _reference(sum(sizes), kind="cnn"))
+    diffs["ddp syncbn"] = max_abs_diff(cnn, _reference(sum(sizes), kind="cnn"))
     return diffs
 
 
@@ -108,7 +105,7 @@ def _unweighted_would_differ(sizes: list[int]) -> float:
         sw.train_step(model, x, y, F.cross_entropy, samples=1, total=len(sizes))
         opt.step()
         opt.zero_grad()
-    return _diff(sw.full_state_dict(model), expected)
+    return max_abs_diff(sw.full_state_dict(model), expected)
 
 
 def test_averaging_over_ranks_instead_of_samples_is_measurably_wrong():

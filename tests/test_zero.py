@@ -12,6 +12,7 @@ import shardwise as sw
 from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from shardwise.observe.memory import model_state_bytes
 from spawn import run
+from state_diff import max_abs_diff
 
 STEPS = 20
 BATCH = 4  # per rank
@@ -43,11 +44,6 @@ def _loss(kind: str):
     return F.cross_entropy if kind == "mlp" else lm_loss
 
 
-def _diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def train_three_ways(kind: str, stage: int, clip: float | None):
     """ZeRO, our DDP and a single-process reference on the same global batches."""
     world, loss_fn = dist.get_world_size(), _loss(kind)
@@ -72,7 +68,7 @@ def train_three_ways(kind: str, stage: int, clip: float | None):
             opt.step()
             opt.zero_grad()
     ours = sw.full_state_dict(zero)
-    return _diff(ours, reference.state_dict()), _diff(ours, sw.full_state_dict(ddp))
+    return max_abs_diff(ours, reference.state_dict()), max_abs_diff(ours, sw.full_state_dict(ddp))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

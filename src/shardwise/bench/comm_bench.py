@@ -83,11 +83,14 @@ def torch_ddp(module: nn.Module, key: str) -> nn.parallel.DistributedDataParalle
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    # Buckets of 25 MiB as ours, the first one too (torch's default makes it 1 MiB): with two
-    # buckets, powerSGD_hook's second all-reduce, issued from a gloo callback thread, can
-    # interleave with the next bucket's first one from the training thread, and gloo aborts on
-    # the mismatch (seen here on the emulated network).
-    model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=25)
+    # powerSGD_hook gets one bucket of 25 MiB (torch's default cuts a 1 MiB first one): with
+    # two buckets, its second all-reduce, issued from a gloo callback thread, can interleave
+    # with the next bucket's first one from the training thread, and gloo aborts on the
+    # mismatch (seen here on the emulated network). The others keep torch's default buckets.
+    if key == "torch_powersgd_r4":
+        model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=25)
+    else:
+        model = nn.parallel.DistributedDataParallel(module)
     if key == "torch_fp16_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif key == "torch_powersgd_r4":

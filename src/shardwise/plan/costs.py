@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise.comm.accounting import native_volume
 from shardwise.plan.activations import saved_bytes
+from shardwise.strategies.grad_buckets import bucket_bytes
 
 if TYPE_CHECKING:
     from shardwise.config import Config
@@ -186,10 +187,10 @@ def replicated_memory(numels: list[int], optimizer: str, elem: int = FP32) -> di
     }
 
 
-def bucket_sizes(numels: list[int], elem: int, bucket_mb: float) -> list[int]:
+def bucket_sizes(numels: list[int], elem: int, bucket_mb: float | None) -> list[int]:
     """`grad_buckets.assign_buckets` on element counts, in the order given: a bucket closes
-    when the next tensor would take it past bucket_mb."""
-    limit, buckets, size = int(bucket_mb * 2**20), [], 0
+    when the next tensor would take it past bucket_mb (None: DDP's default for these)."""
+    limit, buckets, size = bucket_bytes(bucket_mb, sum(numels) * elem), [], 0
     for n in numels:
         if size and (size + n) * elem > limit:
             buckets.append(size)

@@ -35,7 +35,12 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from shardwise.strategies.base import DistributedModel, Strategy, prefixed, unprefixed
 from shardwise.strategies.batch_share import BatchShare
-from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
+from shardwise.strategies.grad_buckets import (
+    BucketCallbacks,
+    BucketedBackward,
+    assign_buckets,
+    bucket_bytes,
+)
 from shardwise.strategies.section import StrategySection
 
 
@@ -179,7 +184,8 @@ class DataParallelModel(DistributedModel):
 class DDP(Strategy):
     """Options for our data parallel.
 
-    bucket_mb: gradient bucket size in MiB; smaller buckets start communicating earlier.
+    bucket_mb: gradient bucket size in MiB; smaller buckets start communicating earlier (None:
+        an eighth of the gradients, within 1-25 MiB: `grad_buckets.default_bucket_bytes`).
     algorithm: 'native' (the backend's all-reduce), 'ring' or 'hierarchical' (ours).
     group_size: ranks per group for 'hierarchical' (default: ranks per node).
     find_unused_parameters: allow parameters that get no gradient (treated as zero).
@@ -188,7 +194,7 @@ class DDP(Strategy):
         'sign', 'powersgd:RANK'; see `shardwise.comm.compression`) used instead of `algorithm`.
     """
 
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = None
     algorithm: AllReduceName = "native"
     group_size: int | None = None
     find_unused_parameters: bool = False
@@ -198,7 +204,7 @@ class DDP(Strategy):
     def __post_init__(self) -> None:
         if self.compression is not None:
             make_codec(self.compression)  # validates the spec
-        if self.bucket_mb <= 0:
+        if self.bucket_mb is not None and self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.algorithm not in ("native", "ring", "hierarchical"):
             raise ValueError(
@@ -227,11 +233,12 @@ class DDP(Strategy):
             if isinstance(module, SyncBatchNorm):
                 module.batch_share = share  # its backward weighs uneven batches too
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        grad_bytes = sum(p.numel() * p.element_size() for _, p in named)
         reducer = GradientReducer(
             named,
             all_reduce,
             share,
-            int(self.bucket_mb * 2**20),
+            bucket_bytes(self.bucket_mb, grad_bytes),
             self.find_unused_parameters,
         )
         return DataParallelModel(model, runtime, reducer)
@@ -239,7 +246,12 @@ class DDP(Strategy):
 
 class DDPConfig(StrategySection):
     name: Literal["ddp"] = Field("ddp", description="the parallelism strategy")
-    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB")
+    bucket_mb: float | None = Field(
+        None,
+        gt=0,
+        description="gradient bucket size in MiB (default: an eighth of the "
+        "gradients, within 1-25 MiB)",
+    )
     algorithm: Literal["native", "ring", "hierarchical"] = Field(
         "native", description="all-reduce: the backend's own, or our ring / hierarchical"
     )
