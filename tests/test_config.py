@@ -19,13 +19,20 @@ def test_overrides_are_parsed_as_yaml_scalars():
     assert cfg.strategy.algorithm == "ring"
 
 
+def test_layerwise_optimizers_are_refused_on_a_parameter_server():
+    with pytest.raises(ConfigError, match="needs each parameter's norm") as err:
+        load_config("digits", ["strategy.name=ps", "optim.name=lars"])
+    assert "\n" not in str(err.value)
+    assert load_config("digits", ["strategy.name=zero", "optim.name=lamb"]).optim.name == "lamb"
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
         ("strategy.bucket_mb=-1", "config error: strategy.bucket_mb = -1: Input should be greater"),
         ("strategy.algorithm=tree", "'native', 'ring' or 'hierarchical'"),
         ("train.stepz=3", "config error: train.stepz = 3: Extra inputs are not permitted"),
-        ("optim.name=lamb", "config error: optim.name = 'lamb': Input should be 'adamw'"),
+        ("optim.name=lion", "config error: optim.name = 'lion': Input should be 'adamw'"),
         ("data.path=missing.txt", "config error: data.path: dataset file not found: missing.txt"),
         ("model.n_head=3", "n_head (3) must divide d_model (256)"),
         ("launch.nproc=0", "config error: launch.nproc = 0: Input should be greater than or equal"),

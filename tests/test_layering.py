@@ -20,6 +20,7 @@ LAYERS = [
     "comm",
     "distributed",
     "nn",
+    "optim",
     "faults",
     "data",
     "observe",

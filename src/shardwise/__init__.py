@@ -6,7 +6,7 @@ model, opt = sw.prepare(MyModel(), sw.DDP(), optimizer=torch.optim.AdamW, lr=1e-
 loader = sw.data.loader(dataset, batch_size=32, shuffle=True, seed=0)
 """
 
-from shardwise import comm, data, ps
+from shardwise import comm, data, optim, ps
 from shardwise.api import (
     clip_grad_norm_,
     data_shard,
@@ -94,6 +94,7 @@ __all__ = [
     "lr_scheduler",
     "memory_report",
     "no_sync",
+    "optim",
     "parallel_loss",
     "partition",
     "predict",

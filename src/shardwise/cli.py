@@ -10,6 +10,7 @@
     shardwise bench faults                                        # recovery, stall, hang times
     shardwise bench balance                                       # per-rank batches, slow rank
     shardwise bench packing                                       # packed vs padded documents
+    shardwise bench largebatch                                    # LARS/LAMB at 64x the batch
     shardwise bench overhead                                      # cost of the measurements
     shardwise bench all [--quick]                                 # every strategy, one report
     shardwise bench planner [--quick] [--reps R] [--models M]     # predicted vs measured
@@ -217,7 +218,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "suite",
         choices=[
             *("ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance", "packing"),
-            *("overhead", "all", "planner"),
+            *("overhead", "largebatch", "all", "planner"),
         ],
         help="what to benchmark",
     )

@@ -117,6 +117,16 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _layerwise_optimizers_on_whole_parameters(self) -> Config:
+        if self.strategy.name == "ps" and self.optim.name in ("lars", "lamb"):
+            raise ValueError(
+                f"optim.name {self.optim.name!r} needs each parameter's norm, and a parameter "
+                "server steps flat ranges of the parameters on each server: use a "
+                "data-parallel strategy (ddp, zero, a mesh) or adamw/adam/sgd"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _queue_needs_replicas_that_pull(self) -> Config:
         if self.data.mode != "queue" or self.strategy.name == "ps":
             return self

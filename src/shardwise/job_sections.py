@@ -228,10 +228,15 @@ class ModelConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="torch.optim optimizer")
+    name: Literal["adamw", "adam", "sgd", "lars", "lamb"] = Field(
+        "adamw",
+        description="torch.optim's adamw, adam, sgd; or sw.optim's lars, lamb (layer-wise trust "
+        "ratios of whole parameters under any strategy, for large batches)",
+    )
     lr: float = Field(1e-3, gt=0, description="learning rate")
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
-    momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd, lars: momentum")
+    eta: float = Field(0.001, gt=0, description="lars: trust coefficient")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up steps")
     schedule: Literal["constant", "step", "exponential", "cosine"] = Field(
         "constant",

@@ -35,11 +35,14 @@ from shardwise.nn.meta_init import ParameterSource, materialize
 from shardwise.nn.models import MLP, ConvNet, TinyGPT, lm_loss
 from shardwise.nn.recompute import checkpoint_activations
 from shardwise.nn.schedules import Schedule, scaled_lr
+from shardwise.optim import LAMB, LARS
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
+    "lars": LARS,
+    "lamb": LAMB,
 }
 
 
@@ -225,8 +228,10 @@ def _model_job(cfg: Config, splits: datasets.Splits) -> Job:
 
 def optimizer_kwargs(cfg: OptimConfig) -> dict:
     kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    if cfg.name == "sgd":
+    if cfg.name in ("sgd", "lars"):
         kwargs["momentum"] = cfg.momentum
+    if cfg.name == "lars":
+        kwargs["eta"] = cfg.eta
     return kwargs
 
 

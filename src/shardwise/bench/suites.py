@@ -32,6 +32,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         return everything_main(argv + (["--steps", str(args.steps)] if args.steps else []))
     if args.suite == "planner":
         return run_planner_benchmark(args)
+    if args.suite == "largebatch":  # one process: the recipe's accuracies
+        from shardwise.bench.largebatch_bench import main as largebatch_main
+
+        return largebatch_main(["--out", args.out] if args.out else [])
     steps, reps = DEFAULTS[args.suite]
     args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":

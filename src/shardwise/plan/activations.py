@@ -20,6 +20,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from shardwise.observe.memory import PeakMeter, is_weight, optimizer_tensors
+from shardwise.optim import LAMB, LARS
 
 
 def saved_bytes(
@@ -178,8 +179,14 @@ def stepped_optimizer(
 ) -> torch.optim.Optimizer:
     """An optimizer over parameters of `numels` elements, with gradients, stepped once so that
     its state exists (a later step is what every step costs). Call it in a fake mode."""
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
+    cls = {
+        "adamw": torch.optim.AdamW,
+        "adam": torch.optim.Adam,
+        "sgd": torch.optim.SGD,
+        "lars": LARS,
+        "lamb": LAMB,
+    }
+    kwargs = {"momentum": 0.9} if optimizer in ("sgd", "lars") else {}
     params = [nn.Parameter(torch.empty(n, dtype=dtype)) for n in numels if n]
     for p in params:
         p.grad = torch.empty_like(p)

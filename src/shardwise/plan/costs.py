@@ -34,7 +34,13 @@ if TYPE_CHECKING:
 FP32 = 4
 # Optimizer state per parameter tensor: bytes per element held, and bytes of scalar state
 # (Adam's step counter is a float32 tensor per parameter).
-OPTIMIZER_STATE = {"adamw": (2, FP32), "adam": (2, FP32), "sgd": (1, 0)}
+OPTIMIZER_STATE = {
+    "adamw": (2, FP32),
+    "adam": (2, FP32),
+    "sgd": (1, 0),
+    "lars": (1, 0),  # its momentum buffer
+    "lamb": (2, FP32),
+}
 HALF = {"bf16": 2, "fp16": 2}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL_STATE = ("params", "master_weights", "grads", "optimizer")

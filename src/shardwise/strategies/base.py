@@ -30,6 +30,7 @@ from torch import nn
 
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.meta_init import ParameterSource, materialize
+from shardwise.optim.layerwise import LayerwiseOptimizer, ParameterNorms
 from shardwise.strategies.batch_share import batch_samples
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -143,7 +144,16 @@ class DistributedModel(nn.Module):
     def make_optimizer(
         self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
     ) -> DistributedOptimizer:
-        return DistributedOptimizer(self, optimizer_cls(self.optimizer_params(), **kwargs))
+        inner = optimizer_cls(self.optimizer_params(), **kwargs)
+        if isinstance(inner, LayerwiseOptimizer):  # LARS, LAMB: norms of whole parameters
+            inner.norms = self.parameter_norms()
+        return DistributedOptimizer(self, inner)
+
+    def parameter_norms(self) -> ParameterNorms:
+        """Which piece of which parameter each tensor the optimizer steps holds, and how the
+        pieces' squares add up over ranks (`optim.layerwise`). This default: each a whole
+        parameter, the same on every rank that holds it."""
+        return ParameterNorms.whole(self.optimizer_params())
 
     def before_step(self) -> bool:
         """Runs before the optimizer steps; False skips the step (fp16 overflow)."""

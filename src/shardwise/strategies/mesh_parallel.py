@@ -38,6 +38,7 @@ from shardwise import comm
 from shardwise.comm.parallel_ops import gather_split
 from shardwise.distributed.mesh import DeviceMesh, build_mesh, check_sizes
 from shardwise.distributed.runtime import Runtime
+from shardwise.optim.layerwise import LayerwiseOptimizer, ParameterNorms
 from shardwise.strategies.base import EXTRA, DistributedModel, LossFn, Strategy
 from shardwise.strategies.ddp import DDP
 from shardwise.strategies.mesh_state import (
@@ -52,6 +53,7 @@ from shardwise.strategies.section import StrategySection
 from shardwise.strategies.tensor_parallel import (
     TensorParallel,
     TensorParallelModel,
+    count_once,
     split_parameters,
 )
 from shardwise.strategies.zero import ZeRO, ZeroStage1
@@ -145,7 +147,20 @@ class MeshModel(DistributedModel):
         return self.pipeline is None or self.pipeline.tied.counted_here(p)
 
     def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
-        return self.data.make_optimizer(optimizer_cls, **kwargs)
+        optimizer = self.data.make_optimizer(optimizer_cls, **kwargs)
+        if isinstance(optimizer.inner, LayerwiseOptimizer):
+            optimizer.inner.norms = self.parameter_norms()
+        return optimizer
+
+    def parameter_norms(self) -> ParameterNorms:
+        """The data axis's pieces (ZeRO's summed over the shard group), then over the tensor-
+        parallel group: a split parameter's slices, a replicated one's once. A pipeline
+        stage's parameters are its own (a weight tied across stages: each holds all of it)."""
+        norms = self.data.parameter_norms()
+        if self.tensor is None:
+            return norms
+        counted = [id(p) in self.sliced or self.mesh.coords["tp"] == 0 for p in norms.params]
+        return count_once(norms, counted, self.tensor.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.data.zero_grad(set_to_none)

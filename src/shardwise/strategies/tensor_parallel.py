@@ -52,6 +52,7 @@ from shardwise.nn.meta_init import (
     read_whole,
     swap_parameters,
 )
+from shardwise.optim.layerwise import ParameterNorms
 from shardwise.strategies.base import (
     DistributedModel,
     Strategy,
@@ -198,6 +199,13 @@ class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
         sharded = square_sum([p.grad for n, p in named if n in splits], device)
         comm.all_reduce(sharded, group=self.group)  # disjoint slices: sum over ranks
         return sharded + square_sum([p.grad for n, p in named if n not in splits], device)
+
+    def parameter_norms(self) -> ParameterNorms:
+        """Whole local tensors; a split parameter's squares summed over the group, a
+        replicated one's counted at the group's first rank only."""
+        splits, named = self.sharded_parameters(), list(self.module.named_parameters())
+        counted = [name in splits or self.runtime.rank == 0 for name, _ in named]
+        return count_once(ParameterNorms.whole([p for _, p in named]), counted, self.group)
 
     def adapt_loss(self, loss_fn):
         return vocab_parallel_loss(loss_fn, self.vocab_start, self.group)
@@ -350,3 +358,19 @@ class TPConfig(StrategySection):
 
     def describe(self) -> str:
         return "tensor parallel"
+
+
+def count_once(norms: ParameterNorms, counted: list[bool], group) -> ParameterNorms:
+    """`norms` whose sums, after its own reduction, are summed over `group` too, each
+    parameter's only from the ranks where `counted` (the slices of a split one, one copy of a
+    replicated one)."""
+    mask = torch.tensor(counted, dtype=torch.float32)
+    inner = norms.reduce
+
+    def reduce(sums: torch.Tensor) -> None:
+        if inner is not None:
+            inner(sums)
+        sums.mul_(mask.to(sums.device))
+        comm.all_reduce(sums, group=group)
+
+    return ParameterNorms(norms.pieces, norms.params, reduce)

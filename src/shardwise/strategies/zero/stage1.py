@@ -33,6 +33,7 @@ from shardwise.distributed.runtime import Runtime
 from shardwise.distributed.shard_groups import ShardGroups, whole
 from shardwise.nn.meta_init import ParameterSource
 from shardwise.nn.sync_batchnorm import SyncBatchNorm
+from shardwise.optim.layerwise import LayerwiseOptimizer, ParameterNorms, Piece
 from shardwise.strategies.base import (
     EXTRA,
     DistributedModel,
@@ -196,10 +197,32 @@ class ZeroStage1(DistributedModel):
 
     def make_optimizer(self, optimizer_cls, **kwargs: Any) -> DistributedOptimizer:
         optimizer = super().make_optimizer(optimizer_cls, **kwargs)
+        if self.offload_dir is not None and isinstance(optimizer.inner, LayerwiseOptimizer):
+            raise ValueError(
+                f"{optimizer_cls.__name__} needs every shard's norms at once: use offload='cpu' "
+                "rather than 'disk' (which steps the shards one page at a time)"
+            )
         if self.offload_dir is not None:  # masters and optimizer state in memory-mapped files
             store = DiskStore(self.offload_dir)
             self.disk_step = DiskOffloadedStep(optimizer.inner, self.shards, store)
         return optimizer
+
+    def parameter_norms(self) -> ParameterNorms:
+        """Each shard's pieces of its unit's parameters (its padding in none), their squares
+        summed over the shard group (its replicas hold the same slices)."""
+        params = [p for unit in self.units for p in unit.params]
+        index = {id(p): i for i, p in enumerate(params)}
+        pieces = {}
+        for unit, shard in zip(self.units, self.shards, strict=True):
+            low = unit.rank * unit.shard_numel  # this rank's slice of the unit's flat buffer
+            pieces[id(shard)] = [
+                Piece(index[id(p)], start - low, stop - low)
+                for p in unit.params
+                if (start := max(unit.offset_of[p], low))
+                < (stop := min(unit.offset_of[p] + p.numel(), low + unit.shard_numel))
+            ]
+        group = self.groups.shard
+        return ParameterNorms(pieces, params, lambda sums: comm.all_reduce(sums, group=group))
 
     def before_step(self) -> bool:
         return self.masters.step_allowed(self.grad_shards())

@@ -1,0 +1,90 @@
+"""What a layer-wise adaptive optimizer needs from the strategy: each parameter's norm.
+
+LARS and LAMB scale each parameter's update by a trust ratio, ||w|| / ||update||, of the
+*parameter*: the model's weight matrix, not whatever tensor the optimizer happens to step. Under
+ZeRO the optimizer steps flat shards that cut across parameters; under tensor parallelism it
+steps slices of a parameter; a trust ratio of those pieces is another optimizer (DeepSpeed#490:
+"LAMB and LARS implementations that are not aware of ZeRO will not work correctly with ZeRO").
+
+`ParameterNorms` maps each stepped tensor to the pieces of parameters it holds (`Piece`: which
+parameter, which elements of the stepped tensor) and sums the pieces' squares over the ranks
+holding the rest of each parameter (`reduce`, in place on a [k, parameters] tensor of partial
+sums), as the strategy's global-norm clipping does. Without a strategy every stepped tensor is
+one whole parameter and nothing is reduced: the optimizer is the single-process one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of a stepped tensor (flattened) are part of parameter `index`."""
+
+    index: int
+    start: int
+    stop: int
+
+
+class ParameterNorms:
+    """Per-parameter squared norms of tensors laid out like the stepped ones."""
+
+    def __init__(
+        self,
+        pieces: dict[int, list[Piece]],
+        params: Sequence[torch.Tensor],
+        reduce: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """`pieces`: by the stepped tensor's id, the pieces it holds (padding is in none);
+        `params`: the parameters, by index (this rank's tensors of them: a slice's dimensions
+        are its parameter's); `reduce`: sums a [k, len(params)] tensor of this rank's partial
+        sums over the ranks."""
+        self.pieces, self.params, self.reduce = pieces, list(params), reduce
+        self.ndims = [p.dim() for p in self.params]  # (1-D ones may be left unadapted)
+
+    @classmethod
+    def whole(cls, params: Sequence[torch.Tensor]) -> ParameterNorms:
+        """Each stepped tensor a whole parameter, on one rank (or the same on every rank)."""
+        pieces = {id(p): [Piece(i, 0, p.numel())] for i, p in enumerate(params)}
+        return cls(pieces, params)
+
+    def square_sums(self, rows: Sequence[dict[int, torch.Tensor]]) -> torch.Tensor:
+        """Σ x² per parameter of each row (a row: by stepped tensor's id, a tensor shaped
+        like it), summed over the ranks: a [len(rows), parameters] fp32 tensor."""
+        device = next(iter(rows[0].values())).device if rows and rows[0] else None
+        sums = torch.zeros(len(rows), len(self.ndims), dtype=torch.float32, device=device)
+        for k, row in enumerate(rows):
+            for key, tensor in row.items():
+                flat = tensor.detach().reshape(-1)
+                for piece in self.pieces[key]:
+                    part = flat[piece.start : piece.stop].float()
+                    sums[k, piece.index] += part.dot(part)
+        if self.reduce is not None:
+            self.reduce(sums)
+        return sums
+
+    def expand(self, key: int, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like the stepped tensor `like` (id `key`) holding, on each element,
+        `values` (one per parameter) of the parameter it belongs to; 0 on padding."""
+        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        for piece in self.pieces[key]:
+            out[piece.start : piece.stop] = values[piece.index].to(like.dtype)
+        return out.view_as(like)
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """An optimizer whose update needs each parameter's norm: single-process by default,
+    exact under a strategy once `sw.prepare` has set `norms` to the strategy's layout."""
+
+    norms: ParameterNorms | None = None
+
+    def _norms(self, params: list[torch.Tensor]) -> ParameterNorms:
+        if self.norms is None:  # (plain use: every stepped tensor a whole parameter)
+            self.norms = ParameterNorms.whole(
+                [p for group in self.param_groups for p in group["params"]]
+            )
+        return self.norms
