@@ -19,6 +19,20 @@ def test_overrides_are_parsed_as_yaml_scalars():
     assert cfg.strategy.algorithm == "ring"
 
 
+def test_augmentation_that_does_not_fit_is_one_line():
+    for sets, words in [
+        (["data.dataset=text", "data.path=genesis_kjv.txt", "data.augment=shift"], "digits"),
+        (["data.augment=rotate"], "'shift' or module:function"),
+        (["data.augment_repeats=2"], "needs data.augment"),
+        (["data.augment=shift", "data.augment_repeats=2", "data.rank_weights=[1, 2]"], "equal"),
+    ]:
+        with pytest.raises(ConfigError, match=words) as err:
+            load_config("digits", sets)
+        assert "\n" not in str(err.value)
+    cfg = load_config("digits", ["data.augment=shift", "data.augment_repeats=2"])
+    assert (cfg.data.augment, cfg.data.augment_repeats) == ("shift", 2)
+
+
 def test_layerwise_optimizers_are_refused_on_a_parameter_server():
     with pytest.raises(ConfigError, match="needs each parameter's norm") as err:
         load_config("digits", ["strategy.name=ps", "optim.name=lars"])

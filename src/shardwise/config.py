@@ -127,6 +127,25 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _augmentation_that_fits_the_data(self) -> Config:
+        data = self.data
+        if data.augment == "shift" and (
+            data.dataset != "digits" or data.factory is not None or data.tokens is not None
+        ):
+            raise ValueError("data.augment 'shift' moves the digits' 8x8 images: dataset digits")
+        if data.augment is not None and data.augment != "shift" and ":" not in data.augment:
+            raise ValueError(
+                f"data.augment {data.augment!r}: 'shift' or module:function (x, generator) -> x"
+            )
+        if data.augment_repeats > 1 and (data.augment is None or data.mode == "queue"):
+            raise ValueError(
+                "data.augment_repeats needs data.augment, and the ordered loader (not the queue)"
+            )
+        if data.augment_repeats > 1 and (data.rank_weights is not None or data.balance != "static"):
+            raise ValueError("data.augment_repeats needs equal batch sizes per rank")
+        return self
+
+    @model_validator(mode="after")
     def _queue_needs_replicas_that_pull(self) -> Config:
         if self.data.mode != "queue" or self.strategy.name == "ps":
             return self

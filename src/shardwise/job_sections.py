@@ -98,6 +98,18 @@ class DataConfig(Section):
     batch_size: int = Field(
         32, ge=1, description="samples per rank per step (the global batch: this x ranks)"
     )
+    augment: str | None = Field(
+        None,
+        description="training inputs' augmentation, its draws a pure function of (train.seed, "
+        "epoch, sample, repeat): 'shift' (digits: moved up to a pixel each way) or "
+        "module:function(x, generator) -> x of your own",
+    )
+    augment_repeats: int = Field(
+        1,
+        ge=1,
+        description="repeated augmentation: each training sample this many times an epoch, "
+        "augmented anew each time, the repeats in one step on different ranks",
+    )
     rank_weights: list[float] | None = Field(
         None,
         description="per-rank shares of the global batch, proportional to each rank's capacity "

@@ -21,6 +21,7 @@ from torch import nn
 from shardwise import user_code
 from shardwise.config import Config
 from shardwise.data import datasets
+from shardwise.data.augment import Augmented, shift_pixels
 from shardwise.data.token_file import token_splits
 from shardwise.job_sections import (
     DataConfig,
@@ -95,7 +96,19 @@ def _as_tensor(item: tuple[Any, Any]) -> tuple[Any, torch.Tensor]:
 
 
 def build_splits(cfg: Config) -> datasets.Splits:
-    """The data `data` names, split into training and test data."""
+    """The data `data` names, split into training and test data; the training data augmented
+    where `data.augment` says."""
+    splits = _splits(cfg)
+    data = cfg.data
+    if data.augment is None:
+        return splits
+    # ('shift': the config allows it on the digits only)
+    augment = shift_pixels(8) if data.augment == "shift" else user_code.load(data.augment)
+    train = Augmented(splits.train, augment, cfg.train.seed, data.augment_repeats)
+    return dataclasses.replace(splits, train=train)
+
+
+def _splits(cfg: Config) -> datasets.Splits:
     data = cfg.data
     if data.factory is not None:
         return _user_splits(data)

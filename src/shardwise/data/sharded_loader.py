@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from shardwise.data.augment import repeated_order
 from shardwise.data.partition import Partitioner, epoch_order, proportional
 from shardwise.distributed import runtime
 
@@ -28,11 +29,15 @@ def _checked_sizes(sizes: list[int], replicas: int) -> list[int]:
     return list(sizes)
 
 
-def _fetch(dataset: Dataset, plan: list[list[int]], num_workers: int, seed: int) -> DataLoader:
-    """The batches of `plan` (lists of indices), read by torch's DataLoader."""
+def _fetch(
+    dataset: Dataset, plan: list[list[int]], num_workers: int, seed: int, epoch: int
+) -> DataLoader:
+    """The batches of `plan` (lists of indices) of `epoch`, read by torch's DataLoader."""
+    if hasattr(dataset, "set_epoch"):  # (before the workers take their copies)
+        dataset.set_epoch(epoch)  # `Augmented`: the epoch's draws
     # Its own generator: each iterator draws a seed, and a draw from the global one would
     # shift dropout's random numbers after a resume (which starts an iterator).
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed + epoch)
     return DataLoader(dataset, batch_sampler=plan, num_workers=num_workers, generator=generator)
 
 
@@ -86,8 +91,13 @@ class ShardedLoader:
         self.sizes, self._resized = _checked_sizes(sizes, self.replicas), True
 
     def order(self, epoch: int) -> list[int]:
-        """The epoch's order of sample indices, the same on every rank."""
-        return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
+        """The epoch's order of sample indices, the same on every rank (an `Augmented`
+        dataset's repeats: each sample's in one step, on different ranks)."""
+        repeats = getattr(self.dataset, "repeats", 1)
+        if repeats == 1:
+            return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
+        samples = epoch_order(len(self.dataset) // repeats, self.seed, epoch, self.shuffle)
+        return repeated_order(samples, repeats, self.sizes)
 
     def _steps(self, order: list[int], start: int) -> Iterator[tuple[list[list[int]], int, int]]:
         """(every replica's indices, samples the whole step consumes, and the real ones among
@@ -133,7 +143,7 @@ class ShardedLoader:
             self._resized = False
             plan = list(self._my_batches(order, self.offset))
             indices = [mine for mine, _, _ in plan]
-            fetch = _fetch(self.dataset, indices, self.num_workers, self.seed + self.epoch)
+            fetch = _fetch(self.dataset, indices, self.num_workers, self.seed, self.epoch)
             for (mine, consumed, repeats), batch in zip(plan, fetch, strict=True):
                 self.offset += consumed
                 self.last_indices, self.last_repeats = mine, repeats
@@ -202,7 +212,7 @@ class PartitionedLoader:
             )
         mine = parts[self.index]
         plan = [mine[s * size : (s + 1) * size] for s in range(self.step, steps)]
-        fetch = _fetch(self.dataset, plan, self.num_workers, self.seed + self.epoch)
+        fetch = _fetch(self.dataset, plan, self.num_workers, self.seed, self.epoch)
         for indices, batch in zip(plan, fetch, strict=True):
             self.step += 1
             self.last_indices = indices
