@@ -33,6 +33,19 @@ def test_augmentation_that_does_not_fit_is_one_line():
     assert (cfg.data.augment, cfg.data.augment_repeats) == ("shift", 2)
 
 
+def test_distillation_where_it_cannot_work_is_one_line():
+    teacher = "distill.teacher=teachers:big"
+    for sets, words in [
+        ([teacher, "strategy.name=tp"], "needs a data-parallel strategy"),
+        ([teacher, "data.dataset=verses", "data.path=genesis_kjv.txt"], "per-token"),
+        ([teacher, "distill.alpha=2"], "less than or equal to 1"),
+    ]:
+        with pytest.raises(ConfigError, match=words) as err:
+            load_config("digits", sets)
+        assert "\n" not in str(err.value)
+    assert load_config("digits", [teacher]).distill.temperature == 2.0
+
+
 def test_layerwise_optimizers_are_refused_on_a_parameter_server():
     with pytest.raises(ConfigError, match="needs each parameter's norm") as err:
         load_config("digits", ["strategy.name=ps", "optim.name=lars"])

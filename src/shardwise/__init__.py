@@ -47,6 +47,7 @@ from shardwise.strategies import (
     TensorParallel,
     ZeRO,
 )
+from shardwise.strategies.distillation import distill_loss, prepare_teacher, top_k_logits
 from shardwise.train.validator import Evaluation, Validator, evaluate
 
 __version__ = "0.1.0"
@@ -85,6 +86,7 @@ __all__ = [
     "data",
     "data_shard",
     "declare_batch",
+    "distill_loss",
     "empty_parameters",
     "evaluate",
     "export_checkpoint",
@@ -99,9 +101,11 @@ __all__ = [
     "partition",
     "predict",
     "prepare",
+    "prepare_teacher",
     "ps",
     "save_checkpoint",
     "scaled_lr",
     "shutdown",
+    "top_k_logits",
     "train_step",
 ]

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from shardwise.job_sections import (
     PACKAGE_DATA,
     DataConfig,
+    DistillConfig,
     LaunchConfig,
     ModelConfig,
     OptimConfig,
@@ -88,6 +89,9 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    distill: DistillConfig | None = Field(
+        None, description="knowledge distillation from a frozen teacher (none: plain training)"
+    )
     faults: list[str] = Field(
         [],
         description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: faults/injection.py; "
@@ -123,6 +127,21 @@ class Config(Section):
                 f"optim.name {self.optim.name!r} needs each parameter's norm, and a parameter "
                 "server steps flat ranges of the parameters on each server: use a "
                 "data-parallel strategy (ddp, zero, a mesh) or adamw/adam/sgd"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _distillation_on_data_parallel_classifiers(self) -> Config:
+        if self.distill is None:
+            return self
+        if self.strategy.name not in ("ddp", "zero", "local_sgd", "gossip", "adaptive"):
+            raise ValueError(
+                f"distill needs a data-parallel strategy (ddp, zero, local_sgd, gossip, "
+                f"adaptive), not {self.strategy.describe()}: the student's logits must be whole"
+            )
+        if self.data.dataset == "verses" or self.data.tokens is not None:
+            raise ValueError(
+                "distill weighs every row alike: not for padded per-token data (verses, tokens)"
             )
         return self
 

@@ -278,6 +278,21 @@ class OptimConfig(Section):
     )
 
 
+class DistillConfig(Section):
+    teacher: str = Field(
+        description="module:function that builds the teacher nn.Module (its weights loaded: "
+        "it is frozen); the student is the config's model"
+    )
+    args: dict[str, Any] = Field({}, description="keyword arguments of distill.teacher")
+    temperature: float = Field(2.0, gt=0, description="softens both outputs: softmax(z / T)")
+    alpha: float = Field(
+        0.5, ge=0, le=1, description="weight of the teacher's term, T^2 KL; 1 - alpha: the labels'"
+    )
+    shard: bool = Field(
+        False, description="shard the teacher over the ranks as ZeRO-3 does (about 1/N each)"
+    )
+
+
 class TrainConfig(Section):
     steps: int = Field(200, ge=1, description="optimizer steps to run")
     seed: int = Field(0, description="seed for model initialisation and data order")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardwise import api, comm
+from shardwise import api, comm, user_code
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.config import Config
@@ -42,6 +42,7 @@ from shardwise.observe.step_trace import StepTrace
 from shardwise.observe.timeline import Timeline
 from shardwise.plan import calibrate, costs, prediction, predictors
 from shardwise.strategies.accumulation import check_accumulate
+from shardwise.strategies.distillation import distill_loss, prepare_teacher
 from shardwise.train.data_feed import DataFeed, make_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
@@ -151,11 +152,33 @@ def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
         def delay(step: int) -> float:
             return straggler_delay(cfg.train, shard[1], shard[0], step)
 
+    compute, loss = functools.partial(api.train_step, job.model), job.loss_fn
+    if cfg.distill is not None:  # the teacher's logits travel with the targets
+        compute, loss = _distilled(cfg, compute, loss)
     return Wrapped(
-        compute=faults.wrap_compute(functools.partial(api.train_step, job.model), delay),
-        loss=faults.wrap_loss(job.loss_fn) if not queue else job.loss_fn,  # (rounds: no `nan`)
+        compute=faults.wrap_compute(compute, delay),
+        loss=faults.wrap_loss(loss) if not queue else loss,  # (rounds: no `nan`)
         reduce=faults.wrap_reduce(comm.all_reduce),
     )
+
+
+def _distilled(cfg: Config, compute, hard_loss):
+    """The step and loss of `distill`: the teacher (built by its factory, frozen, maybe
+    sharded) runs on the batch first, under no_grad; the loss weighs its softened outputs
+    against the labels' (`hard_loss`)."""
+    d = cfg.distill
+    torch.manual_seed(cfg.train.seed)  # (a factory that initialises: the same on every rank)
+    module = user_code.call(d.teacher, d.args, "distill.teacher")
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"distill.teacher {d.teacher}: returned a {type(module).__name__}")
+    teacher = prepare_teacher(module, shard=d.shard)
+
+    def step(inputs, targets, loss_fn, **kwargs):
+        with torch.no_grad():
+            logits = teacher(inputs)
+        return compute(inputs, (targets, logits), loss_fn, **kwargs)
+
+    return step, distill_loss(d.temperature, d.alpha, hard_loss)
 
 
 def _open_files(run: TrainingRun, keep: int | None) -> None:
