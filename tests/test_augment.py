@@ -37,11 +37,15 @@ def _drawn(world: int, workers: int, epochs: int = 2, repeats: int = 1, stop_aft
             epoch = loader.epoch
             for x, _ in loader:
                 for v, row in zip(loader.last_indices, x, strict=True):
-                    out[(epoch, *divmod(v, repeats))] = (row, rank, loader.offset)
+                    key = (epoch, *divmod(v, repeats))
+                    assert key not in out, key  # every (sample, repeat) once an epoch
+                    out[key] = (row, rank, loader.offset)
                 steps += 1
                 if steps == stop_after:
                     saved = loader.state_dict()
-                    loader = sw.data.loader(data, BATCH, seed=1, shard=(world, rank))
+                    loader = sw.data.loader(
+                        data, BATCH, seed=1, num_workers=workers, shard=(world, rank)
+                    )
                     loader.load_state_dict(saved)
                     break
     return out
@@ -64,9 +68,9 @@ def test_every_sample_draws_the_same_at_any_world_size_worker_count_and_after_a_
     assert all(torch.equal(resumed[k][0], alone[k][0]) for k in alone)
 
 
-@pytest.mark.parametrize("world,repeats", [(2, 2), (4, 2), (4, 3)])
-def test_repeats_of_a_sample_are_in_one_step_on_different_ranks(world, repeats):
-    drawn = _drawn(world, 0, epochs=1, repeats=repeats)
+@pytest.mark.parametrize("world,repeats,resume", [(2, 2, None), (4, 2, 2), (4, 3, None)])
+def test_repeats_of_a_sample_are_in_one_step_on_different_ranks(world, repeats, resume):
+    drawn = _drawn(world, 0, epochs=1, repeats=repeats, stop_after=resume)
     assert len(drawn) == SAMPLES * repeats  # each sample R times, no more, no less
     for sample in range(SAMPLES):
         seen = [drawn[(0, sample, r)] for r in range(repeats)]
@@ -77,15 +81,28 @@ def test_repeats_of_a_sample_are_in_one_step_on_different_ranks(world, repeats):
 
 
 def test_shifted_digits_and_bad_options():
-    image = torch.arange(1.0, 65.0)
-    moved = shift_pixels(8)(image, sample_generator(0, 0, 5, 0))
-    dy, dx = torch.randint(-1, 2, (2,), generator=sample_generator(0, 0, 5, 0)).tolist()
-    grid, out = image.reshape(8, 8), moved.reshape(8, 8)
-    for i in range(8):
-        for j in range(8):
-            inside = 0 <= i - dy < 8 and 0 <= j - dx < 8
-            assert out[i, j] == (grid[i - dy, j - dx] if inside else 0)
+    image, shifts = torch.arange(1.0, 65.0), set()
+    for index in range(30):  # every direction of both axes among them
+        moved = shift_pixels(8)(image, sample_generator(0, 0, index, 0))
+        # the draw: (dy, dx) in {-1, 0, 1}, the generator's first two integers
+        dy, dx = torch.randint(-1, 2, (2,), generator=sample_generator(0, 0, index, 0)).tolist()
+        shifts.add((dy, dx))
+        grid, out = image.reshape(8, 8), moved.reshape(8, 8)
+        for i in range(8):
+            for j in range(8):
+                inside = 0 <= i - dy < 8 and 0 <= j - dx < 8
+                assert out[i, j] == (grid[i - dy, j - dx] if inside else 0)
+    assert {dy for dy, _ in shifts} == {dx for _, dx in shifts} == {-1, 0, 1}
     with pytest.raises(ValueError, match="repeats must be an int >= 1"):
         Augmented(_dataset().dataset, _noise, repeats=0)
     with pytest.raises(ValueError, match="equal batch sizes"):
-        iter(sw.data.loader(_dataset(2), [2, 4], shard=(2, 0))).__next__()
+        sw.data.loader(_dataset(2), [2, 4], shard=(2, 0))
+    with pytest.raises(ValueError, match="would straddle two steps"):
+        sw.data.loader(_dataset(4), 3, shard=(2, 0))  # 4 repeats, a global batch of 6
+    saved = sw.data.loader(_dataset(2), 3, shard=(2, 0))
+    next(iter(saved))
+    elsewhere = sw.data.loader(_dataset(2), 2, shard=(2, 0))
+    with pytest.raises(ValueError, match="laid out for them"):
+        elsewhere.load_state_dict(saved.state_dict())
+    with pytest.raises(ValueError, match="not a tuple"):
+        Augmented([{"x": torch.zeros(3)}], _noise)[0]

@@ -156,10 +156,13 @@ class Config(Section):
             raise ValueError(
                 f"data.augment {data.augment!r}: 'shift' or module:function (x, generator) -> x"
             )
-        if data.augment_repeats > 1 and (data.augment is None or data.mode == "queue"):
+        if data.augment is not None and (data.mode == "queue" or self.strategy.name == "ps"):
             raise ValueError(
-                "data.augment_repeats needs data.augment, and the ordered loader (not the queue)"
+                "data.augment needs the ordered loader, which gives it the epoch: not data.mode "
+                "'queue' nor a parameter server's dealt batches"
             )
+        if data.augment_repeats > 1 and data.augment is None:
+            raise ValueError("data.augment_repeats needs data.augment")
         if data.augment_repeats > 1 and (data.rank_weights is not None or data.balance != "static"):
             raise ValueError("data.augment_repeats needs equal batch sizes per rank")
         return self

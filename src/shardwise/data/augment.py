@@ -16,7 +16,8 @@ ranks share them round-robin).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,9 +49,15 @@ class Augmented(Dataset):
     def __len__(self) -> int:
         return len(self.dataset) * self.repeats
 
-    def __getitem__(self, v: int) -> Any:
-        index, repeat = divmod(int(v), self.repeats)
-        x, *rest = self.dataset[index]
+    def __getitem__(self, augmented_index: int) -> Any:
+        index, repeat = divmod(int(augmented_index), self.repeats)
+        sample = self.dataset[index]
+        if not isinstance(sample, Sequence) or isinstance(sample, str) or not sample:
+            raise ValueError(
+                f"augmentation: sample {index} is a {type(sample).__name__}, not a tuple "
+                "(input, ...) whose input the augmentation takes"
+            )
+        x, *rest = sample
         generator = sample_generator(self.seed, self.epoch, index, repeat)
         return (self.augment(x, generator), *rest)
 
@@ -60,8 +67,7 @@ def repeated_order(order: list[int], repeats: int, sizes: list[int]) -> list[int
     epoch's permutation of the samples): each sample's R repeats, consecutive, then dealt
     across the ranks within every global batch (equal `sizes`), so that a sample's repeats land
     in one step on R different ranks."""
-    if len(set(sizes)) != 1:
-        raise ValueError(f"repeated augmentation needs equal batch sizes per rank, got {sizes}")
+    check_repeats(repeats, sizes)
     ranks, per_rank = len(sizes), sizes[0]
     flat = [s * repeats + r for s in order for r in range(repeats)]
     out = []
@@ -71,12 +77,31 @@ def repeated_order(order: list[int], repeats: int, sizes: list[int]) -> list[int
     return out
 
 
-def shift_pixels(side: int, most: int = 1) -> Augment:
+def check_repeats(repeats: int, sizes: list[int]) -> None:
+    """Repeats land in one step on different ranks only with equal batches per rank that the
+    repeats divide; else one-line ValueError."""
+    if repeats == 1:
+        return
+    if len(set(sizes)) != 1:
+        raise ValueError(f"repeated augmentation needs equal batch sizes per rank, got {sizes}")
+    if sum(sizes) % repeats:
+        raise ValueError(
+            f"repeated augmentation: {repeats} repeats do not divide the global batch of "
+            f"{sum(sizes)}: a sample's repeats would straddle two steps"
+        )
+
+
+@dataclass(frozen=True)
+class shift_pixels:
     """A flattened `side` x `side` image moved by up to `most` pixels each way (zeros come in):
     the digits' augmentation."""
 
-    def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        dy, dx = (torch.randint(-most, most + 1, (2,), generator=generator)).tolist()
+    side: int
+    most: int = 1
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        most, side = self.most, self.side
+        dy, dx = torch.randint(-most, most + 1, (2,), generator=generator).tolist()
         image = x.reshape(*x.shape[:-1], side, side)
         moved = torch.roll(image, shifts=(dy, dx), dims=(-2, -1))
         if dy:
@@ -84,5 +109,3 @@ def shift_pixels(side: int, most: int = 1) -> Augment:
         if dx:
             moved[..., slice(0, dx) if dx > 0 else slice(dx, None)] = 0
         return moved.reshape(x.shape)
-
-    return augment

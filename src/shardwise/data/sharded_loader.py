@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardwise.data.augment import repeated_order
+from shardwise.data.augment import Augmented, check_repeats, repeated_order
 from shardwise.data.partition import Partitioner, epoch_order, proportional
 from shardwise.distributed import runtime
 
@@ -88,12 +88,14 @@ class ShardedLoader:
 
     def resize(self, sizes: list[int]) -> None:
         """New per-replica batch sizes, from the next batch on (every rank must resize alike)."""
+        if isinstance(self.dataset, Augmented) and self.dataset.repeats > 1:
+            raise ValueError("repeated augmentation keeps its batch sizes: they lay out its order")
         self.sizes, self._resized = _checked_sizes(sizes, self.replicas), True
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's order of sample indices, the same on every rank (an `Augmented`
         dataset's repeats: each sample's in one step, on different ranks)."""
-        repeats = getattr(self.dataset, "repeats", 1)
+        repeats = self.dataset.repeats if isinstance(self.dataset, Augmented) else 1
         if repeats == 1:
             return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
         samples = epoch_order(len(self.dataset) // repeats, self.seed, epoch, self.shuffle)
@@ -158,13 +160,22 @@ class ShardedLoader:
         return full + (1 if rest and not self.drop_last else 0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
+        state = {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
+        if isinstance(self.dataset, Augmented) and self.dataset.repeats > 1:
+            state["repeat_layout"] = list(self.sizes)  # (the order depends on it)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("queue"):
             raise ValueError("the data position was saved by a work queue (data.mode: queue)")
         if state["seed"] != self.seed:
             raise ValueError(f"data position saved with seed {state['seed']}, not {self.seed}")
+        layout = state.get("repeat_layout")
+        if layout is not None and state["offset"] and list(layout) != self.sizes:
+            raise ValueError(
+                f"data position saved mid-epoch with repeated augmentation over batches "
+                f"{list(layout)}: the order is laid out for them, not {self.sizes}"
+            )
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
@@ -266,6 +277,10 @@ def loader(
     replicas, index = shard
     sizes = batch_size if isinstance(batch_size, list) else [batch_size] * replicas
     sizes = _checked_sizes(sizes, replicas)
+    if isinstance(dataset, Augmented):
+        check_repeats(dataset.repeats, sizes)
     if partition is not None:
+        if isinstance(dataset, Augmented) and dataset.repeats > 1:
+            raise ValueError("repeated augmentation lays out the ordered loader, not a partition")
         return PartitionedLoader(dataset, sizes, index, partition, seed, num_workers)
     return ShardedLoader(dataset, sizes, replicas, index, shuffle, seed, drop_last, num_workers)

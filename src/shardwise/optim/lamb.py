@@ -53,7 +53,7 @@ class LAMB(LayerwiseOptimizer):
             with torch.enable_grad():
                 loss = closure()
         stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norms = self._norms(stepped)
+        norms = self._norms()
         ndims = torch.tensor(norms.ndims)
         updates = {}
         for group in self.param_groups:

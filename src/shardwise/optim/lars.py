@@ -53,7 +53,7 @@ class LARS(LayerwiseOptimizer):
             with torch.enable_grad():
                 loss = closure()
         stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norms = self._norms(stepped)
+        norms = self._norms()
         squares = norms.square_sums([{id(p): p for p in stepped}, {id(p): p.grad for p in stepped}])
         w_norm, g_norm = squares.sqrt()
         one_dim = torch.tensor(norms.ndims, device=w_norm.device) <= 1

@@ -38,12 +38,15 @@ class ParameterNorms:
         pieces: dict[int, list[Piece]],
         params: Sequence[torch.Tensor],
         reduce: Callable[[torch.Tensor], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """`pieces`: by the stepped tensor's id, the pieces it holds (padding is in none);
         `params`: the parameters, by index (this rank's tensors of them: a slice's dimensions
         are its parameter's); `reduce`: sums a [k, len(params)] tensor of this rank's partial
-        sums over the ranks."""
+        sums over the ranks, on `device` (the backend's: offloaded shards are on the CPU, and
+        NCCL reduces GPU tensors only; None: the stepped tensors')."""
         self.pieces, self.params, self.reduce = pieces, list(params), reduce
+        self.device = device
         self.ndims = [p.dim() for p in self.params]  # (1-D ones may be left unadapted)
 
     @classmethod
@@ -55,14 +58,18 @@ class ParameterNorms:
     def square_sums(self, rows: Sequence[dict[int, torch.Tensor]]) -> torch.Tensor:
         """Σ x² per parameter of each row (a row: by stepped tensor's id, a tensor shaped
         like it), summed over the ranks: a [len(rows), parameters] fp32 tensor."""
-        device = next(iter(rows[0].values())).device if rows and rows[0] else None
+        device = self.device
+        if device is None:
+            device = next(iter(rows[0].values())).device if rows and rows[0] else None
         sums = torch.zeros(len(rows), len(self.ndims), dtype=torch.float32, device=device)
         for k, row in enumerate(rows):
             for key, tensor in row.items():
                 flat = tensor.detach().reshape(-1)
+                # (a slice and a dot per piece: a few pieces per parameter, one per ZeRO unit
+                # it spans, against an index tensor as large as the parameters)
                 for piece in self.pieces[key]:
                     part = flat[piece.start : piece.stop].float()
-                    sums[k, piece.index] += part.dot(part)
+                    sums[k, piece.index] += part.dot(part).to(device)
         if self.reduce is not None:
             self.reduce(sums)
         return sums
@@ -71,8 +78,9 @@ class ParameterNorms:
         """A tensor shaped like the stepped tensor `like` (id `key`) holding, on each element,
         `values` (one per parameter) of the parameter it belongs to; 0 on padding."""
         out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        values = values.to(like.device, like.dtype)
         for piece in self.pieces[key]:
-            out[piece.start : piece.stop] = values[piece.index].to(like.dtype)
+            out[piece.start : piece.stop] = values[piece.index]
         return out.view_as(like)
 
 
@@ -80,11 +88,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     """An optimizer whose update needs each parameter's norm: single-process by default,
     exact under a strategy once `sw.prepare` has set `norms` to the strategy's layout."""
 
-    norms: ParameterNorms | None = None
+    norms: ParameterNorms | None = None  # set by `sw.prepare`; None: whole parameters, here
+    _whole: ParameterNorms | None = None  # (made from the param groups, remade when they grow)
 
-    def _norms(self, params: list[torch.Tensor]) -> ParameterNorms:
-        if self.norms is None:  # (plain use: every stepped tensor a whole parameter)
-            self.norms = ParameterNorms.whole(
+    def _norms(self) -> ParameterNorms:
+        if self.norms is not None:
+            return self.norms
+        if self._whole is None:
+            self._whole = ParameterNorms.whole(
                 [p for group in self.param_groups for p in group["params"]]
             )
-        return self.norms
+        return self._whole
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._whole = None  # (progressive unfreezing: the new parameters need pieces too)

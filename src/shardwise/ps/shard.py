@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.flat import flatten
+from shardwise.optim.layerwise import LayerwiseOptimizer
 from shardwise.ps.sharding import flat_values, plan_shards, trainable
 from shardwise.ps.snapshots import SnapshotError, first_line
 
@@ -26,6 +27,11 @@ class Shard:
         optimizer_cls: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
     ) -> None:
+        if issubclass(optimizer_cls, LayerwiseOptimizer):
+            raise ValueError(
+                f"{optimizer_cls.__name__} needs each parameter's norm, and a parameter server "
+                "steps a flat range of them: use a data-parallel strategy, or another optimizer"
+            )
         plan = plan_shards(model, servers)
         self.bounds = plan.bounds[rank]
         mine = plan.split(flat_values(trainable(model)))[rank]

@@ -205,7 +205,9 @@ class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
         replicated one's counted at the group's first rank only."""
         splits, named = self.sharded_parameters(), list(self.module.named_parameters())
         counted = [name in splits or self.runtime.rank == 0 for name, _ in named]
-        return count_once(ParameterNorms.whole([p for _, p in named]), counted, self.group)
+        norms = ParameterNorms.whole([p for _, p in named])
+        norms.device = self.runtime.device
+        return count_once(norms, counted, self.group)
 
     def adapt_loss(self, loss_fn):
         return vocab_parallel_loss(loss_fn, self.vocab_start, self.group)
@@ -373,4 +375,4 @@ def count_once(norms: ParameterNorms, counted: list[bool], group) -> ParameterNo
         sums.mul_(mask.to(sums.device))
         comm.all_reduce(sums, group=group)
 
-    return ParameterNorms(norms.pieces, norms.params, reduce)
+    return ParameterNorms(norms.pieces, norms.params, reduce, norms.device)

@@ -221,8 +221,10 @@ class ZeroStage1(DistributedModel):
                 if (start := max(unit.offset_of[p], low))
                 < (stop := min(unit.offset_of[p] + p.numel(), low + unit.shard_numel))
             ]
-        group = self.groups.shard
-        return ParameterNorms(pieces, params, lambda sums: comm.all_reduce(sums, group=group))
+        group, device = self.groups.shard, self.units[0].full.device  # (offload: shards on CPU)
+        return ParameterNorms(
+            pieces, params, lambda sums: comm.all_reduce(sums, group=group), device=device
+        )
 
     def before_step(self) -> bool:
         return self.masters.step_allowed(self.grad_shards())
