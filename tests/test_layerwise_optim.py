@@ -65,7 +65,11 @@ def _one_process(job: str, name: str) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _distributed(job: str, name: str, strategy: sw.Strategy, per_shard: bool = False) -> dict:
+def _distributed(
+    job: str, name: str, strategy: sw.Strategy, per_shard: bool = False, resume_at=None
+) -> dict:
+    """`resume_at`: the model's and the optimizer's state dicts taken after that many steps
+    and loaded into a fresh prepare, which trains the rest."""
     make, batch, loss_fn = JOBS[job]
     cls, options = OPTIMIZERS[name]
     model, opt = sw.prepare(make(), strategy, optimizer=cls, **options)
@@ -73,6 +77,12 @@ def _distributed(job: str, name: str, strategy: sw.Strategy, per_shard: bool = F
         opt.inner.norms = ParameterNorms.whole([p for g in opt.param_groups for p in g["params"]])
     replicas, index = sw.data_shard(model)
     for step in range(STEPS):
+        if step == resume_at:
+            saved = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
+            model.close()
+            model, opt = sw.prepare(make(), strategy, optimizer=cls, **options)
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
         x, y = batch(step)
         share = x.shape[0] // replicas
         sw.train_step(
@@ -97,6 +107,9 @@ def _three_ranks() -> dict[str, float]:
         out[f"{name} cpu offload"] = max_abs_diff(
             _distributed("mlp", name, sw.ZeRO(stage=3, offload="cpu")), expected
         )
+    straight = _distributed("mlp", "lamb", sw.ZeRO(stage=2, bucket_mb=0.0003))
+    resumed = _distributed("mlp", "lamb", sw.ZeRO(stage=2, bucket_mb=0.0003), resume_at=25)
+    out["lamb resumed bitwise"] = all(torch.equal(resumed[k], straight[k]) for k in straight)
     try:
         sw.prepare(_mlp(), sw.ZeRO(stage=2, offload="disk"), optimizer=sw.optim.LAMB)
     except ValueError as e:
@@ -107,6 +120,7 @@ def _three_ranks() -> dict[str, float]:
 def test_zero_stages_equal_one_process_and_a_per_shard_ratio_does_not():
     for result in run(_three_ranks, 3, timeout_s=300):
         assert result.pop("disk refused").startswith("LAMB needs every shard's norms at once")
+        assert result.pop("lamb resumed bitwise") is True
         for name in OPTIMIZERS:
             trap = result.pop(f"{name} per-shard zero2")
             assert trap > 100 * TOL, (name, trap)  # orders of magnitude past the bound
@@ -122,6 +136,7 @@ def _four_ranks() -> dict[str, float]:
             "tp4": sw.TensorParallel(),
             "dp2 x tp2 zero3": sw.MeshParallel(dp=2, tp=2, data=sw.ZeRO(stage=3)),
             "dp2 x tp2 ddp": sw.MeshParallel(dp=2, tp=2),
+            "hsdp 2 groups of 2": sw.ZeRO(stage=3, shard_group=2),
         }
         for label, strategy in strategies.items():
             out[f"{name} {label}"] = max_abs_diff(_distributed("gpt", name, strategy), expected)

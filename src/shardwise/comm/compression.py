@@ -85,6 +85,12 @@ class Codec(ABC):
     def with_feedback(self, buffer: torch.Tensor, key: int) -> torch.Tensor:
         """The buffer plus what earlier steps left unsent (error feedback)."""
         residual = self.residuals.get(key)
+        if residual is not None and residual.shape != buffer.shape:  # (restored: other buckets)
+            raise ValueError(
+                f"the checkpoint's error-feedback residual of bucket {key} holds "
+                f"{residual.numel()} values, the bucket {buffer.numel()}: resume with the "
+                "bucket_mb the run was saved with (DDP's default changed: 25 before)"
+            )
         # (a residual restored from a checkpoint arrives on the CPU)
         return buffer if residual is None else buffer + residual.to(buffer.device)
 
