@@ -46,6 +46,17 @@ def test_distillation_where_it_cannot_work_is_one_line():
     assert load_config("digits", [teacher]).distill.temperature == 2.0
 
 
+def test_pruning_where_it_cannot_rank_every_weight_is_one_line():
+    for sets, words in [
+        (["prune.sparsity=0.5", "strategy.name=pp"], "prune ranks every weight"),
+        (["prune.sparsity=0.5", "prune.start=9", "prune.end=3"], "before prune.start"),
+        (["prune.sparsity=1"], "less than 1"),
+    ]:
+        with pytest.raises(ConfigError, match=words) as err:
+            load_config("digits", sets)
+        assert "\n" not in str(err.value)
+
+
 def test_layerwise_optimizers_are_refused_on_a_parameter_server():
     with pytest.raises(ConfigError, match="needs each parameter's norm") as err:
         load_config("digits", ["strategy.name=ps", "optim.name=lars"])

@@ -135,7 +135,6 @@ def _four_ranks() -> dict[str, float]:
         strategies = {
             "tp4": sw.TensorParallel(),
             "dp2 x tp2 zero3": sw.MeshParallel(dp=2, tp=2, data=sw.ZeRO(stage=3)),
-            "dp2 x tp2 ddp": sw.MeshParallel(dp=2, tp=2),
             "hsdp 2 groups of 2": sw.ZeRO(stage=3, shard_group=2),
         }
         for label, strategy in strategies.items():

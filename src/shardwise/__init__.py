@@ -48,6 +48,7 @@ from shardwise.strategies import (
     ZeRO,
 )
 from shardwise.strategies.distillation import distill_loss, prepare_teacher, top_k_logits
+from shardwise.strategies.pruning import GlobalMagnitudePruner
 from shardwise.train.validator import Evaluation, Validator, evaluate
 
 __version__ = "0.1.0"
@@ -58,6 +59,7 @@ __all__ = [
     "Checkpointer",
     "DeviceMesh",
     "Evaluation",
+    "GlobalMagnitudePruner",
     "Gossip",
     "HFWeights",
     "Hybrid",

@@ -22,6 +22,7 @@ from shardwise.job_sections import (
     LaunchConfig,
     ModelConfig,
     OptimConfig,
+    PruneConfig,
     TrainConfig,
 )
 from shardwise.ps.worker import PSConfig
@@ -92,6 +93,9 @@ class Config(Section):
     distill: DistillConfig | None = Field(
         None, description="knowledge distillation from a frozen teacher (none: plain training)"
     )
+    prune: PruneConfig | None = Field(
+        None, description="global magnitude pruning, gradual (none: no pruning)"
+    )
     faults: list[str] = Field(
         [],
         description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: faults/injection.py; "
@@ -143,6 +147,20 @@ class Config(Section):
             raise ValueError(
                 "distill weighs every row alike: not for padded per-token data (verses, tokens)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _pruning_where_every_weight_is_ranked(self) -> Config:
+        if self.prune is None:
+            return self
+        s = self.strategy
+        if s.name in ("pp", "ps") or (s.name == "mesh" and s.pp > 1) or self.data.mode == "queue":
+            raise ValueError(
+                f"prune ranks every weight of the model on every step it prunes: not with "
+                f"{s.describe()} or data.mode 'queue'"
+            )
+        if self.prune.end < self.prune.start:
+            raise ValueError(f"prune.end {self.prune.end} is before prune.start {self.prune.start}")
         return self
 
     @model_validator(mode="after")

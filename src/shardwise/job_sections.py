@@ -293,6 +293,15 @@ class DistillConfig(Section):
     )
 
 
+class PruneConfig(Section):
+    sparsity: float = Field(
+        ge=0, lt=1, description="share of the weights (matrices and larger) pruned at the end"
+    )
+    start: int = Field(0, ge=0, description="the step pruning starts at")
+    end: int = Field(0, ge=0, description="the step it reaches sparsity at (cubic in between)")
+    every: int = Field(1, ge=1, description="steps between prunings while it rises")
+
+
 class TrainConfig(Section):
     steps: int = Field(200, ge=1, description="optimizer steps to run")
     seed: int = Field(0, description="seed for model initialisation and data order")

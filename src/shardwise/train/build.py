@@ -43,6 +43,7 @@ from shardwise.observe.timeline import Timeline
 from shardwise.plan import calibrate, costs, prediction, predictors
 from shardwise.strategies.accumulation import check_accumulate
 from shardwise.strategies.distillation import distill_loss, prepare_teacher
+from shardwise.strategies.pruning import GlobalMagnitudePruner
 from shardwise.train.data_feed import DataFeed, make_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
@@ -89,6 +90,7 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
         _wrapped(cfg, job, faults),
         measured,
         balancer=balancer,
+        pruner=_pruner(cfg, model, opt),
     )
     if train.trace_steps:
         timeline = Timeline(rt.rank, faults.clock())
@@ -98,6 +100,8 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
         if data is not None:
             run.restore(data)
         run.start_step = step
+        if run.pruner is not None:
+            run.pruner.resume(step)
         if rt.is_main:  # the checkpoint fits: from here the run directory is this job's
             claim_run_dir(cfg, out)
     _open_files(run, keep=run.start_step if resume else None)
@@ -160,6 +164,14 @@ def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
         loss=faults.wrap_loss(loss) if not queue else loss,  # (rounds: no `nan`)
         reduce=faults.wrap_reduce(comm.all_reduce),
     )
+
+
+def _pruner(cfg: Config, model, opt) -> GlobalMagnitudePruner | None:
+    """`prune:`: the weights of smallest magnitude over the whole model, gradually."""
+    p = cfg.prune
+    if p is None:
+        return None
+    return GlobalMagnitudePruner(model, opt, p.sparsity, p.start, p.end, p.every)
 
 
 def _distilled(cfg: Config, compute, hard_loss):

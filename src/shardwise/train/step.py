@@ -105,6 +105,8 @@ def _update(run: TrainingRun, step: int, bad_ranks: dict[int, str]) -> dict[str,
         record["loss_scale"] = model.loss_scale()
     run.opt.step()
     run.opt.zero_grad()
+    if run.pruner is not None:
+        run.pruner.step()
     run.scheduler.step()
     return record
 

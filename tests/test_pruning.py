@@ -1,0 +1,117 @@
+"""Global magnitude pruning under sharding: the mask under ZeRO-3 (world 1, 2, 4), ZeRO-1 and
+tensor parallel (world 4) is bit for bit the one a single process draws, the k smallest |w| of
+the whole model computed here with `kthvalue`; a gradual schedule over 100 steps under ZeRO-3
+ends at exactly its sparsity, the pruned weights and their Adam moments still zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.nn.models import TinyGPT
+from spawn import run
+
+SPARSITY = 0.6
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 11), nn.LayerNorm(11), nn.Tanh(), nn.Linear(11, 5))
+
+
+def _gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=11, seq_len=8, d_model=16, n_layer=2, n_head=4)
+
+
+def _expected_kept(model: nn.Module, sparsity: float) -> dict[str, torch.Tensor]:
+    """One process, by definition: the k smallest magnitudes over every weight of 2+ dims."""
+    weights = {k: v for k, v in model.state_dict().items() if v.dim() >= 2}
+    magnitudes = torch.cat([v.abs().reshape(-1) for v in weights.values()])
+    k = int(sparsity * magnitudes.numel())
+    threshold = magnitudes.kthvalue(k).values
+    return {name: w.abs() > threshold for name, w in weights.items()}
+
+
+def _kept_after_prune(make, strategy: sw.Strategy) -> dict[str, bool]:
+    """Whether each prunable weight's mask, read from the weights the strategy holds after
+    one prune (pruned ones are 0), is the single process's."""
+    model, opt = sw.prepare(make(), strategy, lr=1e-2)
+    sw.GlobalMagnitudePruner(model, opt, SPARSITY).prune(SPARSITY)
+    state = sw.full_state_dict(model)
+    expected = _expected_kept(make(), SPARSITY)
+    model.close()
+    return {name: torch.equal(state[name] != 0, kept) for name, kept in expected.items()}
+
+
+def _gradual(world_batch: int = 12) -> dict[str, float]:
+    """ZeRO-3, cubic from step 10 to 60 every 10 steps, 100 AdamW steps: the final sparsity
+    of the prunable weights, and the largest Adam moment left on a pruned weight."""
+    model, opt = sw.prepare(_mlp(), sw.ZeRO(stage=3), lr=1e-2)
+    pruner = sw.GlobalMagnitudePruner(model, opt, SPARSITY, start=10, end=60, every=10)
+    replicas, index = sw.data_shard(model)
+    share = world_batch // replicas
+    for step in range(100):
+        g = torch.Generator().manual_seed(step)
+        x, y = (
+            torch.randn(world_batch, 7, generator=g),
+            torch.randint(0, 5, (world_batch,), generator=g),
+        )
+        sw.train_step(
+            model, x[index * share :][:share], y[index * share :][:share], F.cross_entropy
+        )
+        opt.step()
+        opt.zero_grad()
+        pruner.step()
+    state = sw.full_state_dict(model)
+    weights = [v for v in state.values() if v.dim() >= 2]
+    zeros = sum(int((w == 0).sum()) for w in weights)
+    moments = max(
+        float((s[key] * ~pruner.masks[id(p)]).abs().max())
+        for p, s in opt.state.items()
+        for key in ("exp_avg", "exp_avg_sq")
+    )
+    model.close()
+    return {"zeros": zeros, "prunable": sum(w.numel() for w in weights), "moments": moments}
+
+
+def _ranks() -> dict:
+    out = {"zero3 mlp": _kept_after_prune(_mlp, sw.ZeRO(stage=3))}
+    out["zero3 gpt"] = _kept_after_prune(_gpt, sw.ZeRO(stage=3))
+    if torch.distributed.get_world_size() == 4:
+        out["zero1 mlp"] = _kept_after_prune(_mlp, sw.ZeRO(stage=1, bucket_mb=0.0003))
+        out["tp4 gpt"] = _kept_after_prune(_gpt, sw.TensorParallel())
+    else:
+        out["gradual"] = _gradual()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_mask_is_one_process_s_and_sparsity_holds(world):
+    for result in run(_ranks, world, timeout_s=300):
+        if world == 2:
+            gradual = result.pop("gradual")
+            assert gradual["zeros"] == int(SPARSITY * gradual["prunable"]), gradual
+            assert gradual["moments"] == 0.0
+        for name, kept in result.items():
+            assert kept and all(kept.values()), (name, kept)
+
+
+def test_one_process_and_bad_options():
+    sw.init()  # a world of one
+    assert all(_kept_after_prune(_mlp, sw.ZeRO(stage=3)).values())
+    plain = _mlp()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    sw.GlobalMagnitudePruner(plain, opt, 0.5).prune(0.5)
+    expected = _expected_kept(_mlp(), 0.5)
+    assert all(torch.equal(plain.state_dict()[k] != 0, v) for k, v in expected.items())
+    for options, words in [
+        (dict(sparsity=1.0), r"sparsity must be in \[0, 1\)"),
+        (dict(sparsity=0.5, start=5, end=2), "start <= end"),
+    ]:
+        with pytest.raises(ValueError, match=words) as err:
+            sw.GlobalMagnitudePruner(plain, opt, **options)
+        assert "\n" not in str(err.value)
