@@ -170,6 +170,13 @@ def _peak_unmodelled(options: dict) -> bool:
     return mesh_zero or (options.get("stage") == 3 and options.get("accumulate", 1) > 1)
 
 
+def _gloo_copy_race(options: dict) -> bool:
+    """ZeRO 1-2 with fp32 masters: a reduced slice is copied to fp32 as the backend lets go
+    of the whole buffer it reduced."""
+    masters = options.get("mixed_precision") or options.get("offload")
+    return options.get("name") == "zero" and options.get("stage") in (1, 2) and bool(masters)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_predicted_memory_and_bytes_match_the_measured(world, tmp_path):
     failures = []
@@ -184,6 +191,13 @@ def test_predicted_memory_and_bytes_match_the_measured(world, tmp_path):
                 want, got = predicted[what], memory[what]
                 if want is None and what == "peak" and _peak_unmodelled(options):
                     continue
+                if what == "peak" and want is not None and _gloo_copy_race(options):
+                    # gloo's thread frees its copy of a reduce-scatter's buffer on its own time:
+                    # now and then still alive when the slice becomes fp32 (seen once in a CI run:
+                    # +52,244 B, the fp32 slice). Up to one such slice more is the race, no more.
+                    slack = predicted["memory"]["master_weights"]
+                    if -0.1 * got <= got - want <= slack + 0.1 * got:
+                        continue
                 if want is None or abs(want - got) > 0.1 * got:
                     failures.append(f"{where}: {what} predicted {want}, measured {got}")
             measured, calls = measured

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.optim.layerwise import LayerwiseOptimizer
+from shardwise.optim.layerwise import LayerwiseOptimizer, ParameterNorms
 
 
 class LAMB(LayerwiseOptimizer):
@@ -46,14 +46,7 @@ class LAMB(LayerwiseOptimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norms = self._norms()
+    def update(self, stepped: list[torch.Tensor], norms: ParameterNorms) -> None:
         ndims = torch.tensor(norms.ndims)
         updates = {}
         for group in self.param_groups:
@@ -89,4 +82,3 @@ class LAMB(LayerwiseOptimizer):
                     continue
                 r = updates[id(p)] * norms.expand(id(p), ratio, p)
                 p.add_(r, alpha=-group["lr"])
-        return loss

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.optim.layerwise import LayerwiseOptimizer
+from shardwise.optim.layerwise import LayerwiseOptimizer, ParameterNorms
 
 
 class LARS(LayerwiseOptimizer):
@@ -46,14 +46,7 @@ class LARS(LayerwiseOptimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norms = self._norms()
+    def update(self, stepped: list[torch.Tensor], norms: ParameterNorms) -> None:
         squares = norms.square_sums([{id(p): p for p in stepped}, {id(p): p.grad for p in stepped}])
         w_norm, g_norm = squares.sqrt()
         one_dim = torch.tensor(norms.ndims, device=w_norm.device) <= 1
@@ -76,4 +69,3 @@ class LARS(LayerwiseOptimizer):
                         buf.mul_(group["momentum"]).add_(d)
                     d = buf
                 p.add_(d, alpha=-group["lr"])
-        return loss

@@ -100,6 +100,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             )
         return self._whole
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.update(stepped, self._norms())
+        return loss
+
+    def update(self, stepped: list[torch.Tensor], norms: ParameterNorms) -> None:
+        """One step of the tensors with gradients, `norms` saying whose pieces they are."""
+        raise NotImplementedError
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._whole = None  # (progressive unfreezing: the new parameters need pieces too)
