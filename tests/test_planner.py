@@ -155,7 +155,10 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     # A mean time per payload, 8 B to 4 MiB (volumes as comm counts them).
     for kind in calibrate.KINDS:
         points = rates["collectives"][kind]["points"]
-        assert len(points) == 6 and all(seconds > 0 for _, seconds in points)
+        # A prefetched call adds what it costs beyond the compute it overlaps: a small one can
+        # add nothing (measured 0 after the clamp, seen at 4 B with 10 calls), never less.
+        least = 0.0 if kind.startswith("prefetched_") else 1e-12
+        assert len(points) == 6 and all(seconds >= least for _, seconds in points), (kind, points)
         assert [v for v, _ in points] == sorted(v for v, _ in points)
     after = run_cli(*plan, "--json", timeout=300, env=env)
     assert after.returncode == 0, after.stderr[-2000:]
