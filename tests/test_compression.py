@@ -12,6 +12,7 @@ import shardwise as sw
 from shardwise.comm.compressed_collectives import make_codec
 from shardwise.comm.compression import Int8Codec, pack_signs, unpack_signs
 from shardwise.nn.models import MLP
+from shardwise.ps.compressed import ps_codec
 from spawn import run
 
 
@@ -88,6 +89,31 @@ def test_bytes_counted_are_the_bytes_exchanged():
     assert topk_rank0[1] == k * 4 + k * 4
     # 257 signs -> 9 int32 words, plus one fp32 scale
     assert sign_rank0[1] == 9 * 4 + 4
+
+
+def test_topk_warm_up_densities_fall_exponentially_and_resume():
+    # DGC's warm-up: density 0.25 * (ratio / 0.25) ** (c / W) at the c-th reduction of a
+    # buffer, then ratio.
+    n, ratio, warmup = 1000, 0.01, 4
+    codec = make_codec(f"topk:{ratio}:{warmup}")
+    sent_counts = []
+    for call in range(7):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(call))
+        (parts,) = codec.encode_chunks(x, key=0)
+        assert [p.numel() for p in parts] == [n_ for _, n_ in codec.layout(n)]
+        sent_counts.append(parts[1].unique().numel())  # distinct coordinates sent
+        if call == 2:
+            saved = codec.state_dict()
+    assert sent_counts == [250, 111, 50, 22, 10, 10, 10]  # 1000 * 0.25 * 0.04 ** (c / 4)
+    resumed = make_codec(f"topk:{ratio}:{warmup}")
+    resumed.load_state_dict(saved)
+    for call in range(3, 7):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(call))
+        (parts,) = resumed.encode_chunks(x, key=0)
+        assert parts[1].unique().numel() == sent_counts[call]
+    assert torch.equal(resumed.residuals[0], codec.residuals[0])
+    with pytest.raises(ValueError, match="warm-up needs both ends"):
+        ps_codec("topk:0.01:10")  # a server and an asynchronous worker count apart
 
 
 def ddp_with(compression: str | None):

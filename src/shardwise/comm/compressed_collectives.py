@@ -26,11 +26,14 @@ from shardwise.comm.compression import (
 )
 from shardwise.comm.powersgd import PowerSGD
 
-CODEC_SPEC = "fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or powersgd:RANK[:WARMUP]"
+CODEC_SPEC = (
+    "fp16, bf16, int8, topk:RATIO[:WARMUP], randomk:RATIO[:WARMUP], sign or powersgd:RANK[:WARMUP]"
+)
 
 
 def make_codec(spec: str) -> Codec:
-    """`fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01`, `sign`, `powersgd:4[:START]`."""
+    """`fp16`, `bf16`, `int8`, `topk:0.01[:WARMUP]`, `randomk:0.01[:WARMUP]`, `sign`,
+    `powersgd:4[:START]`."""
     codec = _codec(spec)
     codec.spec = spec
     return codec
@@ -45,9 +48,10 @@ def _codec(spec: str) -> Codec:
             return CastCodec(torch.bfloat16)
         if name == "int8":
             return Int8Codec()
-        if name in ("topk", "randomk"):
-            ratio = float(arg) if arg else 0.01
-            return TopK(ratio) if name == "topk" else RandomK(ratio)
+        if name in ("topk", "randomk"):  # topk:RATIO or topk:RATIO:WARMUP_REDUCTIONS
+            ratio, _, warmup = arg.partition(":")
+            codec = TopK if name == "topk" else RandomK
+            return codec(float(ratio) if ratio else 0.01, warmup=int(warmup) if warmup else 0)
         if name == "sign":
             return SignCodec()
         if name == "powersgd":  # powersgd:RANK or powersgd:RANK:START_ITER

@@ -7,6 +7,9 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
     bytes_rate       element-wise work on 16 MiB tensors, bytes read and written per second
     op_overhead_s    one small operator call with autograd recording, seconds
     sample_read_s    one sample read and collated by torch's DataLoader, seconds
+                     (`shared`: the same four with every rank at once, measured before and
+                     after each pass over the collectives, each the median of those
+                     measurements, then the mean over ranks)
     concurrency      how many ranks' work the machine does at once: the ranks' summed matmul
                      rate when all run over the rate of one alone (about the cores when ranks
                      outnumber them), the median of three such ratios measured in turn
@@ -238,11 +241,10 @@ def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
     windows = 1 if quick else 3
     alone = measure.compute_rates(windows) if rt.is_main else {}
     dist.barrier()
-    shared = measure.compute_rates(windows)  # every rank at once: the machine shared as in training
-    keys = sorted(shared)  # (the same names on every rank)
-    summed = torch.tensor([shared[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(summed)
-    mean = {k: v / rt.world_size for k, v in zip(keys, summed.tolist(), strict=True)}
+    # Every rank at once: the machine shared as in training; measured again after each pass
+    # over the collectives, and each rate the median of those: the element-wise rate of one
+    # measurement moved between 72 and 104 GB/s from one calibration to the next.
+    shared = [measure.compute_rates(windows)]
     result = {
         "host": socket.gethostname(),
         "nproc": rt.world_size,
@@ -253,7 +255,6 @@ def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
         # How many ranks' worth of work the machine does at once: N on N free cores, fewer
         # when ranks share cores (then a step is bounded by all ranks' work over this).
         "concurrency": measure.concurrency(rt.is_main, times=windows, windows=windows),
-        "shared": mean,
     }
     if rt.world_size > 1:
         # Passes over every point, in turns: a point's mean over 100 calls moves by 15-30%
@@ -264,16 +265,30 @@ def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
         for _ in range(passes):
             tables.append(measure.collective_rates(groups, calls))
             waits.append(measure.wait_points(BURSTS, calls))
+            shared.append(measure.compute_rates(windows))
         result["collectives"] = _averaged(tables)
         bursts = range(len(waits[0]))  # (each pass's points: one per burst length)
         means = [[statistics.mean(w[b][i] for w in waits) for i in (0, 1)] for b in bursts]
         result["arrival_waits"] = means
+    result["shared"] = _mean_over_ranks(
+        {k: statistics.median(rates[k] for rates in shared) for k in shared[0]}, rt.world_size
+    )
     result["concurrency"] = min(result["concurrency"], rt.world_size)
     if rt.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1))
     dist.barrier()
     runtime.shutdown()
+
+
+def _mean_over_ranks(rates: dict[str, float], world_size: int) -> dict[str, float]:
+    """Each rate's mean over the ranks (every rank calls this with its own)."""
+    import torch.distributed as dist
+
+    keys = sorted(rates)  # (the same names on every rank)
+    summed = torch.tensor([rates[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(summed)
+    return {k: v / world_size for k, v in zip(keys, summed.tolist(), strict=True)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

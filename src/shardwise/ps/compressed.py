@@ -39,6 +39,11 @@ def ps_codec(spec: str | None) -> WireCodec | None:
             f"ps compression must be {PS_CODECS}, got {spec!r} (PowerSGD needs whole "
             "matrices and two rounds of all-reduce; a server's shard is a flat range)"
         )
+    if getattr(codec, "warmup", 0):
+        raise ValueError(
+            f"ps compression {spec!r}: a sparsity warm-up needs both ends to count the same "
+            "reductions, which asynchronous workers and servers do not; drop the :WARMUP"
+        )
     return codec
 
 

@@ -266,7 +266,7 @@ class DDPConfig(StrategySection):
         None,
         description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
         "powersgd:RANK",
-        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+(:\d+)?)?)$",
+        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?)(:\d+)?)?|powersgd(:\d+(:\d+)?)?)$",
     )
 
     def build(self, world_size: int, run_dir: Path) -> DDP:

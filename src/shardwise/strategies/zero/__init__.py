@@ -191,7 +191,7 @@ class ZeROConfig(StrategySection):
     compression: str | None = Field(
         None,
         description=f"gradient codec for the reduce-scatter: {CODEC_SPEC}",
-        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?|powersgd(:\d+(:\d+)?)?)$",
+        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?)(:\d+)?)?|powersgd(:\d+(:\d+)?)?)$",
     )
     shard_group: int | None = Field(
         None,
