@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.checkpoint.reshardable import read_full_state
+from shardwise.checkpoint.run_checkpoint import SHARDED, complete
 from shardwise.nn.models import TinyGPT
 from spawn import run
 
@@ -47,14 +49,10 @@ def _kept_after_prune(make, strategy: sw.Strategy) -> dict[str, bool]:
     return {name: torch.equal(state[name] != 0, kept) for name, kept in expected.items()}
 
 
-def _gradual(world_batch: int = 12) -> dict[str, float]:
-    """ZeRO-3, cubic from step 10 to 60 every 10 steps, 100 AdamW steps: the final sparsity
-    of the prunable weights, and the largest Adam moment left on a pruned weight."""
-    model, opt = sw.prepare(_mlp(), sw.ZeRO(stage=3), lr=1e-2)
-    pruner = sw.GlobalMagnitudePruner(model, opt, SPARSITY, start=10, end=60, every=10)
+def _train(model, opt, pruner, steps: int, world_batch: int = 12) -> None:
     replicas, index = sw.data_shard(model)
     share = world_batch // replicas
-    for step in range(100):
+    for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x, y = (
             torch.randn(world_batch, 7, generator=g),
@@ -66,6 +64,14 @@ def _gradual(world_batch: int = 12) -> dict[str, float]:
         opt.step()
         opt.zero_grad()
         pruner.step()
+
+
+def _gradual() -> dict[str, float]:
+    """ZeRO-3, cubic from step 10 to 60 every 10 steps, 100 AdamW steps: the final sparsity
+    of the prunable weights, and the largest Adam moment left on a pruned weight."""
+    model, opt = sw.prepare(_mlp(), sw.ZeRO(stage=3), lr=1e-2)
+    pruner = sw.GlobalMagnitudePruner(model, opt, SPARSITY, start=10, end=60, every=10)
+    _train(model, opt, pruner, 100)
     state = sw.full_state_dict(model)
     weights = [v for v in state.values() if v.dim() >= 2]
     zeros = sum(int((w == 0).sum()) for w in weights)
@@ -78,26 +84,63 @@ def _gradual(world_batch: int = 12) -> dict[str, float]:
     return {"zeros": zeros, "prunable": sum(w.numel() for w in weights), "moments": moments}
 
 
-def _ranks() -> dict:
+def _pruned_on_4(root: str) -> None:
+    """ZeRO-3 at 4 ranks: pruned at the first step, trained 3, checkpointed."""
+    model, opt = sw.prepare(_mlp(), sw.ZeRO(stage=3), lr=1e-2)
+    _train(model, opt, sw.GlobalMagnitudePruner(model, opt, SPARSITY), 3)
+    saver = sw.Checkpointer(root, model, opt, asynchronous=False)
+    saver.save(3)
+    saver.close()
+    model.close()
+
+
+def _resumed_on_2(root: str) -> dict[str, torch.Tensor]:
+    """The 4 ranks' checkpoint resumed at 2 (resharded): the masks the pruner takes from it,
+    then the weights' zeros after 5 more steps."""
+    model, opt = sw.prepare(_mlp(), sw.ZeRO(stage=3), lr=1e-2)
+    step, _ = sw.Checkpointer(root, model, opt).resume()
+    pruner = sw.GlobalMagnitudePruner(model, opt, SPARSITY)
+    pruner.resume(step)
+    masks = {(k, "resumed"): v != 0 for k, v in sw.full_state_dict(model).items() if v.dim() >= 2}
+    _train(model, opt, pruner, 5)
+    trained = sw.full_state_dict(model)
+    model.close()
+    return {**masks, **{(k, "trained"): trained[k] != 0 for k, _ in masks}}
+
+
+def _ranks(root: str) -> dict:
     out = {"zero3 mlp": _kept_after_prune(_mlp, sw.ZeRO(stage=3))}
     out["zero3 gpt"] = _kept_after_prune(_gpt, sw.ZeRO(stage=3))
     if torch.distributed.get_world_size() == 4:
         out["zero1 mlp"] = _kept_after_prune(_mlp, sw.ZeRO(stage=1, bucket_mb=0.0003))
         out["tp4 gpt"] = _kept_after_prune(_gpt, sw.TensorParallel())
+        _pruned_on_4(root)
     else:
         out["gradual"] = _gradual()
+        out["resharded"] = _resumed_on_2(root)
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_mask_is_one_process_s_and_sparsity_holds(world):
-    for result in run(_ranks, world, timeout_s=300):
-        if world == 2:
-            gradual = result.pop("gradual")
-            assert gradual["zeros"] == int(SPARSITY * gradual["prunable"]), gradual
-            assert gradual["moments"] == 0.0
-        for name, kept in result.items():
-            assert kept and all(kept.values()), (name, kept)
+def test_the_mask_is_one_process_s_sparsity_holds_and_survives_a_4_to_2_reshard(tmp_path):
+    # World 4 prunes and checkpoints under ZeRO-3; world 2 resumes it (resharded).
+    for world in (4, 2):
+        for result in run(_ranks, world, str(tmp_path), timeout_s=300):
+            if world == 2:
+                gradual = result.pop("gradual")
+                assert gradual["zeros"] == int(SPARSITY * gradual["prunable"]), gradual
+                assert gradual["moments"] == 0.0
+                resharded = result.pop("resharded")
+            for name, kept in result.items():
+                assert kept and all(kept.values()), (name, kept)
+    # The mask as the 4 ranks saved it (the checkpoint files' zeros) is the 2 ranks' mask,
+    # and still theirs after 5 more steps.
+    saved, _, _ = read_full_state(complete(tmp_path / "checkpoints")[-1] / SHARDED)
+    weights = {k: v for k, v in saved.items() if v.dim() >= 2}
+    pruned = sum(int((w == 0).sum()) for w in weights.values())
+    assert pruned == int(SPARSITY * sum(w.numel() for w in weights.values()))
+    for name, w in weights.items():
+        assert torch.equal(resharded[(name, "resumed")], w != 0), name
+        assert torch.equal(resharded[(name, "trained")], w != 0), name
 
 
 def test_one_process_and_bad_options():

@@ -20,6 +20,7 @@ from shardwise.api import (
     train_step,
 )
 from shardwise.checkpoint.checkpointer import Checkpointer
+from shardwise.checkpoint.continual import grow_rows, start_from
 from shardwise.checkpoint.reshardable import export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.data import partition
 from shardwise.data.balance import ThroughputBalancer
@@ -93,6 +94,7 @@ __all__ = [
     "evaluate",
     "export_checkpoint",
     "full_state_dict",
+    "grow_rows",
     "init",
     "load_checkpoint",
     "lr_scheduler",
@@ -108,6 +110,7 @@ __all__ = [
     "save_checkpoint",
     "scaled_lr",
     "shutdown",
+    "start_from",
     "top_k_logits",
     "train_step",
 ]

@@ -23,6 +23,7 @@ from shardwise.job_sections import (
     ModelConfig,
     OptimConfig,
     PruneConfig,
+    StartConfig,
     TrainConfig,
 )
 from shardwise.ps.worker import PSConfig
@@ -96,6 +97,11 @@ class Config(Section):
     prune: PruneConfig | None = Field(
         None, description="global magnitude pruning, gradual (none: no pruning)"
     )
+    start: StartConfig | None = Field(
+        None,
+        description="start from another run's checkpoint: resume, continue or finetune (none: "
+        "from the model's own initialisation)",
+    )
     faults: list[str] = Field(
         [],
         description="faults to inject, e.g. 'kill:rank=1:step=37' (grammar: faults/injection.py; "
@@ -147,6 +153,20 @@ class Config(Section):
             raise ValueError(
                 "distill weighs every row alike: not for padded per-token data (verses, tokens)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _start_where_the_state_is_whole(self) -> Config:
+        if self.start is None:
+            return self
+        s = self.strategy
+        if s.name in ("ps", "tp", "pp"):
+            raise ValueError(
+                f"start needs a strategy that loads a whole training state (ddp, zero, a "
+                f"mesh, local_sgd, gossip, adaptive), not {s.describe()}"
+            )
+        if self.start.grow_vocab and self.start.mode == "resume":
+            raise ValueError("start.grow_vocab changes the model: mode continue or finetune")
         return self
 
     @model_validator(mode="after")

@@ -302,6 +302,24 @@ class PruneConfig(Section):
     every: int = Field(1, ge=1, description="steps between prunings while it rises")
 
 
+class StartConfig(Section):
+    mode: Literal["resume", "continue", "finetune"] = Field(
+        description="resume: the same run going on (model, optimizer, schedule, random state, "
+        "data position and step as saved); continue: weights and optimizer state, with a "
+        "fresh schedule, data position and step count; finetune: weights only"
+    )
+    checkpoint: str = Field(
+        description="a run directory (its newest checkpoint; finetune: else its final "
+        "weights) or one checkpoint's directory"
+    )
+    grow_vocab: bool = Field(
+        False,
+        description="continue/finetune: tensors whose first dimension grew (embedding, output "
+        "layer, tied or not) keep their rows and moments; new rows are drawn from the old "
+        "rows' mean and covariance",
+    )
+
+
 class TrainConfig(Section):
     steps: int = Field(200, ge=1, description="optimizer steps to run")
     seed: int = Field(0, description="seed for model initialisation and data order")

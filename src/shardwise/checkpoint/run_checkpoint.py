@@ -133,7 +133,7 @@ class Found:
     world_size: int  # the world it was saved on; another one means resharding
 
 
-def _check(
+def check(
     directory: Path, world_size: int, strategy: str | None, job: dict[str, Any] | None = None
 ) -> Found:
     """After every file's checksum and the run's shape were checked: its world size, and, where
@@ -182,7 +182,7 @@ def newest(
     one-line warning naming the file (with `warn`)."""
     for directory in reversed(complete(Path(run_dir) / "checkpoints")):
         try:
-            return _check(directory, world_size, strategy, job)
+            return check(directory, world_size, strategy, job)
         except (RunCheckpointError, CheckpointError, OSError) as e:
             if warn:
                 print(f"shardwise: skipping a checkpoint: {e}", flush=True)
@@ -198,7 +198,7 @@ def resumable(run_dir: Path, world_size: int, job: dict[str, Any]) -> Found | No
     reasons = []
     for directory in reversed(existing):
         try:
-            return _check(directory, world_size, None, job)
+            return check(directory, world_size, None, job)
         except JobMismatch:
             raise
         except (RunCheckpointError, CheckpointError, OSError) as e:

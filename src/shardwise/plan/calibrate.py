@@ -16,8 +16,9 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
     collectives      per kind (all_reduce, all_gather, reduce_scatter; send: one message from
                      rank 0 to 1; exchange: every rank sends right, receives from the left, as
                      a ring's step; post: posting one isend or irecv, as pipeline stages do
-                     while both compute; prefetched_all_gather, _reduce_scatter: what one
-                     started a burst earlier adds to its caller, as ZeRO's): the mean seconds
+                     while both compute; prefetched_all_reduce, _all_gather,
+                     _reduce_scatter: what one started a burst earlier adds to its caller,
+                     as ZeRO's and DDP's buckets but the last): the mean seconds
                      of one call at payloads of 8 B to 4 MiB over --calls calls (100, or as
                      many as 1.5 s allow), each right after a burst of compute as in a
                      training step, averaged over --passes passes (3) taken in turns
@@ -57,7 +58,7 @@ from shardwise.plan.measure import CALLS
 
 # What the step-time model prices calls by (a calibration without one of them is redone).
 KINDS = {"all_reduce", "all_gather", "reduce_scatter", "send", "post", "exchange"}
-KINDS |= {"prefetched_all_gather", "prefetched_reduce_scatter"}
+KINDS |= {"prefetched_all_reduce", "prefetched_all_gather", "prefetched_reduce_scatter"}
 
 
 def cache_path(nproc: int, threads: int | None = None) -> Path:

@@ -158,7 +158,7 @@ def collective_rates(groups: dict[int, object], calls: int = CALLS) -> dict[str,
             out[op]["groups"] = {
                 str(g): _collective(op, group, g, pace) for g, group in groups.items()
             }
-    for op in ("all_gather", "reduce_scatter"):
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
         out[f"prefetched_{op}"] = _prefetched(op, None, n, pace)
         if groups:  # (HSDP's shard groups and a mesh's data axis prefetch among g ranks)
             out[f"prefetched_{op}"]["groups"] = {
@@ -276,19 +276,23 @@ def _collective(op: str, group, n: int, pace: _Pace) -> dict:
 
 
 def _prefetched(op: str, group, n: int, pace: _Pace) -> dict:
-    """Mean seconds an all-gather or reduce-scatter among the `n` ranks of `group` (None: all)
-    started a burst of compute earlier adds to its caller's time, as ZeRO's are: each call
+    """Mean seconds an all-reduce, all-gather or reduce-scatter among the `n` ranks of `group`
+    (None: all) started a burst of compute earlier adds to its caller's time, as ZeRO's and
+    DDP's buckets but the last are: each call
     starts the next one, then waits for the one it started before the burst (which went on
     meanwhile; the two calls' wake-ups overlap).
     ZeRO-3 prefetches each unit's gather one unit ahead; ZeRO reduce-scatters each unit's
     gradients as backward makes them and waits for them all after it. What it adds is the
     burst and the wait together less the burst with nothing in flight: where ranks fill the
     cores, the backend's copies of the call in flight take cycles from the burst (ZeRO-3 on
-    2 ranks of 2 cores computed 29% slower than priced when only the waits were)."""
+    2 ranks of 2 cores computed 29% slower than priced when only the waits were). DDP
+    all-reduces each bucket as backward fills it and waits for them all after backward."""
     from shardwise import comm
     from shardwise.comm.accounting import native_volume
 
     def start(full: torch.Tensor, part: torch.Tensor) -> comm.Handle:
+        if op == "all_reduce":
+            return comm.all_reduce(full, group=group, async_op=True)
         if op == "all_gather":
             return comm.all_gather_into_tensor(full, part, group, async_op=True)
         return comm.reduce_scatter_tensor(part, full, group=group, async_op=True)

@@ -230,6 +230,13 @@ class DistributedModel(nn.Module):
         """The fp16 loss scaler's present scale, where `scales_loss`."""
         return None
 
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """What `load_full_state` takes on this rank: each parameter and saved buffer it holds
+        (of the unsplit model, by single-process names), with its unsplit shape."""
+        saved = set(self.module.state_dict(keep_vars=True))
+        tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
+        return {name: t.shape for name, t in tensors if name in saved}
+
     @torch.no_grad()
     def load_full_state(
         self,

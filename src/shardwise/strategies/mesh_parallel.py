@@ -238,6 +238,16 @@ class MeshModel(DistributedModel):
             state = gather_stage_states(state, self.pipeline.names, self.pipeline.group)
         return state if self.runtime.rank == 0 else None
 
+    def full_shapes(self) -> dict[str, torch.Size]:
+        names = self.pipeline.names if self.pipeline is not None else {}
+        shapes = {}
+        for key, shape in self.data.full_shapes().items():
+            split = self.splits.get(key)
+            if split is not None and len(shape):  # (a tensor-parallel slice of the whole)
+                shape = torch.Size([*shape[: split.dim], split.size, *shape[split.dim + 1 :]])
+            shapes[names[key][0] if key in names else key] = shape
+        return shapes
+
     @torch.no_grad()
     def load_full_state(self, optimizer, params, states) -> None:
         """This rank's part of a whole training state (any layout saved it, or one process)."""

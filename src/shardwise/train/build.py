@@ -15,6 +15,7 @@ import torch
 from shardwise import api, comm, user_code
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.checkpointer import Checkpointer
+from shardwise.checkpoint.continual import start_from
 from shardwise.config import Config
 from shardwise.data import ledger
 from shardwise.data.balance import ThroughputBalancer
@@ -104,8 +105,34 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
             run.pruner.resume(step)
         if rt.is_main:  # the checkpoint fits: from here the run directory is this job's
             claim_run_dir(cfg, out)
+    if cfg.start is not None and run.start_step == 0:  # (the run's own checkpoints first)
+        _start(run)
     _open_files(run, keep=run.start_step if resume else None)
     return run
+
+
+def _start(run: TrainingRun) -> None:
+    """`start:`: the model (and per mode the optimizer, schedule, data position and step) from
+    another run's checkpoint."""
+    start = run.cfg.start
+    step, data = start_from(
+        *(start.checkpoint, run.model, run.opt, start.mode),
+        scheduler=run.scheduler,
+        grow_vocab=start.grow_vocab,
+        seed=run.cfg.train.seed,
+    )
+    if data is not None:
+        run.restore(data)
+    run.start_step = step
+    if run.pruner is not None and step:
+        run.pruner.resume(step)
+    if run.rt.is_main:
+        kept = {
+            "resume": f"everything, going on after step {step}",
+            "continue": "weights and optimizer state; a fresh schedule, data position and step",
+            "finetune": "weights only; a fresh optimizer, schedule, data position and step",
+        }[start.mode]
+        print(f"shardwise: {start.mode} from {start.checkpoint}: {kept}", flush=True)
 
 
 def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path):

@@ -32,8 +32,11 @@ def ddp_costs(job: CostJob, s: StrategySection) -> Costs:
     if s.compression is not None:
         codec_bytes(costs, s.compression, buckets, shapes, n)
     elif s.algorithm == "native":
-        for numel in buckets:
-            costs.add_comm("all_reduce", native_volume("all_reduce", numel * elem, n))
+        # Each bucket's all-reduce starts as backward fills it; only the last one's (the first
+        # layers', filled as backward ends) is waited for with nothing left to compute.
+        for i, numel in enumerate(buckets):
+            volume = native_volume("all_reduce", numel * elem, n)
+            costs.add_comm("all_reduce", volume, prefetched=i < len(buckets) - 1)
     elif s.algorithm == "ring":
         for numel in buckets:
             costs.add_comm("ring_all_reduce", ring_bytes(numel, n, job.rank) * elem, 2 * (n - 1))

@@ -1,0 +1,202 @@
+"""Continual training: the three ways to start from another run's checkpoint, each shown by
+what the new run's ranks wrote (its sample ledger, its metrics, its optimizer state in its own
+checkpoint); vocabulary growth under ZeRO-3 leaving old rows and their Adam moments bit for bit,
+read back from the files a checkpoint of the grown model wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import shardwise as sw
+from harness import finish, run_cli, start_cli, train_args
+from shardwise.checkpoint.reshardable import read_full_state
+from shardwise.checkpoint.run_checkpoint import SHARDED, RunCheckpointError, complete
+from shardwise.config import ConfigError, load_config
+from shardwise.data import ledger
+from shardwise.nn.models import TinyGPT
+from spawn import run
+
+BASE = ["train.steps=20", "train.checkpoint_every=10", "train.sample_ledger=true"]
+BASE += ["train.async_checkpoint=false", "train.log_every=1", "train.tensorboard=false"]
+
+
+def _ledger(run_dir: Path) -> dict[int, list[list[int]]]:
+    """step -> each rank's indices (in rank order) and the epoch, from the run's ledger."""
+    steps: dict[int, dict[int, dict]] = {}
+    for rank, lines in ledger.read(run_dir).items():
+        for line in lines:
+            steps.setdefault(line["step"], {})[rank] = line
+    return {s: [by_rank[r] for r in sorted(by_rank)] for s, by_rank in sorted(steps.items())}
+
+
+def _newest(run_dir: Path) -> tuple[dict, dict, int]:
+    """The full state in the run's newest checkpoint, read from its files."""
+    return read_full_state(complete(run_dir / "checkpoints")[-1] / SHARDED)
+
+
+def _adam_steps(run_dir: Path) -> set[float]:
+    """Adam's step counts in the run's newest checkpoint."""
+    _, states, _ = _newest(run_dir)
+    return {float(s["step"]) for s in states.values()}
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "loss" in m]
+
+
+def test_resume_continue_and_finetune_each_start_as_they_say(tmp_path):
+    first = tmp_path / "first"
+    done = run_cli(*train_args(first, *BASE))
+    assert done.returncode == 0, done.stderr[-3000:]
+    step10 = complete(first / "checkpoints")[0]
+    assert step10.name.endswith("10")
+    start = lambda mode, where: [f"start.mode={mode}", f"start.checkpoint={where}"]  # noqa: E731
+    more = ["train.steps=5", "train.checkpoint_every=5"]
+    jobs = {
+        # the same run going on from step 10, in another run directory
+        "resume": start_cli(*train_args(tmp_path / "resume", *BASE, *start("resume", step10))),
+        # weights and optimizer from the run's newest checkpoint (step 20)
+        "continue": start_cli(
+            *train_args(tmp_path / "continue", *BASE, *more, *start("continue", first))
+        ),
+        # the final weights, on 1 rank under ZeRO-3, lr 1e-30: the weights as they came
+        "finetune": start_cli(
+            *train_args(
+                tmp_path / "finetune",
+                *BASE,
+                *more,
+                *start("finetune", first / "checkpoint"),
+                "strategy.name=zero",
+                "strategy.stage=3",
+                "optim.lr=1e-30",  # (below half an ulp of every weight)
+                nproc=1,
+            ),
+        ),
+    }
+    for (name, _), (code, out) in zip(jobs.items(), finish(*jobs.values()), strict=True):
+        assert code == 0, (name, out[-3000:])
+        assert f"shardwise: {name} from " in out
+    original = _ledger(first)
+
+    # resume: steps 11-20 on exactly the samples of the run straight through, to the same bits
+    resumed = _ledger(tmp_path / "resume")
+    assert sorted(resumed) == list(range(11, 21))
+    assert all(resumed[s] == original[s] for s in resumed)
+    final = load_file(str(first / "checkpoint" / "model.safetensors"))
+    again = load_file(str(tmp_path / "resume" / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(final[k], again[k]) for k in final)
+
+    # continue: a fresh epoch and schedule, the optimizer's 20 steps carried on to 25
+    continued = _ledger(tmp_path / "continue")
+    assert sorted(continued) == [1, 2, 3, 4, 5] and continued[1] == original[1]
+    assert _metrics(tmp_path / "continue")[0]["lr"] == _metrics(first)[0]["lr"]  # warm-up's first
+    assert _adam_steps(tmp_path / "continue") == {25.0}
+
+    # finetune: a fresh optimizer (5 steps, not 25) on the run's final weights
+    tuned = _ledger(tmp_path / "finetune")
+    assert sorted(tuned) == [1, 2, 3, 4, 5] and tuned[1][0]["epoch"] == 0
+    assert _adam_steps(tmp_path / "finetune") == {5.0}
+    weights = load_file(str(tmp_path / "finetune" / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(final[k], weights[k]) for k in final)
+
+
+def test_bad_starts_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="grow_vocab changes the model"):
+        load_config("digits", ["start.mode=resume", "start.checkpoint=x", "start.grow_vocab=true"])
+    with pytest.raises(ConfigError, match="start needs a strategy"):
+        load_config("digits", ["start.mode=resume", "start.checkpoint=x", "strategy.name=ps"])
+    sw.init()
+    model, opt = sw.prepare(_gpt(13), sw.ZeRO(stage=3), lr=1e-2)
+    for where, mode, words in [
+        (tmp_path / "none", "continue", "no such checkpoint"),
+        (tmp_path, "continue", "not a run's checkpoint"),
+        (tmp_path, "restart", "start mode must be one of"),
+    ]:
+        with pytest.raises((RunCheckpointError, ValueError), match=words) as err:
+            sw.start_from(where, model, opt, mode)
+        assert "\n" not in str(err.value)
+    sw.save_checkpoint(model, opt, tmp_path / "other")  # a model of another vocabulary
+    with pytest.raises(RunCheckpointError, match=r"tok_emb.weight is \(13, 16\) there, \(20, 16\)"):
+        sw.start_from(tmp_path / "other", *sw.prepare(_gpt(20), sw.ZeRO(stage=3)), "finetune")
+
+
+def test_grown_rows_follow_the_old_rows_mean_and_covariance():
+    g = torch.Generator().manual_seed(0)
+    mixing = torch.randn(6, 6, generator=g)
+    old = torch.randn(400, 6, generator=g) @ mixing + 3.0
+    grown = sw.grow_rows(old, 400 + 20_000, torch.Generator().manual_seed(1))
+    assert torch.equal(grown[:400], old)
+    new = grown[400:].double()
+    assert torch.allclose(new.mean(0), old.double().mean(0), atol=0.1)
+    assert torch.allclose(torch.cov(new.T), torch.cov(old.double().T), rtol=0.06, atol=0.1)
+    bias = sw.grow_rows(torch.tensor([1.0, 2.0, 6.0]), 5, g)
+    assert bias.tolist() == [1.0, 2.0, 6.0, 3.0, 3.0]
+
+
+def _gpt(vocab: int, tied: bool = True) -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=vocab, seq_len=8, d_model=16, n_layer=1, n_head=4)
+    if tied:
+        model.head.weight = model.tok_emb.weight
+    return model
+
+
+def _train(model, opt, vocab: int, steps: int) -> None:
+    replicas, index = sw.data_shard(model)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, vocab, (4 * replicas, 9), generator=g)[4 * index :][:4]
+        loss = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
+        sw.train_step(model, idx[:, :-1], idx[:, 1:], loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def _grow(root: str) -> dict:
+    """Train a tied GPT of 13 tokens under ZeRO-3, save; grow it to 20 tokens under ZeRO-3 and
+    under a dp1 x tp2 mesh (vocabulary-parallel embedding), save those; train the grown one."""
+    root_dir = Path(root)
+    small, opt = sw.prepare(_gpt(13), sw.ZeRO(stage=3), lr=1e-2)
+    _train(small, opt, 13, 3)
+    sw.Checkpointer(root_dir / "small", small, opt, asynchronous=False).save(3)
+    small.close()
+    for name, strategy in [("zero3", sw.ZeRO(stage=3)), ("mesh", sw.MeshParallel(dp=1, tp=2))]:
+        grown, opt = sw.prepare(_gpt(20), strategy, lr=1e-2)
+        step, _ = sw.start_from(root_dir / "small", grown, opt, "continue", grow_vocab=True, seed=7)
+        saver = sw.Checkpointer(root_dir / name, grown, opt, asynchronous=False)
+        saver.save(step)
+        saver.close()
+        if name == "zero3":
+            _train(grown, opt, 20, 2)  # and it trains
+        grown.close()
+    return {"rank": torch.distributed.get_rank()}
+
+
+def test_vocabulary_growth_under_zero3_keeps_old_rows_and_moments_bitwise(tmp_path):
+    run(_grow, 2, str(tmp_path), timeout_s=300)
+    old_params, old_states, _ = read_full_state(
+        complete(tmp_path / "small" / "checkpoints")[-1] / SHARDED
+    )
+    emb = "tok_emb.weight"
+    assert "head.weight" not in old_params  # (tied: one tensor)
+    for name in ("zero3", "mesh"):
+        params, states, _ = _newest(tmp_path / name)
+        assert params[emb].shape == (20, 16)
+        assert torch.equal(params[emb][:13], old_params[emb])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(states[emb][key][:13], old_states[emb][key])
+            assert not states[emb][key][13:].any()
+        assert all(torch.equal(params[k], v) for k, v in old_params.items() if k != emb)
+        if name == "zero3":
+            first = params[emb]
+        else:  # the same seeded rows, whatever the strategy
+            assert torch.equal(params[emb], first)
+    new = first[13:].double()
+    assert (new.mean(0) - old_params[emb].double().mean(0)).abs().max() < 0.05
