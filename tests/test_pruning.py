@@ -1,7 +1,8 @@
 """Global magnitude pruning under sharding: the mask under ZeRO-3 (world 1, 2, 4), ZeRO-1 and
 tensor parallel (world 4) is bit for bit the one a single process draws, the k smallest |w| of
 the whole model computed here with `kthvalue`; a gradual schedule over 100 steps under ZeRO-3
-ends at exactly its sparsity, the pruned weights and their Adam moments still zero."""
+ends at exactly its sparsity, the pruned weights and their Adam moments still zero; a ZeRO-3
+checkpoint of 4 ranks resumed on 2 keeps the mask its files hold."""
 
 from __future__ import annotations
 
