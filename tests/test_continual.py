@@ -19,11 +19,15 @@ from shardwise.checkpoint.reshardable import read_full_state
 from shardwise.checkpoint.run_checkpoint import SHARDED, RunCheckpointError, complete
 from shardwise.config import ConfigError, load_config
 from shardwise.data import ledger
+from shardwise.data.sharded_loader import loader
+from shardwise.jobs import build_splits
 from shardwise.nn.models import TinyGPT
+from shardwise.train.data_feed import stage_loader
 from spawn import run
 
 BASE = ["train.steps=20", "train.checkpoint_every=10", "train.sample_ledger=true"]
 BASE += ["train.async_checkpoint=false", "train.log_every=1", "train.tensorboard=false"]
+BASE += ["data.stages=[{at: 6, seed: 5}]"]  # from step 6 the digits in another order
 
 
 def _ledger(run_dir: Path) -> dict[int, list[list[int]]]:
@@ -85,7 +89,19 @@ def test_resume_continue_and_finetune_each_start_as_they_say(tmp_path):
         assert f"shardwise: {name} from " in out
     original = _ledger(first)
 
-    # resume: steps 11-20 on exactly the samples of the run straight through, to the same bits
+    # The data stage: step 6 starts a fresh epoch of the order seed 5 draws.
+    train = build_splits(load_config("digits", BASE)).train
+    first_batches = []
+    for rank in (0, 1):
+        fresh = loader(train, 32, shuffle=True, seed=5, shard=(2, rank))
+        next(iter(fresh))
+        first_batches.append(fresh.last_indices)
+    assert [(line["stage"], line["epoch"]) for line in original[6]] == [(1, 0), (1, 0)]
+    assert [line["indices"] for line in original[6]] == first_batches
+    assert {line["stage"] for s in range(1, 6) for line in original[s]} == {0}
+
+    # resume: steps 11-20 on exactly the samples of the run straight through (inside the
+    # data stage: its position came back with it), to the same bits
     resumed = _ledger(tmp_path / "resume")
     assert sorted(resumed) == list(range(11, 21))
     assert all(resumed[s] == original[s] for s in resumed)
@@ -105,6 +121,22 @@ def test_resume_continue_and_finetune_each_start_as_they_say(tmp_path):
     assert _adam_steps(tmp_path / "finetune") == {5.0}
     weights = load_file(str(tmp_path / "finetune" / "checkpoint" / "model.safetensors"))
     assert all(torch.equal(final[k], weights[k]) for k in final)
+
+
+def test_a_data_stage_changes_the_sequence_length_and_bad_stages_are_one_line():
+    cfg = load_config("tiny_gpt", ["data.stages=[{at: 3, seq_len: 32}]"])
+    stage = stage_loader(cfg, cfg.data.stages[0], (2, 1))
+    inputs, targets = next(iter(stage))
+    assert inputs.shape == targets.shape == (8, 32)
+    for sets, words in [
+        (["data.stages=[{at: 6}, {at: 4}]"], "increasing steps"),
+        (["data.stages=[{at: 1}]"], "greater than or equal to 2"),
+        (["data.stages=[{at: 3, tokens: nowhere.bin}]"], "nowhere.bin"),
+        (["data.stages=[{at: 3}]", "data.mode=queue"], "not a work queue"),
+    ]:
+        with pytest.raises(ConfigError, match=words) as err:
+            load_config("digits", sets)
+        assert "\n" not in str(err.value)
 
 
 def test_bad_starts_are_one_line(tmp_path):

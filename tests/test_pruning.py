@@ -2,7 +2,9 @@
 tensor parallel (world 4) is bit for bit the one a single process draws, the k smallest |w| of
 the whole model computed here with `kthvalue`; a gradual schedule over 100 steps under ZeRO-3
 ends at exactly its sparsity, the pruned weights and their Adam moments still zero; a ZeRO-3
-checkpoint of 4 ranks resumed on 2 keeps the mask its files hold."""
+checkpoint of 4 ranks resumed on 2 keeps the mask its files hold; the 2:4 mask under ZeRO-3
+(world 2, 4) and tensor parallel (world 4) is the single process's, groups straddling shards
+included."""
 
 from __future__ import annotations
 
@@ -109,12 +111,64 @@ def _resumed_on_2(root: str) -> dict[str, torch.Tensor]:
     return {**masks, **{(k, "trained"): trained[k] != 0 for k, _ in masks}}
 
 
+def _mlp8() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 5))
+
+
+def _expected_nm(model: nn.Module, n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
+    """One process, by definition: the n largest |w| of each m along the last dimension."""
+    kept = {}
+    for name, w in model.state_dict().items():
+        if w.dim() >= 2:
+            groups = w.abs().reshape(-1, m)
+            keep = torch.zeros_like(groups, dtype=torch.bool)
+            keep.scatter_(1, groups.topk(n, dim=1).indices, True)
+            kept[name] = keep.view_as(w)
+    return kept
+
+
+def _nm_kept(make, strategy: sw.Strategy) -> dict[str, bool]:
+    """Whether each weight's 2:4 mask under the strategy is the single process's, after the
+    prune and after 3 more AdamW steps on random batches."""
+    model, opt = sw.prepare(make(), strategy, lr=1e-2)
+    pruner = sw.NMPruner(model, opt, 2, 4)
+    pruner.step()  # (start 0: prunes on the first call)
+    expected = _expected_nm(make())
+    pruned = sw.full_state_dict(model)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        if make is _gpt:
+            idx = torch.randint(0, 11, (4, 9), generator=g)
+            x, y = idx[:, :-1], idx[:, 1:]
+            loss = lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731
+        else:
+            x, y, loss = (
+                torch.randn(4, 8, generator=g),
+                torch.randint(0, 5, (4,), generator=g),
+                F.cross_entropy,
+            )
+        sw.train_step(model, x, y, loss)
+        opt.step()
+        opt.zero_grad()
+        pruner.step()
+    trained = sw.full_state_dict(model)
+    model.close()
+    return {
+        f"{name} {when}": torch.equal(state[name] != 0, kept)
+        for name, kept in expected.items()
+        for when, state in (("pruned", pruned), ("trained", trained))
+    }
+
+
 def _ranks(root: str) -> dict:
     out = {"zero3 mlp": _kept_after_prune(_mlp, sw.ZeRO(stage=3))}
+    out["2:4 zero3 mlp"] = _nm_kept(_mlp8, sw.ZeRO(stage=3))
     out["zero3 gpt"] = _kept_after_prune(_gpt, sw.ZeRO(stage=3))
     if torch.distributed.get_world_size() == 4:
         out["zero1 mlp"] = _kept_after_prune(_mlp, sw.ZeRO(stage=1, bucket_mb=0.0003))
         out["tp4 gpt"] = _kept_after_prune(_gpt, sw.TensorParallel())
+        out["2:4 tp4 gpt"] = _nm_kept(_gpt, sw.TensorParallel())
         _pruned_on_4(root)
     else:
         out["gradual"] = _gradual()
@@ -152,6 +206,10 @@ def test_one_process_and_bad_options():
     sw.GlobalMagnitudePruner(plain, opt, 0.5).prune(0.5)
     expected = _expected_kept(_mlp(), 0.5)
     assert all(torch.equal(plain.state_dict()[k] != 0, v) for k, v in expected.items())
+    with pytest.raises(ValueError, match=r"shape \(11, 7\) \(on this rank\) has 7"):
+        sw.NMPruner(plain, opt, 2, 4)  # groups of 4 along 7 inputs
+    with pytest.raises(ValueError, match="0 < N < M"):
+        sw.NMPruner(_mlp8(), opt, 4, 4)
     for options, words in [
         (dict(sparsity=1.0), r"sparsity must be in \[0, 1\)"),
         (dict(sparsity=0.5, start=5, end=2), "start <= end"),

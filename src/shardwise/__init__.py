@@ -49,7 +49,7 @@ from shardwise.strategies import (
     ZeRO,
 )
 from shardwise.strategies.distillation import distill_loss, prepare_teacher, top_k_logits
-from shardwise.strategies.pruning import GlobalMagnitudePruner
+from shardwise.strategies.pruning import GlobalMagnitudePruner, NMPruner
 from shardwise.train.validator import Evaluation, Validator, evaluate
 
 __version__ = "0.1.0"
@@ -67,6 +67,7 @@ __all__ = [
     "LocalSGD",
     "MeshParallel",
     "MetricsWriter",
+    "NMPruner",
     "NonFinitePolicy",
     "NonFiniteStop",
     "ParameterServer",

@@ -156,6 +156,16 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _stages_on_split_data(self) -> Config:
+        if not self.data.stages:
+            return self
+        if self.strategy.name == "ps" or self.data.mode == "queue":
+            raise ValueError("data.stages are for split data (data.mode split), not a work queue")
+        if self.data.balance == "dynamic" or self.data.augment_repeats > 1:
+            raise ValueError("data.stages: not with dynamic balance or repeated augmentation yet")
+        return self
+
+    @model_validator(mode="after")
     def _start_where_the_state_is_whole(self) -> Config:
         if self.start is None:
             return self
@@ -179,6 +189,12 @@ class Config(Section):
                 f"prune ranks every weight of the model on every step it prunes: not with "
                 f"{s.describe()} or data.mode 'queue'"
             )
+        if self.prune.pattern is not None:
+            n, m = map(int, self.prune.pattern.split(":"))
+            if n >= m:
+                raise ValueError(f"prune.pattern {self.prune.pattern!r}: N must be below M")
+        elif self.prune.sparsity == 0:
+            raise ValueError("prune needs sparsity (global magnitude) or pattern (N:M)")
         if self.prune.end < self.prune.start:
             raise ValueError(f"prune.end {self.prune.end} is before prune.start {self.prune.start}")
         return self

@@ -42,6 +42,42 @@ def _one_source(given: dict[str, Any]) -> None:
         raise ValueError(f"{' and '.join(named)} are exclusive: give one")
 
 
+class DataStage(Section):
+    at: int = Field(ge=2, description="the step this stage's data starts at")
+    seed: int | None = Field(
+        None, description="the order's seed from here (default train.seed; the split stays)"
+    )
+    seq_len: int | None = Field(None, ge=1, description="windows of this many tokens from here")
+    path: str | None = Field(None, description="text/verses: this file from here")
+    tokens: str | None = Field(None, description="this token file from here")
+    factory: str | None = Field(None, description="this data factory (module:function) from here")
+    args: dict[str, Any] | None = Field(None, description="keyword arguments of factory")
+
+    @field_validator("path", "tokens")
+    @classmethod
+    def _file_exists(cls, path: str | None) -> str | None:
+        if path is not None:
+            resolve_data_path(path)  # raises a one-line error when missing
+        return path
+
+    _factory_imports = field_validator("factory")(_importable)
+
+    def data(self, base: DataConfig) -> DataConfig:
+        """The data section this stage trains on: `base` with this stage's fields."""
+        raw = base.model_dump()
+        if self.tokens is not None or self.factory is not None:  # (one source at a time)
+            raw.update(dict.fromkeys(_DATA_SOURCES), path=None)
+        raw.update(
+            {
+                k: v
+                for k in ("seq_len", "path", "tokens", "factory", "args")
+                if (v := getattr(self, k)) is not None
+            }
+        )
+        raw["stages"] = []
+        return DataConfig.model_validate(raw)
+
+
 class DataConfig(Section):
     dataset: Literal["digits", "text", "verses"] | None = Field(
         None,
@@ -129,6 +165,12 @@ class DataConfig(Section):
         "weighted by samples; a parameter server always deals its batches this way)",
     )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="share of data held out for eval")
+    stages: list[DataStage] = Field(
+        [],
+        description="step-indexed changes of the training data, e.g. [{at: 500, seq_len: 256}, "
+        "{at: 800, tokens: more.bin, seed: 1}]: from step `at` the loader draws from the data "
+        "the stage describes, from a fresh epoch (checkpoints hold the stage and its position)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -162,6 +204,9 @@ class DataConfig(Section):
             raise ValueError(f"dataset {self.dataset!r} needs data.path")
         if self.packing != "none" and self.dataset != "verses":
             raise ValueError(f"packing {self.packing!r} needs dataset 'verses'")
+        starts = [stage.at for stage in self.stages]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"data.stages must start at increasing steps, got {starts}")
         return self
 
 
@@ -295,7 +340,14 @@ class DistillConfig(Section):
 
 class PruneConfig(Section):
     sparsity: float = Field(
-        ge=0, lt=1, description="share of the weights (matrices and larger) pruned at the end"
+        0.0, ge=0, lt=1, description="share of the weights (matrices and larger) pruned at the end"
+    )
+    pattern: str | None = Field(
+        None,
+        pattern=r"^[1-9]\d*:[1-9]\d*$",
+        description="'N:M' (e.g. 2:4): keep N of every M consecutive weights along each "
+        "weight's last dimension from prune.start on, instead of global magnitude pruning "
+        "(sparsity 1 - N/M; prune.sparsity, end and every unused)",
     )
     start: int = Field(0, ge=0, description="the step pruning starts at")
     end: int = Field(0, ge=0, description="the step it reaches sparsity at (cubic in between)")

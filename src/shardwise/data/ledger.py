@@ -1,10 +1,11 @@
 """The sample ledger: which dataset indices each rank trained on, step by step.
 
 With `train.sample_ledger: true`, rank r appends one JSON line per step to
-`RUN_DIR/ledger/rank{r}.jsonl`: {"step", "batch" (global batches drawn so far), "epoch",
-"world_size", "indices"}. It is evidence from the ranks themselves that a resumed run (on as
-many ranks or on others) skipped and repeated no sample. Lines of steps after the checkpoint a
-run resumes from are dropped first, since those steps run again.
+`RUN_DIR/ledger/rank{r}.jsonl`: {"step", "batch" (global batches drawn so far), "stage" (of
+`data.stages`: 0 before the first), "epoch", "world_size", "indices" (of the stage's data)}.
+It is evidence from the ranks themselves that a resumed run (on as many ranks or on others)
+skipped and repeated no sample. Lines of steps after the checkpoint a run resumes from are
+dropped first, since those steps run again.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ def _path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "ledger" / f"rank{rank}.jsonl"
 
 
-def write(run_dir: Path, rank: int, step: int, batch: int, loader: ShardedLoader) -> None:
+def write(
+    run_dir: Path, rank: int, step: int, batch: int, loader: ShardedLoader, stage: int = 0
+) -> None:
     path = _path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = {
         "step": step,
         "batch": batch,
+        "stage": stage,
         "epoch": loader.epoch,
         "world_size": loader.replicas,
         "indices": loader.last_indices,

@@ -23,11 +23,13 @@ import torch
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements [start, stop) of a stepped tensor (flattened) are part of parameter `index`."""
+    """Elements [start, stop) of a stepped tensor (flattened) are elements [offset, offset +
+    stop - start) of parameter `index` (flattened)."""
 
     index: int
     start: int
     stop: int
+    offset: int = 0
 
 
 class ParameterNorms:
@@ -39,14 +41,18 @@ class ParameterNorms:
         params: Sequence[torch.Tensor],
         reduce: Callable[[torch.Tensor], None] | None = None,
         device: torch.device | None = None,
+        join: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """`pieces`: by the stepped tensor's id, the pieces it holds (padding is in none);
         `params`: the parameters, by index (this rank's tensors of them: a slice's dimensions
         are its parameter's); `reduce`: sums a [k, len(params)] tensor of this rank's partial
         sums over the ranks, on `device` (the backend's: offloaded shards are on the CPU, and
-        NCCL reduces GPU tensors only; None: the stepped tensors')."""
+        NCCL reduces GPU tensors only; None: the stepped tensors'); `join`: sums, in place, a
+        flat tensor of the parameters' elements one after the other over the ranks holding
+        the other pieces of each (ZeRO's shard group; None: each rank holds its parameters
+        whole), which makes each parameter whole where each rank wrote its own pieces."""
         self.pieces, self.params, self.reduce = pieces, list(params), reduce
-        self.device = device
+        self.device, self.join = device, join
         self.ndims = [p.dim() for p in self.params]  # (1-D ones may be left unadapted)
 
     @classmethod

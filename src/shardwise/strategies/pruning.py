@@ -12,14 +12,24 @@ The mask keeps sparsity through training: a step pre-hook zeroes the pruned grad
 post-hook, before the strategy gathers or sends anything, zeroes the pruned weights and their
 optimizer state (momentum, Adam's moments). A gradual schedule (Zhu & Gupta, 2017) raises the
 sparsity cubically from `start` to `end`, pruning every `every` steps: s_f (1 - (1 - p)^3).
+
+N:M structured sparsity (`NMPruner`, 2:4 for NVIDIA's sparse tensor cores: Mishra et al.,
+2021) keeps the n largest |w| of every m consecutive weights along each weight's last (input)
+dimension, ties to the earlier. A group may straddle two ZeRO shards: each rank writes the
+magnitudes of its pieces into one flat tensor of the prunable parameters, summed over the
+shard group (the strategy's `join`), so every rank sees its parameters whole and draws the one
+mask a single process draws. A tensor-parallel slice holds whole groups where its last
+dimension is a multiple of m (each slice is then m-aligned).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from shardwise.optim.layerwise import ParameterNorms
+from shardwise.optim.layerwise import ParameterNorms, Piece
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer
 from shardwise.strategies.mesh_parallel import MeshModel
 from shardwise.strategies.pipeline import PipelineModel
@@ -27,10 +37,10 @@ from shardwise.strategies.pipeline import PipelineModel
 _INF_BITS = 0x7F800000  # +inf's bit pattern: above every finite magnitude
 
 
-class GlobalMagnitudePruner:
-    """Prunes `model` (what `sw.prepare` returned, or a plain module) to `sparsity` of its
-    prunable weights, gradually from step `start` to `end`, every `every` steps; hooks
-    `optimizer` so that pruned weights stay zero. Call `step()` after each optimizer step."""
+class Pruner:
+    """Masks on `model`'s prunable weights (what `sw.prepare` returned, or a plain module),
+    drawn by `prune` on the steps the schedule says; hooks `optimizer` so that pruned weights
+    stay zero. Call `step()` after each optimizer step."""
 
     def __init__(
         self,
@@ -101,6 +111,45 @@ class GlobalMagnitudePruner:
         if (due and self.steps <= max(self.end, self.start)) or not self.masks:
             self.prune(self.target(self.steps))
 
+    def prune(self, sparsity: float) -> None:
+        """Mask `sparsity` of the prunable weights (what a subclass ranks them by)."""
+        raise NotImplementedError
+
+    def _keep(self, kept: Callable[[int, torch.Tensor, Piece], torch.Tensor]) -> None:
+        """New masks, a prunable piece's from `kept(index, |piece|, piece)`; zero them now."""
+        prunable = [n >= 2 for n in self.layout.ndims]
+        for p in self.stepped:
+            keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
+            flat = p.detach().reshape(-1)
+            for piece in self.layout.pieces[id(p)]:
+                if prunable[piece.index]:
+                    part = flat[piece.start : piece.stop].abs()
+                    keep[piece.start : piece.stop] = kept(piece.index, part, piece)
+            self.masks[id(p)] = keep.view_as(p)
+        self._mask_weights()
+
+    @torch.no_grad()
+    def _mask_gradients(self) -> None:
+        for p in self.stepped:
+            if id(p) in self.masks and p.grad is not None:
+                p.grad.mul_(self.masks[id(p)].to(p.grad.dtype))
+
+    @torch.no_grad()
+    def _mask_weights(self) -> None:
+        for p in self.stepped:
+            mask = self.masks.get(id(p))
+            if mask is None:
+                continue
+            p.mul_(mask.to(p.dtype))
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    value.mul_(mask.to(value.dtype))  # momentum, Adam's moments
+
+
+class GlobalMagnitudePruner(Pruner):
+    """Prunes to `sparsity` of the prunable weights, the smallest |w| over the whole model,
+    gradually from step `start` to `end`, every `every` steps."""
+
     @torch.no_grad()
     def prune(self, sparsity: float) -> None:
         """Mask the `sparsity` share of the prunable weights with the smallest magnitudes
@@ -109,15 +158,7 @@ class GlobalMagnitudePruner:
         total = int(self._count(lambda x: torch.ones_like(x, dtype=torch.bool), prunable))
         k = int(sparsity * total)
         threshold = self._kth_magnitude(k, prunable) if k else -1.0
-        for p in self.stepped:
-            keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
-            flat = p.detach().reshape(-1)
-            for piece in self.layout.pieces[id(p)]:
-                if prunable[piece.index]:
-                    part = flat[piece.start : piece.stop]
-                    keep[piece.start : piece.stop] = part.abs() > threshold
-            self.masks[id(p)] = keep.view_as(p)
-        self._mask_weights()
+        self._keep(lambda index, magnitudes, piece: magnitudes > threshold)
 
     def _count(self, hit, prunable: list[bool]) -> float:
         """Σ over the prunable weights' elements of `hit(|x|)`, over all ranks (fp64: exact)."""
@@ -145,19 +186,54 @@ class GlobalMagnitudePruner:
                 low = middle + 1
         return torch.tensor(low, dtype=torch.int32).view(torch.float32).item()
 
-    @torch.no_grad()
-    def _mask_gradients(self) -> None:
-        for p in self.stepped:
-            if id(p) in self.masks and p.grad is not None:
-                p.grad.mul_(self.masks[id(p)].to(p.grad.dtype))
+
+class NMPruner(Pruner):
+    """Keeps `n` of every `m` consecutive weights (the largest |w|) along each prunable
+    weight's last dimension, from step `start` on (sparsity 1 - n/m at once)."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, n: int = 2, m: int = 4, start=0
+    ) -> None:
+        if not 0 < n < m:
+            raise ValueError(f"N:M sparsity needs 0 < N < M, got {n}:{m}")
+        super().__init__(model, optimizer, 1 - n / m, start=start, end=start)
+        self.n, self.m = n, m
+        for p, dims in zip(self.layout.params, self.layout.ndims, strict=True):
+            if dims >= 2 and p.shape[-1] % m:
+                raise ValueError(
+                    f"N:M sparsity groups {m} weights along the last dimension, and a weight "
+                    f"of shape {tuple(p.shape)} (on this rank) has {p.shape[-1]}"
+                )
 
     @torch.no_grad()
-    def _mask_weights(self) -> None:
-        for p in self.stepped:
-            mask = self.masks.get(id(p))
-            if mask is None:
-                continue
-            p.mul_(mask.to(p.dtype))
-            for value in self.optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    value.mul_(mask.to(value.dtype))  # momentum, Adam's moments
+    def prune(self, sparsity: float) -> None:
+        """Mask all but the n largest |w| of each group of m (nothing where `sparsity` is 0:
+        before `start`)."""
+        if sparsity == 0:
+            self._keep(lambda index, magnitudes, piece: torch.ones_like(magnitudes, dtype=bool))
+            return
+        prunable = [d >= 2 for d in self.layout.ndims]
+        sizes = [
+            p.numel() if keep else 0 for p, keep in zip(self.layout.params, prunable, strict=True)
+        ]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        device = self.layout.device or (self.stepped[0].device if self.stepped else None)
+        whole = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        for p in self.stepped:  # this rank's pieces, at their places in their parameters
+            flat = p.detach().reshape(-1)
+            for piece in self.layout.pieces[id(p)]:
+                if prunable[piece.index]:
+                    at = starts[piece.index] + piece.offset
+                    whole[at : at + piece.stop - piece.start] = flat[piece.start : piece.stop].abs()
+        if self.layout.join is not None:  # (others' pieces added to zeros: exact)
+            self.layout.join(whole)
+        ranked = whole.view(-1, self.m).sort(dim=1, descending=True, stable=True).indices
+        kept = torch.zeros_like(whole, dtype=torch.bool).view(-1, self.m)
+        kept.scatter_(1, ranked[:, : self.n], True)
+        kept = kept.view(-1)
+
+        def piece_kept(index: int, magnitudes: torch.Tensor, piece: Piece) -> torch.Tensor:
+            at = starts[index] + piece.offset
+            return kept[at : at + magnitudes.numel()].to(magnitudes.device)
+
+        self._keep(piece_kept)

@@ -375,4 +375,4 @@ def count_once(norms: ParameterNorms, counted: list[bool], group) -> ParameterNo
         sums.mul_(mask.to(sums.device))
         comm.all_reduce(sums, group=group)
 
-    return ParameterNorms(norms.pieces, norms.params, reduce, norms.device)
+    return ParameterNorms(norms.pieces, norms.params, reduce, norms.device, norms.join)

@@ -44,8 +44,8 @@ from shardwise.observe.timeline import Timeline
 from shardwise.plan import calibrate, costs, prediction, predictors
 from shardwise.strategies.accumulation import check_accumulate
 from shardwise.strategies.distillation import distill_loss, prepare_teacher
-from shardwise.strategies.pruning import GlobalMagnitudePruner
-from shardwise.train.data_feed import DataFeed, make_loader
+from shardwise.strategies.pruning import GlobalMagnitudePruner, NMPruner, Pruner
+from shardwise.train.data_feed import DataFeed, make_loader, stage_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
 from shardwise.train.validator import Validator
@@ -171,7 +171,10 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
             loader, cfg.data.balance_every, rt, minimum=cfg.train.accumulate
         )
     ledger_dir = out if cfg.train.sample_ledger else None
-    return DataFeed(loader, set(cfg.train.skip_batches), ledger_dir, rt.rank), balancer
+    shard = job.model.data_shard()
+    stages = [(s.at, functools.partial(stage_loader, cfg, s, shard)) for s in cfg.data.stages]
+    feed = DataFeed(loader, set(cfg.train.skip_batches), ledger_dir, rt.rank, stages)
+    return feed, balancer
 
 
 def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
@@ -193,11 +196,15 @@ def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
     )
 
 
-def _pruner(cfg: Config, model, opt) -> GlobalMagnitudePruner | None:
-    """`prune:`: the weights of smallest magnitude over the whole model, gradually."""
+def _pruner(cfg: Config, model, opt) -> Pruner | None:
+    """`prune:`: the weights of smallest magnitude over the whole model, gradually, or N of
+    every M."""
     p = cfg.prune
     if p is None:
         return None
+    if p.pattern is not None:
+        n, m = map(int, p.pattern.split(":"))
+        return NMPruner(model, opt, n, m, start=p.start)
     return GlobalMagnitudePruner(model, opt, p.sparsity, p.start, p.end, p.every)
 
 

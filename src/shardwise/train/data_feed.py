@@ -3,7 +3,7 @@ left out (`train.skip_batches`, a rollback's), and the sample ledger."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,8 @@ from shardwise.data.balance import weighted_sizes
 from shardwise.data.queue_loader import QueueLoader
 from shardwise.data.sharded_loader import ShardedLoader, loader
 from shardwise.distributed import runtime
-from shardwise.jobs import Job
+from shardwise.job_sections import DataStage
+from shardwise.jobs import Job, build_splits
 
 
 def make_loader(cfg: Config, job: Job, shard: tuple[int, int]) -> ShardedLoader | QueueLoader:
@@ -31,6 +32,15 @@ def make_loader(cfg: Config, job: Job, shard: tuple[int, int]) -> ShardedLoader 
         )
     sizes = batch_sizes(cfg, shard[0])
     return loader(job.splits.train, sizes, shuffle=True, seed=cfg.train.seed, shard=shard)
+
+
+def stage_loader(cfg: Config, stage: DataStage, shard: tuple[int, int]) -> ShardedLoader:
+    """The loader of a `data.stages` stage: its data (the split made as the run's own is,
+    with train.seed) in its own order (its seed), from a fresh epoch."""
+    staged = cfg.model_copy(update={"data": stage.data(cfg.data)})
+    train = build_splits(staged).train
+    seed = cfg.train.seed if stage.seed is None else stage.seed
+    return loader(train, batch_sizes(cfg, shard[0]), shuffle=True, seed=seed, shard=shard)
 
 
 def batch_sizes(cfg: Config, replicas: int) -> int | list[int]:
@@ -53,15 +63,36 @@ def _endless(loader: ShardedLoader | QueueLoader) -> Iterator:
 
 class DataFeed:
     """This rank's batches, counted as global batches drawn (skipped ones included): the
-    number a rollback leaves out and the ledger records."""
+    number a rollback leaves out and the ledger records; from each data stage's first step
+    on, the stage's loader's."""
 
-    def __init__(self, loader, skip: set[int], ledger_dir: Path | None, rank: int) -> None:
+    def __init__(
+        self,
+        loader,
+        skip: set[int],
+        ledger_dir: Path | None,
+        rank: int,
+        stages: Sequence[tuple[int, Callable[[], ShardedLoader]]] = (),
+    ) -> None:
         """`skip`: global batches (1-based) never trained on; `ledger_dir`: where the sample
-        ledger goes (None: no ledger)."""
+        ledger goes (None: no ledger); `stages`: (first step, its loader's maker) of each
+        data stage after the first, in order."""
         self.loader, self.skip = loader, set(skip)
         self.ledger_dir, self.rank = ledger_dir, rank
         self.drawn = 0
+        self.stages, self.stage = list(stages), 0  # stage 0: the run's own data
+        self.first = loader
         self._batches = _endless(loader)
+
+    def _enter_stages(self, step: int) -> None:
+        """The stage `step` belongs to, entered from a fresh epoch where it is a new one."""
+        while self.stage < len(self.stages) and step >= self.stages[self.stage][0]:
+            self._switch(self.stage + 1)
+
+    def _switch(self, stage: int) -> None:
+        self.loader = self.stages[stage - 1][1]() if stage else self.first
+        self.stage = stage
+        self._batches = _endless(self.loader)
 
     @property
     def global_batch(self) -> int:
@@ -69,6 +100,7 @@ class DataFeed:
 
     def next(self, step: int):
         """The next global batch's slice for this rank, leaving out the batches to skip."""
+        self._enter_stages(step)
         while True:
             batch = next(self._batches)
             self.drawn += 1
@@ -86,7 +118,7 @@ class DataFeed:
 
     def record(self, step: int) -> None:
         if self.ledger_dir is not None:
-            ledger.write(self.ledger_dir, self.rank, step, self.drawn, self.loader)
+            ledger.write(self.ledger_dir, self.rank, step, self.drawn, self.loader, self.stage)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -94,11 +126,20 @@ class DataFeed:
             "drawn": self.drawn,
             "skip": sorted(self.skip),
             "batch_sizes": getattr(self.loader, "sizes", None),  # a queue has none
+            "stage": self.stage,
         }
 
     def load_state_dict(self, data: dict[str, Any], resize: bool) -> None:
         """Go on from a checkpoint's data position; with `resize`, from its batch sizes too
         (where the balancing had got to)."""
+        stage = int(data.get("stage", 0))
+        if not 0 <= stage <= len(self.stages):
+            raise ValueError(
+                f"the checkpoint's data is in stage {stage}, and this run's data.stages make "
+                f"{len(self.stages) + 1}: resume with the stages it was saved with"
+            )
+        if stage != self.stage:
+            self._switch(stage)  # (a rollback may go back to an earlier one)
         self.loader.load_state_dict(data["loader"])
         sizes = data.get("batch_sizes")
         if resize and sizes and len(sizes) == self.loader.replicas:

@@ -21,7 +21,7 @@ from shardwise.observe.metrics import MetricsWriter
 from shardwise.observe.phases import PhaseTimer
 from shardwise.observe.step_trace import StepTrace
 from shardwise.strategies.base import DistributedModel
-from shardwise.strategies.pruning import GlobalMagnitudePruner
+from shardwise.strategies.pruning import Pruner
 from shardwise.train.data_feed import DataFeed
 from shardwise.train.validator import Validator
 
@@ -69,7 +69,7 @@ class TrainingRun:
     wrapped: Wrapped
     measured: Measured
     balancer: ThroughputBalancer | None = None
-    pruner: GlobalMagnitudePruner | None = None  # `prune:`
+    pruner: Pruner | None = None  # `prune:`
     trace: StepTrace | None = None  # `train.trace_steps`
     metrics: MetricsWriter | None = None  # made once a resume knows its step
     start_step: int = 0  # steps done before this process started (a resumed run)

@@ -216,15 +216,17 @@ class ZeroStage1(DistributedModel):
         for unit, shard in zip(self.units, self.shards, strict=True):
             low = unit.rank * unit.shard_numel  # this rank's slice of the unit's flat buffer
             pieces[id(shard)] = [
-                Piece(index[id(p)], start - low, stop - low)
+                Piece(index[id(p)], start - low, stop - low, start - unit.offset_of[p])
                 for p in unit.params
                 if (start := max(unit.offset_of[p], low))
                 < (stop := min(unit.offset_of[p] + p.numel(), low + unit.shard_numel))
             ]
         group, device = self.groups.shard, self.units[0].full.device  # (offload: shards on CPU)
-        return ParameterNorms(
-            pieces, params, lambda sums: comm.all_reduce(sums, group=group), device=device
-        )
+
+        def over_shards(x: torch.Tensor) -> None:
+            comm.all_reduce(x, group=group)
+
+        return ParameterNorms(pieces, params, over_shards, device=device, join=over_shards)
 
     def before_step(self) -> bool:
         return self.masters.step_allowed(self.grad_shards())
