@@ -36,6 +36,13 @@ def _importable(path: str | None) -> str | None:
     return path
 
 
+def _existing(path: str | None) -> str | None:
+    """A data file that exists (a one-line error naming it where not)."""
+    if path is not None:
+        resolve_data_path(path)
+    return path
+
+
 def _one_source(given: dict[str, Any]) -> None:
     named = [key for key, value in given.items() if value is not None]
     if len(named) > 1:
@@ -53,13 +60,7 @@ class DataStage(Section):
     factory: str | None = Field(None, description="this data factory (module:function) from here")
     args: dict[str, Any] | None = Field(None, description="keyword arguments of factory")
 
-    @field_validator("path", "tokens")
-    @classmethod
-    def _file_exists(cls, path: str | None) -> str | None:
-        if path is not None:
-            resolve_data_path(path)  # raises a one-line error when missing
-        return path
-
+    _files_exist = field_validator("path", "tokens")(_existing)
     _factory_imports = field_validator("factory")(_importable)
 
     def data(self, base: DataConfig) -> DataConfig:
@@ -179,12 +180,7 @@ class DataConfig(Section):
             return {**raw, "dataset": "digits"}
         return raw
 
-    @field_validator("path", "tokens", "eval_tokens")
-    @classmethod
-    def _file_exists(cls, path: str | None) -> str | None:
-        if path is not None:
-            resolve_data_path(path)  # raises a one-line error when missing
-        return path
+    _files_exist = field_validator("path", "tokens", "eval_tokens")(_existing)
 
     _factory_imports = field_validator("factory")(_importable)
 
