@@ -139,6 +139,29 @@ def test_a_data_stage_changes_the_sequence_length_and_bad_stages_are_one_line():
         assert "\n" not in str(err.value)
 
 
+def test_a_mixture_stage_draws_each_source_by_its_weight(tmp_path):
+    # Two token files told apart by their tokens: a's below 5, b's from 5. b is a quarter of
+    # a's size and weighs 3 to a's 1: it repeats, each of its windows as often as any other.
+    g = torch.Generator().manual_seed(0)
+    for name, low, n in (("a", 0, 2000), ("b", 5, 500)):
+        torch.randint(low, low + 5, (n,), generator=g).numpy().astype("uint16").tofile(
+            tmp_path / name
+        )
+    mixture = f"[{{tokens: {tmp_path / 'a'}, weight: 1}}, {{tokens: {tmp_path / 'b'}, weight: 3}}]"
+    sets = ["data.dataset=null", "data.path=null", f"data.tokens={tmp_path / 'a'}"]
+    sets += ["data.vocab_size=10", "data.seq_len=16"]
+    sets += ["model.name=gpt", f"data.stages=[{{at: 3, mixture: {mixture}}}]", "data.batch_size=20"]
+    cfg = load_config("tiny_gpt", sets)
+    drawn = stage_loader(cfg, cfg.data.stages[0], (1, 0))
+    windows = [x for inputs, _ in drawn for x in inputs]  # one epoch
+    from_b = [w for w in windows if int(w.min()) >= 5]
+    assert all(int(w.max()) < 5 for w in windows if int(w.min()) < 5)  # no window mixes them
+    assert len(drawn.dataset) == 140 and len(windows) == 140  # (112 + 28 windows)
+    assert len(from_b) == 105  # 3 of 4
+    counts = torch.unique(torch.stack(from_b), dim=0, return_counts=True)[1]
+    assert int(counts.max()) - int(counts.min()) <= 1  # every b window as often, within one
+
+
 def test_bad_starts_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="grow_vocab changes the model"):
         load_config("digits", ["start.mode=resume", "start.checkpoint=x", "start.grow_vocab=true"])

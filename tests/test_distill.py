@@ -2,7 +2,9 @@
 like ZeRO-3's parameters) equal one process's distillation after 20 steps on the same global
 batches; the teacher sends nothing in backward and holds no optimizer state (the run's bytes
 and optimizer state beside a student-only run's), and holds about 1/N of itself per rank; a
-top-K cache of the teacher with K the whole vocabulary is the online teacher, bit for bit."""
+top-K cache of the teacher with K the whole vocabulary is the online teacher, bit for bit, and
+`shardwise train` with `distill.cache` (built by the run, read back) trains as with the teacher
+online."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import shardwise as sw
+from harness import finish, start_cli, train_args
 from shardwise.observe.memory import optimizer_tensors
 from spawn import run
 from state_diff import max_abs_diff
@@ -151,4 +156,53 @@ def test_bad_options_are_one_line():
     ]:
         with pytest.raises(ValueError, match=words) as err:
             call()
+        assert "\n" not in str(err.value)
+
+
+TEACHERS = """
+import torch
+from shardwise.nn.models import MLP
+
+def digits_teacher():
+    torch.manual_seed(3)
+    return MLP([64, 96, 10])
+"""
+
+
+def test_an_offline_cache_of_every_logit_trains_as_the_online_teacher(tmp_path):
+    # The same job twice at once: the teacher run on each batch, and its logits of every
+    # sample read from a cache the run builds first (K = all 10 classes).
+    (tmp_path / "teachers.py").write_text(TEACHERS)
+    base = ["distill.teacher=teachers:digits_teacher", "train.steps=20", "train.tensorboard=false"]
+    cache = tmp_path / "cache" / "digits_teacher.safetensors"
+    online, cached = (
+        start_cli(*train_args(tmp_path / name, *base, *extra), cwd=tmp_path)
+        for name, extra in (("online", []), ("cached", [f"distill.cache={cache}"]))
+    )
+    for code, out in finish(online, cached):
+        assert code == 0, out[-3000:]
+    with safe_open(str(cache), framework="pt") as f:
+        assert f.get_tensor("values").shape == (1438, 10)  # every training sample, every logit
+    weights = [
+        load_file(str(tmp_path / n / "checkpoint" / "model.safetensors"))
+        for n in ("online", "cached")
+    ]
+    assert max_abs_diff(*weights) == 0.0  # (each row of a linear layer: the same bits in any batch)
+
+
+def test_a_damaged_cache_is_one_line(tmp_path):
+    values = torch.randn(5, 3)
+    for tensors, words in [
+        ({"values": values, "indices": torch.zeros(5, 3, dtype=torch.int32) + 9}, "indices out of"),
+        ({"values": values, "indices": torch.zeros(4, 3, dtype=torch.int32)}, "5 samples"),
+        (
+            {"values": values * float("nan"), "indices": torch.zeros(5, 3, dtype=torch.int32)},
+            "non-finite",
+        ),
+        ({"values": values}, "not a teacher cache"),
+    ]:
+        path = tmp_path / "cache.safetensors"
+        save_file(tensors, str(path), metadata={"classes": "4"})
+        with pytest.raises(ValueError, match=words) as err:
+            sw.TeacherCache(path, 5)
         assert "\n" not in str(err.value)

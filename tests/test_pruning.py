@@ -1,5 +1,5 @@
-"""Global magnitude pruning under sharding: the mask under ZeRO-3 (world 1, 2, 4), ZeRO-1 and
-tensor parallel (world 4) is bit for bit the one a single process draws, the k smallest |w| of
+"""Global magnitude pruning under sharding: the mask under ZeRO-3 (world 1, 2, 4), ZeRO-1 (4) and
+tensor parallel (world 2, 4) is bit for bit the one a single process draws, the k smallest |w| of
 the whole model computed here with `kthvalue`; a gradual schedule over 100 steps under ZeRO-3
 ends at exactly its sparsity, the pruned weights and their Adam moments still zero; a ZeRO-3
 checkpoint of 4 ranks resumed on 2 keeps the mask its files hold; the 2:4 mask under ZeRO-3
@@ -171,6 +171,7 @@ def _ranks(root: str) -> dict:
         out["2:4 tp4 gpt"] = _nm_kept(_gpt, sw.TensorParallel())
         _pruned_on_4(root)
     else:
+        out["tp2 gpt"] = _kept_after_prune(_gpt, sw.TensorParallel())
         out["gradual"] = _gradual()
         out["resharded"] = _resumed_on_2(root)
     return out

@@ -48,7 +48,12 @@ from shardwise.strategies import (
     TensorParallel,
     ZeRO,
 )
-from shardwise.strategies.distillation import distill_loss, prepare_teacher, top_k_logits
+from shardwise.strategies.distillation import (
+    TeacherCache,
+    distill_loss,
+    prepare_teacher,
+    top_k_logits,
+)
 from shardwise.strategies.pruning import GlobalMagnitudePruner, NMPruner
 from shardwise.train.validator import Evaluation, Validator, evaluate
 
@@ -78,6 +83,7 @@ __all__ = [
     "SeededInit",
     "Strategy",
     "SyncBatchNorm",
+    "TeacherCache",
     "TensorParallel",
     "ThroughputBalancer",
     "Validator",

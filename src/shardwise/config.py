@@ -153,6 +153,11 @@ class Config(Section):
             raise ValueError(
                 "distill weighs every row alike: not for padded per-token data (verses, tokens)"
             )
+        if self.distill.cache is not None and (self.data.augment or self.data.stages):
+            raise ValueError(
+                "distill.cache holds the teacher's logits of each sample as it is stored: not "
+                "with data.augment or data.stages (run the teacher online)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -49,34 +49,56 @@ def _one_source(given: dict[str, Any]) -> None:
         raise ValueError(f"{' and '.join(named)} are exclusive: give one")
 
 
-class DataStage(Section):
-    at: int = Field(ge=2, description="the step this stage's data starts at")
-    seed: int | None = Field(
-        None, description="the order's seed from here (default train.seed; the split stays)"
-    )
-    seq_len: int | None = Field(None, ge=1, description="windows of this many tokens from here")
-    path: str | None = Field(None, description="text/verses: this file from here")
-    tokens: str | None = Field(None, description="this token file from here")
-    factory: str | None = Field(None, description="this data factory (module:function) from here")
+_STAGED = ("seq_len", "path", "tokens", "factory", "args")  # what a stage or a part may change
+
+
+def _with(base: DataConfig, section: Section) -> DataConfig:
+    """`base` with the data fields `section` gives (a new source replaces the old one)."""
+    raw = base.model_dump()
+    if getattr(section, "tokens", None) is not None or getattr(section, "factory", None):
+        raw.update(dict.fromkeys(_DATA_SOURCES), path=None)  # (one source at a time)
+    raw.update({k: v for k in _STAGED if (v := getattr(section, k, None)) is not None})
+    raw["stages"] = []
+    return DataConfig.model_validate(raw)
+
+
+class DataSource(Section):
+    """Another source of training data than the data section's (a stage's, a mixture part's)."""
+
+    path: str | None = Field(None, description="text/verses: this file")
+    tokens: str | None = Field(None, description="this token file")
+    factory: str | None = Field(None, description="this data factory (module:function)")
     args: dict[str, Any] | None = Field(None, description="keyword arguments of factory")
 
     _files_exist = field_validator("path", "tokens")(_existing)
     _factory_imports = field_validator("factory")(_importable)
 
+
+class MixturePart(DataSource):
+    weight: float = Field(gt=0, description="this source's share of the stage's samples")
+
+
+class DataStage(DataSource):
+    at: int = Field(ge=2, description="the step this stage's data starts at")
+    seed: int | None = Field(
+        None, description="the order's seed from here (default train.seed; the split stays)"
+    )
+    seq_len: int | None = Field(None, ge=1, description="windows of this many tokens from here")
+    mixture: list[MixturePart] | None = Field(
+        None,
+        description="several sources by weight, e.g. [{tokens: web.bin, weight: 3}, {tokens: "
+        "code.bin, weight: 1}]: each part is this stage's data with its own source; as many "
+        "samples as the parts hold together, each part its weight's share (repeated or "
+        "subsampled, the same every epoch)",
+    )
+
     def data(self, base: DataConfig) -> DataConfig:
         """The data section this stage trains on: `base` with this stage's fields."""
-        raw = base.model_dump()
-        if self.tokens is not None or self.factory is not None:  # (one source at a time)
-            raw.update(dict.fromkeys(_DATA_SOURCES), path=None)
-        raw.update(
-            {
-                k: v
-                for k in ("seq_len", "path", "tokens", "factory", "args")
-                if (v := getattr(self, k)) is not None
-            }
-        )
-        raw["stages"] = []
-        return DataConfig.model_validate(raw)
+        return _with(base, self)
+
+    def parts(self, base: DataConfig) -> list[DataConfig]:
+        """Each mixture part's data section (none without a mixture)."""
+        return [_with(self.data(base), part) for part in self.mixture or []]
 
 
 class DataConfig(Section):
@@ -331,6 +353,15 @@ class DistillConfig(Section):
     )
     shard: bool = Field(
         False, description="shard the teacher over the ranks as ZeRO-3 does (about 1/N each)"
+    )
+    cache: str | None = Field(
+        None,
+        description="offline teacher: a file of its top-K logits for every training sample, "
+        "read instead of running the teacher (built there first from distill.teacher where "
+        "it does not exist)",
+    )
+    top_k: int | None = Field(
+        None, ge=1, description="cache: the logits kept per sample (default: all of them)"
     )
 
 

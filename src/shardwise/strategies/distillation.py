@@ -18,12 +18,16 @@ vocabulary gets no probability; with K the whole vocabulary it is the online los
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from shardwise import comm
 from shardwise.distributed import runtime
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.zero import ZeRO
@@ -99,3 +103,70 @@ def _dense(teacher: TeacherLogits, vocab: int, like: torch.Tensor) -> torch.Tens
     k = values.shape[-1]
     rows = torch.full_like(like, float("-inf"), dtype=values.dtype)
     return rows.scatter(1, indices.reshape(-1, k), values.reshape(-1, k))
+
+
+class TeacherCache:
+    """A teacher's top-K logits for every sample of a dataset, read from a safetensors file
+    (`values` [samples, K] fp32, `indices` [samples, K] int32; `build` writes one): the offline
+    teacher, which costs the student's run no forward at all. Every field is checked on
+    reading: shapes, dtypes, finite values, indices in [0, classes)."""
+
+    def __init__(self, path: str | Path, samples: int) -> None:
+        self.path = Path(path)
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                values, indices = f.get_tensor("values"), f.get_tensor("indices")
+            classes = int(meta["classes"])
+        except Exception as e:  # (not safetensors, a tensor or a field missing)
+            raise ValueError(
+                f"{self.path}: not a teacher cache ({type(e).__name__}: {e})"
+            ) from None
+        problem = _cache_problem(values, indices, samples, classes)
+        if problem:
+            raise ValueError(f"{self.path}: {problem}: build it again (delete the file)")
+        self.values, self.indices, self.classes = values, indices.long(), classes
+
+    def lookup(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached (values, indices) of these dataset samples."""
+        return self.values[samples], self.indices[samples]
+
+    @staticmethod
+    @torch.no_grad()
+    def build(
+        teacher: nn.Module, dataset, path: str | Path, k: int | None, batch_size: int = 256
+    ) -> Path:
+        """Run `teacher` over `dataset`'s (input, label) samples and write each one's top `k`
+        logits (None: all of them) to `path`. Every rank calls it (a sharded teacher's forward
+        is collective); rank 0 writes."""
+        from torch.utils.data import DataLoader
+
+        rt = runtime.init()
+        rows = []
+        for inputs, _ in DataLoader(dataset, batch_size=batch_size):
+            rows.append(teacher(inputs.to(rt.device)).float().cpu())
+        logits = torch.cat(rows)
+        values, indices = top_k_logits(logits, k or logits.shape[-1])
+        path = Path(path)
+        if rt.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tensors = {"values": values.contiguous(), "indices": indices.int().contiguous()}
+            save_file(tensors, str(tmp), metadata={"classes": str(logits.shape[-1])})
+            tmp.replace(path)  # (whole or absent: a killed build leaves no half cache)
+        comm.barrier()  # (nobody reads it before it is in place)
+        return path
+
+
+def _cache_problem(values, indices, samples: int, classes: int) -> str | None:
+    if values.dtype != torch.float32 or indices.dtype != torch.int32:
+        return f"values must be float32 and indices int32, got {values.dtype}, {indices.dtype}"
+    if values.dim() != 2 or values.shape != indices.shape or values.shape[0] != samples:
+        return f"holds {tuple(values.shape)} logits, the training data {samples} samples"
+    if not 1 <= values.shape[1] <= classes:
+        return f"K = {values.shape[1]} is not in [1, {classes}]"
+    if not bool(values.isfinite().all()):
+        return "holds non-finite logits"
+    if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < classes):
+        return f"indices out of [0, {classes})"
+    return None

@@ -43,7 +43,7 @@ from shardwise.observe.step_trace import StepTrace
 from shardwise.observe.timeline import Timeline
 from shardwise.plan import calibrate, costs, prediction, predictors
 from shardwise.strategies.accumulation import check_accumulate
-from shardwise.strategies.distillation import distill_loss, prepare_teacher
+from shardwise.strategies.distillation import TeacherCache, distill_loss, prepare_teacher
 from shardwise.strategies.pruning import GlobalMagnitudePruner, NMPruner, Pruner
 from shardwise.train.data_feed import DataFeed, make_loader, stage_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
@@ -88,7 +88,7 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
         ),
         faults,
         PhaseTimer(model, train.measure, sample_every=train.log_every),
-        _wrapped(cfg, job, faults),
+        _wrapped(cfg, job, faults, feed),
         measured,
         balancer=balancer,
         pruner=_pruner(cfg, model, opt),
@@ -177,7 +177,7 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
     return feed, balancer
 
 
-def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
+def _wrapped(cfg: Config, job: Job, faults: FaultInjector, feed: DataFeed) -> Wrapped:
     """The step's calls as the faults make them; `train.delay_s` is an emulated straggler's
     fixed delay in each step, applied like a `slow` fault."""
     delay, shard, queue = None, job.model.data_shard(), cfg.data.mode == "queue"
@@ -188,7 +188,7 @@ def _wrapped(cfg: Config, job: Job, faults: FaultInjector) -> Wrapped:
 
     compute, loss = functools.partial(api.train_step, job.model), job.loss_fn
     if cfg.distill is not None:  # the teacher's logits travel with the targets
-        compute, loss = _distilled(cfg, compute, loss)
+        compute, loss = _distilled(cfg, job, compute, loss, feed)
     return Wrapped(
         compute=faults.wrap_compute(compute, delay),
         loss=faults.wrap_loss(loss) if not queue else loss,  # (rounds: no `nan`)
@@ -208,23 +208,41 @@ def _pruner(cfg: Config, model, opt) -> Pruner | None:
     return GlobalMagnitudePruner(model, opt, p.sparsity, p.start, p.end, p.every)
 
 
-def _distilled(cfg: Config, compute, hard_loss):
+def _distilled(cfg: Config, job: Job, compute, hard_loss, feed: DataFeed):
     """The step and loss of `distill`: the teacher (built by its factory, frozen, maybe
-    sharded) runs on the batch first, under no_grad; the loss weighs its softened outputs
-    against the labels' (`hard_loss`)."""
+    sharded) runs on the batch first, under no_grad, or its cached top-K logits of the
+    batch's samples are read (`distill.cache`); the loss weighs its softened outputs against
+    the labels' (`hard_loss`)."""
+    d = cfg.distill
+    loss = distill_loss(d.temperature, d.alpha, hard_loss)
+    if d.cache is not None:
+        if not Path(d.cache).exists():
+            TeacherCache.build(_teacher(cfg), job.splits.train, d.cache, d.top_k)
+        cache = TeacherCache(d.cache, len(job.splits.train))
+
+        def cached(inputs, targets, loss_fn, **kwargs):
+            logits = cache.lookup(torch.as_tensor(feed.loader.last_indices))
+            return compute(inputs, (targets, logits), loss_fn, **kwargs)
+
+        return cached, loss
+    teacher = _teacher(cfg)
+
+    def online(inputs, targets, loss_fn, **kwargs):
+        with torch.no_grad():
+            logits = teacher(inputs)
+        return compute(inputs, (targets, logits), loss_fn, **kwargs)
+
+    return online, loss
+
+
+def _teacher(cfg: Config) -> torch.nn.Module:
+    """`distill.teacher`'s module, frozen, maybe sharded (every rank calls it)."""
     d = cfg.distill
     torch.manual_seed(cfg.train.seed)  # (a factory that initialises: the same on every rank)
     module = user_code.call(d.teacher, d.args, "distill.teacher")
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"distill.teacher {d.teacher}: returned a {type(module).__name__}")
-    teacher = prepare_teacher(module, shard=d.shard)
-
-    def step(inputs, targets, loss_fn, **kwargs):
-        with torch.no_grad():
-            logits = teacher(inputs)
-        return compute(inputs, (targets, logits), loss_fn, **kwargs)
-
-    return step, distill_loss(d.temperature, d.alpha, hard_loss)
+    return prepare_teacher(module, shard=d.shard)
 
 
 def _open_files(run: TrainingRun, keep: int | None) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from shardwise.config import Config
 from shardwise.data import ledger
 from shardwise.data.balance import weighted_sizes
+from shardwise.data.mixture import Mixture
 from shardwise.data.queue_loader import QueueLoader
 from shardwise.data.sharded_loader import ShardedLoader, loader
 from shardwise.distributed import runtime
@@ -36,9 +37,16 @@ def make_loader(cfg: Config, job: Job, shard: tuple[int, int]) -> ShardedLoader 
 
 def stage_loader(cfg: Config, stage: DataStage, shard: tuple[int, int]) -> ShardedLoader:
     """The loader of a `data.stages` stage: its data (the split made as the run's own is,
-    with train.seed) in its own order (its seed), from a fresh epoch."""
-    staged = cfg.model_copy(update={"data": stage.data(cfg.data)})
-    train = build_splits(staged).train
+    with train.seed; a mixture of its parts' training data) in its own order (its seed),
+    from a fresh epoch."""
+    if stage.mixture:
+        parts = [
+            build_splits(cfg.model_copy(update={"data": d})).train for d in stage.parts(cfg.data)
+        ]
+        weights = [part.weight for part in stage.mixture]
+        train = Mixture(parts, weights, seed=cfg.train.seed if stage.seed is None else stage.seed)
+    else:
+        train = build_splits(cfg.model_copy(update={"data": stage.data(cfg.data)})).train
     seed = cfg.train.seed if stage.seed is None else stage.seed
     return loader(train, batch_sizes(cfg, shard[0]), shuffle=True, seed=seed, shard=shard)
 
