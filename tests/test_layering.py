@@ -26,6 +26,7 @@ LAYERS = [
     "observe",
     "strategies",
     "checkpoint",
+    "recipes",
     "ps",
     "user_code",
     "job_sections",

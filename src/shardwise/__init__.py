@@ -20,7 +20,6 @@ from shardwise.api import (
     train_step,
 )
 from shardwise.checkpoint.checkpointer import Checkpointer
-from shardwise.checkpoint.continual import grow_rows, start_from
 from shardwise.checkpoint.reshardable import export_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.data import partition
 from shardwise.data.balance import ThroughputBalancer
@@ -36,6 +35,14 @@ from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from shardwise.observe.memory import memory_report
 from shardwise.observe.metrics import MetricsWriter
 from shardwise.ps import ParameterServer
+from shardwise.recipes.continual import grow_rows, start_from
+from shardwise.recipes.distillation import (
+    TeacherCache,
+    distill_loss,
+    prepare_teacher,
+    top_k_logits,
+)
+from shardwise.recipes.pruning import GlobalMagnitudePruner, NMPruner
 from shardwise.strategies import (
     DDP,
     AdaptiveSync,
@@ -48,13 +55,6 @@ from shardwise.strategies import (
     TensorParallel,
     ZeRO,
 )
-from shardwise.strategies.distillation import (
-    TeacherCache,
-    distill_loss,
-    prepare_teacher,
-    top_k_logits,
-)
-from shardwise.strategies.pruning import GlobalMagnitudePruner, NMPruner
 from shardwise.train.validator import Evaluation, Validator, evaluate
 
 __version__ = "0.1.0"

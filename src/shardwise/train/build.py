@@ -15,7 +15,6 @@ import torch
 from shardwise import api, comm, user_code
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.checkpointer import Checkpointer
-from shardwise.checkpoint.continual import start_from
 from shardwise.config import Config
 from shardwise.data import ledger
 from shardwise.data.balance import ThroughputBalancer
@@ -42,9 +41,10 @@ from shardwise.observe.phases import PhaseTimer
 from shardwise.observe.step_trace import StepTrace
 from shardwise.observe.timeline import Timeline
 from shardwise.plan import calibrate, costs, prediction, predictors
+from shardwise.recipes.continual import start_from
+from shardwise.recipes.distillation import TeacherCache, distill_loss, prepare_teacher
+from shardwise.recipes.pruning import GlobalMagnitudePruner, NMPruner, Pruner
 from shardwise.strategies.accumulation import check_accumulate
-from shardwise.strategies.distillation import TeacherCache, distill_loss, prepare_teacher
-from shardwise.strategies.pruning import GlobalMagnitudePruner, NMPruner, Pruner
 from shardwise.train.data_feed import DataFeed, make_loader, stage_loader
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped

@@ -20,8 +20,8 @@ from shardwise.jobs import Job
 from shardwise.observe.metrics import MetricsWriter
 from shardwise.observe.phases import PhaseTimer
 from shardwise.observe.step_trace import StepTrace
+from shardwise.recipes.pruning import Pruner
 from shardwise.strategies.base import DistributedModel
-from shardwise.strategies.pruning import Pruner
 from shardwise.train.data_feed import DataFeed
 from shardwise.train.validator import Validator
 

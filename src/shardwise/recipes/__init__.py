@@ -1,0 +1,1 @@
+"""Training recipes on top of any strategy: distillation, pruning, continual training."""
