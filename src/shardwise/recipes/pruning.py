@@ -86,14 +86,8 @@ class Pruner:
         self.steps = steps
         if steps < self.start or self.target(steps) == 0:
             return
-        prunable = [n >= 2 for n in self.layout.ndims]
-        for p in self.stepped:
-            keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
-            flat = p.detach().reshape(-1)
-            for piece in self.layout.pieces[id(p)]:
-                if prunable[piece.index]:
-                    keep[piece.start : piece.stop] = flat[piece.start : piece.stop] != 0
-            self.masks[id(p)] = keep.view_as(p)
+        # (zeroing what the masks prune again changes nothing: it is 0 in the checkpoint)
+        self._keep(lambda index, magnitudes, piece: magnitudes != 0)
 
     def target(self, step: int) -> float:
         """The sparsity the schedule asks for after `step` optimizer steps."""
