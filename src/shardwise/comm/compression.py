@@ -53,6 +53,7 @@ class Codec(ABC):
     def __init__(self) -> None:
         self.residuals: dict[int, torch.Tensor] = {}
         self.generator: torch.Generator | None = None  # codecs that draw random numbers
+        self.calls: dict[int, int] = {}  # reductions of each buffer so far (`count_call`)
 
     @abstractmethod
     def reduce(self, buffer: torch.Tensor, group: ProcessGroup | None, key: int) -> None:
@@ -71,6 +72,7 @@ class Codec(ABC):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Everything the next reduction depends on: residuals and the random generator."""
         state = {f"residual.{k}": v for k, v in self.residuals.items()}
+        state.update({f"calls.{k}": torch.tensor(n) for k, n in self.calls.items()})
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
         return state
@@ -79,8 +81,17 @@ class Codec(ABC):
         self.residuals = {
             int(k.split(".")[1]): v.clone() for k, v in state.items() if k.startswith("residual.")
         }
+        self.calls = {
+            int(k.split(".")[1]): int(v) for k, v in state.items() if k.startswith("calls.")
+        }
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
+
+    def count_call(self, key: int) -> int:
+        """Count a reduction of buffer `key`; the reductions of it before this one."""
+        done = self.calls.get(key, 0)
+        self.calls[key] = done + 1
+        return done
 
     def with_feedback(self, buffer: torch.Tensor, key: int) -> torch.Tensor:
         """The buffer plus what earlier steps left unsent (error feedback)."""
@@ -257,7 +268,6 @@ class SparseCodec(WireCodec):
             raise ValueError(f"sparsification warm-up must be >= 0 reductions, got {warmup}")
         self.ratio, self.warmup = ratio, warmup
         self.density = ratio  # of the reduction under way
-        self.calls: dict[int, int] = {}
         self.generator = torch.Generator().manual_seed(seed)
 
     @abstractmethod
@@ -268,23 +278,11 @@ class SparseCodec(WireCodec):
         return max(1, int(numel * self.density)) if numel else 0
 
     def encode_chunks(self, x, key, chunks=1):
-        call = self.calls.get(key, 0)
-        self.calls[key] = call + 1
+        call = self.count_call(key)
         self.density = self.ratio
         if call < self.warmup and self.ratio < WARMUP_DENSITY:
             self.density = WARMUP_DENSITY * (self.ratio / WARMUP_DENSITY) ** (call / self.warmup)
         return super().encode_chunks(x, key, chunks)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        state = super().state_dict()
-        state.update({f"calls.{k}": torch.tensor(n) for k, n in self.calls.items()})
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self.calls = {
-            int(k.split(".")[1]): int(v) for k, v in state.items() if k.startswith("calls.")
-        }
 
     def encode(self, x):
         indices = self.select(x, self.k(x.numel()))

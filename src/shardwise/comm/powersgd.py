@@ -45,7 +45,6 @@ class PowerSGD(Codec):
         # Plain all-reduce for the first `start_iter` reductions of each buffer: the start of
         # training is the most sensitive to approximate gradients (torch's start_powerSGD_iter).
         self.start_iter = start_iter
-        self.calls: dict[int, int] = {}
         self.generator = torch.Generator().manual_seed(seed)
         self.shapes: dict[int, list[torch.Size]] = {}
         self.qs: dict[int, list[torch.Tensor]] = {}
@@ -56,16 +55,12 @@ class PowerSGD(Codec):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = super().state_dict()
-        state.update({f"calls.{k}": torch.tensor(n) for k, n in self.calls.items()})
         for k, qs in self.qs.items():
             state.update({f"q.{k}.{i}": q for i, q in enumerate(qs)})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         super().load_state_dict(state)
-        self.calls = {
-            int(k.split(".")[1]): int(v) for k, v in state.items() if k.startswith("calls.")
-        }
         qs: dict[int, dict[int, torch.Tensor]] = {}
         for name, q in state.items():
             if name.startswith("q."):
@@ -89,8 +84,7 @@ class PowerSGD(Codec):
         shard.copy_(total.view(group_size(group), -1)[group_rank(group)])
 
     def reduce(self, buffer, group, key) -> None:
-        self.calls[key] = self.calls.get(key, 0) + 1
-        if self.calls[key] <= self.start_iter:
+        if self.count_call(key) < self.start_iter:
             all_reduce(buffer, group=group)
             return
         shapes = self.shapes.get(key, [buffer.shape])

@@ -89,8 +89,8 @@ def _run_checkpoint(path: Path, world_size: int) -> Found:
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     """Full weights from a run directory (its newest checkpoint, else its final one), one
     checkpoint, or a final checkpoint."""
-    if (path / "checkpoints").is_dir() and run_checkpoint.complete(path / "checkpoints"):
-        return full_weights(run_checkpoint.complete(path / "checkpoints")[-1])
+    if saved := run_checkpoint.complete(path / "checkpoints"):
+        return full_weights(saved[-1])
     if (path / "checkpoint").is_dir():
         return full_weights(path / "checkpoint")
     return full_weights(path)
