@@ -596,3 +596,60 @@ def test_server_0_s_dealer_holds_a_worker_until_a_dead_worker_s_batch_comes_back
     assert dealer.consumed() == (2, 8)
     assert not dealer.request(1, worker=1) and sent[-1][:3] == (1, Kind.END, (1,))
     assert not NoDealing(outbox).request(3, worker=3) and sent[-1][:3] == (3, Kind.END, (3,))
+
+
+def _backup_run(servers: int, backups: int, slow: int, steps: int = STEPS):
+    """Sync with backup workers; worker `slow` sleeps before each push. Worker w trains on slice
+    w of global batch `version` (the version it pulled: a late worker skips the batches of the
+    rounds that closed without it) and counts its pushes."""
+    strategy = sw.ParameterServer(servers=servers, mode="sync", backup_workers=backups)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workers = world - servers
+    if strategy.is_server():
+        report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=1e-2)
+        return {"rounds": report.rounds, "late": report.late, "updates": report.updates}
+    model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
+    client, index, pushes = model.client, rank - servers, 0
+    while client.version < steps:
+        x, y = global_batch(client.version, workers)
+        part = slice(index * BATCH, (index + 1) * BATCH)
+        F.cross_entropy(model(x[part]), y[part]).backward()
+        if index == slow:
+            time.sleep(0.15)
+        opt.step()
+        opt.zero_grad()
+        pushes += 1
+    state = sw.full_state_dict(model)
+    strategy.close(model)
+    return {"state": state, "pushes": pushes}
+
+
+def test_backup_workers_average_the_first_pushes_and_count_the_late_ones():
+    """2 servers, 3 workers, backup_workers 1, worker 2 slow: each round is the mean of the
+    slices of the workers in it (at least 2 of 3), both servers apply the same rounds, and
+    every push a worker sent was either in a round or counted late by both servers. The final
+    weights are single-process training on each round's slices."""
+    server0, server1, *workers = run(_backup_run, 5, 2, 1, 2, timeout_s=120)
+    rounds = server0["rounds"]
+    assert server1["rounds"] == rounds and len(rounds) == STEPS
+    assert all(len(members) >= 2 for members in rounds)
+    assert server0["late"] == server1["late"] and server0["late"].get(4, 0) >= 1
+    for rank, worker in enumerate(workers, start=2):
+        in_rounds = sum(rank in members for members in rounds)
+        assert worker["pushes"] == in_rounds + server0["late"].get(rank, 0)
+    skips = {w: {v for v, m in enumerate(rounds) if w + 2 not in m} for w in range(3)}
+    expected = single_process_weights(workers=3, skips=skips)
+    for worker in workers:
+        assert max((worker["state"][k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+
+
+def test_a_batch_a_worker_was_late_with_goes_to_another_worker_first():
+    work = sw.ps.WorkQueue.for_batches(4, size=16, batch=4, seed=0)
+    assert [work.next(w)[1] for w in (1, 2)] == [work.batch_of(0)[1], work.batch_of(1)[1]]
+    work.give_back(1, late=True)
+    assert work.next(1)[1] == work.batch_of(2)[1]  # not its own late batch back
+    assert work.next(2)[1] == work.batch_of(0)[1]  # that goes to another worker
+    assert work.next(2)[1] == work.batch_of(3)[1]
+    work.give_back(1, late=True)  # (batch 2) none other left: it takes its own back
+    assert work.next(1)[1] == work.batch_of(2)[1] and work.next(1) is None
+    assert work.consumed_batches == 3

@@ -166,6 +166,7 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
     ("eval loss", lambda s: f"{s['eval_loss']:.4f}"),
     ("eval accuracy", lambda s: f"{100 * s['eval_accuracy']:.2f} %"),
     ("samples/s", lambda s: f"{s['samples_per_s']:,.1f}"),
+    ("samples/s consumed (applied)", lambda s: f"{s['consumed_samples_per_s']:,.1f}"),
     ("comm sent / rank / step", lambda s: human_bytes(s["comm_bytes_per_step"])),
     ("comm sent / rank (total)", lambda s: human_bytes(s["comm_bytes_total"])),
     ("comm wait (rank 0)", lambda s: f"{s['comm_wait_s']:.3f} s"),
@@ -184,6 +185,10 @@ SUMMARY_ROWS: list[tuple[str, Callable[[dict], str]]] = [
     (
         "dead workers (rank: silent s)",
         lambda s: ", ".join(f"{w}: {t:.1f}" for w, t in s["dead_workers"].items()) or "none",
+    ),
+    (
+        "late pushes, not applied (rank: count)",
+        lambda s: ", ".join(f"{w}: {n}" for w, n in s["late_pushes"].items()) or "none",
     ),
     ("wall time", lambda s: f"{s['wall_time_s']:.1f} s"),
     ("run directory", lambda s: s["run_dir"]),

@@ -51,6 +51,7 @@ def serve(
             "sw.ps.relay(...) on relays"
         )
     workers = strategy.workers(rt.world_size)
+    strategy.check_backups(rt.world_size)
     clients = list(strategy.relay_groups(rt.world_size)) if strategy.relays else workers
     server = Server(
         model,

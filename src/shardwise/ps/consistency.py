@@ -12,6 +12,10 @@ One object per mode, chosen once when the server starts (`mode_for`):
   With several servers, server 0 (`Sync`) decides each round's members (who is idle, dead or
   late is known there first) and announces them (ROUND); the others (`SyncFollower`) apply
   exactly those pushes, so that every shard averages the same workers.
+- `Sync` with backup workers (Chen et al., "Revisiting Distributed Synchronous SGD", 2016):
+  a round closes once all but `backups` of the active clients pushed; a push that arrives
+  after its round closed (computed on parameters an update has already replaced) is late:
+  it is not applied, and counted (`ServerView.late`), and its batch goes back to the queue.
 
 `settle` runs whenever membership changes (a worker idles, finishes or dies, a round is
 announced): a sync round may be complete then.
@@ -48,10 +52,16 @@ class ServerView(Protocol):
     def announce_round(self, follower: int, members: list[int]) -> None:
         """Tell another server which clients a sync round holds."""
 
+    def late(self, client: int) -> None:
+        """`client`'s push came after its round closed: not applied."""
 
-def round_complete(pending: Collection[int], active: set[int]) -> bool:
-    """Sync: a clock's round closes once every active client has pushed for it."""
-    return bool(pending) and set(pending) >= active
+
+def round_complete(pending: Collection[int], active: set[int], backups: int = 0) -> bool:
+    """Sync: a clock's round closes once every active client has pushed for it, or all but
+    `backups` of them."""
+    if not pending:
+        return False
+    return set(pending) >= active or len(set(pending) & active) >= len(active) - backups
 
 
 def sync_pull_ready(client: int, pending, version: int, clock: int, active: set[int]) -> bool:
@@ -97,8 +107,9 @@ class SSP(Async):
 
 
 class Sync:
-    def __init__(self, followers: list[int]) -> None:
+    def __init__(self, followers: list[int], backups: int = 0) -> None:
         self.followers = followers  # the other servers, told each round's members
+        self.backups = backups  # a round closes without the last `backups` active clients
         # client -> (sum of its pushed values, how many workers' pushes it holds), this clock
         self.pending: dict[int, tuple[torch.Tensor, int]] = {}
 
@@ -108,6 +119,11 @@ class Sync:
         return workers  # one update averages every worker's batch
 
     def push(self, server: ServerView, client: int, version_used: int, value, count: int) -> None:
+        # Without backups a round never closes without an active client: an older version is
+        # a client that waited for a batch meanwhile, and its push joins the round in hand.
+        if self.backups and version_used < server.version:  # its round closed without it
+            server.late(client)
+            return
         self.pending[client] = (value, count)  # (value None: it skipped; still a member)
         self.settle(server)
 
@@ -118,8 +134,9 @@ class Sync:
         return sync_pull_ready(client, self.pending, server.version, clock, server.active())
 
     def settle(self, server: ServerView) -> None:
-        """Once every active client pushed this clock, apply the mean and announce it."""
-        if round_complete(self.pending, server.active()):
+        """Once every active client pushed this clock (or all but the backups), apply the mean
+        and announce it."""
+        if round_complete(self.pending, server.active(), self.backups):
             members = sorted(self.pending)
             for follower in self.followers:
                 server.announce_round(follower, members)
@@ -135,16 +152,24 @@ class Sync:
 class SyncFollower(Sync):
     hears_rounds = True
 
-    def __init__(self) -> None:
-        super().__init__(followers=[])
+    def __init__(self, backups: int = 0) -> None:
+        super().__init__(followers=[], backups=backups)
         self.rounds: collections.deque[list[int]] = collections.deque()  # announced, not applied
+        self.versions: dict[int, int] = {}  # client -> the version its pending push used
+
+    def push(self, server: ServerView, client: int, version_used: int, value, count: int) -> None:
+        # (a push late by server 0's count may come before this server applied the round it
+        # missed: it is held, and dropped once that round is applied)
+        self.versions[client] = version_used
+        super().push(server, client, version_used, value, count)
 
     def announce(self, members: list[int]) -> None:
         self.rounds.append(members)
 
     def settle(self, server: ServerView) -> None:
         """Apply each announced round once its members' pushes are in (a member that died
-        here before its push arrived is left out)."""
+        here before its push arrived is left out); then a held push of a client the round
+        left out is late."""
         while self.rounds:
             members = self.rounds[0]
             if any(m not in self.pending and server.is_live(m) for m in members):
@@ -152,16 +177,21 @@ class SyncFollower(Sync):
             self.rounds.popleft()
             pushes = [self.pending.pop(m) for m in members if m in self.pending]
             server.apply_round(members, pushes)
+            for client in [
+                c for c in self.pending if self.backups and self.versions[c] < server.version
+            ]:
+                del self.pending[client]
+                server.late(client)
 
     def forget(self, client: int) -> None:
         pass  # keep its push: server 0 may have counted it in a round
 
 
-def mode_for(mode: str, staleness: int, rank: int, servers: int) -> Async | Sync:
+def mode_for(mode: str, staleness: int, rank: int, servers: int, backups: int = 0) -> Async | Sync:
     if mode == "async":
         return Async()
     if mode == "ssp":
         return SSP(staleness)
     if rank > 0:
-        return SyncFollower()
-    return Sync(followers=list(range(1, servers)))
+        return SyncFollower(backups)
+    return Sync(followers=list(range(1, servers)), backups=backups)

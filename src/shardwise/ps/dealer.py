@@ -42,6 +42,9 @@ class Dealing(Protocol):
     def lost(self, workers: Iterable[int]) -> None:
         """These workers died: their unfinished batches go back to the queue."""
 
+    def late(self, worker: int) -> None:
+        """`worker`'s update was not applied (late): its batch goes back to the queue."""
+
     def consumed(self) -> tuple[int, int]:
         """(batches, samples) consumed (trained) so far."""
 
@@ -69,6 +72,9 @@ class NoDealing:
 
     def lost(self, workers: Iterable[int]) -> None:
         """Nothing was dealt to them."""
+
+    def late(self, worker: int) -> None:
+        """Nothing was dealt to it."""
 
     def consumed(self) -> tuple[int, int]:
         """Nothing consumed here."""
@@ -119,6 +125,11 @@ class Dealer:
         for worker in workers:
             self.waiting.pop(worker, None)
             self.work.give_back(worker)
+        self._deal()
+
+    def late(self, worker: int) -> None:
+        """Its batch goes back to the front of the queue, for another worker."""
+        self.work.give_back(worker, late=True)
         self._deal()
 
     def consumed(self) -> tuple[int, int]:

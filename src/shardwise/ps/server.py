@@ -65,6 +65,8 @@ class ServerReport:
     pushes_received: int = 0  # push messages (one per worker, or one per relay and clock)
     refused: int = 0  # messages refused (malformed, out of turn, from a client no longer served)
     rounds: list[list[int]] = field(default_factory=list)  # sync: the clients of each update
+    # sync with backup workers: client -> pushes that came after their round closed
+    late: dict[int, int] = field(default_factory=dict)
     resumed_from: int | None = None
     # Bytes this server wrote and read on the wire (headers and payloads, `protocol.traffic`):
     # pulls answered and pushes received, compressed or not.
@@ -121,7 +123,7 @@ class Server:
         relay_s = o.timeout_s if o.relays else 0.0
         self.stuck_after_s = o.progress_timeout_s + relay_s
         self.clock = dict.fromkeys(clients, 0)
-        self.mode = mode_for(o.mode, o.staleness, self.rank, o.servers)
+        self.mode = mode_for(o.mode, o.staleness, self.rank, o.servers, o.backup_workers)
         self.waiting_pulls: list[tuple[int, int]] = []  # (client, clock)
         self.report = ServerReport(rank=self.rank, updates=0)
         self.greeted: set[int] = set()
@@ -356,6 +358,11 @@ class Server:
     def announce_round(self, follower: int, members: list[int]) -> None:
         """Tell server `follower` the members of the next sync round (ROUND)."""
         self.outbox.send(follower, Kind.ROUND, self.version + 1, payload=torch.tensor(members))
+
+    def late(self, client: int) -> None:
+        """Its push came after its round closed: counted, not applied, its batch dealt again."""
+        self.report.late[client] = self.report.late.get(client, 0) + 1
+        self.dealer.late(client)
 
     def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
         """A sync round: the mean over the workers behind `pushes` ((sum, count) per client)."""

@@ -31,6 +31,7 @@ class WorkQueue:
         self.cursor = 0  # the next batch never dealt
         self.returned: collections.deque[int] = collections.deque()  # given back: dealt first
         self.outstanding: dict[int, int] = {}  # worker -> the batch it trains
+        self.late_with: dict[int, int] = {}  # batch given back late -> the worker that was
         self.below = 0  # every batch below this one is consumed...
         self.above: set[int] = set()  # ...and so are these (consumed out of order)
         self._orders: dict[int, torch.Tensor] = {}  # epoch -> its order (two epochs at most)
@@ -64,12 +65,18 @@ class WorkQueue:
         """The worker finished its previous batch (if any) and wants another: (epoch, indices),
         or None when none is left to deal."""
         self.finish(worker)
-        if self.returned:
-            b = self.returned.popleft()
+        # (a batch a worker was late with goes to another one first: it would be late again)
+        mine = [b for b in self.returned if self.late_with.get(b) == worker]
+        if len(mine) < len(self.returned):
+            b = next(b for b in self.returned if self.late_with.get(b) != worker)
+            self.returned.remove(b)
         elif self.cursor < self.total:
             b, self.cursor = self.cursor, self.cursor + 1
+        elif self.returned:
+            b = self.returned.popleft()
         else:
             return None
+        self.late_with.pop(b, None)
         self.outstanding[worker] = b
         return self.batch_of(b)
 
@@ -83,10 +90,14 @@ class WorkQueue:
         assert not self.outstanding and not self.returned and self.cursor == self.below == 0
         self.cursor = self.below = min(batches, self.total)
 
-    def give_back(self, worker: int) -> None:
-        """A dead worker's unfinished batch goes to the front of the queue."""
+    def give_back(self, worker: int, late: bool = False) -> None:
+        """A dead worker's unfinished batch goes to the front of the queue; so does one whose
+        update came too late to be applied (`late`: dealt to another worker first)."""
         if worker in self.outstanding:
-            self.returned.appendleft(self.outstanding.pop(worker))
+            b = self.outstanding.pop(worker)
+            self.returned.appendleft(b)
+            if late:
+                self.late_with[b] = worker
 
     def batch_of(self, b: int) -> tuple[int, list[int]]:
         """Batch `b` of the job: (its epoch, its sample indices)."""

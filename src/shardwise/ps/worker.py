@@ -72,6 +72,10 @@ class ParameterServer(Strategy):
     pull_compression: the codec for pulls when not `compression`'s ('none': plain fp32). A
         sparse codec on pulls leaves the workers' copies lagging (each pull refreshes only a
         few coordinates of parameters that all move): 'int8' suits pulls better.
+    backup_workers: sync: a round applies the mean of the first N - b pushes of the N active
+        workers (Chen et al. 2016); a push that comes after its round closed is not applied,
+        its batch goes back to the work queue for another worker, and the servers count how
+        often each worker was late (`ServerReport.late`). No relays.
     """
 
     servers: int = 1
@@ -88,6 +92,7 @@ class ParameterServer(Strategy):
     relays: int = 0
     compression: str | None = None
     pull_compression: str | None = None
+    backup_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -109,6 +114,13 @@ class ParameterServer(Strategy):
                 "ps relays work with mode sync or async: SSP bounds each worker by the slowest "
                 "of all, which a relay does not see (use relays: 0 for ssp)"
             )
+        if self.backup_workers and (self.mode != "sync" or self.relays):
+            raise ValueError(
+                f"ps backup_workers needs mode sync and no relays (got mode {self.mode!r}, "
+                f"relays {self.relays}): async and ssp never wait for a worker"
+            )
+        if self.backup_workers < 0:
+            raise ValueError(f"ps backup_workers must be >= 0, got {self.backup_workers}")
         for spec in (self.compression, self.pull_codec):
             ps_codec(spec)  # validates the spec
         if (self.compression or self.pull_codec) and (self.relays or self.rule != "gradient"):
@@ -160,6 +172,14 @@ class ParameterServer(Strategy):
                 return [relay]
         raise ValueError(f"rank {rank} is not a worker")
 
+    def check_backups(self, world_size: int) -> None:
+        workers = len(self.workers(world_size))
+        if self.backup_workers >= workers:
+            raise ValueError(
+                f"ps backup_workers {self.backup_workers} leaves no worker of {workers} "
+                "to wait for: it must be fewer than the workers"
+            )
+
     # ---- worker side
     def wrap(self, model: nn.Module, rt: Runtime) -> PSWorkerModel:
         if self.is_server(rt.rank) or self.is_relay(rt.rank):
@@ -172,6 +192,7 @@ class ParameterServer(Strategy):
                 f"{self.servers} server(s) and {self.relays} relay(s) leave no "
                 f"worker in a world of {rt.world_size}"
             )
+        self.check_backups(rt.world_size)
         first = self.servers + self.relays
         data_shard = (rt.world_size - first, rt.rank - first)
         return PSWorkerModel(model, rt, PSClient(model, self, rt), self.rule, data_shard)
@@ -252,17 +273,20 @@ class PSClient:
         """The parameters, each range from its server (waiting as the mode says)."""
         for server in self.servers:
             self._send(server, Kind.PULL, self.clock)
-        pieces = []
+        pieces, versions = [], []
         for server, (start, end) in zip(self.servers, self.plan.bounds, strict=True):
             dtype = self.pulls.dtype(server) if self.pulls else torch.float32
             h, piece = self._recv(server, dtype)
-            self.version = int(h[1])
+            versions.append(int(h[1]))
             piece = piece if piece is not None else torch.zeros(0, dtype=dtype)
             if self.pulls is not None:
                 piece, problem = self.pulls.take(server, int(h[2]), piece, end - start)
                 if problem:
                     raise PSError(f"parameter server {server} answered a pull with {problem}")
             pieces.append(piece)
+        # The oldest shard's: with backup workers a round may close between two answers, and a
+        # push computed partly on parameters it replaced is late.
+        self.version = min(versions)
         flat = torch.cat(pieces)
         for p, value in zip(self.params, unflatten(flat, self.params), strict=True):
             p.copy_(value)
@@ -409,6 +433,12 @@ class PSConfig(StrategySection):
         description="codec for pulls if not compression's: the same names, or none (fp32)",
         pattern=r"^(none|fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$",
     )
+    backup_workers: int = Field(
+        0,
+        ge=0,
+        description="sync: each round averages the first workers - b pushes; a late push is "
+        "not applied and its batch goes to another worker",
+    )
 
     @model_validator(mode="after")
     def _relays_fit(self) -> PSConfig:
@@ -416,6 +446,13 @@ class PSConfig(StrategySection):
             raise ValueError("ps relays work with mode sync or async, not ssp")
         if self.relays > self.workers:
             raise ValueError(f"{self.relays} relays need at least as many workers")
+        if self.backup_workers and (self.mode != "sync" or self.relays):
+            raise ValueError("ps backup_workers needs mode sync and relays 0")
+        if self.backup_workers >= self.workers:
+            raise ValueError(
+                f"ps backup_workers {self.backup_workers} must be fewer than the {self.workers} "
+                "workers"
+            )
         if self.min_workers is not None and self.min_workers > self.workers:
             raise ValueError(f"min_workers {self.min_workers} exceeds workers {self.workers}")
         compressed = self.compression or self.pull_compression not in (None, "none")
@@ -435,7 +472,8 @@ class PSConfig(StrategySection):
         relays = f"{self.relays} relays, " if self.relays else ""
         pulls = f", pulls {self.pull_compression}" if self.pull_compression else ""
         codec = f", {self.compression}{pulls}" if self.compression or pulls else ""
+        backups = f", {self.backup_workers} backup" if self.backup_workers else ""
         return (
             f"parameter server ({self.mode}, {self.servers} server(s), {relays}"
-            f"{self.workers} workers{codec})"
+            f"{self.workers} workers{backups}{codec})"
         )

@@ -267,7 +267,13 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
         "staleness_histogram": histogram,
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "dead_workers": dead,
+        # (with backup workers, trained samples may exceed the consumed ones: a late update's
+        # batch is trained again by another worker)
         "consumed_samples": servers[0]["consumed_samples"],
+        "consumed_samples_per_s": servers[0]["consumed_samples"] / train_time
+        if train_time
+        else 0.0,
+        "late_pushes": {int(w): n for w, n in servers[0]["late"].items()},
         "failed_processes": failures,
         "resumed_from": servers[0]["resumed_from"],
         "worker_steps": {k: len(v) for k, v in workers.items()},
