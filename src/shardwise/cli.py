@@ -7,6 +7,7 @@
     shardwise bench ddp --world-size 2                            # ours vs torch DDP
     shardwise bench zero --world-size 2                           # DDP, ZeRO-1/2/3 vs FSDP2
     shardwise bench comm --models gpt --steps 60 --rate 100mbit   # codecs on an emulated network
+    shardwise bench backups                                       # PS backup workers, straggler
     shardwise bench faults                                        # recovery, stall, hang times
     shardwise bench balance                                       # per-rank batches, slow rank
     shardwise bench packing                                       # packed vs padded documents
@@ -217,7 +218,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "suite",
         choices=[
-            *("ddp", "zero", "comm", "pipeline", "tp", "ps", "faults", "balance", "packing"),
+            *("ddp", "zero", "comm", "pipeline", "tp", "ps", "backups", "faults", "balance"),
+            "packing",
             *("overhead", "largebatch", "all", "planner"),
         ],
         help="what to benchmark",

@@ -15,6 +15,7 @@ DEFAULTS = {
     "pipeline": (5, 4),
     "tp": (5, 3),
     "ps": (150, 1),
+    "backups": (300, 1),
     "faults": (60, 1),
     "balance": (60, 5),
     "packing": (2, 4),
@@ -40,7 +41,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":
         return run_comm_benchmark(args)
-    if args.suite in ("ps", "faults", "packing", "balance", "overhead"):
+    if args.suite in ("ps", "backups", "faults", "packing", "balance", "overhead"):
         return run_own_jobs_benchmark(args)
     module = f"shardwise.bench.{args.suite}_bench"  # one process per rank, launched here
     argv = [module, "--steps", str(args.steps), "--reps", str(args.reps)]
@@ -72,6 +73,12 @@ def run_own_jobs_benchmark(args: argparse.Namespace) -> int:
         from shardwise.bench.ps_bench import main
 
         return main(["--steps", str(args.steps), "--out", args.out or default_out("ps")])
+    if args.suite == "backups":  # one job per variant and seed, interleaved
+        from shardwise.bench.backups_bench import main as backups_main
+
+        return backups_main(
+            ["--steps", str(args.steps), "--out", args.out or default_out("backups")]
+        )
     if args.suite == "faults":  # each job with its fault
         from shardwise.bench.faults_bench import main as faults_main
 
