@@ -85,6 +85,7 @@ SETS = [
     *JOB,
     "train.sample_ledger=true",
     "data.balance=dynamic",
+    "launch.desync_check_every=1",  # every rank the same collectives, step by step
     f"data.balance_every={EVERY}",
     "data.rank_weights=[1, 2]",  # a wrong first guess: the slow rank starts with the most
     # (JOB's CNN: per-sample compute well above a step's fixed costs, as in real training)

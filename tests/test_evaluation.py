@@ -14,6 +14,7 @@ import pytest
 
 import shardwise as sw
 import spawn
+from call_records import assert_same_calls, my_calls
 from shardwise.config import load_config
 from shardwise.jobs import build_job
 from shardwise.train.validator import evaluate
@@ -53,6 +54,7 @@ def _scores(config: str, sets: list[str], strategy: str) -> dict:
         "reference": reference,
         "scored": evaluate(model, job.splits.test, job.loss_fn, batch),
         "batch": batch,
+        "calls": my_calls(),  # (a rank with no sample of its own in the last batch too)
     }
 
 
@@ -72,6 +74,8 @@ CASES = [
 @pytest.mark.parametrize(("config", "sets", "strategy", "world"), CASES)
 def test_evaluation_scores_each_test_sample_once(config, sets, strategy, world):
     results = spawn.run(_scores, world, config, sets, strategy)
+    if world > 1:
+        assert_same_calls([got["calls"] for got in results])
     reference = results[0]["reference"]
     if config == "digits":
         assert reference.targets == DIGITS_TEST

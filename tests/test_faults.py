@@ -59,17 +59,18 @@ def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
 
 
 def test_ranks_issuing_different_collectives_are_named_with_both_calls(tmp_path):
+    """With the default hang timeout (a minute), a desync that hangs ends every rank within
+    5 s of the fault: the watchdogs compare the call they all wait in."""
     run = tmp_path / "run"
     result = _job(
         run,
         "train.steps=40",
-        "launch.hang_timeout_s=5",
         nproc=3,
         env={"SHARDWISE_FAULT": "desync:rank=1:step=12"},
     )
-    ended = time.time()
+    ended = time.time()  # the launcher returns once every rank has exited
     assert result.returncode != 0
-    assert ended - _fired_at(run, "desync-rank1-step12") < 15
+    assert ended - _fired_at(run, "desync-rank1-step12") < 5
     head = (run / "hang_report.txt").read_text().splitlines()[0]
     assert head.startswith("shardwise: desync: ranks issued different calls as call #")
     assert "rank 1 issued broadcast #" in head and "ranks 0, 2 issued all_reduce #" in head

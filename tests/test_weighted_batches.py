@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise as sw
+from call_records import assert_same_calls, my_calls
 from shardwise.nn.models import MLP, ConvNet
 from spawn import run
 from state_diff import max_abs_diff
@@ -83,12 +84,14 @@ def _all_variants(sizes: list[int]) -> dict[str, float]:
     # SyncBatchNorm couples the ranks' backward passes: its sums are weighted too.
     cnn = _train(sw.DDP(), sizes, "count", kind="cnn")
     diffs["ddp syncbn"] = max_abs_diff(cnn, _reference(sum(sizes), kind="cnn"))
-    return diffs
+    return diffs, my_calls()
 
 
 @pytest.mark.parametrize("sizes", [[3, 9], [2, 5, 9]])
 def test_uneven_batches_equal_single_process_on_the_global_batch(sizes):
-    for diffs in run(_all_variants, len(sizes), sizes, timeout_s=300):
+    results = run(_all_variants, len(sizes), sizes, timeout_s=300)
+    assert_same_calls([calls for _, calls in results])  # whatever each rank's batch size
+    for diffs, _ in results:
         # The fp16 codec rounds each gradient to 11 significant bits before the sum.
         assert diffs.pop("ddp fp16 codec") <= 2e-3, diffs
         assert max(diffs.values()) <= TOL, diffs

@@ -27,6 +27,7 @@ SETS = [
     "strategy.name=local_sgd",
     f"strategy.period={PERIOD}",
     "data.mode=queue",
+    "launch.desync_check_every=1",  # every rank the same collectives, step by step
     f"data.batch_size={BATCH}",
     f"train.steps={ROUNDS}",
     "train.sample_ledger=true",

@@ -12,6 +12,12 @@ says so in the store with how many calls it issued; a rank waiting for it in a c
 never reached is a hang at once, not after the timeout. The report's last line, and the verdict
 the launcher prints last, name the rank that hung, not the one that reported it.
 
+A desync that hangs is named within seconds, not after the timeout: once this rank has waited
+in a collective for `SUSPECT_S`, it reads the heartbeats of the group's other ranks (again
+every `SUSPECT_S`) and, when each of them waits in the same call number of the group and one
+issued another call there (a broadcast where the others all-reduce, another shape), reports it
+at once. A rank that is merely slow is not in that call yet: nothing is said until the timeout.
+
 Desyncs that do not hang are caught by `check_sequences`: every K steps the ranks compare the
 running hashes of their collectives through the store and, where they differ, name the first
 differing call on each rank. `compare_each_call` (a debug mode) compares every call before it
@@ -34,6 +40,7 @@ from shardwise.comm.store import wait_for
 from shardwise.distributed import leaving, runtime
 
 INTERVAL = 0.5  # seconds between heartbeats (and checks)
+SUSPECT_S = 1.0  # a wait this long makes the watchdog compare the call with the group's
 KEY = leaving.PREFIX  # heartbeats, stacks and the verdict beside the "left" records
 EXIT_HUNG = 3  # exit code of every rank of a job the watchdog ended
 STORE = "store"  # the "group" of a wait for other ranks' keys in the store
@@ -203,6 +210,7 @@ class Watchdog:
         self.step = 0
         self.checks = 0
         self.left: dict[int, dict] = {}  # ranks that left the job: their records
+        self._compared: tuple[str, int, float] | None = None  # (group, call number, when)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardwise-watchdog", daemon=True)
 
@@ -223,7 +231,9 @@ class Watchdog:
                     self._join_abort()
                 waited = recorder.longest_wait()
                 if waited is not None and (
-                    waited[1] > self.timeout_s or self._left_before(waited[0])
+                    waited[1] > self.timeout_s
+                    or self._left_before(waited[0])
+                    or self._issued_another_call(*waited)
                 ):
                     self._declare_hang(*waited)
             except Exception as e:  # the store is gone: the job is ending anyway
@@ -257,6 +267,25 @@ class Watchdog:
             for r in members
             if r in self.left and r != self.rank
         )
+
+    def _issued_another_call(self, call: Call, waited_s: float) -> bool:
+        """Whether every other rank of `call`'s group waits in the group's same call number and
+        one of them issued a different call there: a desync, which will never complete."""
+        members = _members(call.group, self.world_size)
+        if waited_s < SUSPECT_S or not members:
+            return False
+        now = time.monotonic()
+        last = self._compared
+        if last and last[:2] == (call.group, call.seq) and now - last[2] < SUSPECT_S:
+            return False  # (compared lately: the store is not read on every beat)
+        self._compared = (call.group, call.seq, now)
+        others = [f"{KEY}/beat/{r}" for r in members if r != self.rank]
+        if not self.store.check(others):
+            return False
+        theirs = [_call(json.loads(self.store.get(k)).get("waiting")) for k in others]
+        if any(t is None or (t.group, t.seq) != (call.group, call.seq) for t in theirs):
+            return False  # someone is not in this call (yet): slow, or hung, not a desync
+        return any(t.signature() != call.signature() for t in theirs)
 
     def _publish_stack(self) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)
