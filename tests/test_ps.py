@@ -591,7 +591,7 @@ def test_server_0_s_dealer_holds_a_worker_until_a_dead_worker_s_batch_comes_back
     assert dealer.request(1, worker=1)  # none left; 2 still trains its batch
     assert sent[-1][:3] == (1, Kind.WAIT, (1,)) and peers.idle == {1}
     dealer.lost([2])
-    assert sent[-1] == (1, Kind.BATCH, (0, 1), work.batch_of(1)[1]) and peers.idle == set()
+    assert sent[-1] == (1, Kind.BATCH, (0, 1, 1), work.batch_of(1)[1]) and peers.idle == set()
     dealer.finished(1)
     assert dealer.consumed() == (2, 8)
     assert not dealer.request(1, worker=1) and sent[-1][:3] == (1, Kind.END, (1,))
@@ -653,3 +653,52 @@ def test_a_batch_a_worker_was_late_with_goes_to_another_worker_first():
     work.give_back(1, late=True)  # (batch 2) none other left: it takes its own back
     assert work.next(1)[1] == work.batch_of(2)[1] and work.next(1) is None
     assert work.consumed_batches == 3
+
+
+def _replicated_run(kill_at: int, when: str, steps: int = STEPS):
+    """Sync, one shard on a primary (rank 0) and its backup (rank 1), 2 workers; the primary
+    SIGKILLs itself right after applying update `kill_at` ("applied": the workers may or may
+    not have its answer), or as it is about to apply it ("pushed": the second push of that
+    clock was forwarded, the pull after it perhaps not even read)."""
+    strategy = sw.ParameterServer(servers=1, replicas=2, mode="sync")
+    rank = dist.get_rank()
+    if strategy.is_server():
+        if rank == 0:
+            original = sw.ps.server.Server.apply
+
+            def dying_apply(self, flat, staleness):
+                if when == "pushed" and self.version == kill_at - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                original(self, flat, staleness)
+                if when == "applied" and self.version == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            sw.ps.server.Server.apply = dying_apply
+        report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=1e-2)
+        return {"updates": report.updates, "took_over_at": report.took_over_at}
+    model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
+    client, index = model.client, rank - 2
+    while client.clock < steps:
+        x, y = global_batch(client.clock, 2)
+        part = slice(index * BATCH, (index + 1) * BATCH)
+        F.cross_entropy(model(x[part]), y[part]).backward()
+        opt.step()
+        opt.zero_grad()
+    state = sw.full_state_dict(model)
+    strategy.close(model)
+    return {"state": state, "servers": list(client.servers)}
+
+
+@pytest.mark.parametrize("when", ["applied", "pushed"])
+def test_a_killed_primary_server_is_replaced_by_its_backup_with_no_update_lost(when):
+    """The primary dies mid-run (SIGKILL); the workers go over to the backup, which took every
+    message the primary handled, and the job ends as single-process training on the same
+    batches, within 1e-5."""
+    expected = single_process_weights(workers=2)
+    _, backup, *workers = run(_replicated_run, 4, 12, when, timeout_s=120, dies=(0,))
+    # (killed before applying update 12, the primary had forwarded its pushes: the backup
+    # applied it before it noticed the loss)
+    assert backup == {"updates": STEPS, "took_over_at": 12}
+    for worker in workers:
+        assert worker["servers"] == [1]  # it went over
+        assert max((worker["state"][k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5

@@ -69,7 +69,7 @@ def _hostile(rng: random.Random, category: str, clock: int, shard: int):
         values[rng.randrange(shard)] = rng.choice([float("nan"), float("inf")])
         return [_header(Kind.PUSH, clock, 0, numel=shard), _marked(values)]
     if category == "unknown":
-        return [_header(rng.choice([0, 16, 99, -3]), clock)]
+        return [_header(rng.choice([0, max(Kind) + 1, 99, -3]), clock)]
     wrong = rng.choice(["hello", "clock", "pull", "round", "lost", "next"])
     if wrong == "hello":  # a second HELLO
         text = protocol.pack([])

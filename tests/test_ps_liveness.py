@@ -142,3 +142,34 @@ def test_a_client_still_starting_is_not_silent_until_it_is_heard_from():
     time.sleep(0.3)
     ((rank, silent_s),) = watch.dead({3})
     assert rank == 3 and 0.2 < silent_s < 30
+
+
+def test_a_frozen_primary_server_is_replaced_by_its_backup_and_the_job_goes_on(run_dir):
+    """replicas: 2; the primary is SIGSTOPped mid-run: the supervisor names it silent within
+    the timeout and kills it, its workers go over to the backup (which holds every update),
+    and the job ends well without a restart or a snapshot, every batch consumed once."""
+    job = Job(run_dir, "train.steps=80", "strategy.replicas=2")
+    try:
+        wait_until(
+            lambda: any(
+                len(p.read_text().splitlines()) >= 20 for p in run_dir.glob("ps/worker*.jsonl")
+            ),
+            job=job.proc,
+            detail=job.output,
+        )
+        os.kill(int((run_dir / "ps" / "pid0").read_text()), signal.SIGSTOP)
+        stopped = time.time()
+        assert job.wait() == 0, job.output()[-3000:]
+        bound = stopped + TIMEOUT_S + 2
+        assert job.first("ps server rank 0 silent for") <= bound
+        assert "killed, its backup serves on" in job.line("ps server rank 0 silent for")
+        assert job.first("ps server 1: primary server rank 0 lost") <= bound + 1
+        for worker in (2, 3):
+            assert job.first(f"ps worker rank {worker}: server rank 0 lost") <= bound + 1
+        assert "restarting" not in job.output()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["updates"] == 80 and summary["consumed_samples"] == 80 * 2 * 32
+        assert summary["eval_accuracy"] >= 0.85
+        none_left(run_dir)
+    finally:
+        job.proc.kill()

@@ -42,18 +42,48 @@ class Layout:
     """Who is who in the job (ranks: servers, then relays, then workers) and how the serving
     ranks prove they live (the job's `strategy.heartbeat_s` and `timeout_s`)."""
 
-    servers: int
+    servers: int  # shards (each on `replicas` server processes)
     relays: int = 0
     heartbeat_s: float = 0.5
     timeout_s: float = 10.0
+    replicas: int = 1
 
     @property
     def serving(self) -> int:
-        return self.servers + self.relays
+        return self.servers * self.replicas + self.relays
 
     def role(self, rank: int) -> str:
-        kind = "server" if rank < self.servers else "relay" if rank < self.serving else "worker"
+        servers = self.servers * self.replicas
+        kind = "server" if rank < servers else "relay" if rank < self.serving else "worker"
         return f"{kind} rank {rank}"
+
+    def partner(self, rank: int) -> int | None:
+        """The other server of a replicated shard (None: no replicas, or not a server)."""
+        if self.replicas == 1 or rank >= self.servers * self.replicas:
+            return None
+        return (rank + self.servers) % (self.servers * self.replicas)
+
+    def fatal(self, rank: int, procs: list[subprocess.Popen]) -> bool:
+        """Whether the job cannot go on without `rank`: a server or relay whose shard has no
+        other server still running."""
+        if rank >= self.serving:
+            return False
+        partner = self.partner(rank)
+        return partner is None or procs[partner].poll() is not None
+
+    def served(self, procs: list[subprocess.Popen]) -> bool:
+        """Whether every serving rank has ended and each shard's was served to the end (by one
+        of its servers) and every relay finished."""
+        if any(p.poll() is None for p in procs[: self.serving]):
+            return False
+        relays = procs[self.servers * self.replicas : self.serving]
+        shards = [
+            [procs[shard + k * self.servers] for k in range(self.replicas)]
+            for shard in range(self.servers)
+        ]
+        return all(p.returncode == 0 for p in relays) and all(
+            any(p.returncode == 0 for p in pair) for pair in shards
+        )
 
 
 @dataclass
@@ -140,8 +170,7 @@ def supervise(
             job = _start(argv, nproc, threads, attempt, layout)
             running[:] = job.procs
             if _watch(job, layout):
-                serving = job.procs[: layout.serving]
-                return all(p.returncode == 0 for p in serving), job.failures
+                return layout.served(job.procs), job.failures
             if EXIT_NO_SNAPSHOT in [job.failures.get(r) for r in range(layout.servers)]:
                 print(
                     "shardwise: not restarting the job: the servers have no usable snapshot "
@@ -173,11 +202,13 @@ def _watch_until_done(job: Attempt, layout: Layout) -> bool:
         running = job.running()  # (before the exits are noted: the last one is noted too)
         failed = _note_exits(job, layout)
         for rank, silent_s in job.watch.dead(_running_serving(job, layout)):
-            print(
-                f"shardwise: ps {layout.role(rank)} silent for {silent_s:.1f} s (no heartbeat: "
-                "frozen or unreachable); stopping the job",
-                flush=True,
-            )
+            silent = f"ps {layout.role(rank)} silent for {silent_s:.1f} s (no heartbeat: "
+            silent += "frozen or unreachable)"
+            if not layout.fatal(rank, job.procs):  # its backup serves on: its connections
+                job.procs[rank].kill()  # must break, for its workers to go over
+                print(f"shardwise: {silent}; killed, its backup serves on", flush=True)
+                continue
+            print(f"shardwise: {silent}; stopping the job", flush=True)
             job.failures[rank], failed = -signal.SIGKILL, True
         if failed:
             # Its workers notice it too (the same timeout): give them a moment to say so and
@@ -228,6 +259,14 @@ def _note_exits(job: Attempt, layout: Layout) -> bool:
                 print(f"shardwise: stopping the job: {layout.role(culprit)} failed", flush=True)
                 job.failures.setdefault(culprit, -signal.SIGKILL)
                 failed = True
+        elif rank < layout.serving and not layout.fatal(rank, job.procs):
+            partner = layout.partner(rank)
+            print(
+                f"shardwise: ps {layout.role(rank)} exited with code {code}; server rank "
+                f"{partner} serves its shard on",
+                flush=True,
+            )
+            continue
         elif rank < layout.serving:
             print(f"shardwise: ps {layout.role(rank)} exited with code {code}", flush=True)
         else:
@@ -254,7 +293,7 @@ def _stop_workers_left_behind(job: Attempt, layout: Layout) -> None:
     """Once every server (and relay) has finished, a worker still running was declared dead or
     stuck by them (its training hung, its process lives on): after a grace period, stop it and
     name it, so that the job ends."""
-    if any(p.poll() != 0 for p in job.procs[: layout.serving]):
+    if not layout.served(job.procs):
         return
     now = time.monotonic()
     if job.servers_done_at is None:
@@ -279,7 +318,7 @@ def run_ps_job(cfg: Config, argv: list[str], run_dir: Path) -> int:
     from shardwise.train.ps_training import summarise
 
     s = cfg.strategy
-    layout = Layout(s.servers, s.relays, s.heartbeat_s, s.timeout_s)
+    layout = Layout(s.servers, s.relays, s.heartbeat_s, s.timeout_s, s.replicas)
     restarts = 1 if s.snapshot_every else 0
     started = time.perf_counter()
     argv = ["-m", *argv]

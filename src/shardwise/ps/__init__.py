@@ -60,7 +60,7 @@ def serve(
         optimizer_kwargs,
         rt.rank,
         clients,
-        work if rt.rank == 0 else None,
+        work if strategy.shard_of(rt.rank) == 0 else None,  # (a backup of server 0 deals too)
         workers=len(workers),
         faults=faults,
     )

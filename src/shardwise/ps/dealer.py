@@ -45,6 +45,16 @@ class Dealing(Protocol):
     def late(self, worker: int) -> None:
         """`worker`'s update was not applied (late): its batch goes back to the queue."""
 
+    def holding(self, worker: int) -> int:
+        """The number of the batch `worker` trains (-1: none)."""
+
+    def again(self, client: int, worker: int) -> bool:
+        """`worker` did not receive the batch it holds (its server died before sending it):
+        sent again; or, holding none, a plain request. True when held (WAIT)."""
+
+    def release(self, worker: int) -> None:
+        """`worker` no longer waits for an answer here (it will ask again)."""
+
     def consumed(self) -> tuple[int, int]:
         """(batches, samples) consumed (trained) so far."""
 
@@ -75,6 +85,15 @@ class NoDealing:
 
     def late(self, worker: int) -> None:
         """Nothing was dealt to it."""
+
+    def holding(self, worker: int) -> int:
+        return -1
+
+    def again(self, client: int, worker: int) -> bool:
+        return self.request(client, worker)
+
+    def release(self, worker: int) -> None:
+        """Nothing held."""
 
     def consumed(self) -> tuple[int, int]:
         """Nothing consumed here."""
@@ -132,13 +151,28 @@ class Dealer:
         self.work.give_back(worker, late=True)
         self._deal()
 
+    def holding(self, worker: int) -> int:
+        return self.work.outstanding.get(worker, -1)
+
+    def again(self, client: int, worker: int) -> bool:
+        if worker not in self.work.outstanding:
+            return self.request(client, worker)
+        self._give(client, worker, self.work.batch_of(self.work.outstanding[worker]))
+        return False
+
+    def release(self, worker: int) -> None:
+        if self.waiting.pop(worker, None) is not None:
+            self.peers.idle.discard(worker)
+
     def consumed(self) -> tuple[int, int]:
         """(batches, samples) of the queue consumed."""
         return self.work.consumed_batches, self.work.consumed_samples
 
     def _give(self, client: int, worker: int, batch: tuple[int, list[int]]) -> None:
         epoch, indices = batch
-        self.outbox.send(client, Kind.BATCH, epoch, worker, payload=torch.tensor(indices))
+        number = self.work.outstanding[worker]
+        payload = torch.tensor(indices)
+        self.outbox.send(client, Kind.BATCH, epoch, worker, number, payload=payload)
         self.peers.note_served(client)
 
     def _deal(self) -> None:

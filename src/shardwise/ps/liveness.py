@@ -87,6 +87,11 @@ class HeartbeatWatch:
         self._started: set[int] = set()  # heard from before their first beat
         self._next_check = 0.0
 
+    def watch(self, rank: int) -> None:
+        """Watch `rank` too, from now (a backup server that beats already)."""
+        self._seen[rank] = (0, time.monotonic())
+        self._started.add(rank)
+
     def heard(self, rank: int) -> None:
         """A message came from `rank`: until its first beat, that is its sign of life (it has
         started), and the timeout, not the start-up allowance, runs from here."""
@@ -148,6 +153,7 @@ class UpstreamGuard:
         self._stop = threading.Event()
         self._period = heartbeat_s / 2
         self._store_failed_since: float | None = None
+        self.patient: set[int] = set()  # upstream ranks with a backup to go over to
         self._thread = threading.Thread(target=self._run, daemon=True, name="ps-guard")
         self._thread.start()
 
@@ -165,6 +171,12 @@ class UpstreamGuard:
         self._stop.set()
         self._thread.join()
 
+    def replace(self, old: int, new: int) -> None:
+        """Watch `new` instead of `old` (a worker went over to a server's backup)."""
+        self.upstream[new] = self.upstream.pop(old)
+        self.patient.discard(old)
+        self._watch.watch(new)
+
     def _run(self) -> None:
         while not self._stop.wait(self._period):
             try:
@@ -177,6 +189,11 @@ class UpstreamGuard:
             if since is None:
                 continue
             now = time.monotonic()
+            # (a server with a backup gets another timeout: our supervisor kills a silent one
+            # that has a backup, and its broken connection sends this worker over)
+            silent = [
+                (r, t) for r, t in silent if r not in self.patient or t > 2 * self._watch.timeout_s
+            ]
             if silent:
                 rank, silent_s = silent[0]
                 self._give_up(rank, f"silent for {silent_s:.1f} s")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -24,10 +25,15 @@ CLOSE_TIMEOUT_S = 30.0  # how long `close` waits for each destination's last mes
 class Outbox:
     def __init__(self, group, inbox: queue.Queue) -> None:
         self.group, self.inbox = group, inbox
+        # Whether a message to a rank goes out (a backup server sends nothing while its primary
+        # serves, then only to the clients that came over to it): None, everything.
+        self.delivers: Callable[[int], bool] | None = None
         self.queues: dict[int, queue.Queue] = {}
         self.threads: dict[int, threading.Thread] = {}
 
     def send(self, dst: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None) -> None:
+        if self.delivers is not None and not self.delivers(dst):
+            return
         if dst not in self.queues:
             self.queues[dst] = queue.Queue()
             thread = threading.Thread(

@@ -140,6 +140,28 @@ def start_receivers(
         threading.Thread(target=receive, args=(rank,), daemon=True, name=name).start()
 
 
+def start_forwarded_receiver(primary: int, group, inbox: queue.Queue, max_numel: int) -> None:
+    """A backup server's thread for its primary's forwarding: each FROM [sender] and the
+    message after it go into `inbox` as the sender's; a DEAD as the primary's; (primary, None,
+    reason) once the connection closes or breaks."""
+
+    def receive() -> None:
+        while True:
+            try:
+                h, payload = protocol.recv(primary, None, group, max_numel)
+                if Kind(int(h[0])) == Kind.FROM:
+                    sender = int(h[1])
+                    h, payload = protocol.recv(primary, None, group, max_numel)
+                else:
+                    sender = primary
+            except Exception as e:  # its primary is gone (or, at the end, done)
+                inbox.put((primary, None, describe(e)))
+                return
+            inbox.put((sender, h, payload))
+
+    threading.Thread(target=receive, daemon=True, name=f"ps-primary-{primary}").start()
+
+
 def check_hello(signature: list, payload: torch.Tensor | None) -> str | None:
     """None if the newcomer's model (its HELLO's payload) is ours, else what differs (or what
     is malformed about it)."""

@@ -35,15 +35,17 @@ COORDINATOR = 0  # server 0: deals out batches and, in sync mode, decides each r
 class Kind(IntEnum):
     """What a message is. "Worker" is the asking side: a worker, or a relay for its group."""
 
-    HELLO = 1  # worker -> server: [codec fingerprint] + the model's signature; reply OK
-    #            [version] or ERROR
+    HELLO = 1  # worker -> server: [codec fingerprint, going over (1: to a backup server whose
+    #            primary it lost)] + the model's signature; reply OK [version] or ERROR (going
+    #            over: OK [the client's clock there, the batch it holds there (-1: none)])
     PULL = 2  # worker -> server: [clock]; reply OK [version, codec fingerprint] + parameters
     #           (compressed: the codec's bytes of the difference from the worker's copy)
     PUSH = 3  # worker -> server: [clock, version used, workers summed (0: one), codec
     #           fingerprint] + gradient (compressed: the codec's bytes)
     DONE = 4  # worker -> server: no more steps from this worker
-    NEXT = 5  # worker -> server 0: [for which worker (0: me)]; reply BATCH [epoch, worker] +
-    #           indices, WAIT [worker] (none now, one may come back from a dead worker) or END
+    NEXT = 5  # worker -> server 0: [for which worker (0: me), again (1: the batch it holds, not
+    #           received)]; reply BATCH [epoch, worker, batch number] + indices, WAIT [worker]
+    #           (none now, one may come back from a dead worker) or END
     IDLE = 6  # worker -> other servers: server 0 has no batch for it yet (do not wait for it)
     LOST = 7  # relay -> server 0: [worker] died; its unfinished batch goes back to the queue
     FINISHED = 8  # relay -> server 0: [worker] is done; its last batch counts as consumed
@@ -55,6 +57,9 @@ class Kind(IntEnum):
     BATCH = 14
     SKIP = 15  # worker -> server: [clock, version used] no update from it this clock (its
     #            gradient was not finite: `train.nonfinite: skip`); answered like a PUSH
+    FROM = 16  # primary server -> its backup: [sender]; the next message is the sender's, as the
+    #            primary is about to handle it (replicas: 2)
+    DEAD = 17  # primary server -> its backup: [client] declared dead + JSON [silent s, why]
 
 
 class Traffic:
@@ -129,6 +134,7 @@ MAX_INDICES = 1 << 24  # a batch's sample indices, a round's member ranks
 # (a PUSH's is fp32, or uint8 when compressed: the receiver says which)
 PAYLOAD_DTYPE = {
     Kind.HELLO: torch.uint8,
+    Kind.DEAD: torch.uint8,
     Kind.ERROR: torch.uint8,
     Kind.BATCH: torch.int64,
     Kind.ROUND: torch.int64,
@@ -139,8 +145,10 @@ PAYLOAD_DTYPE = {
 # of parameters or gradients). Kinds that never carry one announce none: a header that does is
 # refused before anything is waited for.
 NO_PAYLOAD = (Kind.PULL, Kind.DONE, Kind.NEXT, Kind.IDLE, Kind.LOST, Kind.FINISHED, Kind.SKIP)
+NO_PAYLOAD += (Kind.FROM,)
 PAYLOAD_LIMIT = {
     Kind.HELLO: MAX_TEXT,
+    Kind.DEAD: MAX_TEXT,
     Kind.ERROR: MAX_TEXT,
     Kind.BATCH: MAX_INDICES,
     Kind.ROUND: MAX_INDICES,

@@ -274,7 +274,7 @@ class Relay:
             if kind == Kind.BATCH:
                 self.peers.idle.discard(worker)
                 self.told_idle = False  # server 0 counts on us again: say so if all idle again
-                self._send(worker, Kind.BATCH, int(h[1]), worker, payload=payload)
+                self._send(worker, Kind.BATCH, int(h[1]), worker, int(h[3]), payload=payload)
                 self.peers.note_served(worker)
             else:
                 self._send(worker, kind, worker)

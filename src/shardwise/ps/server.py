@@ -10,6 +10,15 @@ counter in the c10d store; one silent for `timeout_s` is declared dead and nobod
 any more. Server 0 also deals out batches (its `Dealer`, `dealer.py`), taking back those a dead
 worker never finished; the other servers deal none.
 
+With `replicas: 2` each shard also has a backup server. The primary forwards every message it
+is about to handle, and every client it declares dead, to its backup (FROM, DEAD) before acting
+on it; the backup handles them alike and so holds the same state, but sends nothing (`standby`).
+When the primary dies, its connection to the backup breaks and the backup takes over (a
+worker's word that it lost the primary, a HELLO that says so, is held until then: no client
+makes a takeover). Each worker that comes over is told its clock and batch there and sends
+again what the backup lacks; only then does the backup answer it. (Under our supervisor a
+primary that freezes is killed, which breaks its connections.)
+
 The server's clients are the workers, or, in a two-level job, the relays (`relay.py`): each
 speaks for a group of workers, pushes their sum with its count, and asks for batches on their
 behalf (the worker's rank travels in the message, and the answer goes back through the relay).
@@ -36,7 +45,13 @@ from shardwise.ps.consistency import mode_for
 from shardwise.ps.dealer import dealing
 from shardwise.ps.liveness import HeartbeatSender
 from shardwise.ps.outbox import Outbox
-from shardwise.ps.peers import Peers, RefusalLog, check_hello, start_receivers
+from shardwise.ps.peers import (
+    Peers,
+    RefusalLog,
+    check_hello,
+    start_forwarded_receiver,
+    start_receivers,
+)
 from shardwise.ps.protocol import COORDINATOR, Kind
 from shardwise.ps.shard import Shard
 from shardwise.ps.sharding import signature
@@ -47,6 +62,7 @@ from shardwise.ps.work_queue import WorkQueue
 # The kinds of message a server hears (the others are its answers), each handled by `_on_<kind>`.
 HANDLED = (Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SKIP, Kind.IDLE, Kind.NEXT, Kind.LOST)
 HANDLED += (Kind.FINISHED, Kind.DONE, Kind.ROUND)
+GOING_OVER = 1  # a HELLO's second integer: from a worker whose server (this one's primary) died
 
 
 @dataclass
@@ -68,6 +84,7 @@ class ServerReport:
     # sync with backup workers: client -> pushes that came after their round closed
     late: dict[int, int] = field(default_factory=dict)
     resumed_from: int | None = None
+    took_over_at: int | None = None  # a backup server: the version at which it took over
     # Bytes this server wrote and read on the wire (headers and payloads, `protocol.traffic`):
     # pulls answered and pushes received, compressed or not.
     bytes_sent: int = 0
@@ -96,9 +113,18 @@ class Server:
         one sync update consumes)."""
         self.o, self.rank, self.faults = options, rank, faults
         self.workers = workers or len(clients)
+        self.shard_index = options.shard_of(rank)
+        self.backup = options.backup_of(rank)  # (a primary's backup server, forwarded to)
+        self.primary = rank - options.servers if rank >= options.servers else None
+        self.standby = self.primary is not None  # a backup, until its primary is lost
+        self.came_over: set[int] = set()  # clients of a backup that took over, re-greeted
+        self.lost_in_standby: dict[int, str] = {}  # connections that broke meanwhile
+        self.coming_over: list[tuple[int, torch.Tensor]] = []  # HELLOs held until a takeover
         # Beating from the start: the clients and the supervisor tell a frozen server by this.
         self._beats = HeartbeatSender(rank, options.heartbeat_s)
-        self.shard = Shard(model, rank, options.servers, optimizer_cls, optimizer_kwargs)
+        self.shard = Shard(
+            model, self.shard_index, options.servers, optimizer_cls, optimizer_kwargs
+        )
         self.params, self.optimizer = self.shard.params, self.shard.optimizer  # (never replaced)
         self.signature = signature(model)
         self.push_codec = compressed.ps_codec(options.compression)  # (None: fp32)
@@ -123,7 +149,7 @@ class Server:
         relay_s = o.timeout_s if o.relays else 0.0
         self.stuck_after_s = o.progress_timeout_s + relay_s
         self.clock = dict.fromkeys(clients, 0)
-        self.mode = mode_for(o.mode, o.staleness, self.rank, o.servers, o.backup_workers)
+        self.mode = mode_for(o.mode, o.staleness, self.shard_index, o.servers, o.backup_workers)
         self.waiting_pulls: list[tuple[int, int]] = []  # (client, clock)
         self.report = ServerReport(rank=self.rank, updates=0)
         self.greeted: set[int] = set()
@@ -135,6 +161,8 @@ class Server:
         self.group = protocol.make_group()
         self.inbox: queue.Queue = queue.Queue()
         self.outbox = Outbox(self.group, self.inbox)
+        if self.primary is not None:  # nothing goes out until this backup takes over
+            self.outbox.delivers = self._delivers
 
     def _identity(self, optimizer_cls: type, optimizer_kwargs: dict[str, Any]) -> str:
         """What a snapshot must have been written by to be resumed from: the same model, shard,
@@ -175,15 +203,21 @@ class Server:
         """Serve until every client is done or dead; the report of what this server saw."""
         self._start()
         while self.peers.serving():
-            self._declare_silent_and_stuck()
+            if not self.standby:  # (a backup hears its primary's declarations)
+                self._declare_silent_and_stuck()
             try:
                 client, h, payload = self.inbox.get(timeout=self.o.heartbeat_s / 2)
             except queue.Empty:
                 continue
             if h is None:
                 self._not_a_message(client, payload)
+            elif client == self.primary and Kind(int(h[0])) == Kind.DEAD:
+                silent_s, why = protocol.unpack(payload)
+                self._declare_dead(int(h[1]), float(silent_s), str(why))
             else:
                 self._handle(client, h, payload)
+            if self.standby:
+                continue
             for lost, why in self.peers.lost_undeclared():  # its connection broke
                 self._declare_dead(lost, self.peers.heartbeats.silent_for(lost), why)
         self.outbox.close()
@@ -208,7 +242,7 @@ class Server:
             world_size=world_size,
             clients=frozenset(self.peers.live),
             relays=bool(self.o.relays),
-            coordinates=self.rank == COORDINATOR,
+            coordinates=self.shard_index == COORDINATOR,
             hears_rounds=self.mode.hears_rounds,
             shard_numel=self.shard.numel,
             workers=self.workers,
@@ -220,6 +254,8 @@ class Server:
             numel = max(numel, compressed.wire_size(self.push_codec, numel))
             push_dtype = torch.uint8
         start_receivers(senders, self.group, self.inbox, set(), numel, push_dtype)
+        if self.primary is not None:
+            start_forwarded_receiver(self.primary, self.group, self.inbox, numel)
 
     def _declare_silent_and_stuck(self) -> None:
         """Declare dead the clients silent past the timeout, and those alive but stuck."""
@@ -232,6 +268,15 @@ class Server:
 
     def _handle(self, src: int, h: torch.Tensor, payload) -> None:
         """Refuse the message (one line saying why), or hand it to its kind's handler."""
+        if self.backup is not None:  # first the backup, so it never lags what was done here
+            self._forward(Kind.FROM, src, h=h, payload=payload)
+        going_over = Kind(int(h[0])) == Kind.HELLO and int(h[2]) == GOING_OVER
+        if going_over and self.primary is not None:
+            if self.standby:  # (held until this server knows its primary lost: a client's
+                self.coming_over.append((src, payload))  # word alone makes no takeover)
+            else:
+                self._came_over(src, payload)
+            return
         payload, problem = self._decoded(h, payload)
         if problem := problem or self._problem(src, h, payload):
             self._refuse(src, problem)
@@ -271,6 +316,17 @@ class Server:
     def _not_a_message(self, src: int, reason) -> None:
         if isinstance(reason, protocol.ProtocolError):  # read whole: the peer may go on
             self._refuse(src, str(reason))
+            return
+        if src == self.primary:
+            if self.standby and self.peers.serving():
+                self._take_over(f"lost ({reason})")
+            return
+        if src == self.backup:
+            print(f"shardwise: ps server {self.rank}: backup server rank {src} lost ({reason})")
+            self.backup = None
+            return
+        if self.standby:  # (its primary says what becomes of it; kept for a takeover)
+            self.lost_in_standby[src] = f"its connection broke ({reason})"
             return
         if src in self.peers.live and src not in self.peers.done:
             self.peers.lose(src, f"its connection broke ({reason})")
@@ -324,8 +380,11 @@ class Server:
         self.mode.settle(self)
 
     def _on_next(self, src: int, h: torch.Tensor, payload) -> None:
-        """A worker (or a relay, for one of its workers) wants its next batch."""
-        if self.dealer.request(src, worker=int(h[1]) or src):
+        """A worker (or a relay, for one of its workers) wants its next batch (or, again, the
+        one it holds: its server died before sending it)."""
+        worker = int(h[1]) or src
+        held = self.dealer.again(src, worker) if int(h[2]) else self.dealer.request(src, worker)
+        if held:
             self.mode.settle(self)  # (a worker held is idle: a sync round waits for it no more)
 
     def _on_lost(self, src: int, h: torch.Tensor, payload) -> None:
@@ -416,6 +475,8 @@ class Server:
         """Nobody waits for it any more; a dead worker's unfinished batch goes back to the
         queue, and so do those of a dead relay's workers (they stop with it: the supervisor
         restarts the job)."""
+        if self.backup is not None:
+            self._forward(Kind.DEAD, client, payload=protocol.pack([silent_s, why]))
         self.peers.mark_dead(client, silent_s)
         if self.pulls is not None:
             self.pulls.forget(client)
@@ -424,9 +485,68 @@ class Server:
         self.dealer.lost(self.groups.get(client, [client]))
         role = "relay" if self.o.relays else "worker"
         why = why or f"silent for {silent_s:.1f} s"
-        print(f"shardwise: ps server {self.rank}: {role} rank {client}: {why}; declared dead")
+        if not self.standby:  # (a backup's primary has said it)
+            print(f"shardwise: ps server {self.rank}: {role} rank {client}: {why}; declared dead")
         self.mode.settle(self)
         self._answer_pulls()
+
+    # ---- replicas: a primary's forwarding, a backup's takeover
+    def _forward(self, kind: Kind, sender: int, h=None, payload=None) -> None:
+        """To the backup, before this server acts: FROM [sender] and the sender's message
+        (header `h`), or DEAD [client] + why. Sent from this loop, not the outbox: it is out
+        before anything that follows from it."""
+        try:
+            if kind == Kind.FROM:
+                protocol.send(self.backup, Kind.FROM, sender, group=self.group)
+                ints = h[1 : 1 + protocol.MAX_INTS].tolist()
+                protocol.send(
+                    self.backup, Kind(int(h[0])), *ints, payload=payload, group=self.group
+                )
+            else:
+                protocol.send(self.backup, kind, sender, payload=payload, group=self.group)
+        except Exception as e:
+            lost = f"backup server rank {self.backup} lost ({e})"
+            print(f"shardwise: ps server {self.rank}: {lost}; serving on alone", flush=True)
+            self.backup = None
+
+    def _delivers(self, dst: int) -> bool:
+        """A backup sends nothing while its primary serves; then, to a client, only once it
+        came over (before that the client does not listen to this server)."""
+        return not self.standby and (dst in self.came_over or dst not in self.clock)
+
+    def _take_over(self, why: str) -> None:
+        self.standby = False
+        self.report.took_over_at = self.version
+        print(
+            f"shardwise: ps server {self.rank}: primary server rank {self.primary} {why}; "
+            f"serving shard {self.shard_index} from here, at version {self.version}",
+            flush=True,
+        )
+        for client in self.peers.live:  # (their time to show progress starts now: no
+            self.peers.note_served(client)  # clock moved here while the primary was lost)
+        for client, reason in self.lost_in_standby.items():
+            if client in self.peers.live and client not in self.peers.done:
+                self.peers.lose(client, reason)
+        for client, payload in self.coming_over:
+            self._came_over(client, payload)
+
+    def _came_over(self, src: int, payload) -> None:
+        """A worker lost this backup's primary: forget what it waits for here (it asks again),
+        and tell it its clock and the batch it holds here."""
+        problem = check_hello(self.signature, payload)
+        if problem is None and src not in self.peers.live:
+            problem = (
+                f"rank {src} is no longer served ({self.report.rejected.get(src, 'declared dead')})"
+            )
+        if problem is None and src not in self.greeted:
+            problem = "it never said HELLO to this shard's primary"
+        self.came_over.add(src)
+        if problem is not None:
+            self._refuse(src, problem)
+            return
+        self.waiting_pulls = [(c, k) for c, k in self.waiting_pulls if c != src]
+        self.dealer.release(src)
+        self.outbox.send(src, Kind.OK, self.clock.get(src, 0), self.dealer.holding(src))
 
     # ---- snapshots
     def _snapshot(self) -> None:

@@ -14,6 +14,7 @@ if it were the one server.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from shardwise.comm.broken import broken_connection, describe
 from shardwise.comm.compressed_collectives import codec_fingerprint
 from shardwise.comm.flat import split_bounds, unflatten
 from shardwise.distributed import runtime
@@ -41,6 +43,15 @@ PS_CODEC_PATTERN = r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)
 
 class PSError(RuntimeError):
     """A server refused this worker (e.g. a different model)."""
+
+
+class WentOver(Exception):
+    """The worker went over to a server's backup (`replicas: 2`), which holds this worker at
+    `clock` and with batch number `batch` (-1: none): the caller sends again what it lacks."""
+
+    def __init__(self, server: int, clock: int, batch: int) -> None:
+        super().__init__(f"went over to server rank {server}")
+        self.server, self.clock, self.batch = server, clock, batch
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,10 @@ class ParameterServer(Strategy):
     pull_compression: the codec for pulls when not `compression`'s ('none': plain fp32). A
         sparse codec on pulls leaves the workers' copies lagging (each pull refreshes only a
         few coordinates of parameters that all move): 'int8' suits pulls better.
+    replicas: 2 keeps each shard on a primary (ranks 0..S-1) and a backup server (ranks
+        S..2S-1): the primary forwards every message it handles to its backup before handling
+        it, so the backup holds the same state; when the primary dies its workers go over to
+        the backup, which serves on from there (no snapshot read, no update lost).
     backup_workers: sync: a round applies the mean of the first N - b pushes of the N active
         workers (Chen et al. 2016); a push that comes after its round closed is not applied,
         its batch goes back to the work queue for another worker, and the servers count how
@@ -93,6 +108,7 @@ class ParameterServer(Strategy):
     compression: str | None = None
     pull_compression: str | None = None
     backup_workers: int = 0
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -119,6 +135,19 @@ class ParameterServer(Strategy):
                 f"ps backup_workers needs mode sync and no relays (got mode {self.mode!r}, "
                 f"relays {self.relays}): async and ssp never wait for a worker"
             )
+        if self.replicas not in (1, 2):
+            raise ValueError(f"ps replicas must be 1 or 2, got {self.replicas}")
+        if self.replicas == 2 and (
+            self.servers > 1
+            or self.relays
+            or self.compression
+            or self.pull_codec
+            or self.snapshot_every
+        ):
+            raise ValueError(
+                "ps replicas: 2 needs servers 1, relays 0, no compression and snapshot_every 0 "
+                "(the backup server replaces snapshots)"
+            )
         if self.backup_workers < 0:
             raise ValueError(f"ps backup_workers must be >= 0, got {self.backup_workers}")
         for spec in (self.compression, self.pull_codec):
@@ -144,14 +173,14 @@ class ParameterServer(Strategy):
         return codec_fingerprint(f"{self.compression}/{self.pull_codec}")
 
     def is_server(self, rank: int | None = None) -> bool:
-        return (runtime.current().rank if rank is None else rank) < self.servers
+        return (runtime.current().rank if rank is None else rank) < self.serving_servers
 
     def is_relay(self, rank: int | None = None) -> bool:
         rank = runtime.current().rank if rank is None else rank
-        return self.servers <= rank < self.servers + self.relays
+        return self.serving_servers <= rank < self.serving_servers + self.relays
 
     def workers(self, world_size: int) -> list[int]:
-        return list(range(self.servers + self.relays, world_size))
+        return list(range(self.serving_servers + self.relays, world_size))
 
     def relay_groups(self, world_size: int) -> dict[int, list[int]]:
         """Relay rank -> its workers: equal contiguous groups (sizes differ by at most one)."""
@@ -172,6 +201,19 @@ class ParameterServer(Strategy):
                 return [relay]
         raise ValueError(f"rank {rank} is not a worker")
 
+    @property
+    def serving_servers(self) -> int:
+        """Server processes: each shard's primary, and its backup with `replicas: 2`."""
+        return self.servers * self.replicas
+
+    def shard_of(self, rank: int) -> int:
+        """The shard a server rank holds (a backup holds its primary's)."""
+        return rank % self.servers
+
+    def backup_of(self, rank: int) -> int | None:
+        """The backup server of primary `rank` (None without replicas)."""
+        return rank + self.servers if self.replicas == 2 and rank < self.servers else None
+
     def check_backups(self, world_size: int) -> None:
         workers = len(self.workers(world_size))
         if self.backup_workers >= workers:
@@ -187,13 +229,13 @@ class ParameterServer(Strategy):
                 f"rank {rt.rank} is a server or relay: call sw.ps.serve(...) or "
                 "sw.ps.relay(...) there"
             )
-        if rt.world_size <= self.servers + self.relays:
+        if rt.world_size <= self.serving_servers + self.relays:
             raise ValueError(
                 f"{self.servers} server(s) and {self.relays} relay(s) leave no "
                 f"worker in a world of {rt.world_size}"
             )
         self.check_backups(rt.world_size)
-        first = self.servers + self.relays
+        first = self.serving_servers + self.relays
         data_shard = (rt.world_size - first, rt.rank - first)
         return PSWorkerModel(model, rt, PSClient(model, self, rt), self.rule, data_shard)
 
@@ -214,6 +256,10 @@ class PSClient:
         what this process is ("worker", or "relay" for a relay's connection upward)."""
         self.o, self.model = options, model
         self.servers = servers if servers is not None else options.upstream(rt.rank, rt.world_size)
+        # server -> its backup, gone over to when the server's connection breaks (replicas: 2)
+        self.backups = {s: b for s in self.servers if (b := options.backup_of(s)) is not None}
+        self.last_push: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
+        self.last_batch = -1  # the number of the last batch received
         self.plan = plan_shards(model, len(self.servers))
         self.params = trainable(model)
         self.rank = rt.rank
@@ -234,11 +280,12 @@ class PSClient:
             stuck_after_s,
             options.heartbeat_s,
         )
+        self.guard.patient = set(self.backups)
         worker = role == "worker"  # (a relay's connection upward is never compressed)
         push_codec, pull_codec = ps_codec(options.compression), ps_codec(options.pull_codec)
         self.pushes = PushEncoder(push_codec) if push_codec and worker else None
         self.pulls = PullReplicas(pull_codec) if pull_codec and worker else None
-        sig = protocol.pack(signature(model))
+        sig = self.signature = protocol.pack(signature(model))
         clocks = []
         for server in self.servers:
             # (the codecs' fingerprint: a server with other ones refuses this worker now)
@@ -254,13 +301,13 @@ class PSClient:
 
     def _send(self, server: int, kind: Kind, *ints: int, payload=None) -> None:
         """(a send blocks too, once a frozen server's socket buffer is full: guarded alike)"""
-        with self.guard.waiting(on=server):
+        with self.guard.waiting(on=server), self._going_over_if_broken(server):
             protocol.send(server, kind, *ints, payload=payload, group=self.group)
 
     def _recv(self, server: int, dtype: torch.dtype | None = None):
         """The next message from `server`, given up on (the process ends, naming it) if the
         server goes silent or leaves it unanswered past the bound."""
-        with self.guard.waiting(on=server):
+        with self.guard.waiting(on=server), self._going_over_if_broken(server):
             h, payload = protocol.recv(server, dtype, group=self.group)
         if Kind(int(h[0])) == Kind.ERROR:  # (e.g. declared stuck, its late messages refused)
             raise PSError(
@@ -268,9 +315,45 @@ class PSClient:
             )
         return h, payload
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def _going_over_if_broken(self, server: int):
+        """A broken connection to a server that has a backup: go over to it (`WentOver`)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if server not in self.backups or not broken_connection(str(e)):
+                raise
+            raise self._go_over(server, describe(e)) from None
+
+    def _go_over(self, server: int, why: str) -> WentOver:
+        """Talk to `server`'s backup from now on: HELLO (going over), and what it holds of us."""
+        backup = self.backups.pop(server)
+        print(
+            f"shardwise: ps worker rank {self.rank}: server rank {server} lost ({why}); going "
+            f"over to its backup, server rank {backup}",
+            flush=True,
+        )
+        self.servers[self.servers.index(server)] = backup
+        if server in self.last_push:  # (sent again if the backup lacks it)
+            self.last_push[backup] = self.last_push.pop(server)
+        self.guard.replace(server, backup)
+        self._send(backup, Kind.HELLO, self.o.codec_fingerprint(), 1, payload=self.signature)
+        h, _ = self._recv(backup)
+        return WentOver(backup, clock=int(h[1]), batch=int(h[2]))
+
     def pull(self) -> None:
-        """The parameters, each range from its server (waiting as the mode says)."""
+        """The parameters, each range from its server (waiting as the mode says); going over
+        to a backup on the way, the push it lacks is sent to it again."""
+        while True:
+            try:
+                return self._pull()
+            except WentOver as went:
+                if went.clock < self.clock and went.server in self.last_push:
+                    ints, payload = self.last_push[went.server]
+                    self._send(went.server, Kind.PUSH, *ints, payload=payload)
+
+    @torch.no_grad()
+    def _pull(self) -> None:
         for server in self.servers:
             self._send(server, Kind.PULL, self.clock)
         pieces, versions = [], []
@@ -300,32 +383,58 @@ class PSClient:
             if payload is not None and self.pushes is not None:
                 payload = self.pushes.encode(piece, server_index=i)
             # [clock, version used, workers summed (0: one), codec fingerprint]
-            self._send(server, Kind.PUSH, self.clock, self.version, 0, fingerprint, payload=payload)
+            ints = (self.clock, self.version, 0, fingerprint)
+            if server in self.backups:  # (sent again to the backup if the server dies)
+                self.last_push[server] = (ints, payload)
+            try:
+                self._send(server, Kind.PUSH, *ints, payload=payload)
+            except WentOver as went:  # (the backup lacks this push if its clock is behind)
+                self.last_push[went.server] = (ints, payload)
+                if went.clock <= self.clock:
+                    self._send(went.server, Kind.PUSH, *ints, payload=payload)
         self.clock += 1
 
     def skip(self) -> None:
         """No update from this worker for its clock (its gradient was not finite): every server
         moves its clock on, and a sync round counts it without its values."""
-        for server in self.servers:
-            self._send(server, Kind.SKIP, self.clock, self.version)
+        for server in list(self.servers):
+            try:
+                self._send(server, Kind.SKIP, self.clock, self.version)
+            except WentOver as went:
+                if went.clock <= self.clock:
+                    self._send(went.server, Kind.SKIP, self.clock, self.version)
         self.clock += 1
 
     def next_batch(self) -> list[int] | None:
         """Indices of the next batch from the work queue on server 0 (None: no more); through
         the relay in a two-level job."""
+        again = 0
+        while True:
+            try:
+                return self._next_batch(again)
+            except WentOver as went:  # the batch it holds there, never received: again
+                again = int(went.batch >= 0 and went.batch != self.last_batch)
+
+    def _next_batch(self, again: int) -> list[int] | None:
         dealer = self.servers[0]
-        self._send(dealer, Kind.NEXT)
+        self._send(dealer, Kind.NEXT, 0, again)
         h, indices = self._recv(dealer, torch.int64)
         if Kind(int(h[0])) == Kind.WAIT:  # none now: the other servers must not wait for us
             for server in self.servers[1:]:
                 self._send(server, Kind.IDLE)
             h, indices = self._recv(dealer, torch.int64)
-        return None if Kind(int(h[0])) == Kind.END else indices.tolist()
+        if Kind(int(h[0])) == Kind.END:
+            return None
+        self.last_batch = int(h[3])
+        return indices.tolist()
 
     def close(self, say_done: bool = True) -> None:
         if say_done:
-            for server in self.servers:
-                self._send(server, Kind.DONE)
+            for i in range(len(self.servers)):
+                try:
+                    self._send(self.servers[i], Kind.DONE)
+                except WentOver as went:
+                    self._send(went.server, Kind.DONE)
         self.guard.stop()
         self._beats.stop()
 
@@ -433,6 +542,13 @@ class PSConfig(StrategySection):
         description="codec for pulls if not compression's: the same names, or none (fp32)",
         pattern=r"^(none|fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$",
     )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="2: each shard also on a backup server (ranks servers..2*servers-1), kept "
+        "in lockstep; a dead primary's workers go over to it (relays 0, no compression)",
+    )
     backup_workers: int = Field(
         0,
         ge=0,
@@ -458,6 +574,12 @@ class PSConfig(StrategySection):
         compressed = self.compression or self.pull_compression not in (None, "none")
         if compressed and (self.relays or self.rule != "gradient"):
             raise ValueError("ps compression and pull_compression need rule gradient, relays 0")
+        if self.replicas == 2 and (
+            self.servers > 1 or self.relays or compressed or self.snapshot_every
+        ):
+            raise ValueError(
+                "ps replicas 2 needs servers 1, relays 0, no compression and snapshot_every 0"
+            )
         return self
 
     def build(self, world_size: int, run_dir: Path) -> ParameterServer:
@@ -466,13 +588,14 @@ class PSConfig(StrategySection):
         return ParameterServer(**options, snapshot_dir=snapshots)
 
     def ranks_needed(self) -> int | None:
-        return self.servers + self.relays + self.workers
+        return self.servers * self.replicas + self.relays + self.workers
 
     def describe(self) -> str:
         relays = f"{self.relays} relays, " if self.relays else ""
         pulls = f", pulls {self.pull_compression}" if self.pull_compression else ""
         codec = f", {self.compression}{pulls}" if self.compression or pulls else ""
         backups = f", {self.backup_workers} backup" if self.backup_workers else ""
+        backups += ", each shard replicated" if self.replicas == 2 else ""
         return (
             f"parameter server ({self.mode}, {self.servers} server(s), {relays}"
             f"{self.workers} workers{backups}{codec})"

@@ -62,7 +62,7 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
         (out / f"relay{rt.rank}.json").write_text(json.dumps(dataclasses.asdict(report)))
     elif strategy.is_server():
         work = None
-        if rt.rank == 0:
+        if strategy.shard_of(rt.rank) == 0:  # server 0 deals (and its backup, in lockstep)
             total = cfg.train.steps * cfg.strategy.workers
             work = WorkQueue.for_batches(
                 total, len(job.splits.train), cfg.data.batch_size, cfg.train.seed
@@ -112,7 +112,7 @@ def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: fl
     store.add("shardwise/ps/written", 1)
     if rank != 0:
         return
-    serving = strategy.servers + strategy.relays
+    serving = strategy.servers + strategy.relays  # (with replicas: one of each pair at least)
     deadline = time.monotonic() + max(60.0, 4 * strategy.timeout_s)
     while (written := store.add("shardwise/ps/written", 0)) < serving:
         if time.monotonic() > deadline:
@@ -126,9 +126,9 @@ def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: fl
     if SUPERVISED in os.environ:
         return
     missing = [
-        r
-        for r in range(strategy.servers)
-        if not (run_dir / "ps" / f"server{r}.safetensors").exists()
+        shard
+        for shard, path in enumerate(_shard_reports(cfg, run_dir / "ps", "safetensors"))
+        if not path.exists()
     ]
     if missing:
         where = run_dir / "ps"
@@ -142,7 +142,7 @@ def _report_written(cfg: Config, strategy, rank: int, run_dir: Path, started: fl
 
 
 def _work(cfg, job: Job, strategy, rt, out: Path, opt_cls, opt_kwargs, faults) -> None:
-    index = rt.rank - strategy.servers - strategy.relays
+    index = rt.rank - strategy.serving_servers - strategy.relays
     model, opt = api.prepare(job.model, strategy, optimizer=opt_cls, **opt_kwargs)
     metrics = MetricsFile(out / f"worker{rt.rank}.jsonl")
     start, step, bad = time.perf_counter(), 0, BadSteps(cfg.train, f"ps worker rank {rt.rank}")
@@ -231,9 +231,7 @@ class BadSteps:
 def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int]) -> dict:
     """Put the servers' shards together into the model, evaluate it, write the summary."""
     out = run_dir / "ps"
-    servers = [
-        json.loads((out / f"server{r}.json").read_text()) for r in range(cfg.strategy.servers)
-    ]
+    servers = [json.loads(path.read_text()) for path in _shard_reports(cfg, out, "json")]
     job = _assembled(cfg, out)
     eval_loss, accuracy, _ = evaluate(
         *(job.model, job.splits.test, job.loss_fn, cfg.train.eval_batch_size),
@@ -254,7 +252,9 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     _plot_staleness(histogram, run_dir / "staleness.png", cfg.strategy.mode)
     relays = [json.loads(p.read_text()) for p in sorted(out.glob("relay*.json"))]
     dead = {int(w): s for report in servers + relays for w, s in report["dead_workers"].items()}
-    dead = {w: s for w, s in dead.items() if w >= cfg.strategy.servers + cfg.strategy.relays}
+    dead = {
+        w: s for w, s in dead.items() if w >= cfg.strategy.ranks_needed() - cfg.strategy.workers
+    }
     summary = {
         "name": cfg.name,
         "strategy": cfg.strategy.describe(),
@@ -284,9 +284,23 @@ def summarise(cfg: Config, run_dir: Path, wall_s: float, failures: dict[int, int
     return summary
 
 
+def _shard_reports(cfg: Config, out: Path, suffix: str) -> list[Path]:
+    """Each shard's file from the server that finished serving it: its primary, or (replicas:
+    2) the backup that took over from it."""
+    s = cfg.strategy
+    paths = []
+    for shard in range(s.servers):
+        ranks = [shard + k * s.servers for k in range(s.replicas)]
+        done = [
+            out / f"server{r}.{suffix}" for r in ranks if (out / f"server{r}.{suffix}").exists()
+        ]
+        paths.append(done[0] if done else out / f"server{shard}.{suffix}")
+    return paths
+
+
 def _assembled(cfg: Config, out: Path) -> Job:
     """The job, its model's trainable parameters the servers' shards put together."""
-    shards = [load_file(str(out / f"server{r}.safetensors")) for r in range(cfg.strategy.servers)]
+    shards = [load_file(str(path)) for path in _shard_reports(cfg, out, "safetensors")]
     flat = torch.cat([shard["flat"] for shard in shards])
     job = build_job(cfg).materialized()
     with torch.no_grad():

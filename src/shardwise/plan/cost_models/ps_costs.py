@@ -186,7 +186,7 @@ def ps_costs(job: CostJob, s: PSConfig) -> Costs:
     """`predictors.predict`'s view: rank `job.rank`'s costs in a job of `job.world_size` ranks (its
     servers and relays included) under the config's `PSConfig` `s`, each worker taking batches
     of `job.global_batch // workers` samples from server 0's queue (none: no batch messages)."""
-    workers = job.world_size - s.servers - s.relays
+    workers = job.world_size - s.servers * s.replicas - s.relays
     batch = job.global_batch // workers if job.global_batch else None
     costs = predict_ps(job.model, s, workers, job.optimizer, batch).ranks[job.rank]
     if costs.role == "worker" and batch:
