@@ -40,3 +40,14 @@ def single_process_weights(workers: int, steps: int = STEPS, skips: dict | None 
         opt.step()
         opt.zero_grad()
     return model.state_dict()
+
+
+def train_on_slices(model, opt, index: int, workers: int, steps: int = STEPS) -> None:
+    """A sync worker's loop: slice `index` of global batch `clock`, until `steps` clocks."""
+    client = model.client
+    while client.clock < steps:
+        x, y = global_batch(client.clock, workers)
+        part = slice(index * BATCH, (index + 1) * BATCH)
+        F.cross_entropy(model(x[part]), y[part]).backward()
+        opt.step()
+        opt.zero_grad()

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from harness import run_ps_job
-from ps_batches import BATCH, STEPS, global_batch, mlp, single_process_weights
+from ps_batches import (
+    BATCH,
+    STEPS,
+    global_batch,
+    mlp,
+    single_process_weights,
+    train_on_slices,
+)
 from shardwise.nn.models import MLP
 from shardwise.ps import protocol
 from shardwise.ps.dealer import Dealer, NoDealing
@@ -677,16 +684,10 @@ def _replicated_run(kill_at: int, when: str, steps: int = STEPS):
         report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=1e-2)
         return {"updates": report.updates, "took_over_at": report.took_over_at}
     model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
-    client, index = model.client, rank - 2
-    while client.clock < steps:
-        x, y = global_batch(client.clock, 2)
-        part = slice(index * BATCH, (index + 1) * BATCH)
-        F.cross_entropy(model(x[part]), y[part]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_on_slices(model, opt, rank - 2, 2, steps)
     state = sw.full_state_dict(model)
     strategy.close(model)
-    return {"state": state, "servers": list(client.servers)}
+    return {"state": state, "servers": list(model.client.servers)}
 
 
 @pytest.mark.parametrize("when", ["applied", "pushed"])

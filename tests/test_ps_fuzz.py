@@ -16,10 +16,9 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import shardwise as sw
-from ps_batches import BATCH, STEPS, global_batch, mlp, single_process_weights
+from ps_batches import STEPS, mlp, single_process_weights, train_on_slices
 from shardwise.comm import messages
 from shardwise.ps import protocol
 from shardwise.ps.protocol import Kind
@@ -112,13 +111,7 @@ def _fuzz_run(relays: int, hostile: int, messages_count: int):
                 errors[category].append(protocol.unpack(reply))
         client.close()
         return {"errors": dict(errors)}
-    index = rank - strategy.servers - strategy.relays
-    while client.clock < STEPS:
-        x, y = global_batch(client.clock, 2)
-        part = slice(index * BATCH, (index + 1) * BATCH)
-        F.cross_entropy(model(x[part]), y[part]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_on_slices(model, opt, rank - strategy.servers - strategy.relays, 2)
     state = sw.full_state_dict(model)
     strategy.close(model)
     return state
