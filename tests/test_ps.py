@@ -662,15 +662,16 @@ def test_a_batch_a_worker_was_late_with_goes_to_another_worker_first():
     assert work.consumed_batches == 3
 
 
-def _replicated_run(kill_at: int, when: str, steps: int = STEPS):
-    """Sync, one shard on a primary (rank 0) and its backup (rank 1), 2 workers; the primary
-    SIGKILLs itself right after applying update `kill_at` ("applied": the workers may or may
-    not have its answer), or as it is about to apply it ("pushed": the second push of that
-    clock was forwarded, the pull after it perhaps not even read)."""
-    strategy = sw.ParameterServer(servers=1, replicas=2, mode="sync")
+def _replicated_run(kill_at: int, when: str, servers: int, victim: int = 0, steps: int = STEPS):
+    """Sync, each of `servers` shards on a primary (ranks 0..S-1) and its backup (S..2S-1), 2
+    workers; primary `victim` SIGKILLs itself right after applying update `kill_at`
+    ("applied": the workers may or may not have its answer), or as it is about to apply it
+    ("pushed": the pushes of that clock were forwarded, the pulls after them perhaps not even
+    read)."""
+    strategy = sw.ParameterServer(servers=servers, replicas=2, mode="sync")
     rank = dist.get_rank()
     if strategy.is_server():
-        if rank == 0:
+        if rank == victim:
             original = sw.ps.server.Server.apply
 
             def dying_apply(self, flat, staleness):
@@ -684,22 +685,25 @@ def _replicated_run(kill_at: int, when: str, steps: int = STEPS):
         report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=1e-2)
         return {"updates": report.updates, "took_over_at": report.took_over_at}
     model, opt = sw.prepare(mlp(), strategy, optimizer=torch.optim.AdamW, lr=1e-2)
-    train_on_slices(model, opt, rank - 2, 2, steps)
+    train_on_slices(model, opt, rank - 2 * servers, 2, steps)
     state = sw.full_state_dict(model)
     strategy.close(model)
     return {"state": state, "servers": list(model.client.servers)}
 
 
-@pytest.mark.parametrize("when", ["applied", "pushed"])
-def test_a_killed_primary_server_is_replaced_by_its_backup_with_no_update_lost(when):
-    """The primary dies mid-run (SIGKILL); the workers go over to the backup, which took every
-    message the primary handled, and the job ends as single-process training on the same
-    batches, within 1e-5."""
+@pytest.mark.parametrize("when, servers", [("applied", 1), ("pushed", 2)])
+def test_a_killed_primary_server_is_replaced_by_its_backup_with_no_update_lost(when, servers):
+    """Server 0's primary dies mid-run (SIGKILL); the workers go over to its backup, which took
+    every message the primary handled (with 2 shards it also takes over deciding the sync
+    rounds, announcing its last ones again), and the job ends as single-process training on
+    the same batches, within 1e-5."""
     expected = single_process_weights(workers=2)
-    _, backup, *workers = run(_replicated_run, 4, 12, when, timeout_s=120, dies=(0,))
+    results = run(_replicated_run, 2 * servers + 2, 12, when, servers, timeout_s=120, dies=(0,))
+    backup, workers = results[servers], results[2 * servers :]
     # (killed before applying update 12, the primary had forwarded its pushes: the backup
     # applied it before it noticed the loss)
     assert backup == {"updates": STEPS, "took_over_at": 12}
+    assert all(r["updates"] == STEPS for r in results[1 : 2 * servers])
     for worker in workers:
-        assert worker["servers"] == [1]  # it went over
+        assert worker["servers"] == [servers, *range(1, servers)]  # it went over
         assert max((worker["state"][k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5

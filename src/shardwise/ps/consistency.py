@@ -110,6 +110,9 @@ class Sync:
     def __init__(self, followers: list[int], backups: int = 0) -> None:
         self.followers = followers  # the other servers, told each round's members
         self.backups = backups  # a round closes without the last `backups` active clients
+        # (version after, members) of the last rounds decided: announced again by a backup that
+        # takes over deciding them (its primary may have died before announcing the last ones)
+        self.recent: collections.deque[tuple[int, list[int]]] = collections.deque(maxlen=8)
         # client -> (sum of its pushed values, how many workers' pushes it holds), this clock
         self.pending: dict[int, tuple[torch.Tensor, int]] = {}
 
@@ -138,6 +141,7 @@ class Sync:
         and announce it."""
         if round_complete(self.pending, server.active(), self.backups):
             members = sorted(self.pending)
+            self.recent.append((server.version + 1, members))
             for follower in self.followers:
                 server.announce_round(follower, members)
             server.apply_round(members, [self.pending.pop(m) for m in members])
@@ -145,7 +149,7 @@ class Sync:
     def forget(self, client: int) -> None:
         self.pending.pop(client, None)
 
-    def announce(self, members: list[int]) -> None:
+    def announce(self, server: ServerView, members: list[int], version_after: int) -> None:
         raise ValueError("only server 0 decides sync rounds")
 
 
@@ -163,8 +167,11 @@ class SyncFollower(Sync):
         self.versions[client] = version_used
         super().push(server, client, version_used, value, count)
 
-    def announce(self, members: list[int]) -> None:
-        self.rounds.append(members)
+    def announce(self, server: ServerView, members: list[int], version_after: int) -> None:
+        """Queue the round, if it is the next one (with replicas a round can come twice: from
+        server 0 and from its backup, which announces its last ones again when it takes over)."""
+        if version_after == server.version + len(self.rounds) + 1:
+            self.rounds.append(members)
 
     def settle(self, server: ServerView) -> None:
         """Apply each announced round once its members' pushes are in (a member that died
@@ -187,11 +194,15 @@ class SyncFollower(Sync):
         pass  # keep its push: server 0 may have counted it in a round
 
 
-def mode_for(mode: str, staleness: int, rank: int, servers: int, backups: int = 0) -> Async | Sync:
+def mode_for(
+    mode: str, staleness: int, shard: int, followers: list[int], backups: int = 0
+) -> Async | Sync:
+    """The mode of the server of `shard`; `followers`: the ranks server 0 announces sync rounds
+    to (every other shard's servers)."""
     if mode == "async":
         return Async()
     if mode == "ssp":
         return SSP(staleness)
-    if rank > 0:
+    if shard > 0:
         return SyncFollower(backups)
-    return Sync(followers=list(range(1, servers)), backups=backups)
+    return Sync(followers=followers, backups=backups)

@@ -149,7 +149,10 @@ class Server:
         relay_s = o.timeout_s if o.relays else 0.0
         self.stuck_after_s = o.progress_timeout_s + relay_s
         self.clock = dict.fromkeys(clients, 0)
-        self.mode = mode_for(o.mode, o.staleness, self.shard_index, o.servers, o.backup_workers)
+        # (with replicas, every other shard's primary and backup hear server 0's rounds)
+        followers = [r for r in range(o.serving_servers) if o.shard_of(r) != 0]
+        self.mode = mode_for(o.mode, o.staleness, self.shard_index, followers, o.backup_workers)
+        self.coordinators = frozenset(r for r in range(o.serving_servers) if o.shard_of(r) == 0)
         self.waiting_pulls: list[tuple[int, int]] = []  # (client, clock)
         self.report = ServerReport(rank=self.rank, updates=0)
         self.greeted: set[int] = set()
@@ -246,8 +249,9 @@ class Server:
             hears_rounds=self.mode.hears_rounds,
             shard_numel=self.shard.numel,
             workers=self.workers,
+            coordinators=self.coordinators,
         )
-        senders = [*self.peers.live, *([COORDINATOR] if self.mode.hears_rounds else [])]
+        senders = [*self.peers.live, *(self.coordinators if self.mode.hears_rounds else [])]
         # (every receive thread reads on after a DONE: what a client sends after it is refused)
         numel, push_dtype = self.shard.numel, None
         if self.push_codec is not None:  # pushes are the codec's bytes
@@ -304,7 +308,7 @@ class Server:
         )
         if problem := check(self.rules, src, h, payload, turn):
             return problem
-        if src not in self.peers.live and src != COORDINATOR:
+        if src not in self.peers.live and src not in self.coordinators:
             why = self.report.rejected.get(src, "it was declared dead")
             return f"rank {src} is no longer served ({why})"
         if src in self.peers.done:
@@ -402,7 +406,7 @@ class Server:
 
     def _on_round(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:
         """From server 0: the members of the next sync round."""
-        self.mode.announce(payload.tolist())
+        self.mode.announce(self, payload.tolist(), version_after=int(h[1]))
         self.mode.settle(self)
 
     # ---- updates
@@ -529,6 +533,9 @@ class Server:
                 self.peers.lose(client, reason)
         for client, payload in self.coming_over:
             self._came_over(client, payload)
+        for version_after, members in getattr(self.mode, "recent", ()):  # (deciding rounds:
+            for follower in self.mode.followers:  # its primary's last may never have gone out)
+                self.outbox.send(follower, Kind.ROUND, version_after, payload=torch.tensor(members))
 
     def _came_over(self, src: int, payload) -> None:
         """A worker lost this backup's primary: forget what it waits for here (it asks again),

@@ -30,6 +30,8 @@ class Rules:
     hears_rounds: bool  # server 0 announces this server's sync rounds to it
     shard_numel: int  # a PUSH's payload length
     workers: int  # workers in the job: at most this many behind one push
+    # the ranks that decide sync rounds: server 0, and its backup with replicas
+    coordinators: frozenset[int] = frozenset({COORDINATOR})
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def check(
     """None if the message may be handled, else one line saying what is wrong with it."""
     kind = Kind(int(h[0]))
     a, b, c = int(h[1]), int(h[2]), int(h[3])
-    if src == COORDINATOR and rules.server != COORDINATOR:
+    if src in rules.coordinators and rules.server not in rules.coordinators:
         return _check_round(rules, kind, payload)
     if src not in rules.clients:
         return f"{kind.name} from rank {src}, which is not a client of this server"

@@ -138,15 +138,11 @@ class ParameterServer(Strategy):
         if self.replicas not in (1, 2):
             raise ValueError(f"ps replicas must be 1 or 2, got {self.replicas}")
         if self.replicas == 2 and (
-            self.servers > 1
-            or self.relays
-            or self.compression
-            or self.pull_codec
-            or self.snapshot_every
+            self.relays or self.compression or self.pull_codec or self.snapshot_every
         ):
             raise ValueError(
-                "ps replicas: 2 needs servers 1, relays 0, no compression and snapshot_every 0 "
-                "(the backup server replaces snapshots)"
+                "ps replicas: 2 needs relays 0, no compression and snapshot_every 0 (the backup "
+                "servers replace snapshots)"
             )
         if self.backup_workers < 0:
             raise ValueError(f"ps backup_workers must be >= 0, got {self.backup_workers}")
@@ -258,7 +254,8 @@ class PSClient:
         self.servers = servers if servers is not None else options.upstream(rt.rank, rt.world_size)
         # server -> its backup, gone over to when the server's connection breaks (replicas: 2)
         self.backups = {s: b for s in self.servers if (b := options.backup_of(s)) is not None}
-        self.last_push: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
+        # server -> the last PUSH or SKIP to it: (kind, ints, payload), sent again to its backup
+        self.last_sent: dict[int, tuple[Kind, tuple[int, ...], torch.Tensor | None]] = {}
         self.last_batch = -1  # the number of the last batch received
         self.plan = plan_shards(model, len(self.servers))
         self.params = trainable(model)
@@ -334,32 +331,31 @@ class PSClient:
             flush=True,
         )
         self.servers[self.servers.index(server)] = backup
-        if server in self.last_push:  # (sent again if the backup lacks it)
-            self.last_push[backup] = self.last_push.pop(server)
+        if server in self.last_sent:  # (sent again if the backup lacks it)
+            self.last_sent[backup] = self.last_sent.pop(server)
         self.guard.replace(server, backup)
         self._send(backup, Kind.HELLO, self.o.codec_fingerprint(), 1, payload=self.signature)
         h, _ = self._recv(backup)
         return WentOver(backup, clock=int(h[1]), batch=int(h[2]))
 
-    def pull(self) -> None:
-        """The parameters, each range from its server (waiting as the mode says); going over
-        to a backup on the way, the push it lacks is sent to it again."""
-        while True:
-            try:
-                return self._pull()
-            except WentOver as went:
-                if went.clock < self.clock and went.server in self.last_push:
-                    ints, payload = self.last_push[went.server]
-                    self._send(went.server, Kind.PUSH, *ints, payload=payload)
-
     @torch.no_grad()
-    def _pull(self) -> None:
-        for server in self.servers:
-            self._send(server, Kind.PULL, self.clock)
+    def pull(self) -> None:
+        """The parameters, each range from its server (waiting as the mode says). A server that
+        dies meanwhile is replaced by its backup (`replicas: 2`), which is sent again the push
+        it lacks and this pull."""
+        for i in range(len(self.servers)):
+            self._to_server(i, Kind.PULL, self.clock)
         pieces, versions = [], []
-        for server, (start, end) in zip(self.servers, self.plan.bounds, strict=True):
-            dtype = self.pulls.dtype(server) if self.pulls else torch.float32
-            h, piece = self._recv(server, dtype)
+        for i, (start, end) in enumerate(self.plan.bounds):
+            while True:
+                server = self.servers[i]
+                dtype = self.pulls.dtype(server) if self.pulls else torch.float32
+                try:
+                    h, piece = self._recv(server, dtype)
+                    break
+                except WentOver as went:
+                    self._send_again(went)
+                    self._send(went.server, Kind.PULL, self.clock)
             versions.append(int(h[1]))
             piece = piece if piece is not None else torch.zeros(0, dtype=dtype)
             if self.pulls is not None:
@@ -374,35 +370,46 @@ class PSClient:
         for p, value in zip(self.params, unflatten(flat, self.params), strict=True):
             p.copy_(value)
 
+    def _to_server(self, i: int, kind: Kind, *ints: int, payload=None) -> None:
+        """A message to the server of shard `i`, or to its backup if that server is lost on
+        the way (after what the backup lacks)."""
+        server = self.servers[i]
+        if kind in (Kind.PUSH, Kind.SKIP) and server in self.backups:
+            self.last_sent[server] = (kind, ints, payload)  # (sent again to its backup)
+        try:
+            self._send(server, kind, *ints, payload=payload)
+        except WentOver as went:
+            if kind in (Kind.PUSH, Kind.SKIP):
+                self.last_sent[went.server] = (kind, ints, payload)
+            self._send_again(went)
+            if kind not in (Kind.PUSH, Kind.SKIP):
+                self._send(went.server, kind, *ints, payload=payload)
+
+    def _send_again(self, went: WentOver) -> None:
+        """The last push (or skip) to the backup gone over to, if its clock says it lacks it."""
+        if went.server not in self.last_sent:
+            return
+        kind, ints, payload = self.last_sent[went.server]
+        if went.clock <= ints[0]:  # (the backup's clock for us has not passed that push)
+            self._send(went.server, kind, *ints, payload=payload)
+
     def push(self, tensors: list[torch.Tensor]) -> None:
         """One value per parameter (gradients, or parameters under the averaging rule)."""
         flat = flat_values(tensors)
         fingerprint = self.pushes.fingerprint if self.pushes else 0
-        for i, (server, piece) in enumerate(zip(self.servers, self.plan.split(flat), strict=True)):
+        for i, piece in enumerate(self.plan.split(flat)):
             payload = piece if piece.numel() else None
             if payload is not None and self.pushes is not None:
                 payload = self.pushes.encode(piece, server_index=i)
             # [clock, version used, workers summed (0: one), codec fingerprint]
-            ints = (self.clock, self.version, 0, fingerprint)
-            if server in self.backups:  # (sent again to the backup if the server dies)
-                self.last_push[server] = (ints, payload)
-            try:
-                self._send(server, Kind.PUSH, *ints, payload=payload)
-            except WentOver as went:  # (the backup lacks this push if its clock is behind)
-                self.last_push[went.server] = (ints, payload)
-                if went.clock <= self.clock:
-                    self._send(went.server, Kind.PUSH, *ints, payload=payload)
+            self._to_server(i, Kind.PUSH, self.clock, self.version, 0, fingerprint, payload=payload)
         self.clock += 1
 
     def skip(self) -> None:
         """No update from this worker for its clock (its gradient was not finite): every server
         moves its clock on, and a sync round counts it without its values."""
-        for server in list(self.servers):
-            try:
-                self._send(server, Kind.SKIP, self.clock, self.version)
-            except WentOver as went:
-                if went.clock <= self.clock:
-                    self._send(went.server, Kind.SKIP, self.clock, self.version)
+        for i in range(len(self.servers)):
+            self._to_server(i, Kind.SKIP, self.clock, self.version)
         self.clock += 1
 
     def next_batch(self) -> list[int] | None:
@@ -420,8 +427,8 @@ class PSClient:
         self._send(dealer, Kind.NEXT, 0, again)
         h, indices = self._recv(dealer, torch.int64)
         if Kind(int(h[0])) == Kind.WAIT:  # none now: the other servers must not wait for us
-            for server in self.servers[1:]:
-                self._send(server, Kind.IDLE)
+            for i in range(1, len(self.servers)):
+                self._to_server(i, Kind.IDLE)
             h, indices = self._recv(dealer, torch.int64)
         if Kind(int(h[0])) == Kind.END:
             return None
@@ -431,10 +438,7 @@ class PSClient:
     def close(self, say_done: bool = True) -> None:
         if say_done:
             for i in range(len(self.servers)):
-                try:
-                    self._send(self.servers[i], Kind.DONE)
-                except WentOver as went:
-                    self._send(went.server, Kind.DONE)
+                self._to_server(i, Kind.DONE)
         self.guard.stop()
         self._beats.stop()
 
@@ -574,12 +578,8 @@ class PSConfig(StrategySection):
         compressed = self.compression or self.pull_compression not in (None, "none")
         if compressed and (self.relays or self.rule != "gradient"):
             raise ValueError("ps compression and pull_compression need rule gradient, relays 0")
-        if self.replicas == 2 and (
-            self.servers > 1 or self.relays or compressed or self.snapshot_every
-        ):
-            raise ValueError(
-                "ps replicas 2 needs servers 1, relays 0, no compression and snapshot_every 0"
-            )
+        if self.replicas == 2 and (self.relays or compressed or self.snapshot_every):
+            raise ValueError("ps replicas 2 needs relays 0, no compression and snapshot_every 0")
         return self
 
     def build(self, world_size: int, run_dir: Path) -> ParameterServer:
