@@ -49,8 +49,8 @@ class ServerView(Protocol):
     def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
         """Apply the mean of a sync round's pushes (value, count)."""
 
-    def announce_round(self, follower: int, members: list[int]) -> None:
-        """Tell another server which clients a sync round holds."""
+    def announce_round(self, follower: int, members: list[int], version_after: int) -> None:
+        """Tell another server which clients the sync round to `version_after` holds."""
 
     def late(self, client: int) -> None:
         """`client`'s push came after its round closed: not applied."""
@@ -59,9 +59,7 @@ class ServerView(Protocol):
 def round_complete(pending: Collection[int], active: set[int], backups: int = 0) -> bool:
     """Sync: a clock's round closes once every active client has pushed for it, or all but
     `backups` of them."""
-    if not pending:
-        return False
-    return set(pending) >= active or len(set(pending) & active) >= len(active) - backups
+    return bool(pending) and len(set(pending) & active) >= len(active) - backups
 
 
 def sync_pull_ready(client: int, pending, version: int, clock: int, active: set[int]) -> bool:
@@ -95,6 +93,9 @@ class Async:
 
     def forget(self, client: int) -> None:
         """`client` died: drop what it left here."""
+
+    def take_over(self, server: ServerView) -> None:
+        """This server (a backup) now serves its shard: whatever its primary owed others."""
 
 
 class SSP(Async):
@@ -143,11 +144,18 @@ class Sync:
             members = sorted(self.pending)
             self.recent.append((server.version + 1, members))
             for follower in self.followers:
-                server.announce_round(follower, members)
+                server.announce_round(follower, members, server.version + 1)
             server.apply_round(members, [self.pending.pop(m) for m in members])
 
     def forget(self, client: int) -> None:
         self.pending.pop(client, None)
+
+    def take_over(self, server: ServerView) -> None:
+        """Announce the last rounds again: the primary that decided them may have died before
+        it sent them (a follower takes each round once)."""
+        for version_after, members in self.recent:
+            for follower in self.followers:
+                server.announce_round(follower, members, version_after)
 
     def announce(self, server: ServerView, members: list[int], version_after: int) -> None:
         raise ValueError("only server 0 decides sync rounds")
@@ -184,14 +192,16 @@ class SyncFollower(Sync):
             self.rounds.popleft()
             pushes = [self.pending.pop(m) for m in members if m in self.pending]
             server.apply_round(members, pushes)
-            for client in [
-                c for c in self.pending if self.backups and self.versions[c] < server.version
-            ]:
-                del self.pending[client]
-                server.late(client)
+            if self.backups:  # a held push of a client the round left out came too late
+                for client in [c for c in self.pending if self.versions[c] < server.version]:
+                    del self.pending[client]
+                    server.late(client)
 
     def forget(self, client: int) -> None:
         pass  # keep its push: server 0 may have counted it in a round
+
+    def take_over(self, server: ServerView) -> None:
+        """Nothing owed: server 0 decides the rounds."""
 
 
 def mode_for(

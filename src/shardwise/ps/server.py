@@ -418,9 +418,9 @@ class Server:
         """Whether `client` is alive (served, not declared dead)."""
         return client in self.peers.live
 
-    def announce_round(self, follower: int, members: list[int]) -> None:
-        """Tell server `follower` the members of the next sync round (ROUND)."""
-        self.outbox.send(follower, Kind.ROUND, self.version + 1, payload=torch.tensor(members))
+    def announce_round(self, follower: int, members: list[int], version_after: int) -> None:
+        """Tell server `follower` the members of the sync round to `version_after` (ROUND)."""
+        self.outbox.send(follower, Kind.ROUND, version_after, payload=torch.tensor(members))
 
     def late(self, client: int) -> None:
         """Its push came after its round closed: counted, not applied, its batch dealt again."""
@@ -533,9 +533,7 @@ class Server:
                 self.peers.lose(client, reason)
         for client, payload in self.coming_over:
             self._came_over(client, payload)
-        for version_after, members in getattr(self.mode, "recent", ()):  # (deciding rounds:
-            for follower in self.mode.followers:  # its primary's last may never have gone out)
-                self.outbox.send(follower, Kind.ROUND, version_after, payload=torch.tensor(members))
+        self.mode.take_over(self)
 
     def _came_over(self, src: int, payload) -> None:
         """A worker lost this backup's primary: forget what it waits for here (it asks again),

@@ -66,9 +66,8 @@ class WorkQueue:
         or None when none is left to deal."""
         self.finish(worker)
         # (a batch a worker was late with goes to another one first: it would be late again)
-        mine = [b for b in self.returned if self.late_with.get(b) == worker]
-        if len(mine) < len(self.returned):
-            b = next(b for b in self.returned if self.late_with.get(b) != worker)
+        b = next((b for b in self.returned if self.late_with.get(b) != worker), None)
+        if b is not None:
             self.returned.remove(b)
         elif self.cursor < self.total:
             b, self.cursor = self.cursor, self.cursor + 1
