@@ -161,6 +161,30 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _shrink_where_any_rank_can_go(self) -> Config:
+        if self.train.on_failure == "stop":
+            return self
+        s = self.strategy
+        plain = s.name == "ddp" or (s.name == "zero" and not getattr(s, "shard_group", None))
+        if not plain:
+            raise ValueError(
+                f"train.on_failure {self.train.on_failure!r} needs data-parallel ddp or zero "
+                f"(without hybrid sharding), not {s.describe()}: the others must be able to "
+                "train on without any one rank"
+            )
+        if getattr(s, "compression", None):
+            raise ValueError(
+                f"train.on_failure {self.train.on_failure!r}: not with compression (a codec's "
+                "residuals are one rank's, and go with it)"
+            )
+        if self.data.mode == "queue" or self.data.balance == "dynamic" or self.data.rank_weights:
+            raise ValueError(
+                f"train.on_failure {self.train.on_failure!r}: the global batch is dealt evenly "
+                "over the ranks left; not with data.mode queue, dynamic balance or rank_weights"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _stages_on_split_data(self) -> Config:
         if not self.data.stages:
             return self

@@ -457,6 +457,14 @@ class TrainConfig(Section):
         description="global batches (1 = the run's first) to leave out, e.g. ones known to "
         "produce non-finite values; the next batch takes their step",
     )
+    on_failure: Literal["stop", "shrink", "replace"] = Field(
+        "stop",
+        description="a rank that dies or hangs: every rank stops (and the job restarts from "
+        "its newest checkpoint under launch.max_restarts); or the others go on without it "
+        "from the step in hand, the same global batch dealt over them, no checkpoint read "
+        "(data-parallel ddp and zero); replace: and the launcher starts a replacement, which "
+        "the others take in at a step boundary and send the whole state",
+    )
     nonfinite: Literal["skip", "stop", "rollback"] = Field(
         "skip",
         description="a non-finite loss or gradient on any rank: skip the update on every rank; "

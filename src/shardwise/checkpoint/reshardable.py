@@ -267,17 +267,17 @@ def read_manifest(directory: Path) -> Manifest:
     return manifest
 
 
-def _unit_pieces(paths: list[Path], shards: list[dict], i: int, key: str) -> list[torch.Tensor]:
+def _unit_pieces(names: list[str], shards: list[dict], i: int, key: str) -> list[torch.Tensor]:
     """`unit{i}/{key}` of every shard: all scalars, or all flat slices of one size."""
     pieces = []
-    for path, shard in zip(paths, shards, strict=True):
+    for name, shard in zip(names, shards, strict=True):
         piece = shard.get(f"unit{i}/{key}")
         if piece is None:
-            raise CheckpointError(f"{path}: missing tensor unit{i}/{key}")
+            raise CheckpointError(f"{name}: missing tensor unit{i}/{key}")
         if piece.dim() > 1 or piece.shape != (pieces[0] if pieces else piece).shape:
             raise CheckpointError(
-                f"{path}: tensor unit{i}/{key} has shape {list(piece.shape)}, expected a "
-                f"scalar or a flat slice of the shape of {paths[0].name}'s"
+                f"{name}: tensor unit{i}/{key} has shape {list(piece.shape)}, expected a "
+                f"scalar or a flat slice of the shape of {names[0]}'s"
             )
         pieces.append(piece)
     return pieces
@@ -289,25 +289,38 @@ def read_full_state(directory: str | Path) -> tuple[dict, dict, int]:
     manifest = read_manifest(directory)
     paths = [directory / name for name in manifest.shard_files()]  # in rank order
     shards = [_verified(p, manifest.sha256[p.name]) for p in paths]
+    units = [[(name, list(shape)) for name, shape in unit.params] for unit in manifest.units]
+    params, states = assemble(units, shards, [str(p) for p in paths])
+    return params, states, manifest.step
+
+
+def assemble(
+    units: list[list[tuple[str, list[int]]]],
+    shards: list[dict[str, torch.Tensor]],
+    names: list[str],
+) -> tuple[dict, dict]:
+    """Full per-parameter tensors (params and buffers; optimizer state per parameter) from every
+    shard's flat slices of each unit (`checkpoint_shard`'s layout: `units`, each a list of
+    (name, shape)); `names` say where each shard came from, for errors."""
     params = {k.removeprefix("buffer/"): v for k, v in shards[0].items() if k.startswith("buffer/")}
     states: dict[str, dict[str, torch.Tensor]] = {}
-    for i, unit in enumerate(manifest.units):
+    for i, unit in enumerate(units):
         keys = {k.split("/", 1)[1] for k in shards[0] if k.startswith(f"unit{i}/")} | {"param"}
         for key in sorted(keys):
-            pieces = _unit_pieces(paths, shards, i, key)
+            pieces = _unit_pieces(names, shards, i, key)
             if pieces[0].dim() == 0:  # a scalar (Adam's step): the same on every shard
-                for name, _ in unit.params:
+                for name, _ in unit:
                     states.setdefault(name, {})[key] = pieces[0]
                 continue
             flat = torch.cat(pieces)
-            need = sum(math.prod(shape) for _, shape in unit.params)  # no int64 overflow
+            need = sum(math.prod(shape) for _, shape in unit)  # no int64 overflow
             if flat.numel() < need:
                 raise CheckpointError(
-                    f"{paths[0]}: tensor unit{i}/{key} holds {flat.numel()} values on "
-                    f"{len(paths)} shard(s), the manifest's layout needs {need}"
+                    f"{names[0]}: tensor unit{i}/{key} holds {flat.numel()} values on "
+                    f"{len(names)} shard(s), the manifest's layout needs {need}"
                 )
             offset = 0
-            for name, shape in unit.params:
+            for name, shape in unit:
                 n = math.prod(shape)
                 full = flat[offset : offset + n].view(shape).clone()
                 offset += n
@@ -315,7 +328,7 @@ def read_full_state(directory: str | Path) -> tuple[dict, dict, int]:
                     params[name] = full
                 else:
                     states.setdefault(name, {})[key] = full
-    return params, states, manifest.step
+    return params, states
 
 
 def load_checkpoint(

@@ -1,6 +1,6 @@
 """The communication layer: counted collectives, our all-reduce algorithms, and accounting."""
 
-from shardwise.comm import flight, store
+from shardwise.comm import flight, interrupt, store
 from shardwise.comm.accounting import CommSnapshot, CommStats, native_volume, stats
 from shardwise.comm.algorithms import make_all_reduce
 from shardwise.comm.collectives import (
@@ -37,6 +37,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "hierarchical_all_reduce",
+    "interrupt",
     "irecv",
     "make_all_reduce",
     "native_volume",

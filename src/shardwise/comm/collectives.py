@@ -4,11 +4,17 @@ Strategies never call `torch.distributed` directly: they call these, so that byt
 time are recorded in one place (`accounting.stats`), and the flight recorder (`flight.recorder`)
 knows each call and which one this rank waits in. Asynchronous calls return a `Handle` whose
 `wait()` measures how long the caller was blocked.
+
+Every wait goes through `_wait`. Under `train.on_failure: shrink` (`interrupt.py`), a wait is
+made in slices, asking between them whether the job's membership changed, and an error of the
+backend itself (a broken connection) is a `PeerLost`, which the trainer answers by shrinking
+the job instead of failing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,10 +22,51 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import interrupt
 from shardwise.comm.accounting import Timer, native_volume, stats
 from shardwise.comm.flight import Call, recorder
+from shardwise.comm.interrupt import PeerLost
 
 ProcessGroup = dist.ProcessGroup
+
+
+def _wait(pending: dist.Work | Future) -> None:
+    """Wait for a backend operation (or a communication thread's future) to finish."""
+    if not interrupt.active():
+        pending.result() if isinstance(pending, Future) else pending.wait()
+        return
+    # Told by the operation itself when it ends (no polling latency); asked in between whether
+    # to give up. (A gloo operation's own `wait(timeout)` is not honoured by every collective.)
+    done = threading.Event()
+    failed: list[BaseException] = []
+    try:
+        future = pending if isinstance(pending, Future) else pending.get_future()
+        future.add_done_callback(lambda _: done.set())
+        waited = False
+    except RuntimeError:  # gloo's messages have no future: a thread of its own waits
+        threading.Thread(target=_wait_in_thread, args=(pending, done, failed), daemon=True).start()
+        waited = True  # (a message's wait may be made once: not again below)
+    while not done.wait(interrupt.POLL_S):
+        interrupt.raise_if_interrupted()
+    try:
+        if failed:
+            raise failed[0]
+        if not waited:
+            pending.result() if isinstance(pending, Future) else pending.wait()
+    except PeerLost:
+        raise
+    except RuntimeError as e:  # the backend failed: a peer's connection broke
+        raise PeerLost(str(e).splitlines()[0]) from e
+
+
+def _wait_in_thread(work: dist.Work, done: threading.Event, failed: list) -> None:
+    """A message's blocking wait, for `_wait` (left blocked for good where the peer died)."""
+    try:
+        work.wait()
+    except BaseException as e:  # (handed to the waiting thread)
+        failed.append(e)
+    done.set()
+
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,10 +90,7 @@ class Handle:
         stats.add_overlap(self.op, self._issued.elapsed())
         timer = Timer()
         with _blocked(self._call):
-            if isinstance(self._pending, Future):
-                self._pending.result()
-            else:
-                self._pending.wait()
+            _wait(self._pending)
         self._pending = None
         stats.add_wait(self.op, timer.elapsed())
 
@@ -96,7 +140,7 @@ def _issue(
         return Handle(op, work, recorded)
     if work is not None:
         with recorder.blocked_in(recorded):
-            work.wait()
+            _wait(work)
     stats.record(op, nbytes, timer.elapsed())
     return Handle(op, None, None)
 
@@ -223,7 +267,7 @@ def exchange(
     timer = Timer()
     with recorder.blocked_in(recorded):
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            _wait(work)
     stats.record(op, sum(_nbytes(t) for t, _ in sends), timer.elapsed())
 
 
@@ -263,7 +307,7 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> N
     recorded = recorder.issue("recv", group, tensor)
     timer = Timer()
     with recorder.blocked_in(recorded):
-        dist.irecv(tensor, group=group, group_src=src).wait()
+        _wait(dist.irecv(tensor, group=group, group_src=src))
     stats.record("recv", 0, timer.elapsed())
 
 
@@ -271,5 +315,5 @@ def barrier(group: ProcessGroup | None = None) -> None:
     recorded = recorder.issue("barrier", group)
     timer = Timer()
     with recorder.blocked_in(recorded):
-        dist.barrier(group=group)
+        _wait(dist.barrier(group=group, async_op=True))
     stats.record("barrier", 0, timer.elapsed())

@@ -202,6 +202,11 @@ class JobStoreServer:
         with self._server.lock:
             return self._server.data.get(key.encode())
 
+    def write(self, key: str, value: str) -> None:
+        """Set a key from this process (the launcher telling the ranks one of them is gone)."""
+        with self._server.lock:
+            self._server.data[key.encode()] = value.encode()
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()

@@ -28,17 +28,18 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
 from shardwise.comm import jobstore
 from shardwise.comm.broken import broken_connection
-from shardwise.distributed import boot, leaving, loopback
+from shardwise.distributed import boot, leaving, loopback, membership
 from shardwise.distributed.runtime import WATCHDOG_ENV
 
 BOOT = str(Path(boot.__file__).resolve())  # run by path: nothing imported before its work
@@ -77,11 +78,17 @@ def boot_argv(python_args: list[str]) -> list[str]:
 
 
 def launch(
-    module_args: list[str], nproc: int, threads_per_rank: int | None = None, max_restarts: int = 0
+    module_args: list[str],
+    nproc: int,
+    threads_per_rank: int | None = None,
+    max_restarts: int = 0,
+    on_failure: str = "stop",
 ) -> None:
     """Run `python -m <module_args...>` on `nproc` local ranks; raise `LaunchError` on failure
-    (after `max_restarts` restarts of all of them, when a rank fails)."""
-    _launch(["-m", *module_args], nproc, threads_per_rank, max_restarts)
+    (after `max_restarts` restarts of all of them, when a rank fails). With `on_failure`
+    'shrink', a rank that fails is only reported to the others (they go on without it);
+    'replace': and a replacement is started, which joins them (`distributed/membership.py`)."""
+    _launch(["-m", *module_args], nproc, threads_per_rank, max_restarts, on_failure)
 
 
 def launch_script(
@@ -102,14 +109,73 @@ def launch_script(
 
 
 class _Agent(LocalElasticAgent):
-    """torchrun's agent, saying which rank failed before it restarts them all."""
+    """torchrun's agent, saying which rank failed before it restarts them all; or, in an
+    elastic job, telling the others a rank is gone (and starting its replacement)."""
 
-    def __init__(self, spec: WorkerSpec, logs: str, store: jobstore.JobStoreServer) -> None:
+    def __init__(
+        self, spec: WorkerSpec, logs: str, store: jobstore.JobStoreServer, on_failure: str
+    ) -> None:
         super().__init__(spec, DefaultLogsSpecs(log_dir=logs), start_method="spawn")
         self.job_store = store
+        self.on_failure = on_failure
+        self.members: dict[int, str] = {}  # local rank -> the member id running there
+        self.starts: dict[int, int] = {}  # local rank -> processes started there so far
+        self.lost: dict[int, ProcessFailure] = {}  # members gone, the last of each rank
+        self.vacant: set[int] = set()  # local ranks whose member is gone, and not replaced
 
     def _monitor_workers(self, worker_group):
+        if self.on_failure != "stop":
+            self._watch_members(worker_group)
         result = super()._monitor_workers(worker_group)
+        everyone_lost = len(self.vacant) == worker_group.spec.local_world_size
+        if result.state == WorkerState.SUCCEEDED and everyone_lost:  # nobody did the work
+            return RunResult(state=WorkerState.FAILED, failures=dict(self.lost))
+        return self._say_restart(worker_group, result)
+
+    def _watch_members(self, worker_group) -> None:
+        """A member that exits with an error is gone: the others are told through the job's
+        store at once (they stop waiting for it), and under 'replace' another process takes
+        its place, as a newcomer that asks to join."""
+        context = self._pcontext
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts
+        for local_rank in sorted(context._running_local_ranks):
+            handler = context.subprocess_handlers[local_rank]
+            code = handler.proc.poll()
+            if code is None or code == 0:
+                continue
+            member = self.members.get(local_rank, str(worker_group.workers[local_rank].global_rank))
+            failure = ProcessFailure(local_rank, handler.proc.pid, code, "")
+            self.lost[worker_group.workers[local_rank].global_rank] = failure
+            self.job_store.write(f"attempt-{attempt}/{membership.gone_key(member)}", _exit(failure))
+            context._running_local_ranks.discard(local_rank)
+            line = f"shardwise: {membership.member_name(member)} {_exit(failure)}"
+            if self.on_failure == "replace":
+                self._replace(worker_group, local_rank, member)
+                line += "; a replacement starts"
+            else:
+                self.vacant.add(local_rank)
+            print(f"{line}; the others go on without it", file=sys.stderr, flush=True)
+
+    def _replace(self, worker_group, local_rank: int, member: str) -> None:
+        context = self._pcontext
+        self.starts[local_rank] = self.starts.get(local_rank, 0) + 1
+        slot = member.partition("#")[0]
+        newcomer = f"{slot}#{self.starts[local_rank]}"
+        env = {**context.envs[local_rank], membership.ID_ENV: newcomer}
+        handler = get_subprocess_handler(
+            entrypoint=context.entrypoint,
+            args=context.args[local_rank],
+            env=env,
+            stdout=context.stdouts[local_rank],
+            stderr=context.stderrs[local_rank],
+            local_rank_id=local_rank,
+        )
+        context.subprocess_handlers[local_rank] = handler
+        context._running_local_ranks.add(local_rank)
+        worker_group.workers[local_rank].id = handler.proc.pid
+        self.members[local_rank] = newcomer
+
+    def _say_restart(self, worker_group, result):
         if not result.is_failed() or self._remaining_restarts <= 0:
             return result
         if any(f.exitcode == NONFINITE_EXIT for f in result.failures.values()):
@@ -144,7 +210,11 @@ def _exit(failure: ProcessFailure) -> str:
 
 
 def _launch(
-    python_args: list[str], nproc: int, threads_per_rank: int | None, max_restarts: int = 0
+    python_args: list[str],
+    nproc: int,
+    threads_per_rank: int | None,
+    max_restarts: int = 0,
+    on_failure: str = "stop",
 ) -> None:
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -155,7 +225,9 @@ def _launch(
         tempfile.TemporaryDirectory(prefix="shardwise-agent-") as logs,
     ):
         try:
-            failures, attempt = _run_agent(python_args, nproc, max_restarts, logs, store)
+            failures, attempt = _run_agent(
+                python_args, nproc, max_restarts, logs, store, on_failure
+            )
         except SignalException as e:  # SIGTERM / SIGINT: the agent stopped the ranks
             raise Stopped(int(e.sigval)) from None
         if failures:
@@ -180,7 +252,7 @@ def _environment(values: dict[str, str]):
 
 
 def _run_agent(
-    python_args: list[str], nproc: int, max_restarts: int, logs: str, store
+    python_args: list[str], nproc: int, max_restarts: int, logs: str, store, on_failure: str
 ) -> tuple[dict[int, ProcessFailure], int]:
     """What `torch.distributed.launcher.api.launch_agent` does for one node, with our agent:
     the failures of the last start ({} when every rank succeeded), and which start it was."""
@@ -202,7 +274,7 @@ def _run_agent(
         max_restarts=max_restarts,
         monitor_interval=0.1,
     )
-    agent = _Agent(spec, logs, store)
+    agent = _Agent(spec, logs, store, on_failure)
     try:
         result = agent.run()
     finally:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -48,7 +50,8 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
-_store: dist.Store | None = None  # the job's keys: below its token and attempt
+_store: dist.Store | None = None  # the job's keys: below its token and attempt (and epoch)
+_job_keys: dist.Store | None = None  # below the attempt only: what outlives an epoch
 _client: jobstore.JobStoreClient | None = None  # this rank's connection to the job's store
 _services: list = []  # what lives as long as the group and stops before it (`attach`)
 _init_hooks: list = []  # called with the runtime once `init` made it (`on_init`)
@@ -71,7 +74,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
     `timeout_s` bounds every collective: a peer that dies or hangs ends the job with an error
     after that long instead of a silent hang. Calling `init` again returns the same runtime.
     """
-    global _runtime, _store
+    global _runtime, _store, _job_keys
     if _runtime is not None:
         return _runtime
     if timeout_s <= 0:
@@ -97,7 +100,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
             dist.init_process_group(
                 backend, store=store, rank=0, world_size=1, timeout=timeout, **bound
             )
-        _store = store
+        _store = _job_keys = store
         # A script that forgets `shutdown()` still leaves cleanly (gloo aborts a process that
         # exits with its group alive).
         atexit.register(shutdown)
@@ -113,6 +116,24 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
     )
     for hook in _init_hooks:
         hook(_runtime)
+    return _runtime
+
+
+def init_joiner(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
+    """A replacement for a lost rank of an elastic job (`membership.py`): the job's store, and
+    no process group until the members take it in (`reform`)."""
+    global _runtime, _store, _job_keys
+    backend = _pick_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = _job_store(os.environ, timeout)
+    _store = _job_keys = store
+    atexit.register(shutdown)
+    _runtime = Runtime(rank, world_size, local_rank, world_size, device, backend, timeout)
     return _runtime
 
 
@@ -144,6 +165,63 @@ def _job_store(env, timeout: timedelta) -> tuple[dist.Store, int, int]:
         return store, int(env["RANK"]), int(env["WORLD_SIZE"])
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     return dist.PrefixStore(f"shardwise/attempt-{attempt}", store), rank, world_size
+
+
+def reform(epoch: int, rank: int, world_size: int) -> Runtime:
+    """Leave the present process group for a new one of `world_size` ranks, this process being
+    `rank` (an elastic job's next epoch, `membership.py`): its keys below `epoch-N` of the job's
+    store. The old group is never torn down: a rank still blocked in one of its operations
+    (gloo tells only a dead peer's neighbours) would never finish tearing it down; it is left
+    behind, its threads idle or blocked, for the process's life."""
+    global _runtime, _store
+    if _runtime is None or _job_keys is None:
+        raise RuntimeError("shardwise is not initialised: call shardwise.init() first")
+    _forget_world()
+    _store = dist.PrefixStore(f"epoch-{epoch}", _job_keys)
+    bound = {"device_id": _runtime.device} if _runtime.backend == "nccl" else {}
+    dist.init_process_group(
+        _runtime.backend,
+        store=_store,
+        rank=rank,
+        world_size=world_size,
+        timeout=_runtime.timeout,
+        **bound,
+    )
+    _runtime = dataclasses.replace(
+        _runtime, rank=rank, world_size=world_size, local_world_size=world_size
+    )
+    return _runtime
+
+
+def _forget_world() -> None:
+    """What `destroy_process_group` does, but for shutting the groups down: each is kept
+    alive for good (a reference never released), so that no destructor waits for its
+    threads, at any point of the process's life or end."""
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    for group in list(world.pg_map):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    c10d._update_default_pg(None)
+    for table in (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    ):
+        table.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+def job_keys() -> dist.Store:
+    """The job's store below its attempt only: the keys that outlive an elastic job's epochs
+    (its membership's)."""
+    if _job_keys is None:
+        raise RuntimeError("shardwise is not initialised: call shardwise.init() first")
+    return _job_keys
 
 
 def current() -> Runtime:
@@ -186,7 +264,7 @@ def announce_leaving(reason: str) -> None:
 
 def shutdown() -> None:
     """Leave the process group. Safe to call twice."""
-    global _runtime, _store, _client, _announced, _failed
+    global _runtime, _store, _client, _announced, _failed, _job_keys
     while _services:
         _services.pop().stop()
     announce_leaving("")  # the end: a rank still waiting for this one is told at once
@@ -197,6 +275,7 @@ def shutdown() -> None:
     if _client is not None:
         _client.close()
     _runtime = _store = _client = None
+    _job_keys = None
     _announced = _failed = False
 
 

@@ -15,6 +15,9 @@ From the config (`faults: [...]`) or the environment, with one grammar (several:
   `slow:rank=1:factor=2,slow:rank=1:factor=4:step=50`). Servers and relays, which have no
   samples, sleep F - 1 times the whole work (an update, a forwarded push).
 - `desync:rank=R:step=S`: rank R broadcasts where the others all-reduce the loss at step S.
+- `rejoin:step=S`: in an elastic job (`train.on_failure: replace`), the members wait for a
+  replacement of a lost rank as step S begins and take it in there (not at the first step
+  boundary after it is ready): a transition at a step of the test's choosing.
 - `corrupt-checkpoint:step=S`: one file of step S's checkpoint is damaged after it is written.
 - `clock-skew:rank=R:seconds=X`: rank R's clock for the timeline (`train.trace_steps`) runs X
   seconds ahead (negative: behind), as an unsynchronised host's would; the merged trace must
@@ -48,6 +51,7 @@ FIELDS = {  # kind -> the fields it needs
     "hang": ("rank", "step"),
     "nan": ("rank", "step"),
     "desync": ("rank", "step"),
+    "rejoin": ("step",),
     "slow": ("rank", "factor"),
     "corrupt-checkpoint": ("step",),
     "clock-skew": ("rank", "seconds"),
@@ -151,6 +155,11 @@ class FaultInjector:
                 time.sleep(3600)
         for arm in self._armed:
             arm(step)
+
+    def rejoins(self, step: int) -> bool:
+        """Whether a `rejoin` fault takes a replacement in as `step` begins (on every rank:
+        no marker, the members must agree)."""
+        return any(f.kind == "rejoin" and f.step == step for f in self.faults)
 
     def clock(self) -> Callable[[], float]:
         """This rank's wall clock for the timeline: `time.time`, or skewed by `clock-skew`."""

@@ -211,11 +211,16 @@ class Watchdog:
         self.checks = 0
         self.left: dict[int, dict] = {}  # ranks that left the job: their records
         self._compared: tuple[str, int, float] | None = None  # (group, call number, when)
+        # An elastic job's membership (`distributed/membership.py`): a rank that hangs is
+        # dropped from the job, which goes on, instead of ending it; None: the job ends.
+        self.elastic = None
+        self._reported = False  # (elastic: this rank reported a hang; once is enough)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardwise-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
-        self._thread.start()
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -227,6 +232,8 @@ class Watchdog:
         while not self._stop.wait(INTERVAL):
             try:
                 self._beat()
+                if self.elastic is not None and self.elastic.gone(self.elastic.me):
+                    self._leave_dropped()
                 if self.store.check([f"{KEY}/abort"]):
                     self._join_abort()
                 waited = recorder.longest_wait()
@@ -293,6 +300,9 @@ class Watchdog:
         self.store.set(f"{KEY}/stack/{self.rank}", stack)
 
     def _declare_hang(self, call: Call, waited_s: float) -> None:
+        if self.elastic is not None:
+            self._drop_the_hung(call, waited_s)
+            return
         reporter = self.store.compare_set(f"{KEY}/reporter", "", str(self.rank)).decode()
         self.store.set(f"{KEY}/abort", "hang")
         if reporter != str(self.rank):  # another rank reports
@@ -330,9 +340,49 @@ class Watchdog:
                 where = f" (report: {self.report_path})"
         print(f"{report}\nshardwise: {verdict}{where}", file=sys.stderr, flush=True)
 
+    def _drop_the_hung(self, call: Call, waited_s: float) -> None:
+        """Elastic: one rank reports the hang and drops the ranks that never arrived from the
+        job's membership (the others then go on without them); a desync still ends the job."""
+        if self._reported:
+            return
+        reporter = self.store.compare_set(f"{KEY}/reporter", "", str(self.rank)).decode()
+        if reporter != str(self.rank):
+            return  # (the reporter drops them; this rank's wait ends with the epoch)
+        self._reported = True
+        self.store.set(f"{KEY}/abort", "hang")
+        beats = self._beats()
+        left = {r: said for r, said in self.left.items()}
+        _, missing, other, _ = _sort_members(
+            call, _members(call.group, self.world_size) or [], beats, left
+        )
+        if other or not missing:
+            self._report(call, waited_s)
+            self.store.set(f"{KEY}/done", "1")
+            os._exit(EXIT_HUNG)
+        self._report(call, waited_s)
+        for rank in missing:
+            self.elastic.drop(self.elastic.epoch.members[rank], f"hung in step {self.step}")
+
+    def _beats(self) -> dict[int, dict]:
+        return {
+            r: json.loads(self.store.get(f"{KEY}/beat/{r}"))
+            for r in range(self.world_size)
+            if self.store.check([f"{KEY}/beat/{r}"])
+        }
+
+    def _leave_dropped(self) -> None:
+        """Elastic: the job dropped this rank (it hung): it goes, and the job goes on."""
+        why = self.elastic.gone(self.elastic.me)
+        print(f"shardwise: rank {self.rank}: dropped from the job ({why})", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)
+
     def _join_abort(self) -> None:
-        """Another rank declared a hang: give it this rank's stack, wait for its report, go."""
+        """Another rank declared a hang: give it this rank's stack, wait for its report, go
+        (elastic: stay, unless this rank is the one dropped)."""
         self._publish_stack()
+        if self.elastic is not None:
+            return
         deadline = time.monotonic() + 10 * INTERVAL
         while time.monotonic() < deadline and not self.store.check([f"{KEY}/done"]):
             time.sleep(INTERVAL / 5)

@@ -67,7 +67,13 @@ def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False
             from shardwise.launch.ps_supervisor import run_ps_job
 
             return run_ps_job(cfg, argv, run_dir)
-        launch(argv, cfg.launch.nproc, cfg.launch.threads_per_rank, cfg.launch.max_restarts)
+        launch(
+            argv,
+            cfg.launch.nproc,
+            cfg.launch.threads_per_rank,
+            cfg.launch.max_restarts,
+            cfg.train.on_failure,
+        )
     return 0
 
 

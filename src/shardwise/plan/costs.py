@@ -227,4 +227,4 @@ def replica_costs(job: CostJob) -> Costs:
 
 def trainer_comm(world_size: int) -> dict[str, int]:
     """The trainer's own collective per step: the loss-and-flags all-reduce (`agree_step`)."""
-    return {"all_reduce": native_volume("all_reduce", 8 * (3 + world_size), world_size)}
+    return {"all_reduce": native_volume("all_reduce", 8 * (4 + world_size), world_size)}

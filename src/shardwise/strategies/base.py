@@ -196,11 +196,13 @@ class DistributedModel(nn.Module):
         return self.module.load_state_dict(module_state, strict=strict, assign=assign)
 
     def checkpoint_shard(
-        self, optimizer: torch.optim.Optimizer
+        self, optimizer: torch.optim.Optimizer, every_rank: bool = False
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
         """Layout and this rank's tensors for a sharded checkpoint (see `checkpoint.py`).
 
-        This default is for replicated state: one unit per parameter, written by rank 0 alone.
+        This default is for replicated state: one unit per parameter, written by rank 0 alone
+        (by every rank with `every_rank`: what an elastic job's in-memory snapshot keeps, where
+        any rank may be the one to survive).
         """
         named = list(self.module.named_parameters())
         layout = {
@@ -208,7 +210,7 @@ class DistributedModel(nn.Module):
             "strategy": self.checkpoint_name(),
             "units": [{"params": [[n, list(p.shape)]]} for n, p in named],
         }
-        if self.runtime.rank != 0:
+        if self.runtime.rank != 0 and not every_rank:
             return layout, None
         tensors = buffer_tensors(self.module)
         for i, (_, p) in enumerate(named):

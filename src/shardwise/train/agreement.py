@@ -1,5 +1,6 @@
 """What every rank must agree on after a step, in one tiny all-reduce: the loss averaged over the
-global batch, which ranks were sent a signal to stop, and which saw a non-finite value."""
+global batch, which ranks were sent a signal to stop, which saw a non-finite value, and whether
+replacements wait to join (an elastic job's rank 0 asks the store)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Agreement(NamedTuple):
     loss: float  # mean over the global batch (of the ranks whose loss is finite)
     stopped_by: dict[int, int]  # rank -> the signal it was sent
     bad_ranks: dict[int, str]  # rank -> 'loss' or 'gradient' (the update is skipped)
+    joiners: int = 0  # replacements waiting to join
 
 
 def agree_step(
@@ -25,21 +27,25 @@ def agree_step(
     grads_finite: bool,
     stop_signal: int,
     reduce: Callable[[torch.Tensor], None],
+    joiners: int = 0,
 ) -> Agreement:
     """After backward: `count` is what this rank's loss is a mean over (samples or tokens);
-    `reduce` the all-reduce (a fault may wrap it)."""
+    `reduce` the all-reduce (a fault may wrap it); `joiners`: replacements this rank saw
+    waiting (rank 0 alone looks)."""
     value = local_loss.item()
     finite = math.isfinite(value)
-    t = torch.zeros(3 + rt.world_size, dtype=torch.float64, device=rt.device)
+    t = torch.zeros(4 + rt.world_size, dtype=torch.float64, device=rt.device)
     t[0], t[1] = value * count if finite else 0.0, count if finite else 0
     t[2] = stop_signal > 0  # (summed: how many ranks were sent one)
+    t[3] = joiners
     # Each rank's own slot: its non-finite flag (0, 1 or 2: `bad_ranks_of`) plus 4 x the
     # signal it was sent (a whole number far below 2**53: exact in float64).
-    t[3 + rt.rank] = local_slot(finite, grads_finite) + 4 * stop_signal
+    t[4 + rt.rank] = local_slot(finite, grads_finite) + 4 * stop_signal
     reduce(t)
     loss = (t[0] / t[1]).item() if t[1] > 0 else float("nan")
-    slots = [round(f) for f in t[3:].tolist()]
-    return Agreement(loss, signalled(slots, 4) if t[2] > 0 else {}, bad_ranks_of(slots))
+    slots = [round(f) for f in t[4:].tolist()]
+    stopped_by = signalled(slots, 4) if t[2] > 0 else {}
+    return Agreement(loss, stopped_by, bad_ranks_of(slots), round(t[3].item()))
 
 
 def agree_round(

@@ -46,13 +46,17 @@ from shardwise.recipes.distillation import TeacherCache, distill_loss, prepare_t
 from shardwise.recipes.pruning import GlobalMagnitudePruner, NMPruner, Pruner
 from shardwise.strategies.accumulation import check_accumulate
 from shardwise.train.data_feed import DataFeed, make_loader, stage_loader
+from shardwise.train.recovered import Recovered, fresh_generators
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
 from shardwise.train.validator import Validator
 
 
-def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun:
-    """Every part of this rank's run, ready for its first (or next) step."""
+def build(
+    cfg: Config, run_dir: str | None, resume: bool = False, recovered: Recovered | None = None
+) -> TrainingRun:
+    """Every part of this rank's run, ready for its first (or next) step; with `recovered`
+    (an elastic job's new membership, `elastic.py`), from that state instead of a checkpoint."""
     rt = api.init(backend=cfg.launch.backend, timeout_s=cfg.launch.comm_timeout_s)
     if cfg.launch.threads_per_rank:
         torch.set_num_threads(cfg.launch.threads_per_rank)
@@ -65,9 +69,10 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
     signature = run_checkpoint.job_signature(job.model, cfg.optim.name, cfg.strategy.name)
     if rt.is_main and not resume:
         measured.predicted = _predict(cfg, job, rt, out)
-    job, opt, scheduler = _prepare(cfg, job, rt, out)
+    replicas = recovered.global_replicas if recovered else None
+    job, opt, scheduler = _prepare(cfg, job, rt, out, replicas)
     model, train = job.model, cfg.train
-    feed, balancer = _data(cfg, job, rt, out, resume)
+    feed, balancer = _data(cfg, job, rt, out, resume, replicas)
     faults = FaultInjector(rt.rank, out, cfg.faults)
     checkpointer = Checkpointer(
         *(out, model, opt, scheduler),
@@ -96,7 +101,9 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
     if train.trace_steps:
         timeline = Timeline(rt.rank, faults.clock())
         run.trace = StepTrace(timeline, tuple(train.trace_steps), out, rt, run.phases)
-    if resume:
+    if recovered is not None:
+        _recover(run, recovered)
+    elif resume:
         step, data = run.checkpointer.resume()
         if data is not None:
             run.restore(data)
@@ -109,6 +116,22 @@ def build(cfg: Config, run_dir: str | None, resume: bool = False) -> TrainingRun
         _start(run)
     _open_files(run, keep=run.start_step if resume else None)
     return run
+
+
+def _recover(run: TrainingRun, recovered: Recovered) -> None:
+    """An elastic job's state, re-cut for this membership (`elastic.gather`)."""
+    run.model.load_full_state(run.opt, recovered.params, recovered.states)
+    run.scheduler.load_state_dict(recovered.scheduler)
+    for group, lr in zip(run.opt.param_groups, run.scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    if recovered.rng is not None:
+        run_checkpoint.set_rng_state(recovered.rng)
+    else:
+        fresh_generators(recovered.step, run.rt.rank)
+    run.restore(recovered.data)
+    run.start_step = recovered.step
+    if run.pruner is not None:
+        run.pruner.resume(recovered.step)
 
 
 def _start(run: TrainingRun) -> None:
@@ -135,11 +158,12 @@ def _start(run: TrainingRun) -> None:
         print(f"shardwise: {start.mode} from {start.checkpoint}: {kept}", flush=True)
 
 
-def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path):
+def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path, replicas: int | None = None):
     """The strategy applied to the job's model, its optimizer (the linear scaling rule once the
     replicas are known) and LR schedule. From here the job is trained through the distributed
     model: the unsplit module goes (a pipeline stage holds its own layers only, and the whole
-    would keep every other stage's parameters alive on this rank)."""
+    would keep every other stage's parameters alive on this rank). `replicas`: the ones the
+    global batch was made for, where fewer (or more) ranks train it now (an elastic job)."""
     model, opt = api.prepare(
         job.model,
         cfg.strategy.build(rt.world_size, out),
@@ -149,13 +173,14 @@ def _prepare(cfg: Config, job: Job, rt: Runtime, out: Path):
     )
     job = replace(job, model=model, source=None)
     for group in opt.param_groups:
-        group["lr"] = base_lr(cfg.optim, cfg.data.batch_size, model.data_shard()[0])
+        group["lr"] = base_lr(cfg.optim, cfg.data.batch_size, replicas or model.data_shard()[0])
     return job, opt, lr_scheduler(opt, schedule(cfg.optim, cfg.train.steps))
 
 
-def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool):
-    """The data feed, and the balancer that resizes its batches (`data.balance: dynamic`)."""
-    loader = make_loader(cfg, job, job.model.data_shard())
+def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool, replicas: int | None = None):
+    """The data feed, and the balancer that resizes its batches (`data.balance: dynamic`);
+    `replicas`: what the global batch was made for (an elastic job's original ranks)."""
+    loader = make_loader(cfg, job, job.model.data_shard(), replicas)
     if not isinstance(loader, QueueLoader):  # every rank's batch splits into its micro-batches
         check_accumulate(cfg.train.accumulate, loader.sizes)
     if isinstance(loader, QueueLoader):

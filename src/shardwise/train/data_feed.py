@@ -18,10 +18,13 @@ from shardwise.job_sections import DataStage
 from shardwise.jobs import Job, build_splits
 
 
-def make_loader(cfg: Config, job: Job, shard: tuple[int, int]) -> ShardedLoader | QueueLoader:
+def make_loader(
+    cfg: Config, job: Job, shard: tuple[int, int], global_replicas: int | None = None
+) -> ShardedLoader | QueueLoader:
     """The training data: each step's global batch split over the replicas, or (`data.mode:
     queue`) chunks each rank claims from the job's store, in rounds of `strategy.period`
-    chunks per rank."""
+    chunks per rank. `global_replicas`: the replicas the global batch is made for, where
+    another number trains it now (an elastic job's survivors: the same batch, re-dealt)."""
     if cfg.data.mode == "queue":
         return QueueLoader(
             job.splits.train,
@@ -32,6 +35,8 @@ def make_loader(cfg: Config, job: Job, shard: tuple[int, int]) -> ShardedLoader 
             seed=cfg.train.seed,
         )
     sizes = batch_sizes(cfg, shard[0])
+    if global_replicas not in (None, shard[0]):
+        sizes = weighted_sizes(cfg.data.batch_size * global_replicas, [1.0] * shard[0])
     return loader(job.splits.train, sizes, shuffle=True, seed=cfg.train.seed, shard=shard)
 
 

@@ -85,8 +85,12 @@ def _agree(run: TrainingRun, local_loss: torch.Tensor, y: torch.Tensor, tokens: 
     # lowers the scale); only the loss is ours to check then.
     finite = run.model.scales_loss() or grads_finite(run.model)
     count = y.shape[0] if tokens is None else tokens  # the logged loss: a mean over these
-    agreed = agree_step(run.rt, local_loss, count, finite, run.stop_signal, run.wrapped.reduce)
+    joiners = run.elastic.joiners_waiting() if run.elastic and run.rt.is_main else 0
+    agreed = agree_step(
+        run.rt, local_loss, count, finite, run.stop_signal, run.wrapped.reduce, joiners
+    )
     run.measured.loss, run.stopped_by = agreed.loss, agreed.stopped_by
+    run.joiners_due = agreed.joiners > 0
     return agreed
 
 

@@ -19,15 +19,19 @@ from typing import Any
 
 from shardwise import api, comm
 from shardwise.checkpoint.reshardable import save_model
+from shardwise.comm.interrupt import PeerLost
 from shardwise.config import Config
 from shardwise.data import ledger
 from shardwise.data.queue_loader import QueueLoader
+from shardwise.distributed import membership
+from shardwise.distributed.membership import Dropped
 from shardwise.distributed.signals import handling_stop_signals
 from shardwise.faults.nonfinite import EXIT_NONFINITE, NonFiniteStop
 from shardwise.faults.watchdog import EXIT_HUNG, DesyncError
 from shardwise.observe.run_output import write_summary
 from shardwise.plan import prediction
 from shardwise.ps.worker import PSConfig
+from shardwise.train import elastic
 from shardwise.train.build import build
 from shardwise.train.exits import leave, signal_exit_code, stop_message
 from shardwise.train.step import accuracy_entry, log_saves, run_round, run_step
@@ -51,14 +55,18 @@ def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict
         )
     started = time.perf_counter()
     try:
-        run = build(cfg, run_dir, resume)
+        run = _first_run(cfg, run_dir, resume)
     except Exception as e:
         leave(e)
     if cfg.launch.desync_check_per_call:
         comm.flight.recorder.check_call = run.watchdog.compare_each_call
     run.watchdog.start()
+    trainer = Trainer(run)
     try:
-        summary = Trainer(run).fit(started)
+        summary = trainer.fit(started)
+    except Dropped as e:  # the others went on without this rank: it has nothing left to do
+        print(f"shardwise: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_HUNG) from None
     except (NonFiniteStop, DesyncError) as e:
         if run.rt.is_main or isinstance(e, DesyncError):
             print(e, file=sys.stderr, flush=True)
@@ -68,12 +76,26 @@ def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict
     except Exception as e:
         leave(e)
     finally:
+        run = trainer.run  # (an elastic job's newest)
         run.watchdog.stop()
         comm.flight.recorder.check_call = None
         run.metrics.close()
     if run.stopping:
         raise SystemExit(signal_exit_code(run.stopped_by))
     return summary
+
+
+def _first_run(cfg: Config, run_dir: str | None, resume: bool) -> TrainingRun:
+    """This rank's run: built from the config (and the run's newest checkpoint, with
+    `resume`), or, for a replacement in an elastic job, from the state its members send."""
+    if cfg.train.on_failure == "stop":
+        return build(cfg, run_dir, resume)
+    if membership.is_replacement():
+        return elastic.join(cfg, run_dir)
+    run = build(cfg, run_dir, resume)
+    run.elastic = elastic.Elastic.starting(cfg, run.rt)
+    run.watchdog.elastic = run.elastic.membership  # a hung rank is dropped, not the job
+    return run
 
 
 class Trainer:
@@ -85,26 +107,42 @@ class Trainer:
 
     def fit(self, started: float) -> dict[str, Any]:
         """Train to `train.steps` (or to an agreed stop: then an empty summary)."""
-        run, cfg = self.run, self.run.cfg
+        cfg = self.run.cfg
         comm.stats.reset()
-        run.metrics.started = time.perf_counter()
-        step = run.start_step
+        self.run.metrics.started = time.perf_counter()
+        step = self.run.start_step
         with handling_stop_signals(self._ask_to_stop):
             while step < cfg.train.steps:
                 step += 1
-                self._step(step)
-                if run.policy.rollback_due:
-                    step = self._rollback(step)
+                try:
+                    step = self._step_and_after(step)
+                except PeerLost as e:
+                    if self.run.elastic is None:
+                        raise
+                    self.run = self.run.elastic.recover(self.run, e)  # go on without the lost
+                    step = self.run.start_step
                     continue
-                every = cfg.train.checkpoint_every
-                due = run.stopping or (every and step % every == 0)
-                saved = due and self._checkpoint(step)
-                if cfg.launch.desync_check_every and step % cfg.launch.desync_check_every == 0:
-                    run.watchdog.check_sequences()
-                if run.stopping:
-                    self._stop(step, saved)
+                if self.run.stopping:
                     return {}
         return self._finish(started)
+
+    def _step_and_after(self, step: int) -> int:
+        """`step`, then what is due after it (a rollback, a checkpoint, a desync check, a
+        stop); the step the run is at then."""
+        run, cfg = self.run, self.run.cfg
+        if run.elastic is not None:  # (replacements taken in, and the state kept, first)
+            run = self.run = run.elastic.before_step(run, step)
+        self._step(step)
+        if run.policy.rollback_due:
+            return self._rollback(step)
+        every = cfg.train.checkpoint_every
+        due = run.stopping or (every and step % every == 0)
+        saved = due and self._checkpoint(step)
+        if cfg.launch.desync_check_every and step % cfg.launch.desync_check_every == 0:
+            run.watchdog.check_sequences()
+        if run.stopping:
+            self._stop(step, saved)
+        return step
 
     def _ask_to_stop(self, signum, frame) -> None:
         """SIGTERM or SIGINT: every rank finishes the step, the run saves a checkpoint and
@@ -183,6 +221,8 @@ class Trainer:
         """Final evaluation, summary and consolidated checkpoint (rank 0), then release."""
         run, cfg = self.run, self.run.cfg
         run.metrics.progress.close()
+        if run.elastic is not None and run.rt.is_main:
+            run.elastic.finished()  # (no replacement joins any more)
         train_comm = comm.stats.total()
         scored = run.validator(run.model)
         state = api.full_state_dict(run.model)

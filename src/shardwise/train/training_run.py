@@ -75,6 +75,8 @@ class TrainingRun:
     start_step: int = 0  # steps done before this process started (a resumed run)
     stop_signal: int = 0  # SIGTERM / SIGINT received: checkpoint after this step and leave
     stopped_by: dict[int, int] = field(default_factory=dict)  # agreed: rank -> its signal
+    elastic: Any = None  # `train.on_failure: shrink | replace`: `elastic.Elastic`
+    joiners_due: bool = False  # agreed: replacements wait to join (taken in as a step begins)
 
     @property
     def stopping(self) -> bool:

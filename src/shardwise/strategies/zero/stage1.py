@@ -327,7 +327,7 @@ class ZeroStage1(DistributedModel):
         return None if scaler is None else scaler.scale
 
     def checkpoint_shard(
-        self, optimizer: torch.optim.Optimizer
+        self, optimizer: torch.optim.Optimizer, every_rank: bool = False
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         layout = {
             "num_shards": self.groups.shard_size,
@@ -336,9 +336,10 @@ class ZeroStage1(DistributedModel):
                 {"params": [[self.names[p], list(p.shape)] for p in u.params]} for u in self.units
             ],
         }
-        if self.runtime.rank >= self.groups.shard_size:
+        if self.runtime.rank >= self.groups.shard_size and not every_rank:
             return layout, None  # a replica of the first shard group's slices: written there
-        tensors = buffer_tensors(self.module, frozen=True) if self.runtime.rank == 0 else {}
+        own_buffers = self.runtime.rank == 0 or every_rank
+        tensors = buffer_tensors(self.module, frozen=True) if own_buffers else {}
         for i, shard in enumerate(self.shards):
             tensors[f"unit{i}/param"] = shard.detach()
             for key, value in optimizer.state.get(shard, {}).items():
