@@ -40,12 +40,12 @@ def test_default_job_trains_on_two_ranks_and_writes_a_run_directory(tmp_path):
     assert [r["step"] for r in lines] == list(range(1, 121))
     assert {"loss", "lr", "samples_per_s", "comm_bytes", "comm_wait_s"} <= lines[0].keys()
     # One bucket (the default's smallest, 1 MiB) holds all 26,122 gradients: 4 bytes each,
-    # sent 2(n-1)/n = once at n=2, plus the 40-byte agreement after backward (loss sum,
-    # count, stop, a flag per rank).
-    assert lines[0]["comm_bytes"] == 26_122 * 4 + 40
+    # sent 2(n-1)/n = once at n=2, plus the 48-byte agreement after backward (loss sum,
+    # count, stop, replacements waiting, a flag per rank).
+    assert lines[0]["comm_bytes"] == 26_122 * 4 + 48
     # Predicted before step 1 (prediction.json), beside the measurement in the summary.
     predicted = json.loads((run_dir / "prediction.json").read_text())
-    assert predicted["comm_bytes_per_step"] == 26_122 * 4 + 40
+    assert predicted["comm_bytes_per_step"] == 26_122 * 4 + 48
     rows = summary["predicted"]["rows"]
     assert rows["model_state"]["measured"] == summary["memory"]["total"]
     assert abs(rows["model_state"]["error"]) < 0.02 and abs(rows["activations"]["error"]) < 0.1

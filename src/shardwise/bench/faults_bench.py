@@ -10,6 +10,14 @@
   (`dcp.async_save`, `dcp.save`), the tiny GPT under our DDP on 2 ranks (`checkpoint_stall.py`).
 - Hang detection: a rank that stops issuing collectives in a 3-rank job, with
   `launch.hang_timeout_s`; seconds from the hang until every rank has exited with the report.
+- Recovery by kind, in the same run: the default job on 4 ranks loses rank 3 at
+  `--recovery-kill-step`, and goes on by a restart from its newest checkpoint (every
+  `--recovery-every` steps), by shrinking (`train.on_failure: shrink`), or by shrinking and
+  taking the launcher's replacement in (`replace`); beside an uninterrupted run, each kind
+  repeated `--repeats` times, interleaved. Reported: seconds from the kill to the next step
+  trained, steps lost (trained again), global samples/s before the failure, while the job is
+  short of a rank, after it is whole again, and over the whole run (the outage included), and
+  the final loss against the uninterrupted run's.
 
 Every time comes from outside the code it measures: fault markers (written when a fault fires),
 the metrics' wall-clock time of each step, the launcher's exit.
@@ -112,6 +120,85 @@ def hang_detection(out: Path, timeout_s: float) -> dict:
     }
 
 
+RECOVERY_KINDS = {  # kind -> (sets, extra arguments): the default job, 4 ranks
+    "uninterrupted": ([], []),
+    "restart": (["train.checkpoint_every={every}"], ["--max-restarts", "1"]),
+    "shrink": (["train.on_failure=shrink"], []),
+    "shrink and grow": (["train.on_failure=replace"], []),
+}
+
+
+def recovery(out: Path, kind: str, repeat: int, steps: int, kill_step: int, every: int) -> dict:
+    run_dir = out / f"recovery-{kind.replace(' ', '-')}-{repeat}"
+    sets, extra = RECOVERY_KINDS[kind]
+    sets = [f"train.steps={steps}", "train.measure=false", *(s.format(every=every) for s in sets)]
+    env = {} if kind == "uninterrupted" else {"SHARDWISE_FAULT": f"kill:rank=3:step={kill_step}"}
+    output = _job(run_dir, "digits", sets, env, extra=["--nproc", "4", *extra])
+    if not (run_dir / "summary.json").exists():
+        return {"kind": kind, "error": "did not finish", "output": output[-2000:]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [r for r in _metrics(run_dir) if "loss" in r and "wall_time" in r]
+    wall = {r["step"]: r["wall_time"] for r in rows}
+    batch = round(rows[-1]["samples_per_s"] * rows[-1]["step_time_s"])  # global, per step
+    result = {"kind": kind, "final_loss": summary["final_train_loss"], "global_batch": batch}
+
+    def rate(first: int, last: int) -> float | None:  # global samples/s, steps first+1..last
+        if last - first < 2 or first not in wall or last not in wall:
+            return None
+        return batch * (last - first) / (wall[last] - wall[first])
+
+    result["overall_samples_per_s"] = rate(3, steps)
+    if kind == "uninterrupted":
+        return result
+    fired = _fired_at(run_dir)
+    changes = [r for r in _metrics(run_dir) if "membership" in r]
+    if kind == "restart":
+        found = re.search(r"resumed from \S+ \(step (\d+)", output)
+        back_to = int(found.group(1)) + 1 if found else kill_step
+    else:
+        back_to = changes[0]["step"]
+    grown = next((c["step"] for c in changes if c["joined"]), None)
+    whole_again = back_to if kind == "restart" else grown
+    result.update(
+        {
+            "kill_to_training_s": wall[back_to] - fired,
+            "steps_lost": kill_step - back_to,
+            "before_samples_per_s": rate(3, kill_step - 1),
+            "short_samples_per_s": rate(back_to, (whole_again or steps + 1) - 1)
+            if kind != "restart"
+            else None,
+            "whole_again_at_step": whole_again,
+            "after_samples_per_s": rate(whole_again, steps) if whole_again else None,
+        }
+    )
+    return result
+
+
+def recovery_by_kind(out: Path, repeats: int, steps: int, kill_step: int, every: int) -> list:
+    """Every kind once per repeat, interleaved; per kind, the median of each figure."""
+    runs: dict[str, list[dict]] = {kind: [] for kind in RECOVERY_KINDS}
+    for repeat in range(repeats):
+        for kind in RECOVERY_KINDS:
+            runs[kind].append(recovery(out, kind, repeat, steps, kill_step, every))
+    table = []
+    for kind, results in runs.items():
+        good = [r for r in results if "error" not in r]
+        if not good:
+            table.append(results[0])
+            continue
+        row = {"kind": kind, "runs": len(good)}
+        for key in good[0]:
+            values = [r[key] for r in good if isinstance(r.get(key), (int, float))]
+            if key not in ("kind",) and values:
+                row[key] = statistics.median(values)
+        table.append(row)
+    base = next((r for r in table if r["kind"] == "uninterrupted" and "final_loss" in r), None)
+    for row in table:
+        if base and "final_loss" in row:
+            row["loss_vs_uninterrupted"] = row["final_loss"] - base["final_loss"]
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="shardwise bench faults")
     parser.add_argument("--intervals", default="5,10,20", help="checkpoint intervals (steps)")
@@ -119,10 +206,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-step", type=int, default=37)
     parser.add_argument("--stall-steps", type=int, default=30, help="tiny GPT steps per mode")
     parser.add_argument("--hang-timeout", type=float, default=10.0)
+    parser.add_argument("--recovery-steps", type=int, default=3000)
+    parser.add_argument("--recovery-kill-step", type=int, default=500)
+    parser.add_argument("--recovery-every", type=int, default=250, help="restart's checkpoints")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each recovery kind")
+    parser.add_argument(
+        "--only", choices=["recovery"], help="only the recovery table (the rest is skipped)"
+    )
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    recovered = recovery_by_kind(
+        out, args.repeats, args.recovery_steps, args.recovery_kill_step, args.recovery_every
+    )
+    if args.only == "recovery":
+        result = {"bench": "faults", "recovery": recovered}
+        _print_recovery(recovered, args.recovery_kill_step)
+        print(json.dumps(result))
+        (out / "result.json").write_text(json.dumps(result) + "\n")
+        return 0
     kills = [
         kill_and_restart(out, int(every), args.steps, args.kill_step)
         for every in args.intervals.split(",")
@@ -136,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint_stall": stalls,
         "stall_vs_dcp_s": rival,
         "hang": hang,
+        "recovery": recovered,
     }
     if all("error" not in s for s in stalls):
         result["async_stall_over_sync_save"] = (
@@ -156,11 +260,56 @@ def _print_tables(result: dict) -> None:
     console.print(_rival_table(result["stall_vs_dcp_s"]))
     if "async_stall_over_sync_save" in result:
         console.print(f"async stall / sync save: {result['async_stall_over_sync_save']:.3f}")
+    _print_recovery(result["recovery"], None)
     hang = result["hang"]
     console.print(
         f"hang (timeout {hang['hang_timeout_s']:.0f} s): every rank exited "
         f"{hang['hang_to_all_exited_s']:.1f} s after the hang\n  {hang['report'][:300]}"
     )
+
+
+def _print_recovery(rows: list[dict], kill_step: int | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    at = f" at step {kill_step}" if kill_step else ""
+    table = Table(title=f"recovery by kind: digits, DDP, 4 ranks, rank 3 killed{at} (medians)")
+    columns = (
+        "kind",
+        "kill -> training",
+        "steps lost",
+        "samples/s before",
+        "short a rank",
+        "whole again",
+        "overall",
+        "final loss",
+        "vs uninterrupted",
+    )
+    for col in columns:
+        table.add_column(col, justify="right")
+
+    def rate(row, key):
+        return f"{row[key]:,.0f}" if row.get(key) is not None else "-"
+
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["kind"], row["error"], *["-"] * 7)
+            continue
+        whole = rate(row, "after_samples_per_s")
+        if row.get("whole_again_at_step"):
+            whole += f" (step {row['whole_again_at_step']:.0f})"
+        table.add_row(
+            row["kind"],
+            f"{row['kill_to_training_s']:.2f} s" if "kill_to_training_s" in row else "-",
+            f"{row['steps_lost']:.0f}" if "steps_lost" in row else "-",
+            rate(row, "before_samples_per_s"),
+            rate(row, "short_samples_per_s"),
+            whole,
+            rate(row, "overall_samples_per_s"),
+            f"{row['final_loss']:.6f}",
+            f"{row.get('loss_vs_uninterrupted', 0.0):+.1e}",
+        )
+    Console(width=140).print(table)
 
 
 def _kill_table(kills: list[dict]):

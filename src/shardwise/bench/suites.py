@@ -16,7 +16,7 @@ DEFAULTS = {
     "tp": (5, 3),
     "ps": (150, 1),
     "backups": (300, 1),
-    "faults": (60, 1),
+    "faults": (60, 2),
     "balance": (60, 5),
     "packing": (2, 4),
     "overhead": (150, 4),
@@ -82,7 +82,8 @@ def run_own_jobs_benchmark(args: argparse.Namespace) -> int:
     if args.suite == "faults":  # each job with its fault
         from shardwise.bench.faults_bench import main as faults_main
 
-        return faults_main(["--steps", str(args.steps), "--out", args.out or default_out("faults")])
+        argv = ["--steps", str(args.steps), "--repeats", str(args.reps)]
+        return faults_main([*argv, "--out", args.out or default_out("faults")])
     argv = ["--steps", str(args.steps), "--reps", str(args.reps)]
     if args.suite == "packing":  # one process, both variants on the same documents
         from shardwise.bench.packing_bench import main as packing_main

@@ -199,8 +199,9 @@ def _forget_world() -> None:
     threads, at any point of the process's life or end."""
     c10d = dist.distributed_c10d
     world = c10d._world
+    python_ref = ctypes.py_object  # (a reference to it; nothing crosses a wire here)
     for group in list(world.pg_map):
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        ctypes.pythonapi.Py_IncRef(python_ref(group))
     c10d._update_default_pg(None)
     for table in (
         world.pg_map,

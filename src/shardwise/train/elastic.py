@@ -91,9 +91,8 @@ class Elastic:
 
     def commit(self, run: TrainingRun, step: int) -> None:
         """Snapshot this rank's state as `step` begins (sharded: its neighbour's shard too)."""
-        for _ in range(len(self.snapshots)):  # (a rollback went back: later ones are void)
-            if self.snapshots[-1].step >= step:
-                self.snapshots.pop()
+        while self.snapshots and self.snapshots[-1].step >= step:
+            self.snapshots.pop()  # (a rollback went back: later ones are void)
         layout, own = run.model.checkpoint_shard(run.opt, every_rank=True)
         own = {key: value.detach().clone() for key, value in sorted(own.items())}
         buddy = None
@@ -128,6 +127,8 @@ class Elastic:
         hold the state of."""
         started = time.monotonic()
         old = self.membership.epoch
+        if not self.snapshots:  # (lost before the first step's state was kept: nothing to go on)
+            raise error
         committed = self.snapshots[-1].step
         epoch = self.membership.agree_after_failure(committed)
         snapshot = next((s for s in self.snapshots if s.step == epoch.step), None)
