@@ -33,7 +33,7 @@ SETS = [
 def observed(tmp_path_factory) -> Path:
     """The run directory of the job above, run to its end once for this module's tests."""
     run = tmp_path_factory.mktemp("obs") / "run"
-    job = run_cli(*train_args(run, *SETS, nproc=2), timeout=240)
+    job = run_cli(*train_args(run, *SETS, nproc=2, measure=True), timeout=240)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     return run
 

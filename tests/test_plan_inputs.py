@@ -230,7 +230,7 @@ def test_training_at_a_poisoned_calibration_says_so_and_trains_without_a_step_ti
     file = tmp_path / "shardwise" / "calibration" / calibrate.cache_path(1).name
     file.parent.mkdir(parents=True)
     file.write_text(json.dumps(cal))
-    argv = train_args(tmp_path / "run", "train.steps=2", config=None, nproc=1)
+    argv = train_args(tmp_path / "run", "train.steps=2", config=None, nproc=1, measure=True)
     done = run_cli(*argv, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     note = f"shardwise: {file}: flop_rate must be a number from 1 to 1e+18, got nan: run "

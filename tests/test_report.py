@@ -31,7 +31,7 @@ def runs(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("report")
     dirs = [root / name for name in STRATEGIES]
     jobs = [  # (the three jobs run at once)
-        start_cli(*train_args(run, *COMMON, *sets, nproc=2), cwd=root)
+        start_cli(*train_args(run, *COMMON, *sets, nproc=2, measure=True), cwd=root)
         for run, sets in zip(dirs, STRATEGIES.values(), strict=True)
     ]
     for code, out in finish(*jobs):

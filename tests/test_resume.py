@@ -32,7 +32,9 @@ def _train(run_dir: Path, *sets: str, env: dict | None = None, extra=(), nproc: 
     """The digits job of STEPS steps, a checkpoint every 10, started (`extra`: --resume RUN, or
     --max-restarts N)."""
     argv = ["train", "digits", "--nproc", str(nproc), *extra]
-    argv += set_args(f"train.steps={STEPS}", "train.checkpoint_every=10", *sets)
+    argv += set_args(
+        f"train.steps={STEPS}", "train.checkpoint_every=10", "train.measure=false", *sets
+    )
     return start_cli(*argv, *([] if "--resume" in extra else ["--run-dir", str(run_dir)]), env=env)
 
 

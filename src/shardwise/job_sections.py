@@ -421,8 +421,9 @@ class TrainConfig(Section):
     )
     measure: bool = Field(
         True,
-        description="per-phase timing, gradient norm, activation memory and TensorBoard "
-        "(false: only each step's time, waiting and bytes; what `bench overhead` compares)",
+        description="per-phase timing, gradient norm, activation memory, TensorBoard and "
+        "the cost model's prediction of the run (false: only each step's time, waiting and "
+        "bytes; what `bench overhead` compares; and no prediction, ~1 s less to start)",
     )
     trace_steps: list[int] = Field(
         [],

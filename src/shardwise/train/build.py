@@ -67,7 +67,7 @@ def build(
     # What each checkpoint records of the job, and a resume checks: the model before the
     # strategy splits it.
     signature = run_checkpoint.job_signature(job.model, cfg.optim.name, cfg.strategy.name)
-    if rt.is_main and not resume:
+    if rt.is_main and not resume and cfg.train.measure:  # (a prediction is a measure's peer)
         measured.predicted = _predict(cfg, job, rt, out)
     replicas = recovered.global_replicas if recovered else None
     job, opt, scheduler = _prepare(cfg, job, rt, out, replicas)
