@@ -37,6 +37,7 @@ def _wait(pending: dist.Work | Future) -> None:
         return
     # Told by the operation itself when it ends (no polling latency); asked in between whether
     # to give up. (A gloo operation's own `wait(timeout)` is not honoured by every collective.)
+    since = interrupt.membership()
     done = threading.Event()
     failed: list[BaseException] = []
     try:
@@ -47,7 +48,7 @@ def _wait(pending: dist.Work | Future) -> None:
         threading.Thread(target=_wait_in_thread, args=(pending, done, failed), daemon=True).start()
         waited = True  # (a message's wait may be made once: not again below)
     while not done.wait(interrupt.POLL_S):
-        interrupt.raise_if_interrupted()
+        interrupt.raise_if_interrupted(since)
     try:
         if failed:
             raise failed[0]

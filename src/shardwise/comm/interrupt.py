@@ -3,7 +3,9 @@
 A rank blocked in a collective with a peer that died is told only if that peer was its
 neighbour (gloo), and a rank waiting for a peer's key in the store is never told. Under
 `interrupt_waits_with(check)`, every wait of the communication layer asks `check()` every
-`POLL_S` while it lasts: a reason ends the wait with `PeerLost(reason)`.
+`POLL_S` while it lasts: a reason ends the wait with `PeerLost(reason)`. So does a new
+membership (`next_membership`): a wait begun under an earlier one (a communication thread's,
+still blocked in the old group) can never complete.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class PeerLost(RuntimeError):
 
 
 _check: Callable[[], str | None] | None = None
+_membership = 0  # how many memberships the job had before the present one
 
 
 def interrupt_waits_with(check: Callable[[], str | None] | None) -> None:
@@ -32,6 +35,20 @@ def active() -> bool:
     return _check is not None
 
 
-def raise_if_interrupted() -> None:
+def membership() -> int:
+    """The present membership's number: what a wait notes as it begins."""
+    return _membership
+
+
+def next_membership() -> None:
+    """The job goes on with other members: every wait begun before ends."""
+    global _membership
+    _membership += 1
+
+
+def raise_if_interrupted(since: int) -> None:
+    """`PeerLost` if the membership the wait began under (`since`) is over, or failed."""
+    if since != _membership:
+        raise PeerLost("the job's membership changed")
     if _check is not None and (reason := _check()) is not None:
         raise PeerLost(reason)

@@ -19,9 +19,10 @@ def wait_for(store: dist.Store, keys: list[str], timeout_s: float) -> None:
     """Until every key exists; `TimeoutError` after `timeout_s` (`PeerLost` once the job's
     membership changed, under `interrupt.interrupt_waits_with`)."""
     deadline, pause, asked = time.monotonic() + timeout_s, 0.0005, time.monotonic()
+    since = interrupt.membership()
     while not store.check(keys):
         if time.monotonic() - asked > interrupt.POLL_S:
-            interrupt.raise_if_interrupted()
+            interrupt.raise_if_interrupted(since)
             asked = time.monotonic()
         if time.monotonic() > deadline:
             raise TimeoutError(f"store keys not set within {timeout_s:.0f} s: {keys[:4]}")

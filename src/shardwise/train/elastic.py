@@ -34,6 +34,7 @@ import torch
 from shardwise import comm
 from shardwise.checkpoint.reshardable import assemble
 from shardwise.checkpoint.run_checkpoint import rng_state
+from shardwise.comm import interrupt
 from shardwise.comm.broken import describe
 from shardwise.comm.interrupt import PeerLost, interrupt_waits_with
 from shardwise.distributed import membership, runtime
@@ -149,6 +150,7 @@ class Elastic:
         return self._move(run, old, epoch, snapshot, f"{epoch.why}; the job goes on with", started)
 
     def _move(self, run, old: Epoch, epoch: Epoch, snapshot, what: str, started) -> TrainingRun:
+        interrupt.next_membership()  # (a communication thread still in the old group lets go)
         _close(run)
         rt = runtime.reform(epoch.number, epoch.rank_of(self.membership.me), len(epoch.members))
         recovered = self.gather(old, epoch, snapshot)
