@@ -247,7 +247,12 @@ def test_checkpoint_matches_full_state_dict(tmp_path):
     # Covered above through load_state_dict; here: the tensors are bitwise those of a model
     # trained in the same run (the checkpoint is the full state dict, not a copy of rank 1's).
     result = run_cli(
-        "train", "cnn_bn", "--set", "train.steps=5", "--run-dir", str(tmp_path / "r"), cwd=tmp_path
+        "train",
+        "cnn_bn",
+        *set_args("train.steps=5", "train.measure=false"),
+        "--run-dir",
+        str(tmp_path / "r"),
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     weights = load_file(str(tmp_path / "r" / "checkpoint" / "model.safetensors"))

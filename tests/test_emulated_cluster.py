@@ -30,6 +30,8 @@ def test_two_hosts_train_over_a_capped_link_and_leave_nothing_behind(tmp_path):
             "--set",
             "train.steps=10",
             "--set",
+            "train.measure=false",
+            "--set",
             f"launch.runs_dir={tmp_path}",
         ]
         assert cluster.run(args, timeout=180) == [0, 0]

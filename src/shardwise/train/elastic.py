@@ -68,7 +68,6 @@ class Elastic:
         self.global_replicas = int(os.environ.get(ORIGINAL_WORLD_ENV, len(epoch.members)))
         self.membership = Membership(runtime.job_keys(), me, epoch, cfg.launch.hang_timeout_s)
         self.snapshots: deque[Snapshot] = deque(maxlen=2)
-        self.transitions = 0
         interrupt_waits_with(self.membership.failed)
 
     @classmethod
@@ -79,7 +78,8 @@ class Elastic:
     def before_step(self, run: TrainingRun, step: int) -> TrainingRun:
         """As `step` begins: take waiting replacements in where due (the run rebuilt), then
         snapshot the state."""
-        if run.faults.rejoins(step) and self.membership.epoch.step < step:
+        replacing = self.cfg.train.on_failure == "replace"
+        if replacing and run.faults.rejoins(step) and self.membership.epoch.step < step:
             # (a test's replacement joins here: wait for it)
             while not self.membership.joiners_waiting():
                 time.sleep(0.05)
@@ -155,7 +155,6 @@ class Elastic:
         rt = runtime.reform(epoch.number, epoch.rank_of(self.membership.me), len(epoch.members))
         recovered = self.gather(old, epoch, snapshot)
         rebuilt = self.rebuild(run.cfg, run.out, recovered)
-        self.transitions += 1
         seconds = time.monotonic() - started
         if rt.is_main:
             print(
