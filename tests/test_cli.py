@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from harness import (
+    finish,
     run_cli,
-    run_python,
     set_args,
+    start_cli,
     start_ps_job,
     start_python,
     wait_until,
@@ -161,17 +162,15 @@ def test_missing_dataset_file_is_one_line_and_nonzero(tmp_path):
 
 def test_readme_example_runs_as_plain_python_and_under_both_launchers(tmp_path):
     script = str(ROOT / "examples" / "quickstart.py")
-    plain = run_python(script, timeout=120)
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    assert "world 1: final loss" in plain.stdout
-    ours = run_cli("run", "--nproc", "2", script, cwd=tmp_path)
-    assert ours.returncode == 0, ours.stderr[-2000:]
-    assert "world 2: final loss" in ours.stdout
-    torchrun = run_python(
-        "-m", "torch.distributed.run", "--nproc-per-node", "2", script, timeout=120
+    (plain, plain_out), (ours, ours_out), (torchrun, torchrun_out) = finish(  # (all at once)
+        start_python(script),
+        start_cli("run", "--nproc", "2", script, cwd=tmp_path),
+        start_python("-m", "torch.distributed.run", "--nproc-per-node", "2", script),
+        timeout=120,
     )
-    assert torchrun.returncode == 0, torchrun.stderr[-2000:]
-    assert "world 2: final loss" in torchrun.stdout
+    assert plain == 0 and "world 1: final loss" in plain_out, plain_out[-2000:]
+    assert ours == 0 and "world 2: final loss" in ours_out, ours_out[-2000:]
+    assert torchrun == 0 and "world 2: final loss" in torchrun_out, torchrun_out[-2000:]
 
 
 def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
@@ -276,11 +275,20 @@ SMALL_GPT = [
 
 
 def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
-    for strategy in (["strategy.name=tp"], ["strategy.name=pp", "strategy.microbatches=2"]):
+    strategies = (["strategy.name=tp"], ["strategy.name=pp", "strategy.microbatches=2"])
+    jobs = []  # (both at once)
+    for strategy in strategies:
+        args = [
+            *SMALL_GPT,
+            *set_args(*strategy),
+            "--run-dir",
+            str(tmp_path / strategy[0].split("=")[1]),
+        ]
+        jobs.append(start_cli("train", "tiny_gpt", *args, cwd=tmp_path))
+    for code, out in finish(*jobs):
+        assert code == 0, out[-3000:]
+    for strategy in strategies:
         run_dir = tmp_path / strategy[0].split("=")[1]
-        args = [*SMALL_GPT, *set_args(*strategy), "--run-dir", str(run_dir)]
-        result = run_cli("train", "tiny_gpt", *args, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert lines[-1]["loss"] < lines[0]["loss"]

@@ -39,7 +39,7 @@ def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
     result = _job(
         run,
         "train.steps=40",
-        "launch.hang_timeout_s=6",
+        "launch.hang_timeout_s=3",
         nproc=3,
         env={"SHARDWISE_FAULT": "hang:rank=1:step=12"},
     )

@@ -10,21 +10,28 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from harness import run_cli
+from harness import finish, run_cli, start_cli
 
 SCRIPT = Path(__file__).with_name("own_loop.py")
 
 
+def _args(run_dir: Path, *extra: str) -> list[str]:
+    return ["run", "--nproc", "2", str(SCRIPT), "--run-dir", str(run_dir), *extra]
+
+
 def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = ["run", "--nproc", "2", str(SCRIPT), "--run-dir", str(run_dir), *extra]
-    return run_cli(*args, cwd=run_dir.parent, env={"OMP_NUM_THREADS": "1"})
+    return run_cli(*_args(run_dir, *extra), cwd=run_dir.parent, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_a_killed_own_loop_resumes_bit_identically(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert _run(whole).returncode == 0
-    first = _run(killed, "--kill-at", "7")  # the last checkpoint before it: step 4
-    assert first.returncode != 0 and not (killed / "final.safetensors").exists()
+    env = {"OMP_NUM_THREADS": "1"}
+    (code, out), (first, _) = finish(  # (the whole run and the killed one at once)
+        start_cli(*_args(whole), cwd=tmp_path, env=env),
+        start_cli(*_args(killed, "--kill-at", "7"), cwd=tmp_path, env=env),  # saved: step 4
+    )
+    assert code == 0, out[-3000:]
+    assert first != 0 and not (killed / "final.safetensors").exists()
     second = _run(killed)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "(step 4)" in second.stdout

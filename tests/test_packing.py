@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import run_cli, set_args
+from harness import finish, set_args, start_cli
 from shardwise.bench import packing_bench as bench_packing
 from shardwise.config import PACKAGE_DATA, ConfigError, load_config
 from shardwise.data import datasets
@@ -147,14 +147,16 @@ def test_verses_gpt_trains_packed_on_two_ranks_as_on_one(tmp_path):
     small += ["data.seq_len=128", "optim.warmup_steps=0"]
     small += ["launch.desync_check_every=1"]  # rows of different token counts, same calls
     small += ["train.measure=false"]  # (no prediction nor meters: not what this looks at)
-    runs = {}
-    for ranks, batch in ((2, 4), (1, 8)):  # the same global batches of 8 rows
-        run_dir = tmp_path / f"run{ranks}"
+    jobs = []
+    for ranks, batch in ((2, 4), (1, 8)):  # the same global batches of 8 rows (both at once)
         sets = [*small, f"launch.nproc={ranks}", f"data.batch_size={batch}"]
-        args = [*set_args(*sets), "--run-dir", str(run_dir)]
-        result = run_cli("train", "verses_gpt", *args, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[ranks] = load_file(str(run_dir / "checkpoint" / "model.safetensors"))
+        args = [*set_args(*sets), "--run-dir", str(tmp_path / f"run{ranks}")]
+        jobs.append(start_cli("train", "verses_gpt", *args, cwd=tmp_path))
+    for code, out in finish(*jobs):
+        assert code == 0, out[-3000:]
+    runs = {
+        r: load_file(str(tmp_path / f"run{r}" / "checkpoint" / "model.safetensors")) for r in (2, 1)
+    }
     summary = json.loads((tmp_path / "run2" / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["world_size"] == 2
     assert 0 < summary["eval_loss"] < 5  # log(61) = 4.1 at chance

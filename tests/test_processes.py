@@ -20,10 +20,10 @@ from harness import (
     DEVNULL,
     LOOPBACK,
     PIPE,
+    finish,
     listening_addresses,
     none_left,
     processes_of,
-    run_cli,
     start_cli,
     start_ps_job,
     train_args,
@@ -111,6 +111,7 @@ def test_a_script_without_shutdown_exits_cleanly(tmp_path):
         "sw.comm.all_reduce(t)\n"
         "assert t[0].item() == rt.world_size\n"
     )
-    for _ in range(3):  # the abort at exit it replaces came at random
-        result = run_cli("run", "--nproc", "2", str(script), timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
+    # The abort at exit it replaces came at random: three jobs, at once.
+    jobs = [start_cli("run", "--nproc", "2", str(script)) for _ in range(3)]
+    for code, out in finish(*jobs, timeout=120):
+        assert code == 0, out[-2000:]
