@@ -262,14 +262,26 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
     params, states, _ = read_full_state(found.directory / SHARDED)
     model.load_full_state(optimizer, params, states)
     if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr  # the schedule's current value (the optimizer's groups were not saved)
+        load_schedule(scheduler, optimizer, state["scheduler"])
     if rank < found.world_size:
         set_rng_state(state["rng"])
-    else:  # a rank the saved run did not have: generators of its own, not a copy of another's
-        seed = 1_000_003 * int(state["step"]) + rank
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
+    else:  # a rank the saved run did not have
+        own_generators(int(state["step"]), rank)
     return {"step": int(state["step"]), "data": state["data"]}
+
+
+def load_schedule(scheduler, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """The schedule's state, and its current rate in the optimizer's groups (where they were
+    not restored with it: state resharded to another world)."""
+    scheduler.load_state_dict(state)
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
+def own_generators(step: int, rank: int) -> None:
+    """Random generators of this rank's own, not a copy of another's: for a rank the saved
+    state did not have (a resume on more ranks, an elastic job's replacement)."""
+    seed = 1_000_003 * step + rank
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)

@@ -68,6 +68,15 @@ def _pick_backend(backend: str | None) -> str:
     return backend
 
 
+def _device(backend: str, local_rank: int) -> torch.device:
+    """This rank's device (NCCL: its GPU, made the current one)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Runtime:
     """Join (or create) the process group and return this process's `Runtime`.
 
@@ -83,10 +92,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
     timeout = timedelta(seconds=timeout_s)
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    device = _device(backend, local_rank)
     if not dist.is_initialized():
         # NCCL binds its communicators to this rank's GPU up front (barriers included).
         bound = {"device_id": device} if backend == "nccl" else {}
@@ -125,10 +131,7 @@ def init_joiner(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
     global _runtime, _store, _job_keys
     backend = _pick_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    device = _device(backend, local_rank)
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = _job_store(os.environ, timeout)
     _store = _job_keys = store

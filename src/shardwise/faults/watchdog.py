@@ -324,10 +324,8 @@ class Watchdog:
             ):
                 break  # (a rank that left publishes no stack)
             time.sleep(INTERVAL / 5)
-        beats, stacks = {}, {}
+        beats, stacks = self._beats(), {}
         for r in range(self.world_size):
-            if self.store.check([f"{KEY}/beat/{r}"]):
-                beats[r] = json.loads(self.store.get(f"{KEY}/beat/{r}"))
             if self.store.check([stack_keys[r]]):
                 stacks[r] = self.store.get(stack_keys[r]).decode()
         report, verdict = hang_report(call, waited_s, beats, stacks, self.world_size, self.left)
@@ -350,16 +348,12 @@ class Watchdog:
             return  # (the reporter drops them; this rank's wait ends with the epoch)
         self._reported = True
         self.store.set(f"{KEY}/abort", "hang")
-        beats = self._beats()
-        left = {r: said for r, said in self.left.items()}
-        _, missing, other, _ = _sort_members(
-            call, _members(call.group, self.world_size) or [], beats, left
-        )
+        self._report(call, waited_s)
+        members = _members(call.group, self.world_size) or []
+        _, missing, other, _ = _sort_members(call, members, self._beats(), self.left)
         if other or not missing:
-            self._report(call, waited_s)
             self.store.set(f"{KEY}/done", "1")
             os._exit(EXIT_HUNG)
-        self._report(call, waited_s)
         for rank in missing:
             self.elastic.drop(self.elastic.epoch.members[rank], f"hung in step {self.step}")
 

@@ -46,7 +46,7 @@ from shardwise.recipes.distillation import TeacherCache, distill_loss, prepare_t
 from shardwise.recipes.pruning import GlobalMagnitudePruner, NMPruner, Pruner
 from shardwise.strategies.accumulation import check_accumulate
 from shardwise.train.data_feed import DataFeed, make_loader, stage_loader
-from shardwise.train.recovered import Recovered, fresh_generators
+from shardwise.train.recovered import Recovered
 from shardwise.train.run_dir import agree_run_dir, claim_run_dir
 from shardwise.train.training_run import Measured, TrainingRun, Wrapped
 from shardwise.train.validator import Validator
@@ -121,13 +121,11 @@ def build(
 def _recover(run: TrainingRun, recovered: Recovered) -> None:
     """An elastic job's state, re-cut for this membership (`elastic.gather`)."""
     run.model.load_full_state(run.opt, recovered.params, recovered.states)
-    run.scheduler.load_state_dict(recovered.scheduler)
-    for group, lr in zip(run.opt.param_groups, run.scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
+    run_checkpoint.load_schedule(run.scheduler, run.opt, recovered.scheduler)
     if recovered.rng is not None:
         run_checkpoint.set_rng_state(recovered.rng)
-    else:
-        fresh_generators(recovered.step, run.rt.rank)
+    else:  # a newcomer
+        run_checkpoint.own_generators(recovered.step, run.rt.rank)
     run.restore(recovered.data)
     run.start_step = recovered.step
     if run.pruner is not None:
@@ -197,7 +195,9 @@ def _data(cfg: Config, job: Job, rt: Runtime, out: Path, resume: bool, replicas:
         )
     ledger_dir = out if cfg.train.sample_ledger else None
     shard = job.model.data_shard()
-    stages = [(s.at, functools.partial(stage_loader, cfg, s, shard)) for s in cfg.data.stages]
+    stages = [
+        (s.at, functools.partial(stage_loader, cfg, s, shard, replicas)) for s in cfg.data.stages
+    ]
     feed = DataFeed(loader, set(cfg.train.skip_batches), ledger_dir, rt.rank, stages)
     return feed, balancer
 

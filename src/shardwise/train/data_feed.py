@@ -34,16 +34,16 @@ def make_loader(
             store=runtime.store(),
             seed=cfg.train.seed,
         )
-    sizes = batch_sizes(cfg, shard[0])
-    if global_replicas not in (None, shard[0]):
-        sizes = weighted_sizes(cfg.data.batch_size * global_replicas, [1.0] * shard[0])
+    sizes = batch_sizes(cfg, shard[0], global_replicas)
     return loader(job.splits.train, sizes, shuffle=True, seed=cfg.train.seed, shard=shard)
 
 
-def stage_loader(cfg: Config, stage: DataStage, shard: tuple[int, int]) -> ShardedLoader:
+def stage_loader(
+    cfg: Config, stage: DataStage, shard: tuple[int, int], global_replicas: int | None = None
+) -> ShardedLoader:
     """The loader of a `data.stages` stage: its data (the split made as the run's own is,
     with train.seed; a mixture of its parts' training data) in its own order (its seed),
-    from a fresh epoch."""
+    from a fresh epoch; `global_replicas` as `make_loader`'s."""
     if stage.mixture:
         parts = [
             build_splits(cfg.model_copy(update={"data": d})).train for d in stage.parts(cfg.data)
@@ -53,11 +53,15 @@ def stage_loader(cfg: Config, stage: DataStage, shard: tuple[int, int]) -> Shard
     else:
         train = build_splits(cfg.model_copy(update={"data": stage.data(cfg.data)})).train
     seed = cfg.train.seed if stage.seed is None else stage.seed
-    return loader(train, batch_sizes(cfg, shard[0]), shuffle=True, seed=seed, shard=shard)
+    sizes = batch_sizes(cfg, shard[0], global_replicas)
+    return loader(train, sizes, shuffle=True, seed=seed, shard=shard)
 
 
-def batch_sizes(cfg: Config, replicas: int) -> int | list[int]:
-    """The loader's batch size: the same for every replica, or shares by `data.rank_weights`."""
+def batch_sizes(cfg: Config, replicas: int, global_replicas: int | None = None) -> int | list[int]:
+    """The loader's batch size: the same for every replica, or shares by `data.rank_weights`;
+    or, where the global batch was made for `global_replicas`, that batch dealt evenly."""
+    if global_replicas not in (None, replicas):
+        return weighted_sizes(cfg.data.batch_size * global_replicas, [1.0] * replicas)
     if cfg.data.rank_weights is None:
         return cfg.data.batch_size
     if len(cfg.data.rank_weights) != replicas:

@@ -51,7 +51,6 @@ class Snapshot:
     """This rank's state as a step begins (the state after the step before)."""
 
     step: int
-    epoch: int
     layout: dict[str, Any]
     own: dict[str, torch.Tensor]  # this rank's shard (all of the state, where replicated)
     buddy: dict[str, torch.Tensor] | None  # the left neighbour's shard (sharded state only)
@@ -63,16 +62,28 @@ class Snapshot:
 class Elastic:
     """This rank's part in keeping the job alive across lost and new ranks."""
 
-    def __init__(self, cfg, me: str, epoch: Epoch) -> None:
+    def __init__(self, cfg, members: Membership) -> None:
         self.cfg = cfg
-        self.global_replicas = int(os.environ.get(ORIGINAL_WORLD_ENV, len(epoch.members)))
-        self.membership = Membership(runtime.job_keys(), me, epoch, cfg.launch.hang_timeout_s)
+        self.global_replicas = int(os.environ.get(ORIGINAL_WORLD_ENV, len(members.epoch.members)))
+        self.membership = members
         self.snapshots: deque[Snapshot] = deque(maxlen=2)
         interrupt_waits_with(self.membership.failed)
 
     @classmethod
-    def starting(cls, cfg, rt) -> Elastic:
-        return cls(cfg, membership.my_id(rt.rank), membership.first_epoch(rt.world_size))
+    def starting(cls, run: TrainingRun) -> Elastic:
+        """The job's first members, this rank's run among them."""
+        rt, cfg = run.rt, run.cfg
+        first = membership.first_epoch(rt.world_size)
+        members = Membership(runtime.job_keys(), membership.my_id(rt.rank), first, _settle_s(cfg))
+        elastic = cls(cfg, members)
+        elastic.attach(run)
+        return elastic
+
+    def attach(self, run: TrainingRun) -> None:
+        """`run` goes on through this object: its transitions, and its watchdog drops a rank
+        that hangs instead of ending the job."""
+        run.elastic = self
+        run.watchdog.elastic = self.membership
 
     # ---- each step ----------------------------------------------------------------------
     def before_step(self, run: TrainingRun, step: int) -> TrainingRun:
@@ -102,7 +113,6 @@ class Elastic:
         self.snapshots.append(
             Snapshot(
                 step,
-                self.membership.epoch.number,
                 layout,
                 own,
                 buddy,
@@ -179,8 +189,7 @@ class Elastic:
 
     def rebuild(self, cfg, out: Path, recovered: Recovered) -> TrainingRun:
         run = build(cfg, str(out), resume=True, recovered=recovered)
-        run.elastic = self
-        run.watchdog.elastic = self.membership
+        self.attach(run)
         run.watchdog.start()
         self.snapshots.clear()
         return run
@@ -239,19 +248,24 @@ def join(cfg, run_dir: str) -> TrainingRun:
     the whole state from the members."""
     me = membership.my_id(int(os.environ["RANK"]))
     runtime.init_joiner(cfg.launch.backend, cfg.launch.comm_timeout_s)
-    waiting = Membership(runtime.job_keys(), me, membership.first_epoch(0), 0.0)
-    waiting.ask_to_join()
+    members = Membership(runtime.job_keys(), me, membership.first_epoch(0), _settle_s(cfg))
+    members.ask_to_join()
     print(f"shardwise: {member_name(me)} asks to join the job", flush=True)
-    epoch = waiting.wait_to_be_admitted()
+    epoch = members.wait_to_be_admitted()
     if epoch is None:
         print(f"shardwise: {member_name(me)}: the job ended before it could join", flush=True)
         raise SystemExit(0)
-    old = waiting.previous(epoch, int(os.environ[ORIGINAL_WORLD_ENV]))
-    elastic = Elastic(cfg, me, epoch)
-    elastic.membership.admitted_joins = waiting.admitted_joins
+    old = members.previous(epoch, int(os.environ[ORIGINAL_WORLD_ENV]))
+    elastic = Elastic(cfg, members)
     runtime.reform(epoch.number, epoch.rank_of(me), len(epoch.members))
     recovered = elastic.gather(old, epoch, None)
     return elastic.rebuild(cfg, Path(run_dir), recovered)
+
+
+def _settle_s(cfg) -> float:
+    """How long a member that neither reports nor is known gone is waited for: as long as a
+    hang is."""
+    return cfg.launch.hang_timeout_s
 
 
 def _holdings(old: Epoch, member: str, shards: int) -> set[int]:

@@ -93,8 +93,7 @@ def _first_run(cfg: Config, run_dir: str | None, resume: bool) -> TrainingRun:
     if membership.is_replacement():
         return elastic.join(cfg, run_dir)
     run = build(cfg, run_dir, resume)
-    run.elastic = elastic.Elastic.starting(cfg, run.rt)
-    run.watchdog.elastic = run.elastic.membership  # a hung rank is dropped, not the job
+    elastic.Elastic.starting(run)  # (a hung rank is dropped, not the job)
     return run
 
 
