@@ -10,7 +10,7 @@ FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 $(BIN)/shardwise: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check $(FIND) -c constraints.txt -e '.[dev,hf]'
+	$(PIP) install --quiet --disable-pip-version-check --no-compile $(FIND) -c constraints.txt -e '.[dev,hf]'
 	@touch $@
 
 setup: $(BIN)/shardwise
@@ -21,7 +21,8 @@ demo: setup  ## set up and run the default job (digits, 2 ranks, our DDP)
 test: setup  ## set up, lint and run the test suite
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 bench: setup  ## ours vs torch DDP, and ZeRO vs FSDP2, world size 2
 	$(BIN)/shardwise bench ddp --world-size 2

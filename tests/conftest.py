@@ -11,6 +11,43 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import kill_processes_of
 
+# Test files that assert wall-clock bounds (heartbeats, hang and straggler timeouts, the time to
+# recover), race a backend's own thread (the peak meter), or measure this machine (calibration,
+# step-time models): `make test` runs them after the others, one at a time, with nothing beside
+# them. The others (equivalence and unit tests, whose results never depend on the load) run two
+# files at once (`-n 2`), which the machine's idle moments (start-up, waits) pay for.
+ALONE = {
+    "test_balance.py",
+    "test_bench_planner.py",
+    "test_cli.py",
+    "test_costs.py",
+    "test_elastic.py",
+    "test_emulated_cluster.py",
+    "test_faults.py",
+    "test_jobstore.py",
+    "test_mixed_precision.py",
+    "test_observability.py",
+    "test_own_loop.py",
+    "test_plan_inputs.py",
+    "test_planner.py",
+    "test_processes.py",
+    "test_ps.py",
+    "test_ps_fuzz.py",
+    "test_ps_liveness.py",
+    "test_ps_nonfinite.py",
+    "test_report_inputs.py",
+    "test_resume.py",
+    "test_script_watchdog.py",
+    "test_steptime.py",
+    "test_work_queue.py",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.name in ALONE:
+            item.add_marker(pytest.mark.alone)
+
 
 @pytest.fixture
 def run_dir(tmp_path) -> Iterator[Path]:
