@@ -10,7 +10,7 @@ FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 $(BIN)/shardwise: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check --no-compile $(FIND) -c constraints.txt -e '.[dev,hf]'
+	$(PIP) install --quiet --disable-pip-version-check $(FIND) -c constraints.txt -e '.[dev,hf]'
 	@touch $@
 
 setup: $(BIN)/shardwise
