@@ -13,6 +13,7 @@
     shardwise bench packing                                       # packed vs padded documents
     shardwise bench largebatch                                    # LARS/LAMB at 64x the batch
     shardwise bench overhead                                      # cost of the measurements
+    shardwise bench calls --world-size 2                          # our comm layer, per call
     shardwise bench all [--quick]                                 # every strategy, one report
     shardwise bench planner [--quick] [--reps R] [--models M]     # predicted vs measured
     shardwise report RUN_DIR [RUN_DIR ...] [-o report.html]       # one page comparing runs
@@ -220,7 +221,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         choices=[
             *("ddp", "zero", "comm", "pipeline", "tp", "ps", "backups", "faults", "balance"),
             "packing",
-            *("overhead", "largebatch", "all", "planner"),
+            *("overhead", "calls", "largebatch", "all", "planner"),
         ],
         help="what to benchmark",
     )

@@ -53,34 +53,48 @@ def backward(opt, loss: torch.Tensor) -> None:
         loss.backward()
 
 
-def timed_steps(model, opt, batch, loss_fn, steps: int) -> float:
-    """Seconds per step on the slowest rank."""
+def train_step(model, opt, batch, loss_fn) -> Callable[[], None]:
+    """One training step of `model` on `batch`, as a call: forward, backward, step."""
     x, y = batch
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
+
+    def step() -> None:
         backward(opt, loss_fn(model(x), y))
         opt.step()
         opt.zero_grad()
+
+    return step
+
+
+def timed(step: Callable[[], None], steps: int) -> float:
+    """Seconds per call of `step` on the slowest rank (the ranks start together)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
     elapsed = torch.tensor([(time.perf_counter() - t0) / steps])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
 
-def median_step_times(
-    variants: dict[str, tuple], batch, loss_fn: Callable, steps: int, reps: int
-) -> dict[str, float]:
-    """Warm every variant up, then time them in rotating order, `reps` rounds; medians."""
-    for model, opt in variants.values():
-        timed_steps(model, opt, batch, loss_fn, WARMUP_STEPS)
+def interleaved_times(
+    variants: dict[str, Callable[[], None]], steps: int, reps: int
+) -> dict[str, list[float]]:
+    """Warm every variant up, then time them in rotating order, `reps` rounds: each round's
+    seconds per step, by variant (round r of two variants ran next to each other)."""
+    for step in variants.values():
+        timed(step, WARMUP_STEPS)
     names = list(variants)
     times: dict[str, list[float]] = {k: [] for k in names}
     for rep in range(reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for key in order:
-            times[key].append(timed_steps(*variants[key], batch, loss_fn, steps))
+            times[key].append(timed(variants[key], steps))
     if dist.get_rank() == 0 and VERBOSE:
         print({k: [round(1000 * t, 1) for t in v] for k, v in times.items()}, flush=True)
+    return times
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 

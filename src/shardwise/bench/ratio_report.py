@@ -11,7 +11,18 @@ import torch
 
 import shardwise as sw
 
-COLUMNS = ("model", "params", "impl", "step ms", "samples/s", "bytes/param", "comm/step", "ratio")
+COLUMNS = (
+    "model",
+    "params",
+    "impl",
+    "step ms",
+    "samples/s",
+    "bytes/param",
+    "comm/step",
+    "ratio",
+    "÷ compute",
+    "÷ compute+bytes",
+)
 
 
 def ratio_table(result: dict, variants: list[str], baseline: str) -> list[list[str]]:
@@ -30,9 +41,29 @@ def ratio_table(result: dict, variants: list[str], baseline: str) -> list[list[s
                 f"{v['bytes_per_param']:.2f}",
                 f"{comm / 2**20:.1f} MiB" if comm is not None else "-",
                 f"{v['step_time_s'] / result[baseline]['step_time_s']:.3f}",
+                _ratio(v.get("over_floor_overlapped")),
+                _ratio(v.get("over_floor_unoverlapped")),
             ]
         )
     return rows
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def by_rep_lines(results: list[dict]) -> list[str]:
+    """Each repetition's ratios, one line per figure: every list `*_by_rep` of the results."""
+    lines = []
+    for result in results:
+        for key, value in result.items():
+            figures = {key: value} if key.endswith("_by_rep") else {}
+            if isinstance(value, dict):
+                figures = {f"{key} {k}": v for k, v in value.items() if k.endswith("_by_rep")}
+            for name, ratios in figures.items():
+                listed = " ".join(f"{r:.3f}" for r in ratios)
+                lines.append(f"{result['model']}: {name.removesuffix('_by_rep')}: {listed}")
+    return lines
 
 
 def main_for(suite: str, bench_model: Callable, table_rows: Callable) -> None:
@@ -56,7 +87,8 @@ def main_for(suite: str, bench_model: Callable, table_rows: Callable) -> None:
         for result in results:
             for row in table_rows(result):
                 table.add_row(*row)
-        Console(width=120).print(table)
+        Console(width=150).print(table)
+        print("\n".join(["by repetition:", *by_rep_lines(results)]))
         line = {
             "bench": suite,
             "world_size": rt.world_size,

@@ -20,6 +20,7 @@ DEFAULTS = {
     "balance": (60, 5),
     "packing": (2, 4),
     "overhead": (150, 4),
+    "calls": (10_000, 100),  # (calls per variant, rounds)
 }
 
 
@@ -38,9 +39,15 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
         return largebatch_main(["--out", args.out] if args.out else [])
     steps, reps = DEFAULTS[args.suite]
-    args.steps, args.reps = args.steps or steps, args.reps or reps
+    if not (args.suite == "overhead" and args.world_size == 1):
+        args.steps, args.reps = args.steps or steps, args.reps or reps
     if args.suite == "comm":
         return run_comm_benchmark(args)
+    if args.suite == "overhead" and args.world_size == 1:  # every strategy vs plain torch
+        argv = ["shardwise.bench.one_rank_bench", "--models", args.models]
+        argv += ["--steps", str(args.steps or 10), "--reps", str(args.reps or 5)]
+        launch(argv + (["--out", args.out] if args.out else []), 1, threads_per_rank=None)
+        return 0
     if args.suite in ("ps", "backups", "faults", "packing", "balance", "overhead"):
         return run_own_jobs_benchmark(args)
     module = f"shardwise.bench.{args.suite}_bench"  # one process per rank, launched here

@@ -5,8 +5,9 @@ deepspeed`; CPU accelerator over the same gloo group). Every variant wraps an id
 the model, trains with AdamW fp32 on the same batches, and is timed in rotating order. Reported
 per variant: step time, samples/s, model-state bytes per parameter per rank (parameters,
 gradients, optimizer state, measured after backward), and, for ours, the bytes our accounting
-layer counted for one step. FSDP2 shards per unit as our stage 3 does (each block or layer,
-then the root).
+layer counted for one step, and its floors (`floor.py`: compute alone, and compute plus its
+collectives replayed bare), timed in the same rotation. FSDP2 shards per unit as our stage 3
+does (each block or layer, then the root).
 
 Run: shardwise bench zero --world-size 2
 """
@@ -19,7 +20,14 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.bench.common import make_workload, median_step_times, state_bytes_after_backward
+from shardwise.bench.common import (
+    interleaved_times,
+    make_workload,
+    medians,
+    state_bytes_after_backward,
+    train_step,
+)
+from shardwise.bench.floor import bare_collectives, by_rep, calls_of, floor_figures
 from shardwise.bench.ratio_report import main_for, ratio_table
 from shardwise.nn.models import num_parameters
 from shardwise.strategies.zero import stage3_units
@@ -137,7 +145,14 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
     theirs = fsdp2(factory)
     variants["fsdp2"] = (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4))
     variants.update(deepspeed_variants(factory, batch[0].shape[0]))
-    step_times = median_step_times(variants, batch, loss_fn, steps, reps)
+    torch.manual_seed(0)
+    alone = factory()  # the compute floor: no wrapper, no communication
+    variants["compute"] = (alone, torch.optim.AdamW(alone.parameters(), lr=1e-4))
+    steps_of = {key: train_step(*pair, batch, loss_fn) for key, pair in variants.items()}
+    for key in OURS:  # each strategy's bytes alone (`floor.py`)
+        steps_of[f"bytes:{key}"] = bare_collectives(calls_of(steps_of[key]))
+    times = interleaved_times(steps_of, steps, reps)
+    step_times = medians(times)
     params = num_parameters(variants["ddp"][0])
     global_batch = batch[0].shape[0] * world
     result = {"model": name, "params": params, "global_batch": global_batch}
@@ -152,7 +167,10 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
             if key in OURS
             else None,
         }
+        if key in OURS:
+            result[key].update(floor_figures(times, key))
     result["ratio_zero3_over_fsdp2"] = step_times["zero3"] / step_times["fsdp2"]
+    result["ratio_zero3_over_fsdp2_by_rep"] = by_rep(times, "zero3", "fsdp2")
     if "deepspeed3" in step_times:
         result["ratio_zero3_over_deepspeed3"] = step_times["zero3"] / step_times["deepspeed3"]
     return result
@@ -160,7 +178,7 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
 
 def table_rows(result: dict) -> list[list[str]]:
     rivals = [k for k in ("fsdp2", "deepspeed1", "deepspeed2", "deepspeed3") if k in result]
-    return ratio_table(result, [*OURS, *rivals], baseline="fsdp2")
+    return ratio_table(result, [*OURS, *rivals, "compute"], baseline="fsdp2")
 
 
 if __name__ == "__main__":

@@ -48,12 +48,6 @@ class OpTotals:
     wait_s: float = 0.0
     overlap_s: float = 0.0  # asynchronous calls: issue to wait, the most they overlapped compute
 
-    def add(self, other: OpTotals) -> None:
-        self.calls += other.calls
-        self.bytes += other.bytes
-        self.wait_s += other.wait_s
-        self.overlap_s += other.overlap_s
-
 
 @dataclass
 class CommSnapshot:
@@ -75,25 +69,36 @@ class CommSnapshot:
 
 
 class CommStats:
-    """Thread-safe counters; communication may be issued from a background thread."""
+    """Thread-safe counters; communication may be issued from a background thread.
+
+    A call updates the open step's table only; a step's totals are added to the run's when the
+    step ends (`end_step`), so that recording stays a few operations on every collective's path.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._step: dict[str, OpTotals] = {}
-        self._total: dict[str, OpTotals] = {}
+        self._ended: dict[str, OpTotals] = {}  # the run's totals, up to the last step's end
         self._local = threading.local()
         # Told of every call that blocked the training thread (op, bytes, seconds blocked):
         # the timeline, while it records.
         self.listener: Callable[[str, int, float], None] | None = None
 
+    def _totals(self, op: str) -> OpTotals:
+        totals = self._step.get(op)
+        if totals is None:
+            totals = self._step[op] = OpTotals()
+        return totals
+
     def record(self, op: str, nbytes: int, wait_s: float = 0.0, calls: int = 1) -> None:
         """Count one call of `op` sending `nbytes`, which blocked the caller `wait_s` seconds."""
         if getattr(self._local, "background", False):
             wait_s = 0.0  # a background thread's blocking does not stall training
-        delta = OpTotals(calls, int(nbytes), wait_s)
         with self._lock:
-            for table in (self._step, self._total):
-                table.setdefault(op, OpTotals()).add(delta)
+            totals = self._totals(op)
+            totals.calls += calls
+            totals.bytes += int(nbytes)
+            totals.wait_s += wait_s
         if self.listener is not None and wait_s > 0:
             self.listener(op, int(nbytes), wait_s)
 
@@ -103,11 +108,19 @@ class CommStats:
 
     def add_overlap(self, op: str, seconds: float) -> None:
         """Add the time an asynchronous `op` was in flight before its caller waited for it."""
+        self.add_waited(op, seconds, 0.0)
+
+    def add_waited(self, op: str, in_flight_s: float, blocked_s: float) -> None:
+        """An asynchronous `op` waited for: in flight `in_flight_s` before the wait (the most it
+        overlapped compute), then blocking its caller `blocked_s`."""
         if getattr(self._local, "background", False):
-            return
+            return  # a background thread's blocking does not stall training
         with self._lock:
-            for table in (self._step, self._total):
-                table.setdefault(op, OpTotals()).overlap_s += seconds
+            totals = self._totals(op)
+            totals.overlap_s += in_flight_s
+            totals.wait_s += blocked_s
+        if self.listener is not None and blocked_s > 0:
+            self.listener(op, 0, blocked_s)
 
     @contextlib.contextmanager
     def background(self) -> Iterator[None]:
@@ -127,15 +140,29 @@ class CommStats:
         """Return the counters since the previous call and start a new step window."""
         with self._lock:
             table, self._step = self._step, {}
+            _add_into(self._ended, table)
         return _snapshot(table)
 
     def total(self) -> CommSnapshot:
+        """The run's totals so far, the open step's included."""
         with self._lock:
-            return _snapshot(self._total)
+            both: dict[str, OpTotals] = {}
+            _add_into(both, self._ended)
+            _add_into(both, self._step)
+        return _snapshot(both)
 
     def reset(self) -> None:
         with self._lock:
-            self._step, self._total = {}, {}
+            self._step, self._ended = {}, {}
+
+
+def _add_into(into: dict[str, OpTotals], table: dict[str, OpTotals]) -> None:
+    for op, t in table.items():
+        mine = into.setdefault(op, OpTotals())
+        mine.calls += t.calls
+        mine.bytes += t.bytes
+        mine.wait_s += t.wait_s
+        mine.overlap_s += t.overlap_s
 
 
 def _snapshot(table: dict[str, OpTotals]) -> CommSnapshot:

@@ -13,8 +13,8 @@ the job instead of failing.
 
 from __future__ import annotations
 
-import contextlib
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import interrupt
-from shardwise.comm.accounting import Timer, native_volume, stats
+from shardwise.comm.accounting import native_volume, stats
 from shardwise.comm.flight import Call, recorder
 from shardwise.comm.interrupt import PeerLost
 
@@ -81,19 +81,29 @@ class Handle:
         self.op = op
         self._pending = pending
         self._call = call
-        self._issued = Timer()
+        self._issued = time.perf_counter()
 
     def wait(self) -> None:
         if self._pending is None:
             return
         # From the issue to this wait the operation could progress while the caller computed:
         # that long, at most, it overlapped compute.
-        stats.add_overlap(self.op, self._issued.elapsed())
-        timer = Timer()
-        with _blocked(self._call):
-            _wait(self._pending)
+        start = time.perf_counter()
+        _wait_recorded(self._pending, self._call)
         self._pending = None
-        stats.add_wait(self.op, timer.elapsed())
+        stats.add_waited(self.op, start - self._issued, time.perf_counter() - start)
+
+
+def _wait_recorded(pending: dist.Work | Future, call: Call | None) -> None:
+    """`_wait`, with the flight recorder told which call this thread waits in."""
+    if call is None:
+        _wait(pending)
+        return
+    thread = recorder.begin_wait(call)
+    try:
+        _wait(pending)
+    finally:
+        recorder.end_wait(thread)
 
 
 @dataclass(frozen=True)
@@ -107,19 +117,20 @@ class TraceGroup:
 
 
 def group_size(group: ProcessGroup | TraceGroup | None = None) -> int:
-    return group.size if isinstance(group, TraceGroup) else dist.get_world_size(group)
+    if isinstance(group, TraceGroup):
+        return group.size
+    # (the group's own size, not `dist.get_world_size`'s lookups: on every collective's path)
+    return (dist.GroupMember.WORLD if group is None else group).size()
 
 
 def group_rank(group: ProcessGroup | TraceGroup | None = None) -> int:
-    return group.rank if isinstance(group, TraceGroup) else dist.get_rank(group)
+    if isinstance(group, TraceGroup):
+        return group.rank
+    return (dist.GroupMember.WORLD if group is None else group).rank()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _blocked(call: Call | None):
-    return recorder.blocked_in(call) if call is not None else contextlib.nullcontext()
 
 
 def _issue(
@@ -134,15 +145,14 @@ def _issue(
     if isinstance(group, TraceGroup):
         return Handle(op, None, None)
     recorded = recorder.issue(op, group, tensor)
-    timer = Timer()
+    start = time.perf_counter()
     work = call()
     if async_op:
-        stats.record(op, nbytes, timer.elapsed())
+        stats.record(op, nbytes, time.perf_counter() - start)
         return Handle(op, work, recorded)
     if work is not None:
-        with recorder.blocked_in(recorded):
-            _wait(work)
-    stats.record(op, nbytes, timer.elapsed())
+        _wait_recorded(work, recorded)
+    stats.record(op, nbytes, time.perf_counter() - start)
     return Handle(op, None, None)
 
 
@@ -265,11 +275,10 @@ def exchange(
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     recorded = recorder.issue("p2p", group, sends[0][0] if sends else None)
-    timer = Timer()
-    with recorder.blocked_in(recorded):
-        for work in dist.batch_isend_irecv(ops):
-            _wait(work)
-    stats.record(op, sum(_nbytes(t) for t, _ in sends), timer.elapsed())
+    start = time.perf_counter()
+    for work in dist.batch_isend_irecv(ops):
+        _wait_recorded(work, recorded)
+    stats.record(op, sum(_nbytes(t) for t, _ in sends), time.perf_counter() - start)
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Handle:
@@ -306,15 +315,13 @@ def irecv(
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
     """Receive into `tensor` from group rank `src`, blocking (the wait is counted)."""
     recorded = recorder.issue("recv", group, tensor)
-    timer = Timer()
-    with recorder.blocked_in(recorded):
-        _wait(dist.irecv(tensor, group=group, group_src=src))
-    stats.record("recv", 0, timer.elapsed())
+    start = time.perf_counter()
+    _wait_recorded(dist.irecv(tensor, group=group, group_src=src), recorded)
+    stats.record("recv", 0, time.perf_counter() - start)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     recorded = recorder.issue("barrier", group)
-    timer = Timer()
-    with recorder.blocked_in(recorded):
-        _wait(dist.barrier(group=group, async_op=True))
-    stats.record("barrier", 0, timer.elapsed())
+    start = time.perf_counter()
+    _wait_recorded(dist.barrier(group=group, async_op=True), recorded)
+    stats.record("barrier", 0, time.perf_counter() - start)

@@ -5,7 +5,8 @@ group's calls (op, shape, dtype) summarises the whole sequence in one number: ra
 issued the same collectives in the same order have equal hashes. The recorder keeps the last
 calls with their call sites (the first frame outside `shardwise.comm`), and marks which call
 this rank is waiting in and since when: what the watchdog (`faults/watchdog.py`) reads to name
-a hang or a desync. Recording costs a dictionary update and a CRC per call.
+a hang or a desync. Recording costs a few dictionary updates and a CRC of four bytes per call;
+what it records is formatted only when read (a hang, a desync, a trace).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import threading
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
+from types import CodeType
 
 import torch
 import torch.distributed as dist
@@ -35,14 +36,37 @@ def collective_groups(counts: dict[str, int]) -> dict[str, int]:
     return {g: n for g, n in counts.items() if g not in (P2P, UNWATCHED)}
 
 
-@dataclass(frozen=True)
 class Call:
-    op: str
-    group: str  # "world", or the group's global ranks ("0,2")
-    seq: int  # this call's number in its group (1 = the group's first)
-    shape: tuple[int, ...]
-    dtype: str
-    site: str  # file:line (function) of the caller
+    """One collective as this rank issued it. Issuing is on every collective's path, so it
+    records raw values (the dtype, the caller's code and line) and formats them only when read."""
+
+    __slots__ = ("_dtype", "_site", "group", "op", "seq", "shape")
+
+    def __init__(
+        self,
+        op: str,
+        group: str,  # "world", or the group's global ranks ("0,2")
+        seq: int,  # this call's number in its group (1 = the group's first)
+        shape: tuple[int, ...],
+        dtype: str | torch.dtype,
+        site: str | tuple[CodeType, int] | None,  # file:line (function) of the caller
+    ) -> None:
+        self.op, self.group, self.seq, self.shape = op, group, seq, shape
+        self._dtype, self._site = dtype, site
+
+    @property
+    def dtype(self) -> str:
+        d = self._dtype
+        return d if isinstance(d, str) else str(d).removeprefix("torch.")
+
+    @property
+    def site(self) -> str:
+        if isinstance(self._site, str):
+            return self._site
+        if self._site is None:
+            return "?"
+        code, line = self._site
+        return f"{Path(code.co_filename).name}:{line} ({code.co_name})"
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.shape)) or "scalar"
@@ -53,16 +77,48 @@ class Call:
         return f"{self.op}|{self.shape}|{self.dtype}"
 
     def to_json(self) -> dict:
-        return {**self.__dict__, "shape": list(self.shape)}
+        keys = ("op", "group", "seq", "shape", "dtype", "site")
+        return {k: list(self.shape) if k == "shape" else getattr(self, k) for k in keys}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Call) and self.to_json() == other.to_json()
+
+    __hash__ = None  # (mutable in principle: as a dict, never a key)
+
+    def __repr__(self) -> str:
+        return f"Call({self.describe()})"
 
 
-def _site() -> str:
+_INSIDE: dict[CodeType, bool] = {}  # code object -> whether it is shardwise.comm's own
+
+
+def _site() -> tuple[CodeType, int] | None:
+    """The first frame outside `shardwise.comm`: its code and line (formatted when read)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(COMM_DIR):
+    while frame is not None:
+        code = frame.f_code
+        inside = _INSIDE.get(code)
+        if inside is None:
+            inside = _INSIDE[code] = code.co_filename.startswith(COMM_DIR)
+        if not inside:
+            return code, frame.f_lineno
         frame = frame.f_back
-    if frame is None:
-        return "?"
-    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+    return None
+
+
+_SIGNATURES: dict[tuple, bytes] = {}  # (op, shape, dtype) -> the CRC of the call's signature
+
+
+def _signature_crc(op: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> bytes:
+    key = (op, shape, dtype)
+    crc = _SIGNATURES.get(key)
+    if crc is None:
+        if len(_SIGNATURES) > 4096:  # (shapes that vary step to step: keep it bounded)
+            _SIGNATURES.clear()
+        name = "-" if dtype is None else str(dtype).removeprefix("torch.")
+        signature = f"{op}|{shape}|{name}"
+        crc = _SIGNATURES[key] = zlib.crc32(signature.encode()).to_bytes(4, "little")
+    return crc
 
 
 class FlightRecorder:
@@ -101,24 +157,33 @@ class FlightRecorder:
             name = P2P if op in ("send", "recv", "p2p") else self.group_name(group)
         seq = self.seq.get(name, 0) + 1
         shape = tuple(tensor.shape) if tensor is not None else ()
-        dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "-"
-        call = Call(op, name, seq, shape, dtype, _site())
+        dtype = tensor.dtype if tensor is not None else None
+        call = Call(op, name, seq, shape, "-" if dtype is None else dtype, _site())
         self.seq[name] = seq
-        self.hash[name] = zlib.crc32(call.signature().encode(), self.hash.get(name, 0))
+        self.hash[name] = zlib.crc32(_signature_crc(op, shape, dtype), self.hash.get(name, 0))
         self.history.append(call)
         if self.check_call is not None and name not in (P2P, UNWATCHED):
             self.check_call(call, group)
         return call
 
+    def begin_wait(self, call: Call) -> int:
+        """This thread waits for `call` from now until `end_wait` (what the watchdog reads);
+        the thread's id, for `end_wait`."""
+        thread = threading.get_ident()
+        self.waiting[thread] = (call, time.monotonic())
+        return thread
+
+    def end_wait(self, thread: int) -> None:
+        self.waiting.pop(thread, None)
+
     @contextlib.contextmanager
     def blocked_in(self, call: Call):
         """Marks the time this thread waits for `call` to finish."""
-        thread = threading.get_ident()
-        self.waiting[thread] = (call, time.monotonic())
+        thread = self.begin_wait(call)
         try:
             yield
         finally:
-            self.waiting.pop(thread, None)
+            self.end_wait(thread)
 
     def longest_wait(self) -> tuple[Call, float] | None:
         """The call waited for longest, and for how many seconds (unbounded waits left out)."""

@@ -16,6 +16,7 @@ more small all-reduce for strategies that shard gradients, left out here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -125,6 +126,13 @@ class CostJob:
     global_batch: int = 0  # samples per step over all replicas
     backend: str = "gloo"  # torch.distributed's (gloo's reduce-scatter copies its buffer)
     accumulate: int = 1  # train.accumulate: a rank's batch runs in this many micro-batches
+    num_nodes: int = 1  # hosts the ranks are spread over
+
+    @property
+    def shared_cores(self) -> bool:
+        """Whether the collectives run on the cores that compute (`grad_buckets.shares_cores`):
+        gloo on one host."""
+        return self.backend == "gloo" and self.num_nodes == 1
 
     @classmethod
     def of(cls, job: Job, cfg: Config, world_size: int, rank: int, global_batch: int) -> CostJob:
@@ -141,6 +149,7 @@ class CostJob:
             if torch.distributed.is_initialized()
             else "gloo",
             accumulate=cfg.train.accumulate,
+            num_nodes=_num_nodes(world_size),
         )
 
     def params(self) -> list[nn.Parameter]:
@@ -193,10 +202,20 @@ def replicated_memory(numels: list[int], optimizer: str, elem: int = FP32) -> di
     }
 
 
-def bucket_sizes(numels: list[int], elem: int, bucket_mb: float | None) -> list[int]:
+def _num_nodes(world_size: int) -> int:
+    """The hosts of the job being priced: this job's, where one runs (else one host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return max(1, world_size // max(1, local))
+
+
+def bucket_sizes(
+    numels: list[int], elem: int, bucket_mb: float | None, shared_cores: bool = True
+) -> list[int]:
     """`grad_buckets.assign_buckets` on element counts, in the order given: a bucket closes
-    when the next tensor would take it past bucket_mb (None: DDP's default for these)."""
-    limit, buckets, size = bucket_bytes(bucket_mb, sum(numels) * elem), [], 0
+    when the next tensor would take it past bucket_mb (None: DDP's default for these, on cores
+    that communicate too where `shared_cores`, `CostJob.shared_cores`)."""
+    limit = bucket_bytes(bucket_mb, sum(numels) * elem, shared_cores)
+    buckets, size = [], 0
     for n in numels:
         if size and (size + n) * elem > limit:
             buckets.append(size)

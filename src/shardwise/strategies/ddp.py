@@ -40,6 +40,7 @@ from shardwise.strategies.grad_buckets import (
     BucketedBackward,
     assign_buckets,
     bucket_bytes,
+    shares_cores,
 )
 from shardwise.strategies.section import StrategySection
 
@@ -238,7 +239,9 @@ class DDP(Strategy):
             named,
             all_reduce,
             share,
-            bucket_bytes(self.bucket_mb, grad_bytes),
+            bucket_bytes(
+                self.bucket_mb, grad_bytes, shares_cores(runtime.device, runtime.num_nodes)
+            ),
             self.find_unused_parameters,
         )
         return DataParallelModel(model, runtime, reducer)

@@ -20,20 +20,34 @@ from torch import nn
 # DDP's default bucket: an eighth of the gradients' bytes, within 1-25 MiB. The last bucket
 # (the first layers', made last) cannot overlap backward; cut finer, less of the step waits on
 # it: fp16 gradients of a 12.9 MB GPT over a 100 Mbit link stepped in 0.70 s in 1.6 MiB
-# buckets, 0.86 s in one of 25 MiB (torch's default, 1 MiB first then 25 MiB: 0.81 s). On
-# loopback, where the backend's copies share the cores with backward, it cost 3-4 % (bench ddp).
+# buckets, 0.86 s in one of 25 MiB (torch's default, 1 MiB first then 25 MiB: 0.81 s).
 # Past 200 MiB of gradients it is torch's 25 MiB: per-call latency stays a small share.
 BUCKETS_PER_MODEL, SMALLEST_BUCKET, LARGEST_BUCKET = 8, 2**20, 25 * 2**20
 
 
-def default_bucket_bytes(grad_bytes: int) -> int:
-    """The bucket size in bytes for `grad_bytes` of gradients when none is given."""
+def default_bucket_bytes(grad_bytes: int, shared_cores: bool = False) -> int:
+    """The bucket size in bytes for `grad_bytes` of gradients when none is given.
+
+    `shared_cores`: the collectives run on the cores that compute (gloo, every rank on one
+    host: loopback copies and sums are CPU work). Overlap then buys nothing and every call
+    costs, so the buckets are the largest: on 2 cores (bench ddp, 5 interleaved rounds) the
+    GPT's 12.9 MB of gradients stepped in 258 ms in one bucket against 270 ms in eight, the
+    MLP's 23.3 MB in 59 ms against 64 ms (torch DDP: 256 and 62 ms)."""
+    if shared_cores:
+        return LARGEST_BUCKET
     return min(LARGEST_BUCKET, max(SMALLEST_BUCKET, grad_bytes // BUCKETS_PER_MODEL))
 
 
-def bucket_bytes(bucket_mb: float | None, grad_bytes: int) -> int:
+def bucket_bytes(bucket_mb: float | None, grad_bytes: int, shared_cores: bool = False) -> int:
     """`bucket_mb` in bytes, or the default for `grad_bytes` of gradients where it is None."""
-    return default_bucket_bytes(grad_bytes) if bucket_mb is None else int(bucket_mb * 2**20)
+    if bucket_mb is None:
+        return default_bucket_bytes(grad_bytes, shared_cores)
+    return int(bucket_mb * 2**20)
+
+
+def shares_cores(device: torch.device, num_nodes: int) -> bool:
+    """Whether collectives run on the cores that compute: the CPU, every rank on one host."""
+    return device.type == "cpu" and num_nodes == 1
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

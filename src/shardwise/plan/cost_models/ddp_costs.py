@@ -28,7 +28,7 @@ def ddp_costs(job: CostJob, s: StrategySection) -> Costs:
         made_grads=None,
         buffers=codec_state(s.compression, shapes),
     )
-    buckets = bucket_sizes(held[::-1], elem, s.bucket_mb)
+    buckets = bucket_sizes(held[::-1], elem, s.bucket_mb, job.shared_cores)
     if s.compression is not None:
         codec_bytes(costs, s.compression, buckets, shapes, n)
     elif s.algorithm == "native":

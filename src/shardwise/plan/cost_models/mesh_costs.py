@@ -68,7 +68,7 @@ def mesh_costs(job: CostJob, s: StrategySection) -> Costs:
         _zero_data_axis(costs, _piece(job, s, where), s, zero, dp)
         return costs
     pieces = costs.optimizer_numels[::-1]  # this rank's tensors, reverse registration order
-    for numel in bucket_sizes(pieces, FP32, DDPConfig().bucket_mb):
+    for numel in bucket_sizes(pieces, FP32, DDPConfig().bucket_mb, job.shared_cores):
         costs.add_comm("all_reduce", native_volume("all_reduce", numel * FP32, dp), ranks=dp)
     return costs
 

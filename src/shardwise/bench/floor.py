@@ -1,0 +1,98 @@
+"""The floor of a training step on this machine, measured in the benchmark's own run.
+
+Two floors bound what any data-parallel implementation of a step can reach here:
+
+    overlapped    the compute alone: the same model, batch and optimizer with no wrapper and
+                  no communication, every rank computing at once (as the ranks of a job do,
+                  sharing the machine's cores and memory bandwidth)
+    unoverlapped  the compute plus the strategy's own bytes: the collectives one step of the
+                  strategy issued (read from the flight recorder: op, shape, dtype), replayed
+                  back to back straight on `torch.distributed`, with nothing else running
+
+A step above the unoverlapped floor pays for more than computing and then communicating; a
+step below it hides part of its communication behind compute. Both floors are timed as variants
+of the benchmark's interleaved rotation, so each repetition has its own floor, next to the
+step it bounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.flight import KEEP, Call, recorder
+
+# torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def calls_of(step: Callable[[], None]) -> list[Call]:
+    """The collectives that one call of `step` issues on this rank, in order."""
+    before = dict(recorder.seq)
+    step()
+    issued = sum(n - before.get(group, 0) for group, n in recorder.seq.items())
+    if issued > KEEP:
+        raise ValueError(f"a step issued {issued} collectives; the recorder keeps {KEEP}")
+    return list(recorder.history)[len(recorder.history) - issued :]
+
+
+def bare_collectives(calls: list[Call]) -> Callable[[], None]:
+    """A step that issues the same collectives as `calls` straight on `torch.distributed`, on
+    buffers made once, each waited for before the next (the world group: the benchmarks'
+    strategies span it)."""
+    issue = [_bare(call) for call in calls]
+
+    def step() -> None:
+        for collective in issue:
+            collective()
+
+    return step
+
+
+def _bare(call: Call) -> Callable[[], None]:
+    dtype = getattr(torch, call.dtype)
+    tensor = torch.zeros(call.shape, dtype=dtype)
+    world = dist.get_world_size()
+    if call.op == "all_reduce":
+        return lambda: dist.all_reduce(tensor)
+    if call.op == "broadcast":
+        return lambda: dist.broadcast(tensor, src=0)
+    if call.op == "all_gather":  # (recorded: the gathered output)
+        shard = torch.zeros(tensor.numel() // world, dtype=dtype)
+        return lambda: _all_gather_flat(tensor.view(-1), shard)
+    if call.op == "reduce_scatter":  # (recorded: the full input)
+        shard = torch.zeros(tensor.numel() // world, dtype=dtype)
+        return lambda: _reduce_scatter_flat(shard, tensor.view(-1))
+    if call.op == "all_to_all":
+        received = torch.empty_like(tensor)
+        return lambda: dist.all_to_all_single(received, tensor)
+    if call.op == "barrier":
+        return dist.barrier
+    raise ValueError(f"no bare replay of {call.describe()}: the floor covers collectives only")
+
+
+def floor_figures(times: dict[str, list[float]], key: str) -> dict:
+    """Variant `key`'s floors from the rotation's times by repetition: "compute" (the model
+    alone) and f"bytes:{key}" (its collectives alone); and its step over each floor, by
+    repetition (the headline is their median)."""
+    own, compute, alone = times[key], times["compute"], times[f"bytes:{key}"]
+    unoverlapped = [c + b for c, b in zip(compute, alone, strict=True)]
+    over_compute = [s / c for s, c in zip(own, compute, strict=True)]
+    over_floor = [s / u for s, u in zip(own, unoverlapped, strict=True)]
+    return {
+        "floor_overlapped_s": statistics.median(compute),
+        "floor_unoverlapped_s": statistics.median(unoverlapped),
+        "comm_alone_s": statistics.median(alone),
+        "over_floor_overlapped": statistics.median(over_compute),
+        "over_floor_unoverlapped": statistics.median(over_floor),
+        "over_floor_unoverlapped_by_rep": over_floor,
+    }
+
+
+def by_rep(times: dict[str, list[float]], key: str, baseline: str) -> list[float]:
+    """`key`'s step over `baseline`'s, repetition by repetition (each pair ran side by side)."""
+    return [a / b for a, b in zip(times[key], times[baseline], strict=True)]
