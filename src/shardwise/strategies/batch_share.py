@@ -74,6 +74,8 @@ class BatchShare:
     def weigh(self, grad: torch.Tensor) -> None:
         """Multiply `grad` (this rank's local mean gradient) by its weight, in place."""
         weight = self.uneven_weight()
+        if weight is None and self.runtime.world_size == 1:
+            return  # (dividing by one: the same bits, a pass over the gradients saved)
         if weight is None:
             grad.div_(self.runtime.world_size)  # equal after all: the same rounding as ever
         else:

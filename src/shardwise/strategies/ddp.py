@@ -94,8 +94,16 @@ class GradientReducer:
     ) -> None:
         self.all_reduce = all_reduce
         self.share = share
+        # One replica's gradient is already the sum over the world: no buckets, no hooks, the
+        # gradients left where autograd puts them (a codec still runs: its error feedback is
+        # part of what it computes).
+        self.alone = share.runtime.world_size == 1 and not isinstance(
+            all_reduce, CompressedAllReduce
+        )
         params = [p for _, p in reversed(named_params)]
-        self.buckets = [_make_bucket(ps) for ps in assign_buckets(params, bucket_bytes)]
+        self.params = params
+        groups = [] if self.alone else assign_buckets(params, bucket_bytes)
+        self.buckets = [_make_bucket(ps) for ps in groups]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
         for b in self.buckets:  # codecs keep state per bucket; PowerSGD needs the shapes
             all_reduce.describe(b.buffer, [p.shape for p in b.params])
@@ -136,6 +144,13 @@ class GradientReducer:
         each hook a fresh gradient that is copied into its bucket slot, cheaper than zeroing the
         buckets and adding into them. Either way, gradients live in the buckets after backward.
         """
+        if self.alone:  # (no buckets: as a plain module)
+            for p in self.params:
+                if p.grad is not None and not set_to_none:
+                    p.grad.zero_()
+                elif p.grad is not None:
+                    p.grad = None
+            return
         for bucket in self.buckets:
             if not set_to_none:
                 bucket.buffer.zero_()

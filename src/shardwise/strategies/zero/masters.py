@@ -39,7 +39,8 @@ class ShardViews:
                     "optimizer.zero_grad() after each step"
                 )
             own = unit.own(unit.grad_full)
-            own.copy_(unit.reduced)
+            if own.data_ptr() != unit.reduced.data_ptr():  # (a slice of one: reduced in place)
+                own.copy_(unit.reduced)
             shard.grad = own
         else:
             add_grad(shard, unit.reduced)
@@ -76,7 +77,9 @@ class FP32Masters:
         return nn.Parameter(master.to(self.device or master.device))
 
     def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
-        reduced = unit.reduced.to(shard.device, shard.dtype)
+        # (a slice of one is the full buffer itself, which stage 1 zeroes below: a copy then)
+        aliased = keep_full and unit.reduced is unit.grad_full
+        reduced = unit.reduced.to(shard.device, shard.dtype, copy=aliased)
         if self.scaler is not None:
             reduced.div_(self.scaler.scale)
         add_grad(shard, reduced)

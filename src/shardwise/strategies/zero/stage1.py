@@ -142,6 +142,10 @@ class ZeroStage1(DistributedModel):
     def _launch(self, index: int) -> None:
         unit = self.units[index]
         self.batch_share.weigh(unit.grad_full)  # the mean, before summing (fp16-safe)
+        if self.groups.shard_size == 1 and self.codec is None:
+            unit.reduced = unit.grad_full  # (a slice of one: the whole, summed over itself)
+            unit.handle = comm.Handle("reduce_scatter", None, None)  # done: no message
+            return
         unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
         if self.codec is not None:
             unit.handle = self.codec.start(unit.grad_full, unit.reduced, key=index)
@@ -240,6 +244,11 @@ class ZeroStage1(DistributedModel):
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """Every unit's full compute buffer from all ranks' updated slices."""
+        if self.groups.shard_size == 1:  # the slice is the whole: at most a cast, no message
+            for u, s in zip(self.units, self.shards, strict=True):
+                if s.data_ptr() != u.full.data_ptr():  # (not a view of it: fp32 masters)
+                    u.full.copy_(s.detach())
+            return
         handles = [
             comm.all_gather_into_tensor(
                 u.full, self._compute_copy(s), self.groups.shard, async_op=True

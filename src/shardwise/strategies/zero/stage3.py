@@ -124,12 +124,21 @@ class ZeroStage3(ZeroStage2):
             u.free()
 
     def _gather(self, i: int, prefetch: bool, direction: int = 1) -> None:
-        unit = self.units[i]
-        unit.start_gather(self._compute_copy(self.shards[i]))
+        self._start_gather(i)
         nxt = i + direction
         if prefetch and 0 <= nxt < len(self.units):
-            self.units[nxt].start_gather(self._compute_copy(self.shards[nxt]))
-        unit.wait_gather()
+            self._start_gather(nxt)
+        self.units[i].wait_gather()
+
+    def _start_gather(self, i: int) -> None:
+        """Start gathering unit `i` unless it is gathered or on its way: its compute copy is
+        made once per gather (a unit's own hook follows its neighbour's prefetch)."""
+        unit = self.units[i]
+        if unit.is_gathered() or unit.gather_handle is not None:
+            return
+        # (a shard group of one: the shard is the whole, cast into the full buffer directly)
+        one = self.groups.shard_size == 1
+        unit.start_gather(self.shards[i] if one else self._compute_copy(self.shards[i]))
 
     def _after_forward(self, i: int, output: Any) -> Any:
         if torch.is_grad_enabled():  # any output: a tensor, tuples, dicts, HF's ModelOutput

@@ -32,7 +32,7 @@ class FlatUnit:
         no values yet (`nn/meta_init.py`): only this rank's slice is read, and the full buffer
         starts freed (stage 3)."""
         assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
-        self.params, self.rank, self.group = params, rank, group
+        self.params, self.rank, self.world_size, self.group = params, rank, world_size, group
         self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
         self.numels = [p.numel() for p in params]
         offsets = [sum(self.numels[:i]) for i in range(len(params))]
@@ -110,6 +110,10 @@ class FlatUnit:
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         for p in self.params:
             mark_gathered(p)
+        if self.world_size == 1:  # the shard is the whole: a copy (and cast), no message
+            with torch.no_grad():
+                self.full.copy_(shard.detach())
+            return
         self.gather_handle = comm.all_gather_into_tensor(
             self.full, shard.detach(), group=self.group, async_op=True
         )
