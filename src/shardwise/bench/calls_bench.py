@@ -16,17 +16,16 @@ Run: shardwise bench calls --world-size 2
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import timeit
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import comm
+from shardwise.bench.common import emit
 
 ROUNDS = 100  # rounds per variant pair (short ones: a drift in load hits both alike)
 
@@ -111,9 +110,7 @@ def main() -> None:
                 f"shardwise: {kind}: ours {v['ours_us']:.1f} us/call, bare {v['bare_us']:.1f}: "
                 f"overhead {v['overhead_us']:+.1f} us per call ({result['calls']:,} calls each)"
             )
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result) + "\n")
+        emit(result, args.out)
     sw.shutdown()
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -96,6 +98,13 @@ def interleaved_times(
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def emit(line: dict, out: str | None) -> None:
+    """A benchmark's one JSON line: printed, and written to `out` where given."""
+    print(json.dumps(line))
+    if out:
+        Path(out).write_text(json.dumps(line) + "\n")
 
 
 def state_bytes_after_backward(model, opt, batch, loss_fn) -> dict[str, int]:

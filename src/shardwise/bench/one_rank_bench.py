@@ -14,15 +14,13 @@ Run: shardwise bench overhead --world-size 1
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.bench.common import interleaved_times, make_workload, medians, train_step
+from shardwise.bench.common import emit, interleaved_times, make_workload, medians, train_step
 from shardwise.bench.floor import by_rep
 from shardwise.nn.models import num_parameters
 
@@ -103,9 +101,7 @@ def main() -> None:
                 )
     line = {"bench": "overhead", "world_size": 1, "threads": torch.get_num_threads()}
     line["results"] = results
-    print(json.dumps(line))
-    if args.out:
-        Path(args.out).write_text(json.dumps(line) + "\n")
+    emit(line, args.out)
     sw.shutdown()
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 import shardwise as sw
+from shardwise.bench.common import emit
 
 COLUMNS = (
     "model",
@@ -95,7 +94,5 @@ def main_for(suite: str, bench_model: Callable, table_rows: Callable) -> None:
             "threads_per_rank": torch.get_num_threads(),
             "results": results,
         }
-        print(json.dumps(line))
-        if args.out:
-            Path(args.out).write_text(json.dumps(line) + "\n")
+        emit(line, args.out)
     sw.shutdown()
