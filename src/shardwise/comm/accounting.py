@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -102,14 +101,6 @@ class CommStats:
         if self.listener is not None and wait_s > 0:
             self.listener(op, int(nbytes), wait_s)
 
-    def add_wait(self, op: str, seconds: float) -> None:
-        """Add time the training thread spent blocked on an asynchronous `op`."""
-        self.record(op, 0, seconds, calls=0)
-
-    def add_overlap(self, op: str, seconds: float) -> None:
-        """Add the time an asynchronous `op` was in flight before its caller waited for it."""
-        self.add_waited(op, seconds, 0.0)
-
     def add_waited(self, op: str, in_flight_s: float, blocked_s: float) -> None:
         """An asynchronous `op` waited for: in flight `in_flight_s` before the wait (the most it
         overlapped compute), then blocking its caller `blocked_s`."""
@@ -175,16 +166,6 @@ def _snapshot(table: dict[str, OpTotals]) -> CommSnapshot:
         snap.wait_s += v.wait_s
         snap.overlap_s += v.overlap_s
     return snap
-
-
-class Timer:
-    """Seconds since construction; a tiny helper so call sites read as one line."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
 
 
 #: The process-wide recorder. Like torch.distributed's default group, one process has one.

@@ -56,8 +56,7 @@ class Call:
 
     @property
     def dtype(self) -> str:
-        d = self._dtype
-        return d if isinstance(d, str) else str(d).removeprefix("torch.")
+        return _dtype_name(self._dtype)
 
     @property
     def site(self) -> str:
@@ -74,7 +73,7 @@ class Call:
 
     def signature(self) -> str:
         """What must be equal on every rank of the group."""
-        return f"{self.op}|{self.shape}|{self.dtype}"
+        return _signature(self.op, self.shape, self.dtype)
 
     def to_json(self) -> dict:
         keys = ("op", "group", "seq", "shape", "dtype", "site")
@@ -87,6 +86,16 @@ class Call:
 
     def __repr__(self) -> str:
         return f"Call({self.describe()})"
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str:
+    if dtype is None:
+        return "-"
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def _signature(op: str, shape: tuple[int, ...], dtype: str) -> str:
+    return f"{op}|{shape}|{dtype}"
 
 
 _INSIDE: dict[CodeType, bool] = {}  # code object -> whether it is shardwise.comm's own
@@ -115,8 +124,7 @@ def _signature_crc(op: str, shape: tuple[int, ...], dtype: torch.dtype | None) -
     if crc is None:
         if len(_SIGNATURES) > 4096:  # (shapes that vary step to step: keep it bounded)
             _SIGNATURES.clear()
-        name = "-" if dtype is None else str(dtype).removeprefix("torch.")
-        signature = f"{op}|{shape}|{name}"
+        signature = _signature(op, shape, _dtype_name(dtype))
         crc = _SIGNATURES[key] = zlib.crc32(signature.encode()).to_bytes(4, "little")
     return crc
 

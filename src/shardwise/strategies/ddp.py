@@ -146,10 +146,10 @@ class GradientReducer:
         """
         if self.alone:  # (no buckets: as a plain module)
             for p in self.params:
-                if p.grad is not None and not set_to_none:
-                    p.grad.zero_()
-                elif p.grad is not None:
+                if set_to_none:
                     p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
             return
         for bucket in self.buckets:
             if not set_to_none:
