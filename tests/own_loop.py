@@ -47,8 +47,12 @@ def batches():
 feed = batches()
 for step in range(start + 1, args.steps + 1):
     watchdog.step = step
-    if rt.rank == 1 and step == args.kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if step == args.kill_at:
+        # The premise: the checkpoint saved before is complete when rank 1 dies (written in the
+        # background, it once was not yet, three steps later on a loaded CI machine).
+        checkpointer.wait()
+        if rt.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
     if rt.rank == 1 and step == args.hang_at:
         time.sleep(3600)  # alive, but never in the step's all-reduce
     x, y = next(feed)
