@@ -67,6 +67,7 @@ GPT_ONLY = [
     {"name": "pp", "schedule": "zb-h1", "microbatches": 4},
     {"name": "zero", "stage": 2, "compression": "int8", "bucket_mb": 0.02},
     {"name": "zero", "stage": 3, "accumulate": 2},  # (train.accumulate: not the section's)
+    {"name": "zero", "stage": 3, "keep_gathered_mb": 0.06},  # (the last block, norm and head kept)
     {"name": "tp", "accumulate": 2},
 ]
 CAST_OR_POWERSGD = ("fp16", "bf16", "powersgd")  # (all-reduces in place: nothing gathered)

@@ -44,7 +44,7 @@ def _loss(kind: str):
     return F.cross_entropy if kind == "mlp" else lm_loss
 
 
-def train_three_ways(kind: str, stage: int, clip: float | None):
+def train_three_ways(kind: str, stage: int, clip: float | None, keep_mb: float = 0.0):
     """ZeRO, our DDP and a single-process reference on the same global batches."""
     world, loss_fn = dist.get_world_size(), _loss(kind)
     # Adam divides by sqrt(v): near-zero gradients amplify rounding, so the transformer gets the
@@ -52,7 +52,9 @@ def train_three_ways(kind: str, stage: int, clip: float | None):
     lr = 1e-2 if kind == "mlp" else 1e-3
     reference = _model(kind)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
-    zero, zero_opt = sw.prepare(_model(kind), sw.ZeRO(stage=stage, bucket_mb=0.0005), lr=lr)
+    zero, zero_opt = sw.prepare(
+        _model(kind), sw.ZeRO(stage=stage, bucket_mb=0.0005, keep_gathered_mb=keep_mb), lr=lr
+    )
     ddp, ddp_opt = sw.prepare(_model(kind), sw.DDP(), lr=lr)
     for step in range(STEPS):
         x, y = _batch(kind, step, world)
@@ -63,6 +65,8 @@ def train_three_ways(kind: str, stage: int, clip: float | None):
         ref_opt.zero_grad()
         for model, opt in ((zero, zero_opt), (ddp, ddp_opt)):
             loss_fn(model(_local(x)), _local(y)).backward()
+            if keep_mb and model is zero:  # a forward whose backward never comes (a metric):
+                model(_local(x))  # the units it leaves gathered must not outlive the step
             if clip:
                 sw.clip_grad_norm_(model, clip)
             opt.step()
@@ -80,10 +84,11 @@ def test_zero_equals_single_process_and_ddp(world_size, stage):
         assert vs_ddp <= 1e-5
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_on_a_transformer_with_clipping(stage):
+# 0.02 MiB keeps the last block, the final norm and the head gathered, not the first block.
+@pytest.mark.parametrize("stage, keep_mb", [(2, 0.0), (3, 0.0), (3, 0.02)])
+def test_zero_on_a_transformer_with_clipping(stage, keep_mb):
     # Units are blocks, embeddings and head; clipping needs the norm over all ranks' shards.
-    for vs_reference, vs_ddp in run(train_three_ways, 2, "gpt", stage, 0.05):
+    for vs_reference, vs_ddp in run(train_three_ways, 2, "gpt", stage, 0.05, keep_mb):
         assert vs_reference <= 1e-5
         assert vs_ddp <= 1e-5
 
@@ -103,18 +108,23 @@ def test_clip_returns_the_global_norm_and_clips_to_it():
         assert after == pytest.approx(1e-3, rel=1e-3)
 
 
+KEPT_MB = 0.02  # the last block, the final norm and the head (see below)
+
+
 def bytes_per_step():
-    """One step's counted bytes for each stage (one process group serves all three)."""
+    """One step's counted bytes for each stage (one process group serves all), and stage 3
+    keeping some units gathered from forward to backward."""
     world, out = dist.get_world_size(), {}
-    for stage in (1, 2, 3):
-        model, opt = sw.prepare(_model("gpt"), sw.ZeRO(stage=stage, bucket_mb=0.001), lr=1e-2)
+    for stage, keep_mb in ((1, 0.0), (2, 0.0), (3, 0.0), (3, KEPT_MB)):
+        strategy = sw.ZeRO(stage=stage, bucket_mb=0.001, keep_gathered_mb=keep_mb)
+        model, opt = sw.prepare(_model("gpt"), strategy, lr=1e-2)
         padded = [u.full.numel() for u in model.units]
         x, y = _batch("gpt", 0, world)
         sw.comm.stats.end_step()
         lm_loss(model(_local(x)), _local(y)).backward()
         opt.step()
         opt.zero_grad()
-        out[stage] = (sw.comm.stats.end_step().by_op, padded)
+        out[stage, keep_mb] = (sw.comm.stats.end_step().by_op, padded)
     return out
 
 
@@ -122,15 +132,23 @@ def bytes_per_step():
 def test_comm_bytes_equal_the_zero_formulas(world_size):
     n = world_size
     for per_stage in run(bytes_per_step, world_size):
-        for stage, (by_op, padded) in per_stage.items():
+        for (stage, keep_mb), (by_op, padded) in per_stage.items():
             # Each unit: one reduce-scatter of its gradients, (n-1)/n of its bytes per rank ...
             assert by_op["reduce_scatter"].bytes == sum(4 * (n - 1) * p // n for p in padded)
             # ... and all-gathers of its parameters: once after the step (stages 1/2), or
-            # before forward and before backward (stage 3): 1.5x DDP's volume in all.
-            gathers = 2 if stage == 3 else 1
-            volume = gathers * sum(4 * (n - 1) * p // n for p in padded)
+            # before forward and before backward (stage 3): 1.5x DDP's volume in all ...
+            gathers = [2 if stage == 3 else 1] * len(padded)
+            if keep_mb:  # ... but once for the units that fit the budget, counted from the last
+                kept = 0
+                for i in reversed(range(len(padded))):
+                    if kept + 4 * padded[i] > keep_mb * 2**20:
+                        break
+                    kept += 4 * padded[i]
+                    gathers[i] = 1
+                assert 1 < gathers.count(1) < len(padded)  # (some kept, not all)
+            volume = sum(g * 4 * (n - 1) * p // n for g, p in zip(gathers, padded, strict=True))
             assert by_op["all_gather"].bytes == volume
-            assert by_op["all_gather"].calls == gathers * len(padded)
+            assert by_op["all_gather"].calls == sum(gathers)
 
 
 FORMULAS = {  # model-state bytes per rank, ZeRO paper (fp32 Adam: K = 12)
@@ -171,3 +189,10 @@ def test_model_state_memory_matches_the_zero_paper(world_size):
 def test_bad_stage_is_a_value_error():
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         sw.ZeRO(stage=4)
+
+
+def test_keeping_gathered_units_is_stage_3_only():
+    with pytest.raises(ValueError, match=r"keep_gathered_mb=1\.0 applies to stage 3"):
+        sw.ZeRO(stage=2, keep_gathered_mb=1.0)
+    with pytest.raises(ValueError, match="keep_gathered_mb must be >= 0"):
+        sw.ZeRO(stage=3, keep_gathered_mb=-1.0)

@@ -32,18 +32,23 @@ from shardwise.bench.ratio_report import main_for, ratio_table
 from shardwise.nn.models import num_parameters
 from shardwise.strategies.zero import stage3_units
 
-OURS = {"ddp": lambda: sw.DDP(), **{f"zero{s}": (lambda s=s: sw.ZeRO(stage=s)) for s in (1, 2, 3)}}
+OURS = {
+    "ddp": lambda: sw.DDP(),
+    **{f"zero{s}": (lambda s=s: sw.ZeRO(stage=s)) for s in (1, 2, 3)},
+    # Every unit kept gathered from forward to backward (FSDP2's reshard_after_forward=False).
+    "zero3-keep": lambda: sw.ZeRO(stage=3, keep_gathered_mb=float("inf")),
+}
 
 
-def fsdp2(factory) -> torch.nn.Module:
+def fsdp2(factory, reshard_after_forward: bool = True) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = factory()
     for unit in stage3_units(model):
-        fully_shard(unit, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 class DeepSpeedStep:
@@ -141,9 +146,10 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
     for key, strategy in OURS.items():
         torch.manual_seed(0)
         variants[key] = sw.prepare(factory(), strategy(), optimizer=torch.optim.AdamW, lr=1e-4)
-    torch.manual_seed(0)
-    theirs = fsdp2(factory)
-    variants["fsdp2"] = (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4))
+    for key, reshard in (("fsdp2", True), ("fsdp2-keep", False)):
+        torch.manual_seed(0)
+        theirs = fsdp2(factory, reshard)
+        variants[key] = (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4))
     variants.update(deepspeed_variants(factory, batch[0].shape[0]))
     torch.manual_seed(0)
     alone = factory()  # the compute floor: no wrapper, no communication
@@ -171,13 +177,17 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
             result[key].update(floor_figures(times, key))
     result["ratio_zero3_over_fsdp2"] = step_times["zero3"] / step_times["fsdp2"]
     result["ratio_zero3_over_fsdp2_by_rep"] = by_rep(times, "zero3", "fsdp2")
+    result["ratio_zero3-keep_over_fsdp2"] = step_times["zero3-keep"] / step_times["fsdp2"]
+    result["ratio_zero3-keep_over_fsdp2-keep"] = step_times["zero3-keep"] / step_times["fsdp2-keep"]
+    result["ratio_zero3-keep_over_fsdp2-keep_by_rep"] = by_rep(times, "zero3-keep", "fsdp2-keep")
     if "deepspeed3" in step_times:
         result["ratio_zero3_over_deepspeed3"] = step_times["zero3"] / step_times["deepspeed3"]
     return result
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    rivals = [k for k in ("fsdp2", "deepspeed1", "deepspeed2", "deepspeed3") if k in result]
+    rivals = ("fsdp2", "fsdp2-keep", "deepspeed1", "deepspeed2", "deepspeed3")
+    rivals = [k for k in rivals if k in result]
     return ratio_table(result, [*OURS, *rivals, "compute"], baseline="fsdp2")
 
 

@@ -38,7 +38,7 @@ from shardwise.plan.peaks import step_peak
 from shardwise.plan.work import data_parallel_compute
 from shardwise.strategies.grad_buckets import assign_buckets
 from shardwise.strategies.section import StrategySection
-from shardwise.strategies.zero.stage3 import stage3_units, unit_groups
+from shardwise.strategies.zero.stage3 import kept_units, stage3_units, unit_groups
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class _Units:
     modules: list[str]  # stage 3: the module each unit after the rest wraps
     rest: bool  # stage 3: unit 0 holds the parameters outside every unit's module
     shards: list[int]  # S: each unit's elements per rank, padded
+    kept: frozenset[int] = frozenset()  # stage 3: units kept gathered from forward to backward
 
 
 def _units(job: CostJob, s: StrategySection) -> _Units:
@@ -67,8 +68,14 @@ def _units(job: CostJob, s: StrategySection) -> _Units:
         modules = [names[id(m)] for m, _ in kept]
     else:
         units = assign_buckets(params, int(s.bucket_mb * 2**20))
-    shards = [-(-sum(numels(unit)) // shard_size(job, s)) for unit in units]
-    return _Units(units, modules, bool(rest), shards)
+    k = shard_size(job, s)
+    shards = [-(-sum(numels(unit)) // k) for unit in units]
+    kept = set()
+    if s.stage == 3 and getattr(s, "keep_gathered_mb", 0):  # as the strategy picks (`kept_units`)
+        first, unit_bytes = int(bool(rest)), DTYPES.get(s.mixed_precision, torch.float32).itemsize
+        sizes = [S * k * unit_bytes for S in shards[first:]]
+        kept = kept_units(sizes, s.keep_gathered_mb * 2**20, first)
+    return _Units(units, modules, bool(rest), shards, frozenset(kept))
 
 
 def shard_size(job: CostJob, s: StrategySection) -> int:
@@ -120,6 +127,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         s.mixed_precision is not None or s.offload is not None,
         job.backend == "gloo",
     )
+    emulation.kept = units.kept
     costs.peak = step_peak(
         job,
         memory,
@@ -173,12 +181,15 @@ def zero_traffic(
             gathers = passes if stage == 3 else 1  # (stages 1-2: once, after the step)
             costs.add_comm("all_gather", gathers * volume, calls=gathers, ranks=ranks)
             continue
-        # Stage 3 gathers each other unit twice a pass. A unit's gather starts in the hook of
-        # the unit before it (forward: the previous, backward: the next) and is waited for
-        # after that unit's compute; forward's first block (and the rest before it) and
-        # backward's first, the last unit, are gathered on the spot.
-        exposed = passes * ((k == (1 if units.rest else 0)) + (k == len(shards) - 1))
-        hidden = 2 * passes - exposed
+        # Stage 3 gathers each other unit twice a pass (once where it is kept gathered from
+        # forward to backward). A unit's gather starts in the hook of the unit before it
+        # (forward: the previous, backward: the next) and is waited for after that unit's
+        # compute; forward's first block (and the rest before it) and backward's first, the
+        # last unit, are gathered on the spot.
+        kept = k in units.kept
+        first_forward, first_backward = k == (1 if units.rest else 0), k == len(shards) - 1
+        exposed = passes * (first_forward + (first_backward and not kept))
+        hidden = (1 if kept else 2) * passes - exposed
         costs.add_comm("all_gather", exposed * volume, calls=exposed, ranks=ranks)
         costs.add_comm("all_gather", hidden * volume, calls=hidden, ranks=ranks, prefetched=True)
 
@@ -328,6 +339,8 @@ class Stage3Emulation(Stage2Emulation):
     frees them once its launch has completed the earlier unit; parameters outside every unit
     (unit 0) are gathered for the whole forward and backward."""
 
+    kept: frozenset[int] = frozenset()  # units kept gathered from forward to backward
+
     def _reset(self) -> None:
         super()._reset()
         self.full: list = [None] * len(self.units)
@@ -363,7 +376,8 @@ class Stage3Emulation(Stage2Emulation):
         if torch.is_grad_enabled():
             for t in grads:
                 t.register_hook(lambda grad: self._gather(i, -1))
-        self.full[i] = None
+        if i not in self.kept or not torch.is_grad_enabled():
+            self.full[i] = None
 
     def _launched(self, i: int, earlier: list[int]) -> None:
         super()._launched(i, earlier)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from shardwise.comm.compressed_collectives import CODEC_SPEC, make_codec
@@ -74,6 +74,11 @@ class ZeRO(Strategy):
     shard_group: None (shard over all ranks) or K: hybrid sharding (HSDP), the state sharded
         over each group of K consecutive ranks (a node) and replicated across the N/K groups;
         K must divide the world size. Whole-world ZeRO only (not along a device-mesh axis).
+    keep_gathered_mb: stage 3: how many MiB of gathered units may stay from their forward to
+        their backward instead of being freed and gathered again (the last units first: their
+        backward comes first). Each kept unit spares one all-gather, a third of its traffic;
+        0 (FSDP2's `reshard_after_forward=True`) re-gathers every unit, a budget at least the
+        model's size keeps them all (FSDP2's `False`: the whole model gathered during a step).
     """
 
     stage: int = 1
@@ -84,6 +89,7 @@ class ZeRO(Strategy):
     sync_batchnorm: bool = True
     compression: str | None = None
     shard_group: int | None = None
+    keep_gathered_mb: float = 0.0
 
     def __post_init__(self) -> None:
         compute_dtype(self.mixed_precision)  # validates the name
@@ -106,6 +112,13 @@ class ZeRO(Strategy):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.keep_gathered_mb < 0:
+            raise ValueError(f"keep_gathered_mb must be >= 0, got {self.keep_gathered_mb}")
+        if self.keep_gathered_mb and self.stage != 3:
+            raise ValueError(
+                f"keep_gathered_mb={self.keep_gathered_mb} applies to stage 3 (stages 1/2 keep "
+                f"the parameters gathered anyway), not stage {self.stage}"
+            )
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> ZeroStage1:
         self._check_compression(runtime)
@@ -164,9 +177,11 @@ class ZeRO(Strategy):
         stage = STAGES[self.stage]
         bucket_bytes = int(self.bucket_mb * 2**20)
         groups = build_shard_groups(self.shard_group, runtime)  # (collective)
+        keep = {"keep_gathered_bytes": self.keep_gathered_mb * 2**20} if self.stage == 3 else {}
         return stage(
             *(model, runtime, masters, bucket_bytes, offload_dir, source, self.compression),
             groups=groups,
+            **keep,
         )
 
 
@@ -199,6 +214,18 @@ class ZeROConfig(StrategySection):
         description="hybrid sharding (HSDP): shard over groups of this many consecutive ranks "
         "(a node), replicate across the groups; must divide the world size (default: all ranks)",
     )
+    keep_gathered_mb: float = Field(
+        0.0,
+        ge=0,
+        description="stage 3: MiB of gathered units kept from forward to backward (the last "
+        "units first), each sparing one all-gather; 0 gathers every unit again for backward",
+    )
+
+    @model_validator(mode="after")
+    def _keep_needs_stage3(self) -> ZeROConfig:
+        if self.keep_gathered_mb and self.stage != 3:
+            raise ValueError(f"keep_gathered_mb applies to stage 3, not stage {self.stage}")
+        return self
 
     def build(self, world_size: int, run_dir: Path) -> ZeRO:
         check_shard_size(self.shard_group, world_size)
@@ -207,9 +234,9 @@ class ZeROConfig(StrategySection):
 
     def describe(self) -> str:
         hybrid = f" (hsdp {self.shard_group})" if self.shard_group else ""
-        return (
-            f"zero-{self.stage}" + (f" ({self.compression})" if self.compression else "") + hybrid
-        )
+        keep = f" (keep {self.keep_gathered_mb:g} MiB)" if self.keep_gathered_mb else ""
+        codec = f" ({self.compression})" if self.compression else ""
+        return f"zero-{self.stage}{codec}{hybrid}{keep}"
 
 
 __all__ = ["STAGES", "ZeRO", "ZeROConfig", "ZeroStage1", "ZeroStage2", "ZeroStage3", "stage3_units"]

@@ -8,6 +8,11 @@ next unit's gather is started before waiting on this one's (prefetch), so commun
 compute. Memory with fp32 Adam: 16P/N plus one or two gathered units. Communication: two
 all-gathers and one reduce-scatter per step, 1.5x what DDP sends.
 
+`keep_gathered_mb` trades memory for that second all-gather: units that fit the budget, the last
+first (their backward comes first, so they are held the shortest), stay gathered from their
+forward to their backward. Kept whole, the model sends DDP's volume; its memory during a step
+is then stage 2's.
+
 Inside `no_sync()` (gradient accumulation) each unit is still gathered for its forward and its
 backward, micro-batch by micro-batch, and freed as soon as its gradients are in; what stays is
 its full gradient, accumulating until the backward outside reduce-scatters it (stage 2's
@@ -68,6 +73,18 @@ def unit_groups(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Parame
     ]
 
 
+def kept_units(sizes: list[int], budget: float, first: int = 0) -> set[int]:
+    """Indices (counted from `first`) of the units that stay gathered from forward to backward:
+    from the last, while their gathered bytes fit the budget."""
+    kept, used = set(), 0
+    for i in reversed(range(len(sizes))):
+        if used + sizes[i] > budget:
+            break
+        used += sizes[i]
+        kept.add(first + i)
+    return kept
+
+
 def _check_recompute_regions(model: nn.Module, units: list[nn.Module]) -> None:
     """A recomputed region (activation checkpointing) must not hold a unit inside it: the
     unit's gather-and-free hooks would run again in the recompute, after its weights are freed."""
@@ -88,6 +105,10 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
 class ZeroStage3(ZeroStage2):
     stage = 3
     shard_is_view = False  # the full buffer is transient: the shard is the only lasting copy
+
+    def __init__(self, *args: Any, keep_gathered_bytes: float = 0.0, **kwargs: Any) -> None:
+        self.keep_gathered_bytes = keep_gathered_bytes  # (read by prepare_units, below)
+        super().__init__(*args, **kwargs)
 
     def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
         """One unit per block; parameters outside every block (or shared between blocks) form
@@ -113,6 +134,11 @@ class ZeroStage3(ZeroStage2):
                 lambda *_: self._gather(0, prefetch=False)
             )
             self.hooks.append(gather_rest)
+        self.kept = kept_units(
+            [u.full.numel() * u.full.element_size() for u in self.units[offset:]],
+            self.keep_gathered_bytes,
+            offset,
+        )
         for i, module in enumerate(self.unit_modules, start=offset):
             self.hooks += [
                 module.register_forward_pre_hook(
@@ -141,11 +167,14 @@ class ZeroStage3(ZeroStage2):
         unit.start_gather(self.shards[i] if one else self._compute_copy(self.shards[i]))
 
     def _after_forward(self, i: int, output: Any) -> Any:
-        if torch.is_grad_enabled():  # any output: a tensor, tuples, dicts, HF's ModelOutput
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, i=i: self._gather(i, prefetch=True, direction=-1))
-        self.units[i].free()
+        if not torch.is_grad_enabled():  # no backward to come
+            self.units[i].free()
+            return output
+        for t in tree_leaves(output):  # any output: a tensor, tuples, dicts, HF's ModelOutput
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, i=i: self._gather(i, prefetch=True, direction=-1))
+        if i not in self.kept:
+            self.units[i].free()
         return output
 
     def _launch(self, index: int) -> None:
@@ -165,7 +194,12 @@ class ZeroStage3(ZeroStage2):
             unit.free()
 
     def gather_parameters(self) -> None:
-        pass  # gathered on demand, unit by unit, in the next forward
+        """Gathered on demand, unit by unit, in the next forward. A unit still gathered (kept
+        after a forward whose backward never came) holds the old values: it goes."""
+        for unit in self.units:
+            unit.wait_gather()
+            if unit.is_gathered():
+                unit.free()
 
     def take_full_params(self, unit: FlatUnit, full: torch.Tensor) -> None:
         pass  # the shard is the only copy: nothing else to update
