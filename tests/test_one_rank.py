@@ -71,3 +71,36 @@ def _all_strategies() -> dict:
 def test_every_strategy_at_one_rank_is_plain_training_bit_for_bit():
     (results,) = run(_all_strategies, 1)
     assert results == {name: (0.0, {}) for name in STRATEGIES}  # (no difference, no call)
+
+
+def _tensor_parallel_at_one_rank() -> tuple[float, dict]:
+    from shardwise.nn.models import TinyGPT, lm_loss
+
+    def gpt() -> TinyGPT:
+        torch.manual_seed(0)
+        return TinyGPT(vocab_size=13, seq_len=8, d_model=16, n_layer=2, n_head=2)
+
+    g = torch.Generator().manual_seed(2)
+    tokens = [torch.randint(0, 13, (4, 9), generator=g) for _ in range(3)]
+    plain = gpt()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for t in tokens:
+        lm_loss(plain(t[:, :-1]), t[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    model, opt = sw.prepare(gpt(), sw.TensorParallel(), optimizer=torch.optim.AdamW, lr=1e-2)
+    comm.stats.reset()
+    for t in tokens:
+        sw.train_step(model, t[:, :-1], t[:, 1:], lm_loss)
+        opt.step()
+        opt.zero_grad()
+    sent = comm.stats.total()
+    got, want = sw.full_state_dict(model), plain.state_dict()
+    diff = max((got[k] - v).abs().max().item() for k, v in want.items())
+    return diff, {op: t.calls for op, t in sent.by_op.items() if t.calls}
+
+
+def test_tensor_parallel_at_one_rank_is_plain_training():
+    # The layers' f and g are the identity at tp=1 and the loss is torch's cross-entropy.
+    (result,) = run(_tensor_parallel_at_one_rank, 1)
+    assert result == (0.0, {})

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from shardwise.comm.collectives import (
     ProcessGroup,
@@ -54,12 +55,14 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
+# A group of one rank holds the whole layer: f and g are the identity both ways (no autograd
+# node, no copy, no call), so a tensor-parallel model at tp=1 runs as the plain one.
 def copy_to_parallel(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return _CopyToParallel.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToParallel.apply(x, group)
 
 
 def reduce_from_parallel(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    return _ReduceFromParallel.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromParallel.apply(x, group)
 
 
 # ---- how a dimension is split ------------------------------------------------------------------
@@ -122,6 +125,8 @@ class _GatherFromParallel(torch.autograd.Function):
 
 def gather_from_parallel(x: torch.Tensor, split: Split, rank: int, group) -> torch.Tensor:
     """All ranks' slices of `split.dim`, concatenated; backward keeps this rank's slice."""
+    if group_size(group) == 1:
+        return x  # (the one slice is the whole)
     return _GatherFromParallel.apply(x, split, rank, group)
 
 
@@ -162,6 +167,8 @@ def vocab_parallel_cross_entropy(
     logits (any leading shape); equals `F.cross_entropy` on the gathered logits, targets equal
     to `IGNORE_INDEX` (padding) left out of the mean as there."""
     flat, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    if group_size(group) == 1:  # the whole vocabulary: torch's own fused loss
+        return F.cross_entropy(flat.float(), target, ignore_index=IGNORE_INDEX)
     losses = _VocabParallelCrossEntropy.apply(flat, target, start, group)
     counts = target != IGNORE_INDEX  # an ignored target lies in no rank's slice: loss log(sum)
     return (losses * counts).sum() / counts.sum()

@@ -81,6 +81,17 @@ class BatchShare:
         else:
             grad.mul_(weight)
 
+    def weigh_into(self, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` = `grad` times its weight: the copy into a bucket and the weighing in one pass
+        over the memory, the same bits as copying, then `weigh`."""
+        weight = self.uneven_weight()
+        if weight is None and self.runtime.world_size == 1:
+            out.copy_(grad)
+        elif weight is None:
+            torch.div(grad, self.runtime.world_size, out=out)
+        else:
+            torch.mul(grad, weight, out=out)
+
     def uneven_weight(self) -> float | None:
         """samples / total when this rank's share is not 1/replicas; else None."""
         if self.local is None:

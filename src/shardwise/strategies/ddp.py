@@ -107,6 +107,7 @@ class GradientReducer:
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
         for b in self.buckets:  # codecs keep state per bucket; PowerSGD needs the shapes
             all_reduce.describe(b.buffer, [p.shape for p in b.params])
+        self.weighed: set[nn.Parameter] = set()  # this backward's gradients weighed as moved in
         callbacks = BucketCallbacks(self._move_into_bucket, self._launch, self._zero, self._wait)
         self.backward = BucketedBackward(
             [b.params for b in self.buckets],
@@ -117,26 +118,41 @@ class GradientReducer:
 
     def _move_into_bucket(self, p: nn.Parameter) -> None:
         view = self.view_of[p]
-        if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad): move it in
+        if p.grad.data_ptr() == view.data_ptr():
+            return  # accumulated in place (no_sync, or zero_grad(set_to_none=False))
+        # A fresh gradient (after zero_grad): moved in, and weighed on the way when this
+        # backward reduces (one pass over it, not two); inside no_sync() it is a sum to come.
+        if self.backward.enabled:
+            self.share.weigh_into(p.grad, view)
+            self.weighed.add(p)
+        else:
             view.copy_(p.grad)
-            p.grad = view
+        p.grad = view
 
     def _zero(self, p: nn.Parameter) -> None:
         if p.grad is None or p.grad.data_ptr() != self.view_of[p].data_ptr():
             self.view_of[p].zero_()
             p.grad = self.view_of[p]
+            self.weighed.add(p)  # (zero, whatever its weight)
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         # Weigh (divide by the world, for equal batches) before summing, as torch DDP does, so
-        # fp16 sums do not overflow.
-        self.share.weigh(bucket.buffer)
+        # fp16 sums do not overflow: what was not weighed as it moved in.
+        pairs = zip(bucket.params, bucket.views, strict=True)
+        unweighed = [v for p, v in pairs if p not in self.weighed]
+        if len(unweighed) == len(bucket.params):
+            self.share.weigh(bucket.buffer)
+        else:
+            for view in unweighed:
+                self.share.weigh(view)
         bucket.handle = self.all_reduce.start(bucket.buffer)
 
     def _wait(self) -> None:
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle = None
+        self.weighed.clear()
         self.share.done()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -144,6 +160,7 @@ class GradientReducer:
         each hook a fresh gradient that is copied into its bucket slot, cheaper than zeroing the
         buckets and adding into them. Either way, gradients live in the buckets after backward.
         """
+        self.weighed.clear()  # (a backward that raised never reached `_wait`)
         if self.alone:  # (no buckets: as a plain module)
             for p in self.params:
                 if set_to_none:
