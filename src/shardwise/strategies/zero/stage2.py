@@ -33,9 +33,20 @@ class ZeroStage2(ZeroStage1):
 
     def _on_grad(self, p: nn.Parameter) -> None:
         unit = self.unit_of[p]
-        if unit.grad_full is None:
+        if unit.grad_full is None and self.backward.enabled:
+            # Made in this backward: every slot is written whole (a gradient, or zero where a
+            # parameter got none: `_zero`), only the padding needs zeros.
+            unit.grad_full = torch.empty_like(unit.full, memory_format=torch.contiguous_format)
+            unit.grad_full[sum(unit.numels) :].zero_()
+            unit.fresh_grads = True
+        elif unit.grad_full is None:  # no_sync(): the first of sums to come
             unit.grad_full = torch.zeros_like(unit.full, memory_format=torch.contiguous_format)
-        unit.slot(unit.grad_full, p).add_(p.grad)  # (onto zeros, or a no_sync() sum)
+            unit.fresh_grads = False
+        slot = unit.slot(unit.grad_full, p)
+        if unit.fresh_grads:
+            self._move_in(p, slot)
+        else:
+            slot.add_(p.grad)  # onto a no_sync() sum
         p.grad = None  # the parameter's gradient is not kept beyond this hook
 
     def _launch(self, index: int) -> None:

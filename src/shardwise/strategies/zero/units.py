@@ -62,6 +62,7 @@ class FlatUnit:
         if source is not None:
             self.full.untyped_storage().resize_(0)  # (untouched: it cost no memory) gathered later
         self.grad_full: torch.Tensor | None = None
+        self.fresh_grads = False  # stage 2: grad_full made in this backward (not a no_sync sum)
         self.reduced: torch.Tensor | None = None
         self.handle: comm.Handle | None = None
         self.gather_handle: comm.Handle | None = None
