@@ -118,7 +118,10 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     costs = Costs(memory=memory, optimizer_numels=units.shards)
     costs.activations = replica_activations(job, DTYPES.get(s.mixed_precision))
     names = {id(p): name for name, p in job.model.named_parameters()}
-    emulation = EMULATIONS[s.stage](
+    # Stage 3 over a shard group of one, without fp32 masters, keeps its one shard as the
+    # model (`ResidentStage3`): stage 2's steps.
+    resident = s.stage == 3 and shard_size(job, s) == 1 and not (s.mixed_precision or s.offload)
+    emulation = EMULATIONS[2 if resident else s.stage](
         job.model,
         [[names[id(p)] for p in unit] for unit in units.params],
         units.modules,
@@ -127,7 +130,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         s.mixed_precision is not None or s.offload is not None,
         job.backend == "gloo",
     )
-    emulation.kept = units.kept
+    emulation.kept = units.kept  # (stage 3)
     costs.peak = step_peak(
         job,
         memory,

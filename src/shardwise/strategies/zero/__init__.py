@@ -47,7 +47,7 @@ from shardwise.strategies.section import StrategySection
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
 from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.stage2 import ZeroStage2
-from shardwise.strategies.zero.stage3 import ZeroStage3, stage3_units
+from shardwise.strategies.zero.stage3 import ResidentStage3, ZeroStage3, stage3_units
 
 STAGES: dict[int, type[ZeroStage1]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
@@ -178,11 +178,19 @@ class ZeRO(Strategy):
         bucket_bytes = int(self.bucket_mb * 2**20)
         groups = build_shard_groups(self.shard_group, runtime)  # (collective)
         keep = {"keep_gathered_bytes": self.keep_gathered_mb * 2**20} if self.stage == 3 else {}
+        if self.stage == 3 and resident(groups, masters, source):
+            stage, keep = ResidentStage3, {}
         return stage(
             *(model, runtime, masters, bucket_bytes, offload_dir, source, self.compression),
             groups=groups,
             **keep,
         )
+
+
+def resident(groups, masters: ShardViews | FP32Masters, source: ParameterSource | None) -> bool:
+    """Whether stage 3's one shard is the whole model, kept as it is (`ResidentStage3`): a shard
+    group of one, no fp32 masters beside the compute copy, values already in the model."""
+    return groups.shard_size == 1 and isinstance(masters, ShardViews) and source is None
 
 
 class ZeROConfig(StrategySection):

@@ -8,6 +8,10 @@ next unit's gather is started before waiting on this one's (prefetch), so commun
 compute. Memory with fp32 Adam: 16P/N plus one or two gathered units. Communication: two
 all-gathers and one reduce-scatter per step, 1.5x what DDP sends.
 
+Over a shard group of one (one rank, or HSDP with K = 1) without fp32 masters the shard is the
+whole model: `ResidentStage3` keeps it as the parameters' own storage, with nothing to gather
+or free (stage 2's machinery on stage 3's units, so the checkpoint layout is the same).
+
 `keep_gathered_mb` trades memory for that second all-gather: units that fit the budget, the last
 first (their backward comes first, so they are held the shortest), stay gathered from their
 forward to their backward. Kept whole, the model sends DDP's volume; its memory during a step
@@ -208,3 +212,13 @@ class ZeroStage3(ZeroStage2):
         super().close()
         for unit in self.units:
             disown(unit.params)
+
+
+class ResidentStage3(ZeroStage2):
+    """Stage 3 over a shard group of one, in fp32 without masters: the one shard holds every
+    parameter, so it is the model's own storage (16P/1, as stage 3 promises) and no unit is ever
+    gathered, freed or copied. The units are stage 3's (its checkpoints' layout)."""
+
+    stage = 3
+    unit_params = ZeroStage3.unit_params
+
