@@ -5,7 +5,10 @@ On the tiny GPT, with the model split over all ranks (T = world size): parameter
 replicated), all-reduce bytes and calls per training step from our accounting next to what a
 Megatron-style block must send, and step time beside single-process training of the same batch
 and beside torch's own tensor parallel (`torch.distributed.tensor.parallel`, DTensor) on the same
-plan.
+plan; and its floors (`floor.py`): the compute alone (the same split step with its collectives
+skipped) and the compute plus its all-reduces replayed bare. Tensor parallel's all-reduces sit
+on the critical path (each layer's output waits for its sum), so its step is bounded by the
+unoverlapped floor. All variants run in one interleaved rotation.
 
 The formula, per step with B*S tokens of width d, L blocks and all-reduces of fp32 activations:
 forward: the embedding's g, and g after attention and after the MLP in every block (1 + 2L);
@@ -19,16 +22,19 @@ Run: shardwise bench tp --world-size 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from shardwise.bench.common import gpt_batch, gpt_model
+from shardwise import comm
+from shardwise.bench.common import gpt_batch, gpt_model, interleaved_times, medians, train_step
+from shardwise.bench.floor import bare_collectives, by_rep, calls_of, floor_figures
+from shardwise.comm import parallel_ops
 from shardwise.comm.accounting import native_volume
 from shardwise.nn.models import TinyGPT, lm_loss
 
@@ -70,20 +76,17 @@ def expected_param_bytes(model: nn.Module, parts: int, rank: int) -> int:
 _model, _batch = gpt_model, gpt_batch
 
 
-def _time(step, steps: int, reps: int) -> float:
-    """Median seconds per step (slowest rank) over `reps` repetitions of `steps` steps."""
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        elapsed = torch.tensor([(time.perf_counter() - t0) / steps])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    return sorted(times)[len(times) // 2]
+@contextlib.contextmanager
+def no_messages() -> Iterator[None]:
+    """Tensor parallel's collectives skipped: each rank computes its slices of the layers
+    alone, the compute of a step with no communication (its values are partial sums: timed,
+    never trained on)."""
+    real = parallel_ops.all_reduce
+    parallel_ops.all_reduce = lambda *args, **kwargs: comm.Handle("all_reduce", None, None)
+    try:
+        yield
+    finally:
+        parallel_ops.all_reduce = real
 
 
 def torch_tp(model: TinyGPT, parts: int):
@@ -111,36 +114,37 @@ def torch_tp(model: TinyGPT, parts: int):
 
 
 def time_variants(model, opt, x, y, parts: int, steps: int, reps: int) -> dict:
-    """Seconds per step: ours, torch's tensor parallel (when it runs here), single process."""
+    """Seconds per step by repetition, in one interleaved rotation: ours, its two floors
+    (`floor.py`: the compute alone, and its all-reduces replayed bare), torch's tensor parallel
+    (where it runs here), single-process training."""
 
     def ours_step() -> None:
         sw.train_step(model, x, y, lm_loss)
         opt.step()
         opt.zero_grad()
 
+    def compute_step() -> None:
+        with no_messages():
+            ours_step()
+
+    if calls_of(compute_step):
+        raise RuntimeError("the compute floor still communicates: a collective is not skipped")
     single = _model()
     single_opt = torch.optim.AdamW(single.parameters(), lr=1e-4)
-
-    def single_step() -> None:
-        lm_loss(single(x), y).backward()
-        single_opt.step()
-        single_opt.zero_grad()
-
-    timings = {"ours_tp": _time(ours_step, steps, reps)}
+    variants = {
+        "ours_tp": ours_step,
+        "compute": compute_step,
+        "bytes:ours_tp": bare_collectives(calls_of(ours_step)),
+        "single_process": train_step(single, single_opt, (x, y), lm_loss),
+    }
+    errors = {}
     try:
         rival = torch_tp(_model(), parts)
         rival_opt = torch.optim.AdamW(rival.parameters(), lr=1e-4)
-
-        def rival_step() -> None:
-            lm_loss(rival(x), y).backward()
-            rival_opt.step()
-            rival_opt.zero_grad()
-
-        timings["torch_tp"] = _time(rival_step, steps, reps)
+        variants["torch_tp"] = train_step(rival, rival_opt, (x, y), lm_loss)
     except Exception as e:  # report, do not hide, a rival that cannot run here
-        timings["torch_tp_error"] = f"{type(e).__name__}: {e}"
-    timings["single_process"] = _time(single_step, steps, reps)
-    return timings
+        errors["torch_tp_error"] = f"{type(e).__name__}: {e}"
+    return interleaved_times(variants, steps, reps), errors
 
 
 def main() -> None:
@@ -164,7 +168,7 @@ def main() -> None:
     measured = sw.comm.stats.end_step().by_op["all_reduce"]
     expected = expected_tp_bytes(_model(), args.batch, 128, parts)
 
-    timings = time_variants(model, opt, x, y, parts, args.steps, args.reps)
+    times, errors = time_variants(model, opt, x, y, parts, args.steps, args.reps)
     result = {
         "bench": "tp",
         "model": "gpt",
@@ -177,8 +181,11 @@ def main() -> None:
         "all_reduce_calls_expected": expected["all_reduce_calls"],
         "all_reduce_bytes": measured.bytes,
         "all_reduce_bytes_expected": expected["all_reduce_bytes"],
-        "step_time_s": timings,
+        "step_time_s": {**medians(times), **errors},
+        "floor": floor_figures(times, "ours_tp"),
     }
+    if "torch_tp" in times:
+        result["ratio_ours_over_torch_tp_by_rep"] = by_rep(times, "ours_tp", "torch_tp")
     if rt.is_main:
         print_report(result)
         print(json.dumps(result))
@@ -217,6 +224,14 @@ def print_report(r: dict) -> None:
     for key, value in r["step_time_s"].items():
         shown = f"{1000 * value:.1f} ms" if isinstance(value, float) else value
         t.add_row(f"step time: {key}", shown, "", "")
+    floor = r["floor"]
+    t.add_row("ours ÷ compute", f"{floor['over_floor_overlapped']:.3f}", "", "the overlapped floor")
+    t.add_row(
+        "ours ÷ compute+bytes",
+        f"{floor['over_floor_unoverlapped']:.3f}",
+        "",
+        "by rep: " + " ".join(f"{v:.3f}" for v in floor["over_floor_unoverlapped_by_rep"]),
+    )
     Console(width=120).print(t)
 
 
