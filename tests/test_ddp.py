@@ -165,8 +165,11 @@ def bytes_of_one_step(algorithm: str):
     model, opt = sw.prepare(
         _make_model("mlp", torch.float32), sw.DDP(bucket_mb=0.0005, algorithm=algorithm), lr=1e-2
     )
-    bucket_bytes = [b.buffer.numel() * 4 for b in model.reducer.buckets]
     x, y = _global_batch(0, dist.get_world_size(), torch.float32)
+    F.cross_entropy(model(_local(x)), _local(y)).backward()  # (the first step agrees on the
+    opt.step()  # buckets' order: one broadcast, once)
+    opt.zero_grad()
+    bucket_bytes = [b.buffer.numel() * 4 for b in model.reducer.buckets]
     sw.comm.stats.end_step()
     F.cross_entropy(model(_local(x)), _local(y)).backward()
     opt.step()
@@ -247,6 +250,55 @@ def grads_are_bucket_views():
 
 def test_gradients_live_in_the_buckets():
     assert run(grads_are_bucket_views, 2) == [True, True]
+
+
+class RegisteredBackwards(nn.Module):
+    """Layers registered in the reverse of the order the forward uses them: buckets cut in
+    reverse registration order would complete last-first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(9, 3)
+        self.middle = nn.Linear(11, 9)
+        self.first = nn.Linear(7, 11)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+
+def buckets_follow_backward():
+    torch.manual_seed(0)
+    reference = RegisteredBackwards()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model, opt = sw.prepare(
+        RegisteredBackwards(), sw.DDP(bucket_mb=0.0002), optimizer=torch.optim.SGD, lr=0.1
+    )
+    arrived = []  # what backward made first, seen by hooks of our own
+    for p in model.module.parameters():
+        p.register_post_accumulate_grad_hook(arrived.append)
+    names = {p: n for n, p in model.module.named_parameters()}
+    before = [[names[p] for p in b.params] for b in model.reducer.buckets]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(8, 7, generator=g), torch.randint(0, 3, (8,), generator=g)
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(model(_local(x)), _local(y)).backward()
+        opt.step()
+        opt.zero_grad()
+    first_backward = [names[p] for p in arrived[:6]]
+    after = [names[p] for b in model.reducer.buckets for p in b.params]
+    return before, first_backward, after, len(model.reducer.buckets), _max_diff(model, reference)
+
+
+def test_buckets_follow_the_order_backward_makes_gradients():
+    for before, first_backward, after, buckets, diff in run(buckets_follow_backward, 2):
+        assert before[0][0].startswith("first.")  # reverse registration: the last to come
+        assert first_backward[0].startswith("out.")
+        assert after == first_backward and buckets > 1  # cut again, in backward's order
+        assert diff <= 1e-6  # the gradients moved with them: still one process's training
 
 
 def test_world_of_one_runs_same_code_path():

@@ -81,6 +81,10 @@ def _make_bucket(params: list[nn.Parameter]) -> Bucket:
     return Bucket(buffer, params, views)
 
 
+def _by_identity(groups: list[list[nn.Parameter]]) -> list[list[int]]:
+    return [[id(p) for p in group] for group in groups]
+
+
 class GradientReducer:
     """Owns the buckets; averages gradients over the world during backward."""
 
@@ -101,7 +105,13 @@ class GradientReducer:
             all_reduce, CompressedAllReduce
         )
         params = [p for _, p in reversed(named_params)]
-        self.params = params
+        self.params, self.bucket_bytes = params, bucket_bytes
+        # Buckets are cut in reverse registration order, then once more in the order the first
+        # backward made the gradients (`_follow_backward_order`); a codec keeps state per
+        # bucket, so its buckets stay as first cut.
+        self.arrival: list[nn.Parameter] | None = (
+            None if self.alone or isinstance(all_reduce, CompressedAllReduce) else []
+        )
         groups = [] if self.alone else assign_buckets(params, bucket_bytes)
         self.buckets = [_make_bucket(ps) for ps in groups]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
@@ -117,6 +127,8 @@ class GradientReducer:
         )
 
     def _move_into_bucket(self, p: nn.Parameter) -> None:
+        if self.arrival is not None:
+            self.arrival.append(p)
         view = self.view_of[p]
         if p.grad.data_ptr() == view.data_ptr():
             return  # accumulated in place (no_sync, or zero_grad(set_to_none=False))
@@ -154,6 +166,26 @@ class GradientReducer:
             bucket.handle = None
         self.weighed.clear()
         self.share.done()
+        if self.arrival is not None:
+            self._follow_backward_order()
+
+    def _follow_backward_order(self) -> None:
+        """Cut the buckets again in the order the first backward made the gradients (torch DDP
+        rebuilds its buckets so too): a bucket then completes as early as it can, and its
+        all-reduce overlaps more of backward. Rank 0's order is every rank's (a broadcast, once),
+        so all ranks cut the same buckets; the reduced gradients move into the new ones."""
+        first = dict.fromkeys(self.arrival)  # (once each, by identity; unused parameters last)
+        self.arrival = None
+        index = {p: i for i, p in enumerate(self.params)}
+        order = [index[p] for p in first] + [i for i, p in enumerate(self.params) if p not in first]
+        agreed = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+        comm.broadcast(agreed, src=0, group=self.share.runtime.group)
+        groups = assign_buckets([self.params[i] for i in agreed.tolist()], self.bucket_bytes)
+        if _by_identity(groups) == _by_identity([b.params for b in self.buckets]):
+            return  # (the usual case: backward runs in reverse registration order)
+        self.buckets = [_make_bucket(ps) for ps in groups]  # (each takes its `.grad` along)
+        self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
+        self.backward.rebucket([b.params for b in self.buckets])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. With `set_to_none` (the default) nothing is written: autograd hands

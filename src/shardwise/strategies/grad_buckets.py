@@ -88,12 +88,16 @@ class BucketedBackward:
         self.names = names
         self.find_unused_parameters = find_unused_parameters
         self.enabled = True  # False inside no_sync(): gradients stay local
-        self.bucket_of = {p: i for i, members in enumerate(buckets) for p in members}
-        self.sizes = [len(members) for members in buckets]
+        self.rebucket(buckets)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.bucket_of
         ]
         self._in_backward = False
+
+    def rebucket(self, buckets: list[list[nn.Parameter]]) -> None:
+        """The same parameters, cut into other buckets (between backward passes)."""
+        self.bucket_of = {p: i for i, members in enumerate(buckets) for p in members}
+        self.sizes = [len(members) for members in buckets]
         self._reset()
 
     def _reset(self) -> None:
