@@ -221,4 +221,3 @@ class ResidentStage3(ZeroStage2):
 
     stage = 3
     unit_params = ZeroStage3.unit_params
-
