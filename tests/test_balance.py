@@ -128,5 +128,8 @@ def test_dynamic_balance_follows_the_slow_rank_and_stays_exact(tmp_path):
     final = load_file(str(Path(run) / "checkpoint" / "model.safetensors"))
     for name, value in expected.items():
         # 45 SGD steps through SyncBatchNorm: float32 sums in another order differ by rounding
-        # (measured: 1.2e-5).
-        torch.testing.assert_close(final[name], value, rtol=0, atol=1e-4)
+        # (measured: the weights 1.2e-5 to 5.5e-5). The running statistics are means over
+        # batches cut a dozen ways, summed by rank, then over ranks: measured up to 1.6e-4 on
+        # a running mean near 0.9, so they are held to 1e-3 of their size.
+        running = name.rsplit(".", 1)[-1].startswith("running_")
+        torch.testing.assert_close(final[name], value, rtol=1e-3 if running else 0, atol=1e-4)

@@ -31,7 +31,10 @@ from shardwise.plan.costs import CostJob, bucket_sizes
 from shardwise.plan.predictors import predict
 from spawn import run
 
-STEPS = 4  # a multiple of local SGD's period: its average happens inside the window
+# Bytes are counted from the second step: the first also agrees on DDP's bucket order (one
+# broadcast, once), which a step's prediction leaves out. The STEPS - 1 counted are a multiple
+# of local SGD's period: its average happens inside the window.
+STEPS = 5
 BATCH = 8
 CATEGORIES = ("params", "master_weights", "grads", "optimizer")
 STRATEGIES = [
@@ -143,14 +146,16 @@ def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict
             opt.zero_grad()
         if peak is not None:
             peaks.append(peak.peak - before)
+        if step == 0:
+            comm.stats.reset()
     memory["peak"] = min(peaks) if options["name"] == "zero" else max(peaks)
     # Ops that record only waiting (a codec's or the hierarchical algorithm's thread) or
     # receiving (recv: a point-to-point message is counted by its sender) carry no bytes.
     totals = comm.stats.total().by_op
-    measured = {op: t.bytes / STEPS for op, t in totals.items() if t.bytes}
-    calls = {op: t.calls / STEPS for op, t in totals.items() if t.bytes}
+    measured = {op: t.bytes / (STEPS - 1) for op, t in totals.items() if t.bytes}
+    calls = {op: t.calls / (STEPS - 1) for op, t in totals.items() if t.bytes}
     # Sends and receives each (a receive is counted with no bytes): what a stage posts.
-    calls["posts"] = sum(totals[op].calls for op in ("send", "recv") if op in totals) / STEPS
+    calls["posts"] = sum(totals[op].calls for op in ("send", "recv") if op in totals) / (STEPS - 1)
     model.close()
     return memory, (measured, calls), predicted
 

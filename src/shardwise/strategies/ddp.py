@@ -7,8 +7,10 @@ never drift (Li et al., "PyTorch Distributed", VLDB 2020, describes the bucketin
 How it works, top to bottom:
 1. `wrap` broadcasts rank 0's parameters and buffers, so all replicas start equal.
 2. Gradients live in flat buckets (about `bucket_mb` each, parameters in reverse registration
-   order, since backward produces the last layers' gradients first). Each `param.grad` is a view
-   into its bucket, so there is no second gradient copy: 16 bytes/parameter with fp32 AdamW.
+   order, since backward produces the last layers' gradients first; after the first backward,
+   in the order it actually made them, rank 0's for all). Each `param.grad` is a view into its
+   bucket, so there is no second gradient copy: 16 bytes/parameter with fp32 AdamW. A fresh
+   gradient is weighed (divided by the world) as it is copied in: one pass over it.
 3. A post-accumulate-grad hook per parameter counts down its bucket; when a bucket is complete
    (and every earlier bucket has been launched, so all ranks launch in the same order), its
    asynchronous all-reduce starts while backward continues on earlier layers.
@@ -109,10 +111,10 @@ class GradientReducer:
         # Buckets are cut in reverse registration order, then once more in the order the first
         # backward made the gradients (`_follow_backward_order`); a codec keeps state per
         # bucket, so its buckets stay as first cut.
-        self.arrival: list[nn.Parameter] | None = (
-            None if self.alone or isinstance(all_reduce, CompressedAllReduce) else []
-        )
         groups = [] if self.alone else assign_buckets(params, bucket_bytes)
+        # (one bucket completes when backward ends, whatever the order: nothing to cut again)
+        recut = len(groups) > 1 and not isinstance(all_reduce, CompressedAllReduce)
+        self.arrival: list[nn.Parameter] | None = [] if recut else None
         self.buckets = [_make_bucket(ps) for ps in groups]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
         for b in self.buckets:  # codecs keep state per bucket; PowerSGD needs the shapes
