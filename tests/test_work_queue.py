@@ -79,11 +79,12 @@ def test_chunks_are_dealt_once_each_and_rounds_end_alike_on_every_rank():
 @pytest.mark.usefixtures("uncalibrated")
 def test_faster_rank_takes_more_and_every_sample_once_per_epoch(tmp_path):
     run = tmp_path / "run"
-    _train(run, "faults=[slow:rank=1:factor=4]")
+    _train(run, "faults=[slow:rank=1:factor=8]")
     lines = ledger.read(run)
     chunks = {rank: len(rank_lines) for rank, rank_lines in lines.items()}
-    # rank 1 works 4x slower per sample: it must take clearly fewer chunks (equal would be 1:1;
-    # a chunk's fixed costs, the claim and the batch's assembly, keep it from 4:1)
+    # rank 1 works 8x slower per sample: it must take clearly fewer chunks (equal would be 1:1;
+    # a chunk's fixed costs, the claim and the batch's assembly, keep it from 8:1). At 4x a
+    # faster VM measured 1.38-1.79:1, too near the bound; at 8x, 66:15 run after run.
     assert chunks[0] >= 1.5 * chunks[1], chunks
     per_epoch = _per_epoch(lines)
     assert sorted(per_epoch) == list(range(ROUNDS // 4 + 1))
