@@ -78,7 +78,10 @@ class CommStats:
         self._lock = threading.Lock()
         self._step: dict[str, OpTotals] = {}
         self._ended: dict[str, OpTotals] = {}  # the run's totals, up to the last step's end
-        self._local = threading.local()
+        # Threads that communicate for the training thread (a codec's, the hierarchical
+        # all-reduce's): their blocking is not waiting time. A set of idents: asked on every
+        # call, a membership test costs a seventh of a missing `threading.local` attribute.
+        self._background: set[int] = set()
         # Told of every call that blocked the training thread (op, bytes, seconds blocked):
         # the timeline, while it records.
         self.listener: Callable[[str, int, float], None] | None = None
@@ -91,7 +94,7 @@ class CommStats:
 
     def record(self, op: str, nbytes: int, wait_s: float = 0.0, calls: int = 1) -> None:
         """Count one call of `op` sending `nbytes`, which blocked the caller `wait_s` seconds."""
-        if getattr(self._local, "background", False):
+        if threading.get_ident() in self._background:
             wait_s = 0.0  # a background thread's blocking does not stall training
         with self._lock:
             totals = self._totals(op)
@@ -104,7 +107,7 @@ class CommStats:
     def add_waited(self, op: str, in_flight_s: float, blocked_s: float) -> None:
         """An asynchronous `op` waited for: in flight `in_flight_s` before the wait (the most it
         overlapped compute), then blocking its caller `blocked_s`."""
-        if getattr(self._local, "background", False):
+        if threading.get_ident() in self._background:
             return  # a background thread's blocking does not stall training
         with self._lock:
             totals = self._totals(op)
@@ -113,14 +116,30 @@ class CommStats:
         if self.listener is not None and blocked_s > 0:
             self.listener(op, 0, blocked_s)
 
+    def record_waited(self, op: str, nbytes: int, wait_s: float, in_flight_s: float) -> None:
+        """One asynchronous call of `op` that sent `nbytes`, counted as it is waited for (one
+        update instead of two): `wait_s` it blocked its caller, issuing and waiting, and
+        `in_flight_s` it ran in between (the most it overlapped compute)."""
+        if threading.get_ident() in self._background:
+            wait_s = in_flight_s = 0.0  # a background thread's blocking does not stall training
+        with self._lock:
+            totals = self._totals(op)
+            totals.calls += 1
+            totals.bytes += int(nbytes)
+            totals.wait_s += wait_s
+            totals.overlap_s += in_flight_s
+        if self.listener is not None and wait_s > 0:
+            self.listener(op, int(nbytes), wait_s)
+
     @contextlib.contextmanager
     def background(self) -> Iterator[None]:
         """Mark this thread as a communication thread: its blocking is not waiting time."""
-        self._local.background = True
+        thread = threading.get_ident()
+        self._background.add(thread)
         try:
             yield
         finally:
-            self._local.background = False
+            self._background.discard(thread)
 
     def step_wait_s(self) -> float:
         """Seconds the training thread has waited on communication in this step so far."""

@@ -75,13 +75,26 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class Handle:
-    """An operation in flight: a backend `Work` or a `Future` from a communication thread."""
+    """An operation in flight: a backend `Work` or a `Future` from a communication thread.
 
-    def __init__(self, op: str, pending: dist.Work | Future | None, call: Call | None) -> None:
+    A call issued here (`_issue`) is counted once, as it is waited for: its bytes, the time it
+    blocked issuing and waiting, and its time in flight between (the accounting's one update
+    on the path of a call; every asynchronous call is waited for before its result is used).
+    A communication thread's future counts only its waiting: its thread counts its calls."""
+
+    def __init__(
+        self,
+        op: str,
+        pending: dist.Work | Future | None,
+        call: Call | None,
+        issued: float | None = None,  # `time.perf_counter()` when issued (default: now)
+        counted: tuple[int, float] | None = None,  # (bytes, seconds issuing) to count at wait
+    ) -> None:
         self.op = op
         self._pending = pending
         self._call = call
-        self._issued = time.perf_counter()
+        self._issued = time.perf_counter() if issued is None else issued
+        self._counted = counted
 
     def wait(self) -> None:
         if self._pending is None:
@@ -89,17 +102,24 @@ class Handle:
         # From the issue to this wait the operation could progress while the caller computed:
         # that long, at most, it overlapped compute.
         start = time.perf_counter()
-        _wait_recorded(self._pending, self._call)
+        _wait_recorded(self._pending, self._call, start)
         self._pending = None
-        stats.add_waited(self.op, start - self._issued, time.perf_counter() - start)
+        blocked, in_flight = time.perf_counter() - start, start - self._issued
+        if self._counted is None:
+            stats.add_waited(self.op, in_flight, blocked)
+        else:
+            nbytes, issuing = self._counted
+            stats.record_waited(self.op, nbytes, issuing + blocked, in_flight)
 
 
-def _wait_recorded(pending: dist.Work | Future, call: Call | None) -> None:
-    """`_wait`, with the flight recorder told which call this thread waits in."""
+def _wait_recorded(
+    pending: dist.Work | Future, call: Call | None, since: float | None = None
+) -> None:
+    """`_wait`, with the flight recorder told which call this thread waits in (from `since`)."""
     if call is None:
         _wait(pending)
         return
-    thread = recorder.begin_wait(call)
+    thread = recorder.begin_wait(call, since)
     try:
         _wait(pending)
     finally:
@@ -148,12 +168,14 @@ def _issue(
     start = time.perf_counter()
     work = call()
     if async_op:
-        stats.record(op, nbytes, time.perf_counter() - start)
-        return Handle(op, work, recorded)
+        issued = time.perf_counter()
+        if work is None:  # (nothing to wait for: counted now)
+            stats.record(op, nbytes, issued - start)
+        return Handle(op, work, recorded, issued, (nbytes, issued - start))
     if work is not None:
-        _wait_recorded(work, recorded)
+        _wait_recorded(work, recorded, start)
     stats.record(op, nbytes, time.perf_counter() - start)
-    return Handle(op, None, None)
+    return Handle(op, None, None, start)
 
 
 def all_reduce(

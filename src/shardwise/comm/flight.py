@@ -95,7 +95,7 @@ def _dtype_name(dtype: str | torch.dtype | None) -> str:
 
 
 def _signature(op: str, shape: tuple[int, ...], dtype: str) -> str:
-    return f"{op}|{shape}|{dtype}"
+    return f"{op}|{tuple(shape)}|{dtype}"
 
 
 _INSIDE: dict[CodeType, bool] = {}  # code object -> whether it is shardwise.comm's own
@@ -164,7 +164,7 @@ class FlightRecorder:
         else:
             name = P2P if op in ("send", "recv", "p2p") else self.group_name(group)
         seq = self.seq.get(name, 0) + 1
-        shape = tuple(tensor.shape) if tensor is not None else ()
+        shape = tensor.shape if tensor is not None else ()  # (a torch.Size is a tuple)
         dtype = tensor.dtype if tensor is not None else None
         call = Call(op, name, seq, shape, "-" if dtype is None else dtype, _site())
         self.seq[name] = seq
@@ -174,11 +174,11 @@ class FlightRecorder:
             self.check_call(call, group)
         return call
 
-    def begin_wait(self, call: Call) -> int:
-        """This thread waits for `call` from now until `end_wait` (what the watchdog reads);
-        the thread's id, for `end_wait`."""
+    def begin_wait(self, call: Call, since: float | None = None) -> int:
+        """This thread waits for `call` from `since` (`time.perf_counter()`, default now)
+        until `end_wait` (what the watchdog reads); the thread's id, for `end_wait`."""
         thread = threading.get_ident()
-        self.waiting[thread] = (call, time.monotonic())
+        self.waiting[thread] = (call, time.perf_counter() if since is None else since)
         return thread
 
     def end_wait(self, thread: int) -> None:
@@ -199,7 +199,7 @@ class FlightRecorder:
         if not waits:
             return None
         call, since = min(waits, key=lambda w: w[1])
-        return call, time.monotonic() - since
+        return call, time.perf_counter() - since
 
     def last(self) -> Call | None:
         return self.history[-1] if self.history else None
