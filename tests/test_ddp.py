@@ -52,14 +52,19 @@ def train_vs_reference(kind, dtype, ddp_kwargs, opt_cls=torch.optim.AdamW):
         _make_model(kind, dtype), sw.DDP(**ddp_kwargs), optimizer=opt_cls, lr=1e-2
     )
     for step in range(STEPS):
-        x, y = _global_batch(step, world, dtype, image)
-        F.cross_entropy(reference(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        F.cross_entropy(model(_local(x)), _local(y)).backward()
-        opt.step()
-        opt.zero_grad()
+        _step_both(reference, ref_opt, model, opt, *_global_batch(step, world, dtype, image))
     return _max_diff(sw.full_state_dict(model), reference)
+
+
+def _step_both(reference, ref_opt, model, opt, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of the single-process reference on the global batch, and of ours on this
+    rank's share of it."""
+    F.cross_entropy(reference(x), y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    F.cross_entropy(model(_local(x)), _local(y)).backward()
+    opt.step()
+    opt.zero_grad()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -282,12 +287,7 @@ def buckets_follow_backward():
     g = torch.Generator().manual_seed(3)
     for _ in range(4):
         x, y = torch.randn(8, 7, generator=g), torch.randint(0, 3, (8,), generator=g)
-        F.cross_entropy(reference(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        F.cross_entropy(model(_local(x)), _local(y)).backward()
-        opt.step()
-        opt.zero_grad()
+        _step_both(reference, ref_opt, model, opt, x, y)
     first_backward = [names[p] for p in arrived[:6]]
     after = [names[p] for b in model.reducer.buckets for p in b.params]
     return before, first_backward, after, len(model.reducer.buckets), _max_diff(model, reference)
