@@ -166,9 +166,13 @@ class ZeroStage3(ZeroStage2):
         unit = self.units[i]
         if unit.is_gathered() or unit.gather_handle is not None:
             return
-        # (a shard group of one: the shard is the whole, cast into the full buffer directly)
+        # The shard is sent as it is where it already is what the ranks gather (never a view
+        # of the full buffer here, unlike stages 1/2); else its compute copy. (A shard group of
+        # one: the shard is the whole, cast into the full buffer directly.)
+        shard = self.shards[i]
+        ready = shard.dtype == unit.full.dtype and shard.device == unit.full.device
         one = self.groups.shard_size == 1
-        unit.start_gather(self.shards[i] if one else self._compute_copy(self.shards[i]))
+        unit.start_gather(shard if ready or one else self._compute_copy(shard))
 
     def _after_forward(self, i: int, output: Any) -> Any:
         if not torch.is_grad_enabled():  # no backward to come
