@@ -167,10 +167,8 @@ def _issue(
     recorded = recorder.issue(op, group, tensor)
     start = time.perf_counter()
     work = call()
-    if async_op:
+    if async_op and work is not None:  # counted as it is waited for
         issued = time.perf_counter()
-        if work is None:  # (nothing to wait for: counted now)
-            stats.record(op, nbytes, issued - start)
         return Handle(op, work, recorded, issued, (nbytes, issued - start))
     if work is not None:
         _wait_recorded(work, recorded, start)

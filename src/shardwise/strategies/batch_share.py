@@ -16,9 +16,11 @@ bucket is about to be reduced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardwise import comm
 from shardwise.distributed.runtime import Runtime
@@ -105,3 +107,44 @@ class BatchShare:
         """The synchronised backward finished: the next one needs its own declaration."""
         self._resolve()
         self.local = self.total = None
+
+
+class WeighedOnArrival:
+    """Which of this backward's gradients were weighed as they moved into their bucket (the copy
+    and the weighing in one pass over them, `BatchShare.weigh_into`). The others, sums that
+    no_sync() accumulated in place, are weighed as their bucket is launched (`weigh_rest`).
+    DDP's buckets and ZeRO's units both move gradients in through this."""
+
+    def __init__(self, share: BatchShare) -> None:
+        self.share = share
+        self.done: set[nn.Parameter] = set()
+
+    def move_in(self, p: nn.Parameter, slot: torch.Tensor, reducing: bool) -> None:
+        """`p`'s fresh gradient into `slot`: weighed on the way where this backward reduces;
+        inside no_sync() (not `reducing`) it is a sum to come, weighed at the launch."""
+        if reducing:
+            self.share.weigh_into(p.grad, slot)
+            self.done.add(p)
+        else:
+            slot.copy_(p.grad)
+
+    def zeroed(self, p: nn.Parameter) -> None:
+        self.done.add(p)  # (a zero gradient, whatever its weight)
+
+    def weigh_rest(
+        self,
+        params: list[nn.Parameter],
+        bucket: torch.Tensor,
+        slot_of: Callable[[nn.Parameter], torch.Tensor],
+    ) -> None:
+        """Weigh what of `bucket` (holding `params`) was not weighed as it moved in."""
+        rest = [p for p in params if p not in self.done]
+        if len(rest) == len(params):
+            self.share.weigh(bucket)
+        else:
+            for p in rest:
+                self.share.weigh(slot_of(p))
+
+    def clear(self) -> None:
+        """The backward is over (or a new one begins after zero_grad)."""
+        self.done.clear()

@@ -36,7 +36,7 @@ from shardwise.comm.flat import flatten, unflatten
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from shardwise.strategies.base import DistributedModel, Strategy, prefixed, unprefixed
-from shardwise.strategies.batch_share import BatchShare
+from shardwise.strategies.batch_share import BatchShare, WeighedOnArrival
 from shardwise.strategies.grad_buckets import (
     BucketCallbacks,
     BucketedBackward,
@@ -119,7 +119,7 @@ class GradientReducer:
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
         for b in self.buckets:  # codecs keep state per bucket; PowerSGD needs the shapes
             all_reduce.describe(b.buffer, [p.shape for p in b.params])
-        self.weighed: set[nn.Parameter] = set()  # this backward's gradients weighed as moved in
+        self.weighing = WeighedOnArrival(share)
         callbacks = BucketCallbacks(self._move_into_bucket, self._launch, self._zero, self._wait)
         self.backward = BucketedBackward(
             [b.params for b in self.buckets],
@@ -134,39 +134,27 @@ class GradientReducer:
         view = self.view_of[p]
         if p.grad.data_ptr() == view.data_ptr():
             return  # accumulated in place (no_sync, or zero_grad(set_to_none=False))
-        # A fresh gradient (after zero_grad): moved in, and weighed on the way when this
-        # backward reduces (one pass over it, not two); inside no_sync() it is a sum to come.
-        if self.backward.enabled:
-            self.share.weigh_into(p.grad, view)
-            self.weighed.add(p)
-        else:
-            view.copy_(p.grad)
+        self.weighing.move_in(p, view, reducing=self.backward.enabled)  # a fresh gradient
         p.grad = view
 
     def _zero(self, p: nn.Parameter) -> None:
         if p.grad is None or p.grad.data_ptr() != self.view_of[p].data_ptr():
             self.view_of[p].zero_()
             p.grad = self.view_of[p]
-            self.weighed.add(p)  # (zero, whatever its weight)
+            self.weighing.zeroed(p)
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         # Weigh (divide by the world, for equal batches) before summing, as torch DDP does, so
         # fp16 sums do not overflow: what was not weighed as it moved in.
-        pairs = zip(bucket.params, bucket.views, strict=True)
-        unweighed = [v for p, v in pairs if p not in self.weighed]
-        if len(unweighed) == len(bucket.params):
-            self.share.weigh(bucket.buffer)
-        else:
-            for view in unweighed:
-                self.share.weigh(view)
+        self.weighing.weigh_rest(bucket.params, bucket.buffer, self.view_of.__getitem__)
         bucket.handle = self.all_reduce.start(bucket.buffer)
 
     def _wait(self) -> None:
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle = None
-        self.weighed.clear()
+        self.weighing.clear()
         self.share.done()
         if self.arrival is not None:
             self._follow_backward_order()
@@ -194,7 +182,7 @@ class GradientReducer:
         each hook a fresh gradient that is copied into its bucket slot, cheaper than zeroing the
         buckets and adding into them. Either way, gradients live in the buckets after backward.
         """
-        self.weighed.clear()  # (a backward that raised never reached `_wait`)
+        self.weighing.clear()  # (a backward that raised never reached `_wait`)
         if self.alone:  # (no buckets: as a plain module)
             for p in self.params:
                 if set_to_none:

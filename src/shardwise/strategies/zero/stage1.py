@@ -45,7 +45,7 @@ from shardwise.strategies.base import (
     square_sum,
     unprefixed,
 )
-from shardwise.strategies.batch_share import BatchShare
+from shardwise.strategies.batch_share import BatchShare, WeighedOnArrival
 from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
 from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
@@ -90,7 +90,6 @@ class ZeroStage1(DistributedModel):
             u.initial = u.master_init = None  # in the shards now
         # Gradients become ready roughly in reverse forward order: reduce units in that order.
         order = list(reversed(range(len(self.units))))
-        self.weighed: set[nn.Parameter] = set()  # this backward's gradients weighed as moved in
         self.backward = BucketedBackward(
             [self.units[i].params for i in order],
             self.names,
@@ -100,6 +99,7 @@ class ZeroStage1(DistributedModel):
             find_unused_parameters=False,
         )
         self.batch_share = BatchShare(runtime)
+        self.weighing = WeighedOnArrival(self.batch_share)
         for m in module.modules():
             if isinstance(m, SyncBatchNorm):
                 m.batch_share = self.batch_share  # its backward weighs uneven batches too
@@ -131,37 +131,22 @@ class ZeroStage1(DistributedModel):
         # Gradients stay views into the persistent buffer (as in DDP).
         slot = self.unit_of[p].slot(self.unit_of[p].grad_full, p)
         if p.grad.data_ptr() != slot.data_ptr():
-            self._move_in(p, slot)
+            self.weighing.move_in(p, slot, reducing=self.backward.enabled)
             p.grad = slot
-
-    def _move_in(self, p: nn.Parameter, slot: torch.Tensor) -> None:
-        """A fresh gradient into its slot: weighed on the way where this backward reduces (one
-        pass over it, not two); inside no_sync() it is a sum to come, weighed at the launch."""
-        if self.backward.enabled:
-            self.batch_share.weigh_into(p.grad, slot)
-            self.weighed.add(p)
-        else:
-            slot.copy_(p.grad)
 
     def _zero(self, p: nn.Parameter) -> None:
         unit = self.unit_of[p]
         if unit.grad_full is None:
             unit.grad_full = torch.zeros_like(unit.full)
         unit.slot(unit.grad_full, p).zero_()
-        self.weighed.add(p)  # (zero, whatever its weight)
-
-    def _weigh(self, unit: FlatUnit) -> None:
-        """The mean, before summing (fp16-safe): what was not weighed as it moved in."""
-        unweighed = [p for p in unit.params if p not in self.weighed]
-        if len(unweighed) == len(unit.params):
-            self.batch_share.weigh(unit.grad_full)
-        else:
-            for p in unweighed:
-                self.batch_share.weigh(unit.slot(unit.grad_full, p))
+        self.weighing.zeroed(p)
 
     def _launch(self, index: int) -> None:
         unit = self.units[index]
-        self._weigh(unit)
+        # The mean, before summing (fp16-safe): what was not weighed as it moved in.
+        self.weighing.weigh_rest(
+            unit.params, unit.grad_full, lambda p: unit.slot(unit.grad_full, p)
+        )
         if self.groups.shard_size == 1 and self.codec is None:
             unit.reduced = unit.grad_full  # (a slice of one: the whole, summed over itself)
             unit.handle = comm.Handle("reduce_scatter", None, None)  # done: no message
@@ -177,7 +162,7 @@ class ZeroStage1(DistributedModel):
     def _finish(self) -> None:
         for i in range(len(self.units)):
             self._complete(i)
-        self.weighed.clear()
+        self.weighing.clear()
         self.batch_share.done()
 
     def _complete(self, index: int) -> None:
@@ -202,7 +187,7 @@ class ZeroStage1(DistributedModel):
         """Stage 1 keeps the unit's full gradient buffer (the parameters' .grad live in it)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.weighed.clear()  # (a backward that raised never reached `_finish`)
+        self.weighing.clear()  # (a backward that raised never reached `_finish`)
         for unit, shard in zip(self.units, self.shards, strict=True):
             shard.grad = None
             if not set_to_none:
