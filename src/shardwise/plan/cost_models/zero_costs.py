@@ -33,6 +33,7 @@ from shardwise.plan.costs import (
     numels,
     optimizer_bytes,
     replica_activations,
+    replica_costs,
 )
 from shardwise.plan.peaks import step_peak
 from shardwise.plan.work import data_parallel_compute
@@ -114,6 +115,8 @@ def _memory(job: CostJob, s: StrategySection, shards: list[int]) -> tuple[dict[s
 
 def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     """One ZeRO rank: its shards' state, its step's peak, and its units' collectives."""
+    if job.world_size == 1 and not (s.mixed_precision or s.offload or s.compression):
+        return sole_rank_costs(job)
     units, memory, full = zero_state(job, s)
     costs = Costs(memory=memory, optimizer_numels=units.shards)
     costs.activations = replica_activations(job, DTYPES.get(s.mixed_precision))
@@ -157,6 +160,16 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         costs.notes.append("ZeRO-3 under accumulation: its gathers in no_sync not emulated")
     if s.mixed_precision == "fp16":
         costs.notes.append("fp16 loss scaling: its overflow all-reduce is not counted")
+    return costs
+
+
+def sole_rank_costs(job: CostJob) -> Costs:
+    """ZeRO alone in the world, in fp32 (`SoleRankZero`): plain training. The optimizer steps
+    the parameters with the gradients autograd makes each step; nothing is sent."""
+    costs = replica_costs(job)
+    held = numels(job.params())
+    made = costs.memory["grads"]
+    costs.peak = step_peak(job, costs.memory, held, job.global_batch, made_grads=made)
     return costs
 
 

@@ -14,7 +14,8 @@ reduce-scattered inside a group, then each slice is all-reduced across the group
 stage 3, the inter-node traffic 1/K of the gradients).
 
 `units.py` holds the flat, padded buffers every stage shards; `masters.py` what the optimizer
-steps (the buffer's slices, or fp32 master weights with loss scaling, offloadable).
+steps (the buffer's slices, or fp32 master weights with loss scaling, offloadable). Alone in the
+world, in fp32, any stage is plain training saved in ZeRO's layout (`sole_rank.py`).
 Any element-wise `torch.optim` optimizer (SGD, Adam, AdamW, ...) works unchanged on the slices.
 """
 
@@ -45,6 +46,7 @@ from shardwise.strategies.base import Strategy
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.section import StrategySection
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
+from shardwise.strategies.zero.sole_rank import SoleRankZero
 from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.stage2 import ZeroStage2
 from shardwise.strategies.zero.stage3 import ResidentStage3, ZeroStage3, stage3_units
@@ -178,13 +180,30 @@ class ZeRO(Strategy):
         bucket_bytes = int(self.bucket_mb * 2**20)
         groups = build_shard_groups(self.shard_group, runtime)  # (collective)
         keep = {"keep_gathered_bytes": self.keep_gathered_mb * 2**20} if self.stage == 3 else {}
-        if self.stage == 3 and resident(groups, masters, source):
+        if sole_rank(runtime, masters, source, self.offload, self.compression):
+            stage, keep = SoleRankZero, {"stage": self.stage}
+        elif self.stage == 3 and resident(groups, masters, source):
             stage, keep = ResidentStage3, {}
         return stage(
             *(model, runtime, masters, bucket_bytes, offload_dir, source, self.compression),
             groups=groups,
             **keep,
         )
+
+
+def sole_rank(
+    runtime: Runtime,
+    masters: ShardViews | FP32Masters,
+    source: ParameterSource | None,
+    offload: str | None,
+    compression: str | None,
+) -> bool:
+    """Whether ZeRO runs alone in the world as plain training (`SoleRankZero`): one rank, not
+    a device mesh's axis, no fp32 masters, offload or codec (each has its own work to do even
+    alone), values already in the model."""
+    alone = runtime.world_size == 1 and runtime.group is None
+    plain = isinstance(masters, ShardViews) and offload is None and compression is None
+    return alone and plain and source is None
 
 
 def resident(groups, masters: ShardViews | FP32Masters, source: ParameterSource | None) -> bool:

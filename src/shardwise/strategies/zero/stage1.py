@@ -91,7 +91,7 @@ class ZeroStage1(DistributedModel):
         # Gradients become ready roughly in reverse forward order: reduce units in that order.
         order = list(reversed(range(len(self.units))))
         self.backward = BucketedBackward(
-            [self.units[i].params for i in order],
+            self.backward_buckets(order),
             self.names,
             BucketCallbacks(
                 self._on_grad, lambda k: self._launch(order[k]), self._zero, self._finish
@@ -121,6 +121,10 @@ class ZeroStage1(DistributedModel):
     def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
         """Which parameters share a unit: buckets by size, in reverse registration order."""
         return assign_buckets(params, bucket_bytes)
+
+    def backward_buckets(self, order: list[int]) -> list[list[nn.Parameter]]:
+        """The parameters whose gradients backward reduces, unit by unit in `order`."""
+        return [self.units[i].params for i in order]
 
     def prepare_units(self) -> None:
         for u in self.units:
