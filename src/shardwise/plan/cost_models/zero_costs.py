@@ -132,6 +132,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         DTYPES.get(s.mixed_precision, torch.float32),
         s.mixed_precision is not None or s.offload is not None,
         job.backend == "gloo",
+        sums_whole=job.shared_cores and shard_size(job, s) > 1 and not s.compression,
     )
     emulation.kept = units.kept  # (stage 3)
     costs.peak = step_peak(
@@ -150,7 +151,8 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         accumulated=full if s.stage >= 2 else None,
     )
     k = shard_size(job, s)
-    zero_traffic(costs, units, k, s, job.accumulate, ranks=k if k < job.world_size else None)
+    ranks = k if k < job.world_size else None
+    zero_traffic(costs, units, k, s, job.accumulate, ranks=ranks, sums_whole=job.shared_cores)
     replicas, compute = job.world_size // k, HALF.get(s.mixed_precision, FP32)
     for S in units.shards:  # HSDP: each reduced slice averaged across the replicas
         volume = native_volume("all_reduce", S * compute, replicas)
@@ -174,11 +176,18 @@ def sole_rank_costs(job: CostJob) -> Costs:
 
 
 def zero_traffic(
-    costs: Costs, units: _Units, n: int, s: StrategySection, passes: int = 1, ranks=None
+    costs: Costs,
+    units: _Units,
+    n: int,
+    s: StrategySection,
+    passes: int = 1,
+    ranks=None,
+    sums_whole: bool = False,
 ) -> None:
-    """Each unit's reduce-scatter (or its codec's messages) and all-gathers, and which of them
-    a unit's compute hides, among `ranks` ranks (None: every rank) of which `n` shard. Stage
-    3 gathers for each of `passes` forwards and backwards (micro-batches) of a step; the
+    """Each unit's reduce-scatter (or its codec's messages; `sums_whole`, gloo on one host:
+    an all-reduce of the whole unit, `ZeroStage1.sums_whole_units`) and all-gathers, and which
+    of them a unit's compute hides, among `ranks` ranks (None: every rank) of which `n` shard.
+    Stage 3 gathers for each of `passes` forwards and backwards (micro-batches) of a step; the
     reduction runs once, after the last."""
     stage, compute = s.stage, HALF.get(s.mixed_precision, FP32)
     shards = units.shards
@@ -189,8 +198,8 @@ def zero_traffic(
         if getattr(s, "compression", None):
             _encoded(costs, s.compression, units.params[k], S, n, prefetched=k > 0)
         else:
-            reduced = native_volume("reduce_scatter", unit_bytes, n)
-            costs.add_comm("reduce_scatter", reduced, ranks=ranks, prefetched=k > 0)
+            op = "all_reduce" if sums_whole and n > 1 else "reduce_scatter"
+            costs.add_comm(op, native_volume(op, unit_bytes, n), ranks=ranks, prefetched=k > 0)
         volume = native_volume("all_gather", unit_bytes, n)
         if stage < 3 or (k == 0 and units.rest):
             # (stage 3's rest, gathered before forward, stays gathered through backward)
@@ -250,10 +259,11 @@ class Stage1Emulation:
         compute: torch.dtype,
         fp32_masters: bool,
         gloo: bool,
+        sums_whole: bool = False,
     ) -> None:
         self.model, self.units, self.unit_modules = model, units, unit_modules
         self.n, self.compute = world_size, compute
-        self.fp32_masters, self.gloo = fp32_masters, gloo
+        self.fp32_masters, self.gloo, self.sums_whole = fp32_masters, gloo, sums_whole
         self.numels = [0] * len(units)
         self.order = list(reversed(range(len(units))))
 
@@ -302,7 +312,10 @@ class Stage1Emulation:
 
     def _launch(self, i: int) -> None:
         earlier = list(self.in_flight)
-        self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
+        # (summed whole, the slice is the full buffer's own until the wait: nothing is made)
+        self.reduced[i] = (
+            None if self.sums_whole else torch.empty(self._shard(i), dtype=self.compute)
+        )
         self.in_flight.append(i)
         self._launched(i, earlier)
 
@@ -310,16 +323,24 @@ class Stage1Emulation:
         """Stage 1 waits for its reductions at the end of backward only."""
 
     def _complete(self, i: int) -> None:
-        if self.gloo:
+        if self.gloo and not self.sums_whole:  # (its reduce-scatter's copy of the input)
             torch.empty(self._shard(i) * self.n, dtype=self.compute)  # seen, then let go
         reduced = self.reduced[i]
-        if self.fp32_masters:
+        if reduced is None:  # summed whole: the slice is cloned out of the buffer that goes
+            reduced = self._own_slice(i)
+        if self.fp32_masters and reduced is not None:
             reduced = reduced.to(torch.float32)
+        elif self.fp32_masters:  # (stage 1: a view of the full buffer, copied to fp32)
+            reduced = torch.empty(self._shard(i), dtype=torch.float32)
         self._keep(i, reduced)
         self.grad_full[i] = self.reduced[i] = None
         self.in_flight.remove(i)
 
-    def _keep(self, i: int, reduced: torch.Tensor) -> None:
+    def _own_slice(self, i: int) -> torch.Tensor | None:
+        """Stage 1 keeps its full gradient buffers: the summed slice stays a view of one."""
+        return None
+
+    def _keep(self, i: int, reduced: torch.Tensor | None) -> None:
         if self.fp32_masters:  # (otherwise the slice is a view of its full buffer)
             self.shard_grads[i] = reduced
 
@@ -343,6 +364,9 @@ class Stage2Emulation(Stage1Emulation):
     def _launched(self, i: int, earlier: list[int]) -> None:
         for j in earlier:
             self._complete(j)
+
+    def _own_slice(self, i: int) -> torch.Tensor:
+        return torch.empty(self._shard(i), dtype=self.compute)
 
     def _keep(self, i: int, reduced: torch.Tensor) -> None:
         self.shard_grads[i] = reduced

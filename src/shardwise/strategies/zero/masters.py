@@ -77,8 +77,8 @@ class FP32Masters:
         return nn.Parameter(master.to(self.device or master.device))
 
     def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
-        # (a slice of one is the full buffer itself, which stage 1 zeroes below: a copy then)
-        aliased = keep_full and unit.reduced is unit.grad_full
+        # (a slice of the full buffer itself, which stage 1 zeroes below: a copy then)
+        aliased = keep_full and shares_storage(unit.reduced, unit.grad_full)
         reduced = unit.reduced.to(shard.device, shard.dtype, copy=aliased)
         if self.scaler is not None:
             reduced.div_(self.scaler.scale)
@@ -108,3 +108,7 @@ class FP32Masters:
 
 def add_grad(shard: nn.Parameter, grad: torch.Tensor) -> None:
     shard.grad = grad if shard.grad is None else shard.grad.add_(grad)
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -46,7 +46,12 @@ from shardwise.strategies.base import (
     unprefixed,
 )
 from shardwise.strategies.batch_share import BatchShare, WeighedOnArrival
-from shardwise.strategies.grad_buckets import BucketCallbacks, BucketedBackward, assign_buckets
+from shardwise.strategies.grad_buckets import (
+    BucketCallbacks,
+    BucketedBackward,
+    assign_buckets,
+    shares_cores,
+)
 from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
 from shardwise.strategies.zero.units import FlatUnit
@@ -74,6 +79,16 @@ class ZeroStage1(DistributedModel):
         self.masters, self.offload_dir = masters, offload_dir
         self.groups = groups or whole(runtime)  # whom the units are sharded over
         shard_over = (self.groups.shard_rank, self.groups.shard_size)
+        # Where gloo's ranks share one host, a unit's gradients are summed whole by an
+        # all-reduce, each rank keeping its slice: twice a reduce-scatter's bytes, but gloo's
+        # all-reduce of 12 MB took 9.1 ms against 14.0 for its reduce-scatter at world 2, 21
+        # against 30 at world 4 (at 1-3 MB: within a tenth, either way; docs/strategies.md).
+        # A codec sends its own encoding.
+        self.sums_whole_units = (
+            shares_cores(runtime.device, runtime.num_nodes)
+            and self.groups.shard_size > 1
+            and compression is None
+        )
         self.disk_step: DiskOffloadedStep | None = None
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
@@ -155,6 +170,10 @@ class ZeroStage1(DistributedModel):
             unit.reduced = unit.grad_full  # (a slice of one: the whole, summed over itself)
             unit.handle = comm.Handle("reduce_scatter", None, None)  # done: no message
             return
+        if self.sums_whole_units:
+            unit.reduced = unit.own(unit.grad_full)  # (this rank's slice of the sum, once in)
+            unit.handle = comm.all_reduce(unit.grad_full, group=self.groups.shard, async_op=True)
+            return
         unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
         if self.codec is not None:
             unit.handle = self.codec.start(unit.grad_full, unit.reduced, key=index)
@@ -176,6 +195,8 @@ class ZeroStage1(DistributedModel):
             return  # completed already
         unit.handle.wait()
         unit.handle = None
+        if self.sums_whole_units and not self.keeps_full_grads:
+            unit.reduced = unit.reduced.clone()  # (the slice alone: its full buffer goes)
         if self.groups.is_hybrid:
             # HSDP: sum the slice over its owners in every shard group. `batch_share` weighed
             # each rank's gradient as its share of the whole world's batch: the sum is the mean.
