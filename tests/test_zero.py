@@ -108,23 +108,28 @@ def test_clip_returns_the_global_norm_and_clips_to_it():
         assert after == pytest.approx(1e-3, rel=1e-3)
 
 
-KEPT_MB = 0.02  # the last block, the final norm and the head (see below)
+KEPT_MB = 0.02  # the last block (13 KB), not the one before it too (see below)
 
 
 def bytes_per_step():
     """One step's counted bytes for each stage (one process group serves all), and stage 3
-    keeping some units gathered from forward to backward."""
+    keeping some units gathered from forward to backward: none, the budget's, the default's."""
     world, out = dist.get_world_size(), {}
-    for stage, keep_mb in ((1, 0.0), (2, 0.0), (3, 0.0), (3, KEPT_MB)):
+    for stage, keep_mb in ((1, 0.0), (2, 0.0), (3, 0.0), (3, KEPT_MB), (3, None)):
         strategy = sw.ZeRO(stage=stage, bucket_mb=0.001, keep_gathered_mb=keep_mb)
         model, opt = sw.prepare(_model("gpt"), strategy, lr=1e-2)
         padded = [u.full.numel() for u in model.units]
+        # Stage 3's root unit: the parameters no block holds (the embeddings, final norm and
+        # head: modules too small for units of their own), gathered once for the whole step.
+        root = stage == 3 and {id(p) for p in model.units[0].params} == {
+            id(p) for n, p in model.module.named_parameters() if not n.startswith("blocks.")
+        }
         x, y = _batch("gpt", 0, world)
         sw.comm.stats.end_step()
         lm_loss(model(_local(x)), _local(y)).backward()
         opt.step()
         opt.zero_grad()
-        out[stage, keep_mb] = (sw.comm.stats.end_step().by_op, padded)
+        out[stage, keep_mb] = (sw.comm.stats.end_step().by_op, padded, root)
     return out
 
 
@@ -132,7 +137,7 @@ def bytes_per_step():
 def test_comm_bytes_equal_the_zero_formulas(world_size):
     n = world_size
     for per_stage in run(bytes_per_step, world_size):
-        for (stage, keep_mb), (by_op, padded) in per_stage.items():
+        for (stage, keep_mb), (by_op, padded, root) in per_stage.items():
             # Each unit's gradients summed once: with gloo's ranks on one host by an
             # all-reduce of the whole unit (faster there than a reduce-scatter), 2(n-1)/n of
             # its bytes per rank, each rank keeping its slice ...
@@ -142,7 +147,12 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
             # ... and all-gathers of its parameters: once after the step (stages 1/2), or
             # before forward and before backward (stage 3): 1.5x DDP's volume in all ...
             gathers = [2 if stage == 3 else 1] * len(padded)
-            if keep_mb:  # ... but once for the units that fit the budget, counted from the last
+            if stage == 3:  # ... but once for the root unit, gathered for the whole step ...
+                assert root and len(padded) == 3  # (the root and two blocks)
+                gathers[0] = 1
+            if keep_mb is None and stage == 3:  # ... and by default for the last unit ...
+                gathers[-1] = 1
+            if keep_mb:  # ... or for the units that fit the budget, counted from the last
                 kept = 0
                 for i in reversed(range(len(padded))):
                     if kept + 4 * padded[i] > keep_mb * 2**20:

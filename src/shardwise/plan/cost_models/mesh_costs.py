@@ -78,7 +78,8 @@ def data_axis_zero(s: StrategySection) -> ZeROConfig | None:
     if s.data == "ddp":
         return None
     options = {"mixed_precision": s.mixed_precision, "offload": s.offload}
-    return ZeROConfig(stage=int(s.data[-1]), **options)
+    # (along a mesh axis ZeRO-3 keeps no unit gathered by default: `ZeRO._keep_gathered_bytes`)
+    return ZeROConfig(stage=int(s.data[-1]), keep_gathered_mb=0.0, **options)
 
 
 def _piece(job: CostJob, s: StrategySection, where: dict[str, int]) -> CostJob:

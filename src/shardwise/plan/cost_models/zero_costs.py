@@ -72,10 +72,11 @@ def _units(job: CostJob, s: StrategySection) -> _Units:
     k = shard_size(job, s)
     shards = [-(-sum(numels(unit)) // k) for unit in units]
     kept = set()
-    if s.stage == 3 and getattr(s, "keep_gathered_mb", 0):  # as the strategy picks (`kept_units`)
+    if s.stage == 3:  # as the strategy picks (`kept_units`; None: the last unit alone)
         first, unit_bytes = int(bool(rest)), DTYPES.get(s.mixed_precision, torch.float32).itemsize
         sizes = [S * k * unit_bytes for S in shards[first:]]
-        kept = kept_units(sizes, s.keep_gathered_mb * 2**20, first)
+        keep = s.keep_gathered_mb
+        kept = kept_units(sizes, None if keep is None else keep * 2**20, first)
     return _Units(units, modules, bool(rest), shards, frozenset(kept))
 
 

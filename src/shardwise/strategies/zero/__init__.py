@@ -79,8 +79,11 @@ class ZeRO(Strategy):
     keep_gathered_mb: stage 3: how many MiB of gathered units may stay from their forward to
         their backward instead of being freed and gathered again (the last units first: their
         backward comes first). Each kept unit spares one all-gather, a third of its traffic;
-        0 (FSDP2's `reshard_after_forward=True`) re-gathers every unit, a budget at least the
-        model's size keeps them all (FSDP2's `False`: the whole model gathered during a step).
+        None (the default) keeps the last unit alone, whose backward follows its forward at
+        once (whole-world ZeRO; along a device-mesh axis, where a pipeline's micro-batches
+        interleave forwards and backwards, none); 0 (FSDP2's `reshard_after_forward=True`)
+        re-gathers every unit, a budget at least the model's size keeps them all (FSDP2's
+        `False`: the whole model gathered during a step).
     """
 
     stage: int = 1
@@ -91,7 +94,7 @@ class ZeRO(Strategy):
     sync_batchnorm: bool = True
     compression: str | None = None
     shard_group: int | None = None
-    keep_gathered_mb: float = 0.0
+    keep_gathered_mb: float | None = None
 
     def __post_init__(self) -> None:
         compute_dtype(self.mixed_precision)  # validates the name
@@ -114,7 +117,7 @@ class ZeRO(Strategy):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.keep_gathered_mb < 0:
+        if self.keep_gathered_mb is not None and self.keep_gathered_mb < 0:
             raise ValueError(f"keep_gathered_mb must be >= 0, got {self.keep_gathered_mb}")
         if self.keep_gathered_mb and self.stage != 3:
             raise ValueError(
@@ -161,6 +164,12 @@ class ZeRO(Strategy):
                 "along a device-mesh axis"
             )
 
+    def _keep_gathered_bytes(self, runtime: Runtime) -> float | None:
+        """The stage-3 budget in bytes; None: the last unit alone (whole-world ZeRO's default)."""
+        if self.keep_gathered_mb is None:
+            return None if runtime.group is None else 0.0
+        return self.keep_gathered_mb * 2**20
+
     def _stage(
         self, model: nn.Module, runtime: Runtime, source: ParameterSource | None = None
     ) -> ZeroStage1:
@@ -179,7 +188,9 @@ class ZeRO(Strategy):
         stage = STAGES[self.stage]
         bucket_bytes = int(self.bucket_mb * 2**20)
         groups = build_shard_groups(self.shard_group, runtime)  # (collective)
-        keep = {"keep_gathered_bytes": self.keep_gathered_mb * 2**20} if self.stage == 3 else {}
+        keep = (
+            {"keep_gathered_bytes": self._keep_gathered_bytes(runtime)} if self.stage == 3 else {}
+        )
         if sole_rank(runtime, masters, source, self.offload, self.compression):
             stage, keep = SoleRankZero, {"stage": self.stage}
         elif self.stage == 3 and resident(groups, masters, source):
@@ -241,11 +252,12 @@ class ZeROConfig(StrategySection):
         description="hybrid sharding (HSDP): shard over groups of this many consecutive ranks "
         "(a node), replicate across the groups; must divide the world size (default: all ranks)",
     )
-    keep_gathered_mb: float = Field(
-        0.0,
+    keep_gathered_mb: float | None = Field(
+        None,
         ge=0,
         description="stage 3: MiB of gathered units kept from forward to backward (the last "
-        "units first), each sparing one all-gather; 0 gathers every unit again for backward",
+        "units first), each sparing one all-gather; default: the last unit alone; 0 gathers "
+        "every unit again for backward",
     )
 
     @model_validator(mode="after")

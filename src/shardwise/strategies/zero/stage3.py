@@ -15,7 +15,10 @@ or free (stage 2's machinery on stage 3's units, so the checkpoint layout is the
 `keep_gathered_mb` trades memory for that second all-gather: units that fit the budget, the last
 first (their backward comes first, so they are held the shortest), stay gathered from their
 forward to their backward. Kept whole, the model sends DDP's volume; its memory during a step
-is then stage 2's.
+is then stage 2's. By default the last unit alone is kept: freed after its forward, it would be
+gathered again at once, as backward begins with it (FSDP2 keeps its root so, torchtitan its
+last block). Small modules are no units of their own (`SMALL_UNIT`): their parameters join the
+root unit, gathered for the whole step.
 
 Inside `no_sync()` (gradient accumulation) each unit is still gathered for its forward and its
 backward, micro-batch by micro-batch, and freed as soon as its gradients are in; what stays is
@@ -35,13 +38,29 @@ from shardwise.strategies.zero.freed import disown, own
 from shardwise.strategies.zero.stage2 import ZeroStage2
 from shardwise.strategies.zero.units import FlatUnit
 
+# A module with under 1/SMALL_UNIT of the largest unit's trainable parameters is no unit of its
+# own: its parameters join the root unit, gathered for the whole step (FSDP's size-based
+# wrapping leaves small modules to their parent so). Its three messages a step would cost their
+# latency, not their bytes: gloo takes ~0.25 ms a call up to ~100 KB on 2 cores, and the bench
+# GPT's embeddings, final norm and head (66 K parameters in 4 units, beside blocks of 790 K)
+# cost it 7 ms a step as units of their own (217 against 211 ms; FSDP2 on the same units: 8 ms).
+SMALL_UNIT = 8
+
 
 def stage3_units(model: nn.Module) -> list[nn.Module]:
     """Modules that become stage-3 units, in registration (≈ forward) order: each element of
     an `nn.ModuleList` / `nn.Sequential`, and each other module with trainable parameters met
-    on the way down to them. A module that holds such a list somewhere below it (a Hugging Face
-    model's `transformer` or `model`, a ResNet's encoder) is opened rather than made one unit,
-    so its blocks are gathered one at a time, as FSDP2's per-block `fully_shard` does."""
+    on the way down to them, but the small ones (`SMALL_UNIT`). A module that holds such a
+    list somewhere below it (a Hugging Face model's `transformer` or `model`, a ResNet's
+    encoder) is opened rather than made one unit, so its blocks are gathered one at a time, as
+    FSDP2's per-block `fully_shard` does."""
+    units = _candidate_units(model)
+    sizes = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units]
+    largest = max(sizes, default=0)
+    return [u for u, size in zip(units, sizes, strict=True) if SMALL_UNIT * size >= largest]
+
+
+def _candidate_units(model: nn.Module) -> list[nn.Module]:
     units: list[nn.Module] = []
 
     def visit(module: nn.Module, in_list: bool) -> None:
@@ -77,9 +96,11 @@ def unit_groups(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Parame
     ]
 
 
-def kept_units(sizes: list[int], budget: float, first: int = 0) -> set[int]:
+def kept_units(sizes: list[int], budget: float | None, first: int = 0) -> set[int]:
     """Indices (counted from `first`) of the units that stay gathered from forward to backward:
-    from the last, while their gathered bytes fit the budget."""
+    from the last, while their gathered bytes fit the budget; None: the last unit alone."""
+    if budget is None:  # its backward comes first, right after the loss: no peak is higher
+        return {first + len(sizes) - 1} if sizes else set()
     kept, used = set(), 0
     for i in reversed(range(len(sizes))):
         if used + sizes[i] > budget:
@@ -110,7 +131,7 @@ class ZeroStage3(ZeroStage2):
     stage = 3
     shard_is_view = False  # the full buffer is transient: the shard is the only lasting copy
 
-    def __init__(self, *args: Any, keep_gathered_bytes: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, keep_gathered_bytes: float | None = None, **kwargs: Any) -> None:
         self.keep_gathered_bytes = keep_gathered_bytes  # (read by prepare_units, below)
         super().__init__(*args, **kwargs)
 
