@@ -168,10 +168,12 @@ def hsdp_run(directory: str) -> dict:
         _max_diff(other.full_state_dict(), after),
         _max_diff(plain.state_dict(), after),
     )
-    # Each block is gathered for its forward and again for its backward; the tied embedding,
-    # which two modules use, belongs to no block: it is gathered once, for the whole step.
+    # Each block is gathered for its forward and again for its backward but the last, kept
+    # from its forward to its backward (the default); the tied embedding, which two modules
+    # use, belongs to no block: it is gathered once, for the whole step.
     tied = model.module.lm_head.weight
     gathers = [1 if any(p is tied for p in u.params) else 2 for u in model.units]
+    gathers[-1] = 1
     out["formula"] = _bytes_formula(unit_numels, gathers, world)
     for m in (model, other):
         m.close()

@@ -194,13 +194,16 @@ def zero_traffic(
     shards = units.shards
     for k, S in enumerate(shards):
         unit_bytes = S * n * compute
-        # Backward makes the first unit's gradients last: the others' reduce-scatters run
-        # while it computes, and all are waited for after it.
+        # Backward makes the first unit's gradients last: the others' reductions run while it
+        # computes, and all are waited for after it. (Stage 3's root unit is launched last,
+        # right after the first block's: only the root's own modules, embeddings, compute in
+        # between, so that block's reduction is waited for at once too.)
+        hidden = k > (1 if units.rest else 0)
         if getattr(s, "compression", None):
-            _encoded(costs, s.compression, units.params[k], S, n, prefetched=k > 0)
+            _encoded(costs, s.compression, units.params[k], S, n, prefetched=hidden)
         else:
             op = "all_reduce" if sums_whole and n > 1 else "reduce_scatter"
-            costs.add_comm(op, native_volume(op, unit_bytes, n), ranks=ranks, prefetched=k > 0)
+            costs.add_comm(op, native_volume(op, unit_bytes, n), ranks=ranks, prefetched=hidden)
         volume = native_volume("all_gather", unit_bytes, n)
         if stage < 3 or (k == 0 and units.rest):
             # (stage 3's rest, gathered before forward, stays gathered through backward)
