@@ -63,17 +63,17 @@ def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
 
 def _bytes_formula(unit_numels: list[int], gathers: list[int], world: int) -> dict[str, int]:
     """One stage-3 HSDP step's bytes per rank, from each unit's parameter count: the unit padded
-    to a multiple of K, S = its elements per rank; its gradients summed among K ranks (gloo's
-    ranks on one host: an all-reduce of the whole unit) and `gathers` all-gathers among them,
-    an all-reduce of S among the world / K replicas."""
+    to a multiple of K, S = its elements per rank; its gradients reduce-scattered among K ranks
+    (gloo's ranks on one host: an exchange of its slices, an all-to-all) and `gathers`
+    all-gathers among them, an all-reduce of S among the world / K replicas."""
     replicas, fp32 = world // K, 4
     padded = [-(-u // K) * K for u in unit_numels]
     in_group = [(K - 1) * p * fp32 // K for p in padded]
-    summed = [2 * (K - 1) * p * fp32 // K for p in padded]
     across = sum(2 * (replicas - 1) * (p // K) * fp32 // replicas for p in padded)
     return {
+        "all_to_all": sum(in_group),
         "all_gather": sum(g * b for g, b in zip(gathers, in_group, strict=True)),
-        "all_reduce": sum(summed) + across,
+        "all_reduce": across,
     }
 
 

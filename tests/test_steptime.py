@@ -107,17 +107,17 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
     for unit in stage3_units(model.module):
         unit.register_forward_hook(computed)
     # (the gradients' reduction: a reduce-scatter, or where gloo's ranks share a host an
-    # all-reduce of the whole unit)
-    starts = comm.all_gather_into_tensor, comm.reduce_scatter_tensor, comm.all_reduce
+    # exchange of the slices, an all-to-all)
+    starts = comm.all_gather_into_tensor, comm.reduce_scatter_tensor, comm.all_to_all_single
     comm.all_gather_into_tensor = observed(starts[0], "all_gather")
     comm.reduce_scatter_tensor = observed(starts[1], "reduce_scatter")
-    comm.all_reduce = observed(starts[2], "all_reduce")
+    comm.all_to_all_single = observed(starts[2], "all_to_all")
     try:
         for _ in range(2):
             events.clear()
             sw.train_step(model, *batch(8 // world), loss_fn, total=8)
     finally:
-        comm.all_gather_into_tensor, comm.reduce_scatter_tensor, comm.all_reduce = starts
+        comm.all_gather_into_tensor, comm.reduce_scatter_tensor, comm.all_to_all_single = starts
     exposed: dict[str, float] = {}
     issued: dict[tuple, int] = {}
     for i, event in enumerate(events):

@@ -110,7 +110,7 @@ def _zero_data_axis(costs: Costs, piece: CostJob, s, zero: ZeROConfig, dp: int) 
         costs.peak = None
         costs.notes.append(f"mesh ZeRO-{zero.stage}: its units' buffers not emulated, no peak")
     passes = s.microbatches if s.pp > 1 else piece.accumulate  # forwards and backwards a step
-    zero_traffic(costs, units, dp, zero, passes, ranks=dp, sums_whole=piece.shared_cores)
+    zero_traffic(costs, units, dp, zero, passes, ranks=dp, exchanges=piece.shared_cores)
     if s.mixed_precision is not None:
         costs.notes.append("mesh ZeRO bf16: activations and messages priced in fp32")
 

@@ -133,7 +133,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         DTYPES.get(s.mixed_precision, torch.float32),
         s.mixed_precision is not None or s.offload is not None,
         job.backend == "gloo",
-        sums_whole=job.shared_cores and shard_size(job, s) > 1 and not s.compression,
+        exchanges=job.shared_cores and shard_size(job, s) > 1 and not s.compression,
     )
     emulation.kept = units.kept  # (stage 3)
     costs.peak = step_peak(
@@ -153,7 +153,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     )
     k = shard_size(job, s)
     ranks = k if k < job.world_size else None
-    zero_traffic(costs, units, k, s, job.accumulate, ranks=ranks, sums_whole=job.shared_cores)
+    zero_traffic(costs, units, k, s, job.accumulate, ranks=ranks, exchanges=job.shared_cores)
     replicas, compute = job.world_size // k, HALF.get(s.mixed_precision, FP32)
     for S in units.shards:  # HSDP: each reduced slice averaged across the replicas
         volume = native_volume("all_reduce", S * compute, replicas)
@@ -183,10 +183,10 @@ def zero_traffic(
     s: StrategySection,
     passes: int = 1,
     ranks=None,
-    sums_whole: bool = False,
+    exchanges: bool = False,
 ) -> None:
-    """Each unit's reduce-scatter (or its codec's messages; `sums_whole`, gloo on one host:
-    an all-reduce of the whole unit, `ZeroStage1.sums_whole_units`) and all-gathers, and which
+    """Each unit's reduce-scatter (or its codec's messages; `exchanges`, gloo on one host:
+    an all-to-all of its slices, `ZeroStage1.exchanges_slices`) and all-gathers, and which
     of them a unit's compute hides, among `ranks` ranks (None: every rank) of which `n` shard.
     Stage 3 gathers for each of `passes` forwards and backwards (micro-batches) of a step; the
     reduction runs once, after the last."""
@@ -202,7 +202,7 @@ def zero_traffic(
         if getattr(s, "compression", None):
             _encoded(costs, s.compression, units.params[k], S, n, prefetched=hidden)
         else:
-            op = "all_reduce" if sums_whole and n > 1 else "reduce_scatter"
+            op = "all_to_all" if exchanges and n > 1 else "reduce_scatter"
             costs.add_comm(op, native_volume(op, unit_bytes, n), ranks=ranks, prefetched=hidden)
         volume = native_volume("all_gather", unit_bytes, n)
         if stage < 3 or (k == 0 and units.rest):
@@ -251,7 +251,9 @@ class Stage1Emulation:
     gradients are in and every later unit has been launched: a reduced slice (S elements) is
     made at the launch. All are completed at the end of backward (fp32 masters: the slice
     copied to fp32 becomes the shard's gradient). On gloo a completion surfaces the backend's
-    copy of the whole buffer.
+    copy of the whole buffer. Exchanged instead (`exchanges`: an all-to-all of the slices, gloo
+    on one host), a unit's launch makes the buffer that receives every rank's copy of the
+    slice (S x N), and its completion their sum (stage 1: into its full buffer's own slice).
     """
 
     def __init__(
@@ -263,11 +265,11 @@ class Stage1Emulation:
         compute: torch.dtype,
         fp32_masters: bool,
         gloo: bool,
-        sums_whole: bool = False,
+        exchanges: bool = False,
     ) -> None:
         self.model, self.units, self.unit_modules = model, units, unit_modules
         self.n, self.compute = world_size, compute
-        self.fp32_masters, self.gloo, self.sums_whole = fp32_masters, gloo, sums_whole
+        self.fp32_masters, self.gloo, self.exchanges = fp32_masters, gloo, exchanges
         self.numels = [0] * len(units)
         self.order = list(reversed(range(len(units))))
 
@@ -277,6 +279,7 @@ class Stage1Emulation:
         self.next_launch = 0
         self.grad_full: list = [None] * count
         self.reduced: list = [None] * count
+        self.received: list = [None] * count
         self.shard_grads: list = [None] * count
         self.in_flight: list[int] = []
         self.queued = False
@@ -316,10 +319,10 @@ class Stage1Emulation:
 
     def _launch(self, i: int) -> None:
         earlier = list(self.in_flight)
-        # (summed whole, the slice is the full buffer's own until the wait: nothing is made)
-        self.reduced[i] = (
-            None if self.sums_whole else torch.empty(self._shard(i), dtype=self.compute)
-        )
+        if self.exchanges:
+            self.received[i] = torch.empty(self._shard(i) * self.n, dtype=self.compute)
+        else:
+            self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
         self.in_flight.append(i)
         self._launched(i, earlier)
 
@@ -327,11 +330,12 @@ class Stage1Emulation:
         """Stage 1 waits for its reductions at the end of backward only."""
 
     def _complete(self, i: int) -> None:
-        if self.gloo and not self.sums_whole:  # (its reduce-scatter's copy of the input)
+        if self.gloo and not self.exchanges:  # (its reduce-scatter's copy of the input)
             torch.empty(self._shard(i) * self.n, dtype=self.compute)  # seen, then let go
         reduced = self.reduced[i]
-        if reduced is None:  # summed whole: the slice is cloned out of the buffer that goes
+        if self.exchanges:  # the copies summed, beside them
             reduced = self._own_slice(i)
+            self.received[i] = None
         if self.fp32_masters and reduced is not None:
             reduced = reduced.to(torch.float32)
         elif self.fp32_masters:  # (stage 1: a view of the full buffer, copied to fp32)
@@ -341,7 +345,7 @@ class Stage1Emulation:
         self.in_flight.remove(i)
 
     def _own_slice(self, i: int) -> torch.Tensor | None:
-        """Stage 1 keeps its full gradient buffers: the summed slice stays a view of one."""
+        """Stage 1 keeps its full gradient buffers: the summed slice is written into one."""
         return None
 
     def _keep(self, i: int, reduced: torch.Tensor | None) -> None:

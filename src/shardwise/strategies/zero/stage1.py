@@ -79,12 +79,12 @@ class ZeroStage1(DistributedModel):
         self.masters, self.offload_dir = masters, offload_dir
         self.groups = groups or whole(runtime)  # whom the units are sharded over
         shard_over = (self.groups.shard_rank, self.groups.shard_size)
-        # Where gloo's ranks share one host, a unit's gradients are summed whole by an
-        # all-reduce, each rank keeping its slice: twice a reduce-scatter's bytes, but gloo's
-        # all-reduce of 12 MB took 9.1 ms against 14.0 for its reduce-scatter at world 2, 21
-        # against 30 at world 4 (at 1-3 MB: within a tenth, either way; docs/strategies.md).
-        # A codec sends its own encoding.
-        self.sums_whole_units = (
+        # Where gloo's ranks share one host, a unit is reduce-scattered as an exchange of its
+        # slices (an all-to-all: every rank receives each rank's copy of the slice it owns,
+        # the bytes of a reduce-scatter) and their sum here: gloo's own reduce-scatter of 12 MB
+        # took 13.7 ms there, its all-reduce 9.4, the exchange and sum 5.2 (world 2; world 4:
+        # 27.6, 20.9 and 12.3; docs/strategies.md). A codec sends its own encoding.
+        self.exchanges_slices = (
             shares_cores(runtime.device, runtime.num_nodes)
             and self.groups.shard_size > 1
             and compression is None
@@ -170,9 +170,11 @@ class ZeroStage1(DistributedModel):
             unit.reduced = unit.grad_full  # (a slice of one: the whole, summed over itself)
             unit.handle = comm.Handle("reduce_scatter", None, None)  # done: no message
             return
-        if self.sums_whole_units:
-            unit.reduced = unit.own(unit.grad_full)  # (this rank's slice of the sum, once in)
-            unit.handle = comm.all_reduce(unit.grad_full, group=self.groups.shard, async_op=True)
+        if self.exchanges_slices:  # (summed as it completes: `_sum_received`)
+            unit.received = torch.empty_like(unit.grad_full)
+            unit.handle = comm.all_to_all_single(
+                unit.received, unit.grad_full, group=self.groups.shard, async_op=True
+            )
             return
         unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
         if self.codec is not None:
@@ -195,8 +197,8 @@ class ZeroStage1(DistributedModel):
             return  # completed already
         unit.handle.wait()
         unit.handle = None
-        if self.sums_whole_units and not self.keeps_full_grads:
-            unit.reduced = unit.reduced.clone()  # (the slice alone: its full buffer goes)
+        if unit.received is not None:
+            unit.reduced = self._sum_received(unit)
         if self.groups.is_hybrid:
             # HSDP: sum the slice over its owners in every shard group. `batch_share` weighed
             # each rank's gradient as its share of the whole world's batch: the sum is the mean.
@@ -204,6 +206,18 @@ class ZeroStage1(DistributedModel):
         self.masters.take_grad(unit, self.shards[index], self.keeps_full_grads)
         self.release_full_grad(unit)
         unit.reduced = None
+
+    def _sum_received(self, unit: FlatUnit) -> torch.Tensor:
+        """The sum of every rank's copy of this rank's slice (the exchange's), in rank order.
+        Stage 1 keeps the unit's full gradient buffer: the sum goes into its own slice of it,
+        whose values went out in the exchange."""
+        copies = unit.received.view(self.groups.shard_size, -1)
+        total = unit.own(unit.grad_full) if self.keeps_full_grads else torch.empty_like(copies[0])
+        torch.add(copies[0], copies[1], out=total)
+        for more in copies[2:]:
+            total.add_(more)
+        unit.received = None
+        return total
 
     def declare_batch(self, samples: int, total: int | None = None) -> None:
         self.batch_share.declare(samples, total)

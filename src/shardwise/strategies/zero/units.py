@@ -64,6 +64,7 @@ class FlatUnit:
         self.grad_full: torch.Tensor | None = None
         self.fresh_grads = False  # stage 2: grad_full made in this backward (not a no_sync sum)
         self.reduced: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None  # every rank's copy of this rank's slice
         self.handle: comm.Handle | None = None
         self.gather_handle: comm.Handle | None = None
 
