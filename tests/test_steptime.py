@@ -98,26 +98,29 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
 
         return issue
 
-    model, _ = sw.prepare(small_models.build(model_name), section.build(world, tmp), lr=1e-3)
-
     def computed(_module, _inputs, out) -> None:  # a unit's forward, then its backward's start
         events.append(("compute",))
         out.register_hook(lambda _grad: events.append(("compute",)))
 
-    for unit in stage3_units(model.module):
-        unit.register_forward_hook(computed)
     # (the gradients' reduction: a reduce-scatter, or where gloo's ranks share a host an
-    # exchange of the slices, an all-to-all)
-    starts = comm.all_gather_into_tensor, comm.reduce_scatter_tensor, comm.all_to_all_single
-    comm.all_gather_into_tensor = observed(starts[0], "all_gather")
-    comm.reduce_scatter_tensor = observed(starts[1], "reduce_scatter")
-    comm.all_to_all_single = observed(starts[2], "all_to_all")
+    # exchange of the slices, an all-to-all; the gathers there are direct messages. ZeRO
+    # takes its gather function as it is made: observed from before.)
+    names = ("all_gather_into_tensor", "all_gather_pairwise", "reduce_scatter_tensor")
+    names += ("all_to_all_single",)
+    ops = ("all_gather", "all_gather", "reduce_scatter", "all_to_all")
+    starts = [getattr(comm, name) for name in names]
+    for name, start, op in zip(names, starts, ops, strict=True):
+        setattr(comm, name, observed(start, op))
     try:
+        model, _ = sw.prepare(small_models.build(model_name), section.build(world, tmp), lr=1e-3)
+        for unit in stage3_units(model.module):
+            unit.register_forward_hook(computed)
         for _ in range(2):
             events.clear()
             sw.train_step(model, *batch(8 // world), loss_fn, total=8)
     finally:
-        comm.all_gather_into_tensor, comm.reduce_scatter_tensor, comm.all_to_all_single = starts
+        for name, start in zip(names, starts, strict=True):
+            setattr(comm, name, start)
     exposed: dict[str, float] = {}
     issued: dict[tuple, int] = {}
     for i, event in enumerate(events):

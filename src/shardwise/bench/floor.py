@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from shardwise.comm.collectives import post_pairwise_gather
 from shardwise.comm.flight import KEEP, Call, recorder
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
@@ -64,6 +65,9 @@ def _bare(call: Call) -> Callable[[], None]:
     if call.op == "all_gather":  # (recorded: the gathered output)
         shard = torch.zeros(tensor.numel() // world, dtype=dtype)
         return lambda: _all_gather_flat(tensor.view(-1), shard)
+    if call.op == "all_gather_pairwise":  # (ZeRO's, where gloo's ranks share one host)
+        shard = torch.zeros(tensor.numel() // world, dtype=dtype)
+        return lambda: post_pairwise_gather(tensor, shard).wait()
     if call.op == "reduce_scatter":  # (recorded: the full input)
         shard = torch.zeros(tensor.numel() // world, dtype=dtype)
         return lambda: _reduce_scatter_flat(shard, tensor.view(-1))

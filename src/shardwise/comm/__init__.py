@@ -6,6 +6,7 @@ from shardwise.comm.algorithms import make_all_reduce
 from shardwise.comm.collectives import (
     Handle,
     all_gather_into_tensor,
+    all_gather_pairwise,
     all_reduce,
     all_to_all_single,
     barrier,
@@ -28,6 +29,7 @@ __all__ = [
     "Handle",
     "HierarchicalGroups",
     "all_gather_into_tensor",
+    "all_gather_pairwise",
     "all_reduce",
     "all_to_all_single",
     "barrier",

@@ -7,6 +7,8 @@ stage 3 makes one unit per block (`stage3.stage3_units`), so gathering follows t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -27,12 +29,15 @@ class FlatUnit:
         dtype: torch.dtype,
         group: comm.ProcessGroup | None = None,
         source: tuple[ParameterSource, list[str]] | None = None,
+        gather: Callable[..., comm.Handle] = comm.all_gather_into_tensor,
     ) -> None:
         """`source`: (where the values are, the parameters' names) for parameters that hold
         no values yet (`nn/meta_init.py`): only this rank's slice is read, and the full buffer
-        starts freed (stage 3)."""
+        starts freed (stage 3). `gather`: how the full buffer is all-gathered from the slices
+        (`ZeroStage1.gather`)."""
         assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
         self.params, self.rank, self.world_size, self.group = params, rank, world_size, group
+        self.gather = gather
         self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
         self.numels = [p.numel() for p in params]
         offsets = [sum(self.numels[:i]) for i in range(len(params))]
@@ -116,9 +121,7 @@ class FlatUnit:
             with torch.no_grad():
                 self.full.copy_(shard.detach())
             return
-        self.gather_handle = comm.all_gather_into_tensor(
-            self.full, shard.detach(), group=self.group, async_op=True
-        )
+        self.gather_handle = self.gather(self.full, shard.detach(), self.group, async_op=True)
 
     def wait_gather(self) -> None:
         if self.gather_handle is not None:
