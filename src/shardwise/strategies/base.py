@@ -249,11 +249,7 @@ class DistributedModel(nn.Module):
         """Take this strategy's part of full per-parameter tensors (any saved world size)."""
         load_buffers(self.module, params)
         for name, p in self.module.named_parameters():
-            p.copy_(params[name])
-            optimizer.state[p] = {
-                k: (v.view_as(p) if v.dim() else v).clone().to(p.device)
-                for k, v in states.get(name, {}).items()
-            }
+            load_parameter(optimizer, p, params[name], states.get(name, {}))
 
     def close(self) -> None:
         """Release threads, hooks or groups the strategy created."""
@@ -307,6 +303,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.inner is not None:
             self.inner.load_state_dict(state_dict)
             self._share_inner()  # torch's load replaces the state and group containers
+
+
+@torch.no_grad()
+def load_parameter(
+    optimizer: torch.optim.Optimizer,
+    p: nn.Parameter,
+    value: torch.Tensor,
+    state: dict[str, torch.Tensor],
+) -> None:
+    """Set `p` to its full saved `value`, and its optimizer state to the full saved `state`
+    (flat tensors take `p`'s shape; scalars, such as Adam's step, stay scalars)."""
+    p.copy_(value)
+    optimizer.state[p] = {
+        k: (v.view_as(p) if v.dim() else v).clone().to(p.device) for k, v in state.items()
+    }
+
+
+def clear_grads(params: list[nn.Parameter], set_to_none: bool) -> None:
+    """`zero_grad` over parameters whose gradients autograd made: dropped, or zeroed."""
+    for p in params:
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.zero_()
 
 
 def square_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -35,7 +35,13 @@ from shardwise.comm.compressed_collectives import CompressedAllReduce, make_code
 from shardwise.comm.flat import flatten, unflatten
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
-from shardwise.strategies.base import DistributedModel, Strategy, prefixed, unprefixed
+from shardwise.strategies.base import (
+    DistributedModel,
+    Strategy,
+    clear_grads,
+    prefixed,
+    unprefixed,
+)
 from shardwise.strategies.batch_share import BatchShare, WeighedOnArrival
 from shardwise.strategies.grad_buckets import (
     BucketCallbacks,
@@ -184,11 +190,7 @@ class GradientReducer:
         """
         self.weighing.clear()  # (a backward that raised never reached `_wait`)
         if self.alone:  # (no buckets: as a plain module)
-            for p in self.params:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
+            clear_grads(self.params, set_to_none)
             return
         for bucket in self.buckets:
             if not set_to_none:

@@ -46,7 +46,7 @@ from shardwise.strategies.base import Strategy
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.section import StrategySection
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
-from shardwise.strategies.zero.sole_rank import SoleRankZero
+from shardwise.strategies.zero.sole_rank import SOLE_RANK
 from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.stage2 import ZeroStage2
 from shardwise.strategies.zero.stage3 import ResidentStage3, ZeroStage3, stage3_units
@@ -192,7 +192,7 @@ class ZeRO(Strategy):
             {"keep_gathered_bytes": self._keep_gathered_bytes(runtime)} if self.stage == 3 else {}
         )
         if sole_rank(runtime, masters, source, self.offload, self.compression):
-            stage, keep = SoleRankZero, {"stage": self.stage}
+            stage, keep = SOLE_RANK[self.stage], {}
         elif self.stage == 3 and resident(groups, masters, source):
             stage, keep = ResidentStage3, {}
         return stage(

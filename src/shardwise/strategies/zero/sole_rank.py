@@ -19,23 +19,14 @@ import torch
 from torch import nn
 
 from shardwise.optim.layerwise import ParameterNorms
-from shardwise.strategies.base import load_buffers, square_sum
+from shardwise.strategies.base import clear_grads, load_buffers, load_parameter, square_sum
 from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.stage3 import ZeroStage3
 
 
 class SoleRankZero(ZeroStage1):
-    """ZeRO stage `stage` alone in the world, in fp32: its units (stage 3's per block, stages
-    1/2's by size) only lay out its checkpoints."""
-
-    def __init__(self, *args: Any, stage: int, **kwargs: Any) -> None:
-        self.stage = stage  # (its units, its checkpoints' name)
-        super().__init__(*args, **kwargs)
-
-    def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
-        if self.stage == 3:
-            return ZeroStage3.unit_params(self, params, bucket_bytes)
-        return super().unit_params(params, bucket_bytes)
+    """ZeRO stage 1 alone in the world, in fp32: its units, by size, only lay out its
+    checkpoints."""
 
     def backward_buckets(self, order: list[int]) -> list[list[nn.Parameter]]:
         return []  # nothing to reduce: no hook on any parameter
@@ -59,11 +50,7 @@ class SoleRankZero(ZeroStage1):
         return square_sum(self.local_grads(), self.units[0].full.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        clear_grads(self.params(), set_to_none)
 
     def checkpoint_shard(
         self, optimizer: torch.optim.Optimizer, every_rank: bool = False
@@ -88,12 +75,24 @@ class SoleRankZero(ZeroStage1):
 
     @torch.no_grad()
     def load_full_state(self, optimizer, params, states) -> None:
+        # (the units' parameters only: a frozen one has no state in the optimizer)
         load_buffers(self.module, params)
-        for unit in self.units:
-            for p in unit.params:
-                name = self.names[p]
-                p.copy_(params[name])
-                optimizer.state[p] = {
-                    k: (v.view_as(p) if v.dim() else v).clone().to(p.device)
-                    for k, v in states.get(name, {}).items()
-                }
+        for p in self.params():
+            name = self.names[p]
+            load_parameter(optimizer, p, params[name], states.get(name, {}))
+
+
+class SoleRankStage2(SoleRankZero):
+    """Stage 2 alone: stage 1's units; only its checkpoints' name differs."""
+
+    stage = 2
+
+
+class SoleRankStage3(SoleRankZero):
+    """Stage 3 alone: its units, one per block, only lay out its checkpoints."""
+
+    stage = 3
+    unit_params = ZeroStage3.unit_params
+
+
+SOLE_RANK: dict[int, type[SoleRankZero]] = {1: SoleRankZero, 2: SoleRankStage2, 3: SoleRankStage3}
