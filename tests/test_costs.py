@@ -190,7 +190,11 @@ def _gloo_late_free(options: dict, predicted: dict, world: int) -> int:
     ZeRO 1-2 with fp32 masters copy a reduced slice to fp32 as the backend frees the buffer it
     reduced (+52,244 B once: the fp32 slice); a DDP wire codec's gather of every rank's message
     (`Codec.reduce`, on the codec's thread) still alive as the next step's meter starts (+83,680 B
-    once, topk:0.1 at world 4: the gathered buffer). Up to one such buffer more is the race."""
+    once, topk:0.1 at world 4: the gathered buffer); local SGD's flat copy of the parameters
+    it averaged (+104,488 B once, period 2 on the MLP at world 2: the parameters' bytes). Up to
+    one such buffer more is the race."""
+    if options.get("name") == "local_sgd":
+        return predicted["memory"]["params"]
     if options.get("name") == "zero" and options.get("stage") in (1, 2):
         masters = options.get("mixed_precision") or options.get("offload")
         return predicted["memory"]["master_weights"] if masters else 0
