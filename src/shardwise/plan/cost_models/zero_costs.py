@@ -213,8 +213,8 @@ def zero_traffic(
         # Stage 3 gathers each other unit twice a pass (once where it is kept gathered from
         # forward to backward). A unit's gather starts in the hook of the unit before it
         # (forward: the previous, backward: the next) and is waited for after that unit's
-        # compute; forward's first block (and the rest before it) and backward's first, the
-        # last unit, are gathered on the spot.
+        # compute; forward's first block (started with the rest, only the rest's embeddings
+        # between) and backward's first, the last unit, are waited for on the spot.
         kept = k in units.kept
         first_forward, first_backward = k == (1 if units.rest else 0), k == len(shards) - 1
         exposed = passes * (first_forward + (first_backward and not kept))
@@ -399,7 +399,7 @@ class Stage3Emulation(Stage2Emulation):
         offset = len(self.units) - len(self.unit_modules)  # 1 where unit 0 holds the rest
         handles = []
         if offset:
-            handles.append(self.model.register_forward_pre_hook(lambda *_: self._gather(0, 0)))
+            handles.append(self.model.register_forward_pre_hook(lambda *_: self._gather(0, 1)))
         for i, name in enumerate(self.unit_modules, start=offset):
             handles += [
                 modules[name].register_forward_pre_hook(lambda *_, i=i: self._gather(i, 1)),
