@@ -125,7 +125,8 @@ def hsdp_run(directory: str) -> dict:
     ddp_opt = _adamw(torch_ddp)
     for s in range(STEPS):
         _step(torch_ddp, ddp_opt, s, mine)
-    model, opt = sw.prepare(_build(), sw.ZeRO(stage=3, shard_group=K), lr=LR)
+    # (every unit freed after its forward: the gathers for backward counted too)
+    model, opt = sw.prepare(_build(), sw.ZeRO(stage=3, shard_group=K, keep_gathered_mb=0), lr=LR)
     norms = [_step(model, opt, s, mine) for s in range(STEPS)]
     out = {
         "diff": _max_diff(model.full_state_dict(), reference.state_dict()),
@@ -139,7 +140,7 @@ def hsdp_run(directory: str) -> dict:
     out["memory"] = sw.memory_report(model, opt)
     with torch.device("meta"):
         job = CostJob(_build(), world, rank)
-    predicted = predict(job, ZeROConfig(stage=3, shard_group=K))
+    predicted = predict(job, ZeROConfig(stage=3, shard_group=K, keep_gathered_mb=0))
     out["predicted"] = (predicted.memory, predicted.comm)
 
     # A reshardable checkpoint, loaded into whole-world ZeRO-3 and into one plain process.
@@ -168,12 +169,10 @@ def hsdp_run(directory: str) -> dict:
         _max_diff(other.full_state_dict(), after),
         _max_diff(plain.state_dict(), after),
     )
-    # Each block is gathered for its forward and again for its backward but the last, kept
-    # from its forward to its backward (the default); the tied embedding, which two modules
-    # use, belongs to no block: it is gathered once, for the whole step.
+    # Each block is gathered for its forward and again for its backward; the tied embedding,
+    # which two modules use, belongs to no block: it is gathered once, for the whole step.
     tied = model.module.lm_head.weight
     gathers = [1 if any(p is tied for p in u.params) else 2 for u in model.units]
-    gathers[-1] = 1
     out["formula"] = _bytes_formula(unit_numels, gathers, world)
     for m in (model, other):
         m.close()

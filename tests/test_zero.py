@@ -150,8 +150,8 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
             if stage == 3:  # ... but once for the root unit, gathered for the whole step ...
                 assert root and len(padded) == 3  # (the root and two blocks)
                 gathers[0] = 1
-            if keep_mb is None and stage == 3:  # ... and by default for the last unit ...
-                gathers[-1] = 1
+            if keep_mb is None and stage == 3:  # ... and by default for every unit that
+                gathers = [1] * len(padded)  # fits 1 GiB (`DEFAULT_KEEP_BYTES`): all here ...
             if keep_mb:  # ... or for the units that fit the budget, counted from the last
                 kept = 0
                 for i in reversed(range(len(padded))):
@@ -163,6 +163,17 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
             volume = sum(g * 4 * (n - 1) * p // n for g, p in zip(gathers, padded, strict=True))
             assert by_op["all_gather"].bytes == volume
             assert by_op["all_gather"].calls == sum(gathers)
+
+
+def test_the_default_keeps_the_last_unit_then_those_before_it_that_fit_the_default_budget():
+    from shardwise.strategies.zero.stage3 import DEFAULT_KEEP_BYTES as GIB
+    from shardwise.strategies.zero.stage3 import kept_units
+
+    assert kept_units([GIB // 2] * 3, None) == {1, 2}  # (a third would pass the budget)
+    assert kept_units([GIB // 2] * 3, None, first=1) == {2, 3}  # (after a root unit)
+    assert kept_units([1, GIB, 2 * GIB], None) == {2}  # the last, whatever its size
+    assert kept_units([1, GIB, 2 * GIB], 0) == set()  # 0: none
+    assert kept_units([], None) == set()
 
 
 FORMULAS = {  # model-state bytes per rank, ZeRO paper (fp32 Adam: K = 12)

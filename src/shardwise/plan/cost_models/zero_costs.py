@@ -72,7 +72,7 @@ def _units(job: CostJob, s: StrategySection) -> _Units:
     k = shard_size(job, s)
     shards = [-(-sum(numels(unit)) // k) for unit in units]
     kept = set()
-    if s.stage == 3:  # as the strategy picks (`kept_units`; None: the last unit alone)
+    if s.stage == 3:  # as the strategy picks (`kept_units`; None: the default budget)
         first, unit_bytes = int(bool(rest)), DTYPES.get(s.mixed_precision, torch.float32).itemsize
         sizes = [S * k * unit_bytes for S in shards[first:]]
         keep = s.keep_gathered_mb

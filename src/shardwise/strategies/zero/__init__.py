@@ -79,11 +79,12 @@ class ZeRO(Strategy):
     keep_gathered_mb: stage 3: how many MiB of gathered units may stay from their forward to
         their backward instead of being freed and gathered again (the last units first: their
         backward comes first). Each kept unit spares one all-gather, a third of its traffic;
-        None (the default) keeps the last unit alone, whose backward follows its forward at
-        once (whole-world ZeRO; along a device-mesh axis, where a pipeline's micro-batches
-        interleave forwards and backwards, none); 0 (FSDP2's `reshard_after_forward=True`)
-        re-gathers every unit, a budget at least the model's size keeps them all (FSDP2's
-        `False`: the whole model gathered during a step).
+        None (the default) keeps the last unit, whose backward follows its forward at once,
+        and the units before it while they fit 1 GiB (`stage3.DEFAULT_KEEP_BYTES`; DeepSpeed
+        keeps up to 1e9 parameters live by default) (whole-world ZeRO; along a device-mesh
+        axis, where a pipeline's micro-batches interleave forwards and backwards, none);
+        0 (FSDP2's `reshard_after_forward=True`) re-gathers every unit, a budget at least the
+        model's size keeps them all (FSDP2's `False`: the whole model gathered during a step).
     """
 
     stage: int = 1
@@ -165,7 +166,7 @@ class ZeRO(Strategy):
             )
 
     def _keep_gathered_bytes(self, runtime: Runtime) -> float | None:
-        """The stage-3 budget in bytes; None: the last unit alone (whole-world ZeRO's default)."""
+        """The stage-3 budget in bytes; None: whole-world ZeRO's default (`kept_units`)."""
         if self.keep_gathered_mb is None:
             return None if runtime.group is None else 0.0
         return self.keep_gathered_mb * 2**20
@@ -256,8 +257,8 @@ class ZeROConfig(StrategySection):
         None,
         ge=0,
         description="stage 3: MiB of gathered units kept from forward to backward (the last "
-        "units first), each sparing one all-gather; default: the last unit alone; 0 gathers "
-        "every unit again for backward",
+        "units first), each sparing one all-gather; default: the last unit, and those before "
+        "it while they fit 1 GiB; 0 gathers every unit again for backward",
     )
 
     @model_validator(mode="after")
