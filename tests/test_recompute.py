@@ -41,7 +41,7 @@ def _batch(step: int):
 def _strategy(name: str) -> sw.Strategy:
     return {
         "ddp": sw.DDP(),
-        "zero3": sw.ZeRO(stage=3),
+        "zero3": sw.ZeRO(stage=3, keep_gathered_mb=0),  # (units gathered again to recompute)
         "pipeline": sw.Pipeline(stages=2, microbatches=4, schedule="1f1b"),
     }[name]
 

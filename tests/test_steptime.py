@@ -61,7 +61,7 @@ def test_a_call_is_priced_from_the_timings_of_its_group_size():
     assert call_seconds(cal, "all_reduce", 8, ranks=3) == pytest.approx(1e-3)  # (not measured)
 
 
-def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
+def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict, dict]:
     """(exposed calls per step by op as a real ZeRO-3 step makes them, as predicted): a call
     is exposed when no unit computed between its issue and its wait (the others were started
     a unit ahead, and the step-time model prices them as `prefetched_*`)."""
@@ -76,7 +76,7 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
     from shardwise.strategies.zero.stage3 import stage3_units
 
     batch, loss_fn = small_models.fake_batch(model_name), small_models.loss_fn(model_name)
-    section = ZeROConfig(stage=3)
+    section = ZeROConfig(stage=3, keep_gathered_mb=keep_mb)
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     with torch.device("meta"):
         meta = small_models.build(model_name)
@@ -134,11 +134,15 @@ def _zero3_waits(model_name: str, tmp: str) -> tuple[dict, dict]:
     return exposed, predicted
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
-def test_zero3_calls_priced_as_exposed_are_those_a_step_waits_for_at_once(model_name, tmp_path):
+# (the default keeps these small models whole: the GPT re-gathers every unit for backward)
+@pytest.mark.parametrize("model_name,keep_mb", [("mlp", None), ("gpt", 0.0)])
+def test_zero3_calls_priced_as_exposed_are_those_a_step_waits_for_at_once(
+    model_name, keep_mb, tmp_path
+):
     from spawn import run
 
-    for exposed, predicted in run(_zero3_waits, 2, model_name, str(tmp_path), timeout_s=120):
+    waits = run(_zero3_waits, 2, model_name, keep_mb, str(tmp_path), timeout_s=120)
+    for exposed, predicted in waits:
         assert exposed == predicted
 
 

@@ -221,3 +221,58 @@ def test_keeping_gathered_units_is_stage_3_only():
         sw.ZeRO(stage=2, keep_gathered_mb=1.0)
     with pytest.raises(ValueError, match="keep_gathered_mb must be >= 0"):
         sw.ZeRO(stage=3, keep_gathered_mb=-1.0)
+
+
+def pairwise_gathers() -> dict:
+    """ZeRO's all-gather by direct messages on one host (`comm.all_gather_pairwise`): three of
+    different sizes in flight at once on each half of the world, a gloo all-to-all on the same
+    group between their issue and their wait; then one on the whole world, replayed bare as a
+    bench floor replays a step's collectives."""
+    from shardwise.bench.floor import bare_collectives, calls_of
+
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank makes both)
+    group = halves[rank // 2]
+    shards = [torch.arange(n, dtype=torch.float32) + 1000.0 * rank for n in (3, 70_001, 5)]
+    outs = [torch.full((2 * s.numel(),), -1.0) for s in shards]
+    handles = [
+        sw.comm.all_gather_pairwise(out, shard, group, async_op=True)
+        for out, shard in zip(outs, shards, strict=True)
+    ]
+    sent, received = torch.full((6,), float(rank)), torch.empty(6)
+    sw.comm.all_to_all_single(received, sent, group=group)
+    for h in handles:
+        h.wait()
+    gloo = [torch.empty_like(out) for out in outs]
+    for want, shard in zip(gloo, shards, strict=True):
+        dist.all_gather_into_tensor(want, shard, group=group)
+    whole = torch.empty(4 * 7)
+    calls = calls_of(lambda: sw.comm.all_gather_pairwise(whole, torch.full((7,), float(rank))))
+    bare_collectives(calls)()  # (the same messages again, on buffers of their own)
+    return {
+        "equal": [torch.equal(o, w) for o, w in zip(outs, gloo, strict=True)],
+        "exchanged": received.tolist(),
+        "whole": whole.view(4, 7)[:, 0].tolist(),
+        "recorded": [c.op for c in calls],
+    }
+
+
+def test_pairwise_gathers_in_flight_together_equal_gloos_all_gather():
+    for rank, out in enumerate(run(pairwise_gathers, 4)):
+        assert out["equal"] == [True, True, True]
+        pair = 2 * (rank // 2)
+        assert out["exchanged"] == [float(pair)] * 3 + [float(pair + 1)] * 3
+        assert out["whole"] == [0.0, 1.0, 2.0, 3.0]
+        assert out["recorded"] == ["all_gather_pairwise"]
+
+
+def test_pairwise_gather_refuses_mismatched_buffers_and_its_tag():
+    from shardwise.comm.collectives import PAIRWISE_TAG, TraceGroup
+
+    pair = TraceGroup(size=2, rank=0)  # (checked before anything is sent)
+    with pytest.raises(ValueError, match="does not hold 2 shards"):
+        sw.comm.all_gather_pairwise(torch.empty(8, dtype=torch.bfloat16), torch.empty(4), pair)
+    with pytest.raises(ValueError, match="does not hold 2 shards"):
+        sw.comm.all_gather_pairwise(torch.empty(6), torch.empty(4), pair)
+    with pytest.raises(ValueError, match="reserved for all_gather_pairwise"):
+        sw.comm.send(torch.empty(1), 0, tag=PAIRWISE_TAG)

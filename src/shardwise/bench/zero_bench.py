@@ -154,6 +154,9 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
     for key, strategy in OURS.items():
         torch.manual_seed(0)
         variants[key] = sw.prepare(factory(), strategy(), optimizer=torch.optim.AdamW, lr=1e-4)
+    zero3 = variants["zero3"][0]  # (its same-policy rival is fsdp2-keep: so it must keep all)
+    if len(zero3.kept) != len(zero3.unit_modules):
+        raise ValueError(f"bench zero: the {name} is too large for ZeRO-3 to keep whole")
     for key, keep in FSDP2.items():
         torch.manual_seed(0)
         theirs = fsdp2(factory, keep)

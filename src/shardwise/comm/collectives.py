@@ -30,7 +30,8 @@ from shardwise.comm.interrupt import PeerLost
 ProcessGroup = dist.ProcessGroup
 
 # The tag of a pairwise gather's messages: its own, apart from other point-to-point traffic on
-# the group (messages with one tag from one peer are received in the order they were sent).
+# the group (messages with one tag from one peer are received in the order they were sent);
+# `send` and `irecv` refuse it.
 PAIRWISE_TAG = 0x5A17
 
 
@@ -250,8 +251,9 @@ def all_gather_into_tensor(
     )
 
 
-class _Messages:
-    """Several point-to-point messages in flight, waited for as one operation."""
+class _PendingMessages:
+    """Several point-to-point messages in flight, waited for as one operation. (They have no
+    future: under `on_failure: shrink`, `_wait` waits for them in a thread of its own.)"""
 
     def __init__(self, works: list[dist.Work]) -> None:
         self.works = works
@@ -267,7 +269,7 @@ class _Messages:
 
 def post_pairwise_gather(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None = None
-) -> _Messages:
+) -> _PendingMessages:
     """Send `shard` to every other rank of `group` and receive each rank's into its place in
     `output`, straight on `torch.distributed` (also the floor's bare replay, `bench/floor.py`)."""
     n, me = group_size(group), group_rank(group)
@@ -279,7 +281,7 @@ def post_pairwise_gather(
             works.append(dist.isend(mine, group=group, group_dst=peer, tag=PAIRWISE_TAG))
             works.append(dist.irecv(places[peer], group=group, group_src=peer, tag=PAIRWISE_TAG))
     places[me].copy_(mine)
-    return _Messages(works)
+    return _PendingMessages(works)
 
 
 def all_gather_pairwise(
@@ -294,7 +296,17 @@ def all_gather_pairwise(
     world 2: 3 MB 1.21 against 1.59 ms, 24 MB 10.1 against 14.5; world 4: 3 MB 2.0 against
     3.7, 24 MB 18.4 against 27.3). Counted as an all-gather; recorded as
     "all_gather_pairwise", so that a replay sends it the same way."""
-    assert output.is_contiguous() and output.numel() == shard.numel() * group_size(group)
+    if (
+        output.dtype != shard.dtype
+        or output.device != shard.device
+        or not output.is_contiguous()
+        or output.numel() != shard.numel() * group_size(group)
+    ):  # (raw bytes cross the wire: a mismatch would be received silently wrong)
+        raise ValueError(
+            f"all_gather_pairwise: output {output.dtype} {tuple(output.shape)} on "
+            f"{output.device} does not hold {group_size(group)} shards {shard.dtype} "
+            f"{tuple(shard.shape)} on {shard.device} (contiguous, same dtype and device)"
+        )
     volume = native_volume("all_gather", _nbytes(output), group_size(group))
     return _issue(
         "all_gather",
@@ -364,10 +376,16 @@ def exchange(
     stats.record(op, sum(_nbytes(t) for t, _ in sends), time.perf_counter() - start)
 
 
+def _check_tag(tag: int) -> None:
+    if tag == PAIRWISE_TAG:
+        raise ValueError(f"tag {PAIRWISE_TAG} is reserved for all_gather_pairwise's messages")
+
+
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Handle:
     """Start sending `tensor` to group rank `dst`; keep `tensor` alive until the handle's wait.
     A receive matches the sends from its source with its `tag`, in the order they were sent."""
     assert tensor.is_contiguous(), "send a contiguous tensor"
+    _check_tag(tag)
     return _issue(
         "send",
         _nbytes(tensor),
@@ -385,6 +403,7 @@ def irecv(
 
     Posting early lets the transfer happen while this rank computes: gloo moves a message
     only once its receive is posted."""
+    _check_tag(tag)
     return _issue(
         "recv",
         0,

@@ -264,7 +264,7 @@ def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
         groups = {g: dist.new_subgroups(g)[0] for g in range(2, n) if n % g == 0}
         tables, waits = [], []
         for _ in range(passes):
-            tables.append(measure.collective_rates(groups, calls, one_host=rt.num_nodes == 1))
+            tables.append(measure.collective_rates(groups, calls))
             waits.append(measure.wait_points(BURSTS, calls))
             shared.append(measure.compute_rates(windows))
         result["collectives"] = _averaged(tables)

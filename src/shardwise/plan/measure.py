@@ -136,18 +136,11 @@ class _Pace:
         return total / calls
 
 
-def collective_rates(
-    groups: dict[int, object], calls: int = CALLS, one_host: bool = False
-) -> dict[str, dict]:
+def collective_rates(groups: dict[int, object], calls: int = CALLS) -> dict[str, dict]:
     """One pass over every kind and payload, `calls` calls a point; `groups`: this rank's group
     of each smaller size that divides the world (a mesh's axes: tensor parallel's all-reduces
-    among t ranks), timed all groups at once. `one_host`: every rank on this host, where ZeRO
-    all-gathers by direct messages (`ZeroStage1.gather`): timed so."""
+    among t ranks), timed all groups at once."""
     import torch.distributed as dist
-
-    from shardwise import comm
-
-    gather = comm.all_gather_pairwise if one_host else comm.all_gather_into_tensor
 
     n = dist.get_world_size()
     a = torch.randn(256, 256)
@@ -160,16 +153,16 @@ def collective_rates(
 
     out = {}
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        out[op] = _collective(op, None, n, pace, gather)
+        out[op] = _collective(op, None, n, pace)
         if groups:
             out[op]["groups"] = {
-                str(g): _collective(op, group, g, pace, gather) for g, group in groups.items()
+                str(g): _collective(op, group, g, pace) for g, group in groups.items()
             }
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        out[f"prefetched_{op}"] = _prefetched(op, None, n, pace, gather)
+        out[f"prefetched_{op}"] = _prefetched(op, None, n, pace)
         if groups:  # (HSDP's shard groups and a mesh's data axis prefetch among g ranks)
             out[f"prefetched_{op}"]["groups"] = {
-                str(g): _prefetched(op, group, g, pace, gather) for g, group in groups.items()
+                str(g): _prefetched(op, group, g, pace) for g, group in groups.items()
             }
     out["send"] = _send(pace)
     points = [(size, _post_s(size, 2 * calls)) for size in SIZES]
@@ -255,7 +248,7 @@ def _post_s(size: int, exchanges: int = 200) -> float:
     return posting / posts
 
 
-def _collective(op: str, group, n: int, pace: _Pace, gather) -> dict:
+def _collective(op: str, group, n: int, pace: _Pace) -> dict:
     """Mean seconds of one call of `op` among the `n` ranks of `group` (None: all), at each
     payload, and the line through them."""
     import torch.distributed as dist
@@ -269,7 +262,9 @@ def _collective(op: str, group, n: int, pace: _Pace, gather) -> dict:
         full, part = torch.zeros(numel), torch.zeros(numel // n)
         run = {
             "all_reduce": lambda full=full: comm.all_reduce(full, group),
-            "all_gather": lambda full=full, part=part: gather(full, part, group),
+            "all_gather": lambda full=full, part=part: comm.all_gather_into_tensor(
+                full, part, group
+            ),
             "reduce_scatter": lambda full=full, part=part: comm.reduce_scatter_tensor(
                 part, full, group=group
             ),
@@ -280,7 +275,7 @@ def _collective(op: str, group, n: int, pace: _Pace, gather) -> dict:
     return timings(agreed)
 
 
-def _prefetched(op: str, group, n: int, pace: _Pace, gather) -> dict:
+def _prefetched(op: str, group, n: int, pace: _Pace) -> dict:
     """Mean seconds an all-reduce, all-gather or reduce-scatter among the `n` ranks of `group`
     (None: all) started a burst of compute earlier adds to its caller's time, as ZeRO's and
     DDP's buckets but the last are: each call
@@ -299,7 +294,7 @@ def _prefetched(op: str, group, n: int, pace: _Pace, gather) -> dict:
         if op == "all_reduce":
             return comm.all_reduce(full, group=group, async_op=True)
         if op == "all_gather":
-            return gather(full, part, group, async_op=True)
+            return comm.all_gather_into_tensor(full, part, group, async_op=True)
         return comm.reduce_scatter_tensor(part, full, group=group, async_op=True)
 
     points = []

@@ -443,6 +443,7 @@ def plan_sets(plan: Plan) -> list[str]:
             "strategy.name=zero",
             "strategy.stage=3",
             f"strategy.shard_group={plan.shard_group}",
+            "strategy.keep_gathered_mb=0",  # (as priced: every unit gathered again for backward)
         ]
         sets += ["strategy.mixed_precision=bf16"]
     else:

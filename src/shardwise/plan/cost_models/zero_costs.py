@@ -167,7 +167,7 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
 
 
 def sole_rank_costs(job: CostJob) -> Costs:
-    """ZeRO alone in the world, in fp32 (`SoleRankZero`): plain training. The optimizer steps
+    """ZeRO alone in the world, in fp32 (`SoleRankStage1`): plain training. The optimizer steps
     the parameters with the gradients autograd makes each step; nothing is sent."""
     costs = replica_costs(job)
     held = numels(job.params())

@@ -210,7 +210,7 @@ def sole_rank(
     offload: str | None,
     compression: str | None,
 ) -> bool:
-    """Whether ZeRO runs alone in the world as plain training (`SoleRankZero`): one rank, not
+    """Whether ZeRO runs alone in the world as plain training (`SoleRankStage1`): one rank, not
     a device mesh's axis, no fp32 masters, offload or codec (each has its own work to do even
     alone), values already in the model."""
     alone = runtime.world_size == 1 and runtime.group is None

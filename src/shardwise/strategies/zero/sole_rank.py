@@ -24,7 +24,7 @@ from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.stage3 import ZeroStage3
 
 
-class SoleRankZero(ZeroStage1):
+class SoleRankStage1(ZeroStage1):
     """ZeRO stage 1 alone in the world, in fp32: its units, by size, only lay out its
     checkpoints."""
 
@@ -82,17 +82,21 @@ class SoleRankZero(ZeroStage1):
             load_parameter(optimizer, p, params[name], states.get(name, {}))
 
 
-class SoleRankStage2(SoleRankZero):
+class SoleRankStage2(SoleRankStage1):
     """Stage 2 alone: stage 1's units; only its checkpoints' name differs."""
 
     stage = 2
 
 
-class SoleRankStage3(SoleRankZero):
+class SoleRankStage3(SoleRankStage1):
     """Stage 3 alone: its units, one per block, only lay out its checkpoints."""
 
     stage = 3
     unit_params = ZeroStage3.unit_params
 
 
-SOLE_RANK: dict[int, type[SoleRankZero]] = {1: SoleRankZero, 2: SoleRankStage2, 3: SoleRankStage3}
+SOLE_RANK: dict[int, type[SoleRankStage1]] = {
+    1: SoleRankStage1,
+    2: SoleRankStage2,
+    3: SoleRankStage3,
+}

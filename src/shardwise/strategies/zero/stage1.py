@@ -86,17 +86,17 @@ class ZeroStage1(DistributedModel):
         # 27.6, 20.9 and 12.3; docs/strategies.md). A codec sends its own encoding.
         one_host_cpu = shares_cores(runtime.device, runtime.num_nodes)
         self.exchanges_slices = one_host_cpu and self.groups.shard_size > 1 and compression is None
-        # There, too, units are gathered by direct messages (`comm.all_gather_pairwise`: the
+        # There, too, units are all-gathered by direct messages (`comm.all_gather_pairwise`: the
         # same bytes; gloo's own all-gather of 24 MB took 14.5 ms there, the messages 10.1).
-        self.gather = comm.all_gather_pairwise if one_host_cpu else comm.all_gather_into_tensor
+        self.all_gather = comm.all_gather_pairwise if one_host_cpu else comm.all_gather_into_tensor
         self.disk_step: DiskOffloadedStep | None = None
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.units = [
             FlatUnit(
                 *(params, *shard_over, masters.compute_dtype, self.groups.shard),
+                all_gather=self.all_gather,
                 source=None if source is None else (source, [self.names[p] for p in params]),
-                gather=self.gather,
             )
             for params in self.unit_params([p for _, p in named], bucket_bytes)
         ]
@@ -297,7 +297,7 @@ class ZeroStage1(DistributedModel):
                     u.full.copy_(s.detach())
             return
         handles = [
-            self.gather(u.full, self._compute_copy(s), self.groups.shard, async_op=True)
+            self.all_gather(u.full, self._compute_copy(s), self.groups.shard, async_op=True)
             for u, s in zip(self.units, self.shards, strict=True)
         ]
         for h in handles:

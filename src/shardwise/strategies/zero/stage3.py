@@ -1,12 +1,14 @@
 """ZeRO stage 3: stage 2, with the parameters sharded too (the ZeRO paper's P_os+g+p).
 
 Each block of the model (each element of an `nn.ModuleList` / `nn.Sequential`, and each other
-child with parameters: `stage3_units`) is one unit. Its full parameters exist only while it
-runs: all-gathered just before its forward and freed right after, gathered again when the
-gradient of its output arrives in backward and freed once its gradient is reduce-scattered. The
-next unit's gather is started before waiting on this one's (prefetch), so communication overlaps
-compute. Memory with fp32 Adam: 16P/N plus one or two gathered units. Communication: two
-all-gathers and one reduce-scatter per step, 1.5x what DDP sends.
+child with parameters: `stage3_units`) is one unit. Its full parameters exist only around its
+compute: all-gathered just before its forward, and freed once its gradient is reduce-scattered;
+in between, unless kept (below), freed right after its forward and gathered again when the
+gradient of its output arrives in backward. The next unit's gather is started before waiting
+on this one's (prefetch), so communication overlaps compute. Memory with fp32 Adam between
+steps: 16P/N; during a step, that plus the kept units and one or two gathered ones.
+Communication: two all-gathers (one for a kept unit) and one reduce-scatter per step, 1.5x
+what DDP sends when no unit is kept, DDP's volume when all are.
 
 Over a shard group of one (one rank, or HSDP with K = 1) without fp32 masters the shard is the
 whole model: `ResidentStage3` keeps it as the parameters' own storage, with nothing to gather
@@ -98,10 +100,10 @@ def unit_groups(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Parame
     ]
 
 
-# The default budget of gathered units kept from forward to backward (`kept_units`): DeepSpeed
-# keeps up to 1e9 parameters live by default (`stage3_max_live_parameters`); 1 GiB is a quarter
-# of that in fp32. On the bench GPT, re-gathering its blocks for backward cost 211.9 against
-# 196.7 ms a step kept (2 CPU ranks, `bench zero`).
+# The default budget of gathered units kept from forward to backward (`kept_units`), in the
+# spirit of DeepSpeed's defaults (`stage3_max_reuse_distance` and `stage3_max_live_parameters`:
+# 1e9 parameters; 1 GiB is a quarter of that in fp32). On the bench GPT, kept whole, a step took
+# 211.9 and 192.5 ms against 224.0 and 215.6 re-gathering (2 CPU ranks, `bench zero`, two runs).
 DEFAULT_KEEP_BYTES = 2**30
 
 
@@ -109,7 +111,8 @@ def kept_units(sizes: list[int], budget: float | None, first: int = 0) -> set[in
     """Indices (counted from `first`) of the units that stay gathered from forward to backward:
     from the last, while their gathered bytes fit the budget. None, the default: the last unit
     whatever its size (its backward comes first, right after the loss: keeping it raises no
-    peak), then the ones before it while they fit `DEFAULT_KEEP_BYTES`."""
+    peak), then the ones before it while all the kept units' bytes, the last's included, fit
+    `DEFAULT_KEEP_BYTES`. (`sizes` leave out the root unit: it is gathered for the whole step.)"""
     if budget is None:
         if not sizes:
             return set()

@@ -27,17 +27,17 @@ class FlatUnit:
         rank: int,
         world_size: int,
         dtype: torch.dtype,
-        group: comm.ProcessGroup | None = None,
+        group: comm.ProcessGroup | None,
+        all_gather: Callable[..., comm.Handle],
         source: tuple[ParameterSource, list[str]] | None = None,
-        gather: Callable[..., comm.Handle] = comm.all_gather_into_tensor,
     ) -> None:
         """`source`: (where the values are, the parameters' names) for parameters that hold
         no values yet (`nn/meta_init.py`): only this rank's slice is read, and the full buffer
-        starts freed (stage 3). `gather`: how the full buffer is all-gathered from the slices
-        (`ZeroStage1.gather`)."""
+        starts freed (stage 3). `all_gather`: the collective that gathers the full buffer from
+        the slices (`ZeroStage1.all_gather`)."""
         assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
         self.params, self.rank, self.world_size, self.group = params, rank, world_size, group
-        self.gather = gather
+        self.all_gather = all_gather
         self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
         self.numels = [p.numel() for p in params]
         offsets = [sum(self.numels[:i]) for i in range(len(params))]
@@ -121,7 +121,7 @@ class FlatUnit:
             with torch.no_grad():
                 self.full.copy_(shard.detach())
             return
-        self.gather_handle = self.gather(self.full, shard.detach(), self.group, async_op=True)
+        self.gather_handle = self.all_gather(self.full, shard.detach(), self.group, async_op=True)
 
     def wait_gather(self) -> None:
         if self.gather_handle is not None:
