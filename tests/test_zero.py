@@ -276,3 +276,13 @@ def test_pairwise_gather_refuses_mismatched_buffers_and_its_tag():
         sw.comm.all_gather_pairwise(torch.empty(6), torch.empty(4), pair)
     with pytest.raises(ValueError, match="reserved for all_gather_pairwise"):
         sw.comm.send(torch.empty(1), 0, tag=PAIRWISE_TAG)
+
+
+def test_run_names_tell_zero3s_keep_policies_apart():
+    from shardwise.strategies.zero import ZeROConfig
+
+    names = [
+        ZeROConfig(stage=stage, keep_gathered_mb=keep).describe()
+        for stage, keep in ((3, None), (3, 0), (3, 2.5), (1, 0))
+    ]
+    assert names == ["zero-3", "zero-3 (regather)", "zero-3 (keep 2.5 MiB)", "zero-1"]

@@ -274,7 +274,11 @@ class ZeROConfig(StrategySection):
 
     def describe(self) -> str:
         hybrid = f" (hsdp {self.shard_group})" if self.shard_group else ""
-        keep = f" (keep {self.keep_gathered_mb:g} MiB)" if self.keep_gathered_mb else ""
+        keep = ""  # (the default's budget, or stages 1/2 that keep everything: unnamed)
+        if self.stage == 3 and self.keep_gathered_mb == 0:
+            keep = " (regather)"  # (every unit gathered again for backward)
+        elif self.stage == 3 and self.keep_gathered_mb is not None:
+            keep = f" (keep {self.keep_gathered_mb:g} MiB)"
         codec = f" ({self.compression})" if self.compression else ""
         return f"zero-{self.stage}{codec}{hybrid}{keep}"
 
