@@ -172,11 +172,10 @@ class ZeroStage3(ZeroStage2):
         unit_names = ["(root)"] * offset + [module_names[m] for m in self.unit_modules]
         for unit, unit_name in zip(self.units, unit_names, strict=True):
             own(unit.params, [self.names[p] for p in unit.params], unit_name)
-        if self.rest:  # (the first block's gather goes out with the root's: 219 -> 215 ms on
-            # the bench GPT, whose embeddings compute between them)
-            gather_rest = self.module.register_forward_pre_hook(
-                lambda *_: self._gather(0, prefetch=True)
-            )
+        if self.rest:
+            # (the first block's gather goes out with the root's: 219 -> 215 ms a step on the
+            # bench GPT, whose embeddings compute between them)
+            gather_rest = self.module.register_forward_pre_hook(lambda *_: self._gather(0))
             self.hooks.append(gather_rest)
         self.kept = kept_units(
             [u.full.numel() * u.full.element_size() for u in self.units[offset:]],
@@ -185,18 +184,17 @@ class ZeroStage3(ZeroStage2):
         )
         for i, module in enumerate(self.unit_modules, start=offset):
             self.hooks += [
-                module.register_forward_pre_hook(
-                    lambda _m, _a, i=i: self._gather(i, prefetch=True)
-                ),
+                module.register_forward_pre_hook(lambda _m, _a, i=i: self._gather(i)),
                 module.register_forward_hook(lambda _m, _a, out, i=i: self._after_forward(i, out)),
             ]
         for u in self.units:
             u.free()
 
-    def _gather(self, i: int, prefetch: bool, direction: int = 1) -> None:
+    def _gather(self, i: int, direction: int = 1) -> None:
+        """Unit `i` gathered, the next one's gather (in `direction`) started first."""
         self._start_gather(i)
         nxt = i + direction
-        if prefetch and 0 <= nxt < len(self.units):
+        if 0 <= nxt < len(self.units):
             self._start_gather(nxt)
         self.units[i].wait_gather()
 
@@ -220,7 +218,7 @@ class ZeroStage3(ZeroStage2):
             return output
         for t in tree_leaves(output):  # any output: a tensor, tuples, dicts, HF's ModelOutput
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda grad, i=i: self._gather(i, prefetch=True, direction=-1))
+                t.register_hook(lambda grad, i=i: self._gather(i, direction=-1))
         if i not in self.kept:
             self.units[i].free()
         return output
