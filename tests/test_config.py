@@ -68,7 +68,7 @@ def test_layerwise_optimizers_are_refused_on_a_parameter_server():
     ("override", "expected"),
     [
         ("strategy.bucket_mb=-1", "config error: strategy.bucket_mb = -1: Input should be greater"),
-        ("strategy.algorithm=tree", "'native', 'ring' or 'hierarchical'"),
+        ("strategy.algorithm=tree", "'shared_memory', 'ring'"),
         ("train.stepz=3", "config error: train.stepz = 3: Extra inputs are not permitted"),
         ("optim.name=lion", "config error: optim.name = 'lion': Input should be 'adamw'"),
         ("data.path=missing.txt", "config error: data.path: dataset file not found: missing.txt"),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import post_pairwise_gather
 from shardwise.comm.flight import KEEP, Call, recorder
+from shardwise.comm.shared_memory import SharedMemoryAllReduce
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -60,6 +61,10 @@ def _bare(call: Call) -> Callable[[], None]:
     world = dist.get_world_size()
     if call.op == "all_reduce":
         return lambda: dist.all_reduce(tensor)
+    if call.op == "all_reduce_shared":  # (DDP's, where every rank is on one host's CPU)
+        summing = SharedMemoryAllReduce()
+        shared = summing.new_buffer(tensor.numel(), dtype, tensor.device)
+        return lambda: summing.start(shared).wait()
     if call.op == "broadcast":
         return lambda: dist.broadcast(tensor, src=0)
     if call.op == "all_gather":  # (recorded: the gathered output)

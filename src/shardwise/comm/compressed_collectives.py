@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.accounting import stats
-from shardwise.comm.algorithms import ThreadedAllReduce
+from shardwise.comm.all_reduce_base import ThreadedAllReduce
 from shardwise.comm.collectives import Handle
 from shardwise.comm.compression import (
     CastCodec,

@@ -13,7 +13,9 @@ How it works, top to bottom:
    gradient is weighed (divided by the world) as it is copied in: one pass over it.
 3. A post-accumulate-grad hook per parameter counts down its bucket; when a bucket is complete
    (and every earlier bucket has been launched, so all ranks launch in the same order), its
-   asynchronous all-reduce starts while backward continues on earlier layers.
+   asynchronous all-reduce starts while backward continues on earlier layers. Where all ranks
+   compute on one host's CPU, the buckets live in shared memory and are summed there
+   (`comm.shared_memory`): gloo's loopback sockets cost 4x the time.
 4. At the end of backward an autograd callback launches any remaining bucket and waits for all,
    so gradients are averaged by the time `loss.backward()` returns.
 """
@@ -30,7 +32,13 @@ from pydantic import Field
 from torch import nn
 
 from shardwise import comm
-from shardwise.comm.algorithms import AllReduceName, NativeAllReduce, make_all_reduce
+from shardwise.comm import shared_memory
+from shardwise.comm.algorithms import (
+    AllReduceAlgorithm,
+    AllReduceName,
+    NativeAllReduce,
+    make_all_reduce,
+)
 from shardwise.comm.compressed_collectives import CompressedAllReduce, make_codec
 from shardwise.comm.flat import flatten, unflatten
 from shardwise.distributed.runtime import Runtime
@@ -78,9 +86,9 @@ def broadcast_module_state(
                 t.copy_(chunk)
 
 
-def _make_bucket(params: list[nn.Parameter]) -> Bucket:
+def _make_bucket(params: list[nn.Parameter], all_reduce: AllReduceAlgorithm) -> Bucket:
     numels = [p.numel() for p in params]
-    buffer = torch.zeros(sum(numels), dtype=params[0].dtype, device=params[0].device)
+    buffer = all_reduce.new_buffer(sum(numels), params[0].dtype, params[0].device)
     views = [v.view_as(p) for v, p in zip(buffer.split(numels), params, strict=True)]
     for p, v in zip(params, views, strict=True):
         if p.grad is not None:
@@ -121,7 +129,7 @@ class GradientReducer:
         # (one bucket completes when backward ends, whatever the order: nothing to cut again)
         recut = len(groups) > 1 and not isinstance(all_reduce, CompressedAllReduce)
         self.arrival: list[nn.Parameter] | None = [] if recut else None
-        self.buckets = [_make_bucket(ps) for ps in groups]
+        self.buckets = [_make_bucket(ps, all_reduce) for ps in groups]
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
         for b in self.buckets:  # codecs keep state per bucket; PowerSGD needs the shapes
             all_reduce.describe(b.buffer, [p.shape for p in b.params])
@@ -179,7 +187,7 @@ class GradientReducer:
         groups = assign_buckets([self.params[i] for i in agreed.tolist()], self.bucket_bytes)
         if _by_identity(groups) == _by_identity([b.params for b in self.buckets]):
             return  # (the usual case: backward runs in reverse registration order)
-        self.buckets = [_make_bucket(ps) for ps in groups]  # (each takes its `.grad` along)
+        self.buckets = [_make_bucket(ps, self.all_reduce) for ps in groups]  # (`.grad`s along)
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
         self.backward.rebucket([b.params for b in self.buckets])
 
@@ -243,7 +251,8 @@ class DDP(Strategy):
 
     bucket_mb: gradient bucket size in MiB; smaller buckets start communicating earlier (None:
         an eighth of the gradients, within 1-25 MiB: `grad_buckets.default_bucket_bytes`).
-    algorithm: 'native' (the backend's all-reduce), 'ring' or 'hierarchical' (ours).
+    algorithm: 'native' (the backend's all-reduce), 'shared_memory', 'ring' or 'hierarchical'
+        (ours); None: shared memory where the ranks share one host's CPU, else native.
     group_size: ranks per group for 'hierarchical' (default: ranks per node).
     find_unused_parameters: allow parameters that get no gradient (treated as zero).
     sync_batchnorm: replace BatchNorm layers by SyncBatchNorm (global-batch statistics).
@@ -252,7 +261,7 @@ class DDP(Strategy):
     """
 
     bucket_mb: float | None = None
-    algorithm: AllReduceName = "native"
+    algorithm: AllReduceName | None = None
     group_size: int | None = None
     find_unused_parameters: bool = False
     sync_batchnorm: bool = True
@@ -263,13 +272,25 @@ class DDP(Strategy):
             make_codec(self.compression)  # validates the spec
         if self.bucket_mb is not None and self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.algorithm not in ("native", "ring", "hierarchical"):
+        if self.algorithm not in (None, "native", "shared_memory", "ring", "hierarchical"):
             raise ValueError(
-                f"algorithm must be 'native', 'ring' or 'hierarchical', got {self.algorithm!r}"
+                "algorithm must be 'native', 'shared_memory', 'ring' or 'hierarchical', "
+                f"got {self.algorithm!r}"
             )
 
+    def all_reduce_name(self, runtime: Runtime) -> AllReduceName:
+        """`algorithm`, or where None: shared memory where every rank computes on one host's
+        CPU (gloo's all-reduce there is a copy through loopback sockets, 4x slower on 23 MB),
+        else the backend's own."""
+        if self.algorithm is not None:
+            return self.algorithm
+        one_host = shares_cores(runtime.device, runtime.num_nodes) and runtime.world_size > 1
+        return "shared_memory" if one_host and shared_memory.supported() else "native"
+
     def wrap(self, model: nn.Module, runtime: Runtime) -> DataParallelModel:
-        if runtime.group is not None and (self.compression or self.algorithm != "native"):
+        if runtime.group is not None and (
+            self.compression or self.algorithm not in (None, "native")
+        ):
             raise ValueError(
                 "along a device-mesh axis DDP uses the native all-reduce: "
                 "algorithm and compression apply to whole-world data parallel only"
@@ -283,7 +304,9 @@ class DDP(Strategy):
             all_reduce = CompressedAllReduce(make_codec(self.compression), runtime.timeout)
         else:
             all_reduce = make_all_reduce(
-                self.algorithm, self.group_size or runtime.local_world_size, runtime.timeout
+                self.all_reduce_name(runtime),
+                self.group_size or runtime.local_world_size,
+                runtime.timeout,
             )
         share = BatchShare(runtime)
         for module in model.modules():
@@ -311,8 +334,10 @@ class DDPConfig(StrategySection):
         description="gradient bucket size in MiB (default: an eighth of the "
         "gradients, within 1-25 MiB)",
     )
-    algorithm: Literal["native", "ring", "hierarchical"] = Field(
-        "native", description="all-reduce: the backend's own, or our ring / hierarchical"
+    algorithm: Literal["native", "shared_memory", "ring", "hierarchical"] | None = Field(
+        None,
+        description="all-reduce: the backend's own, or our shared_memory / ring / hierarchical "
+        "(default: shared memory where every rank is on one host's CPU, else native)",
     )
     group_size: int | None = Field(
         None, ge=1, description="hierarchical: ranks per group (default: ranks per node)"
@@ -332,4 +357,4 @@ class DDPConfig(StrategySection):
         return DDP(**self.options())
 
     def describe(self) -> str:
-        return f"ddp ({self.compression or self.algorithm + ' all-reduce'})"
+        return f"ddp ({self.compression or ' '.join(filter(None, (self.algorithm, 'all-reduce')))})"

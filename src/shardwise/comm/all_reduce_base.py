@@ -1,0 +1,78 @@
+"""What an all-reduce algorithm is to a strategy: a flat buffer in, a `Handle` back.
+
+The native algorithm is asynchronous in the backend already. Ours run on one communication
+thread per algorithm (`ThreadedAllReduce`), over a process group of their own: one thread keeps
+the order of operations identical on every rank, and the separate group keeps them from
+interleaving with collectives the training thread issues meanwhile.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shardwise.comm.accounting import stats
+from shardwise.comm.collectives import Handle, ProcessGroup, all_reduce
+
+
+class AllReduceAlgorithm:
+    """Sums a flat buffer over the group, asynchronously: `start(buffer)` returns a Handle.
+
+    A data-parallel strategy `describe`s each of its buffers once, in order, before the first
+    `start`: stateful algorithms (compression) keep their state per buffer index, which is
+    what `state_dict` saves (the same buffers exist again in a fresh prepare of the model).
+    """
+
+    def new_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed flat buffer that `start` sums fastest. Collective where an algorithm places
+        its buffers (shared memory): every rank makes the same ones, in the same order."""
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
+        """`buffer` holds tensors of `shapes`, in order."""
+
+    def start(self, buffer: torch.Tensor) -> Handle:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got {sorted(state)[:3]}")
+
+    def close(self) -> None:
+        pass
+
+
+class NativeAllReduce(AllReduceAlgorithm):
+    """The backend's own all-reduce (gloo's ring/halving-doubling, NCCL's rings and trees)."""
+
+    def __init__(self, group: ProcessGroup | None = None) -> None:
+        self.group = group
+
+    def start(self, buffer: torch.Tensor) -> Handle:
+        return all_reduce(buffer, group=self.group, async_op=True)
+
+
+class ThreadedAllReduce(AllReduceAlgorithm):
+    """Runs a blocking all-reduce function on a dedicated thread and process group."""
+
+    op = "all_reduce"
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-comm")
+
+    def _run(self, buffer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _run_in_background(self, buffer: torch.Tensor) -> None:
+        with stats.background():
+            self._run(buffer)
+
+    def start(self, buffer: torch.Tensor) -> Handle:
+        return Handle(self.op, self._thread.submit(self._run_in_background, buffer), None)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

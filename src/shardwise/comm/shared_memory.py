@@ -1,0 +1,191 @@
+"""All-reduce through shared memory, for the ranks of one host.
+
+Where every rank of a group computes on one host's CPU, gloo's messages are copies through the
+kernel's loopback sockets, made by the cores that compute: on 2 cores, gloo's all-reduce of
+23 MB of fp32 took 18.5 ms, and the same sum made in place through shared memory 4 ms. Here each
+buffer lives in a shared-memory file that every rank of the group maps, and an all-reduce is
+
+1. (barrier) every rank's buffer holds its contribution;
+2. a reduce-scatter in place: rank r adds chunk r of every other buffer into chunk r of its own,
+   so each chunk is summed once, by one rank, and every rank ends with the same bits;
+3. (barrier) an all-gather in place: rank r copies each finished chunk k from rank k's buffer;
+4. (barrier) no rank writes into its buffer again (the next gradients) while a peer reads it.
+
+Each rank reads and writes about twice its buffer, whatever the group's size; no byte crosses a
+socket. The barriers are counters in shared memory too (`Arrivals`): gloo's barrier took
+0.4-1.5 ms after a step's compute, for what a counter tells in microseconds. A wait that outlasts
+the group's timeout, or the job's membership (`interrupt`), fails instead of hanging. A file is
+unlinked as soon as every rank has mapped it: none outlives the job, however it ends. Only sums
+of plain numbers cross between processes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardwise.comm import interrupt
+from shardwise.comm.accounting import native_volume
+from shardwise.comm.all_reduce_base import ThreadedAllReduce
+from shardwise.comm.collectives import _issue, all_reduce
+
+SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
+LINE = 64  # bytes: a counter's file (a page apart from the others': no contention)
+SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between polls
+
+
+class Arrivals:
+    """A barrier among processes that each map every rank's counter (one int64 in a file of
+    its own): an arrival raises this rank's counter, then waits until every counter is as high.
+
+    x86-64 keeps a process's stores in order, and its loads: a peer that reads this rank's new
+    count also reads what this rank wrote before it (`supported` allows no other machine).
+    A waiter polls without sleeping for `SPIN_S`, then sleeps between polls, up to 1 ms: ranks
+    that outnumber the cores do not take them from the ranks still computing."""
+
+    def __init__(self, counters: list[np.ndarray], rank: int, timeout_s: float) -> None:
+        self.counters, self.mine, self.timeout_s = counters, counters[rank], timeout_s
+        self.arrivals = 0
+
+    def wait(self) -> None:
+        self.arrivals += 1
+        n, counters = self.arrivals, self.counters
+        self.mine[0] = n
+        start = time.perf_counter()
+        since, checked, pause = interrupt.membership(), start, 0.0
+        while any(c[0] < n for c in counters):
+            time.sleep(pause)  # (0: a yield of the core, and of the GIL)
+            now = time.perf_counter()
+            if now - start > SPIN_S:
+                pause = min(0.001, max(2 * pause, 5e-5))
+            if now - checked > interrupt.POLL_S:
+                checked = now
+                interrupt.raise_if_interrupted(since)
+                if now - start > self.timeout_s:
+                    missing = [k for k, c in enumerate(counters) if c[0] < n]
+                    raise RuntimeError(
+                        f"shared-memory all-reduce: rank(s) {missing} did not arrive within "
+                        f"{self.timeout_s:.0f} s"
+                    )
+
+
+def supported() -> bool:
+    """Whether this host can sum through shared memory: Linux's /dev/shm on x86-64 (whose
+    memory order `Arrivals` relies on)."""
+    return SHARED_MEMORY.is_dir() and os.uname().machine in ("x86_64", "AMD64")
+
+
+def _create(path: Path, nbytes: int) -> bool:
+    """A new file of `nbytes` whose pages are reserved now (a full /dev/shm fails here, not
+    with SIGBUS at the first write into the mapping); False where it cannot be made."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return True
+    except OSError:
+        path.unlink(missing_ok=True)
+        return False
+    finally:
+        os.close(fd)
+
+
+class SharedMemoryAllReduce(ThreadedAllReduce):
+    """Sums buffers it placed itself (`new_buffer`) through shared memory, on its thread; any
+    other buffer (or all of them, where shared memory cannot be had) with gloo's all-reduce
+    over the same group. Collective: every rank of the world creates it together, and makes
+    the same buffers in the same order."""
+
+    op = "all_reduce"
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        super().__init__()
+        self.group = dist.new_group(timeout=timeout)
+        self.rank, self.size = self.group.rank(), self.group.size()
+        token = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0])
+        dist.broadcast(token, group_src=0, group=self.group)
+        self._prefix = f"shardwise-{int(token):x}-"
+        self._made = 0
+        # Every rank's mapping of each shared buffer but this rank's own (None), by the address
+        # of this rank's: dropped with it (a finalizer), since a rebucketed model makes new ones.
+        self._peers: dict[int, list[torch.Tensor | None]] = {}
+        self.arrivals: Arrivals | None = None
+        counters = self._map_shared("arrivals", LINE, torch.int64)
+        if counters is not None:
+            timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
+            self.arrivals = Arrivals([c.numpy() for c in counters], self.rank, timeout_s)
+
+    def _map_shared(self, name: str, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """Every rank's file `name` of `nbytes`, mapped (this rank's made and filled with
+        zeros), or None on every rank where one rank could not make its own."""
+        paths = [SHARED_MEMORY / f"{self._prefix}{name}-{k}" for k in range(self.size)]
+        made = supported() and _create(paths[self.rank], nbytes)
+        everyone = torch.tensor([int(made)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
+        if not everyone.item():
+            if made:
+                paths[self.rank].unlink()
+            return None
+        numel = nbytes // dtype.itemsize
+        slots = [torch.from_file(str(p), shared=True, size=numel, dtype=dtype) for p in paths]
+        dist.barrier(group=self.group)  # every rank has mapped every file
+        paths[self.rank].unlink()
+        return slots
+
+    def new_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed flat buffer of `numel`, in shared memory where every rank could make its own
+        (all ranks agree: where one could not, all make plain ones)."""
+        if torch.device(device).type != "cpu" or numel == 0 or self.arrivals is None:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        index, self._made = self._made, self._made + 1
+        slots = self._map_shared(str(index), numel * dtype.itemsize, dtype)
+        if slots is None:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        mine, slots[self.rank] = slots[self.rank], None
+        self._peers[mine.data_ptr()] = slots
+        weakref.finalize(mine, self._peers.pop, mine.data_ptr(), None)
+        return mine
+
+    def _run(self, buffer: torch.Tensor) -> None:
+        peers = self._peers.get(buffer.data_ptr())
+        if peers is None or any(p.numel() != buffer.numel() for p in peers if p is not None):
+            all_reduce(buffer, group=self.group)
+            return
+        slots = [buffer if p is None else p for p in peers]
+        volume = native_volume("all_reduce", buffer.numel() * buffer.element_size(), self.size)
+        _issue(
+            "all_reduce",
+            volume,
+            lambda: self._sum_in_place(slots),
+            False,
+            self.group,
+            buffer,
+            recorded_as="all_reduce_shared",
+        )
+
+    def _sum_in_place(self, slots: list[torch.Tensor]) -> None:
+        chunks = [slot.tensor_split(self.size) for slot in slots]
+        r = self.rank
+        self.arrivals.wait()
+        for k in range(self.size):
+            if k != r:
+                chunks[r][r].add_(chunks[k][r])
+        self.arrivals.wait()
+        for k in range(self.size):
+            if k != r:
+                chunks[r][k].copy_(chunks[k][k])
+        self.arrivals.wait()
+
+    def close(self) -> None:
+        super().close()
+        self._peers.clear()

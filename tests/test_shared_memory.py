@@ -1,0 +1,154 @@
+"""The shared-memory all-reduce (`comm/shared_memory.py`) against gloo's, on real processes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.comm import shared_memory
+from shardwise.comm.shared_memory import SharedMemoryAllReduce
+from spawn import run
+
+pytestmark = pytest.mark.skipif(not shared_memory.supported(), reason="needs /dev/shm on x86-64")
+
+CPU = torch.device("cpu")
+
+
+def _mapped_shared_files() -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's mappings of shardwise's shared-memory files, as the
+    kernel lists them."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and "/dev/shm/shardwise-" in fields[5]:
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            found.append((start, end, fields[5]))
+    return found
+
+
+def _holds(mappings: list[tuple[int, int, str]], t: torch.Tensor) -> bool:
+    return any(start <= t.data_ptr() < end for start, end, _ in mappings)
+
+
+def sums_like_gloo():
+    """Each dtype and awkward size (fewer elements than ranks too), summed in shared memory
+    and by gloo from the same inputs."""
+    rank = dist.get_rank()
+    summing = SharedMemoryAllReduce(timeout=timedelta(seconds=30))
+    worst, exact = 0.0, True
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for numel in (1, 2, 5, 4097):
+            g = torch.Generator().manual_seed(100 * rank + numel)
+            mine = (torch.randn(numel, generator=g) * 100).to(dtype)
+            shared = summing.new_buffer(numel, dtype, CPU)
+            shared.copy_(mine)
+            summing.start(shared).wait()
+            theirs = mine.clone()
+            dist.all_reduce(theirs)
+            if dtype == torch.int64 or dist.get_world_size() == 2:
+                exact &= torch.equal(shared, theirs)  # (a + b is b + a: the same bits)
+            else:  # (another order of the sum rounds otherwise: relative to what is summed)
+                scale = mine.abs().double()
+                dist.all_reduce(scale)
+                diff = (shared.double() - theirs.double()).abs() / scale.clamp(min=1)
+                worst = max(worst, diff.max().item())
+    mapped = _mapped_shared_files()
+    summing.close()
+    return exact, float(worst), mapped
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sums_equal_gloos_and_no_file_is_left_behind(world_size):
+    for exact, worst, mapped in run(sums_like_gloo, world_size):
+        assert exact
+        assert worst <= 2**-6  # (bf16's rounding, twice)
+        # every rank maps its own and its peers' buffers, whose files are already unlinked
+        assert mapped and all(path.endswith("(deleted)") for _, _, path in mapped)
+
+
+def plain_buffer_and_disagreement():
+    """A buffer the algorithm did not place, and an algorithm one rank cannot place any in:
+    both sum through gloo, and correctly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    summing = SharedMemoryAllReduce()
+    plain = torch.full((7,), float(rank + 1))
+    summing.start(plain).wait()
+    if rank == 1:  # this rank cannot make its files: every rank must do without them
+        shared_memory.supported = lambda: False
+    without = SharedMemoryAllReduce()
+    buffer = without.new_buffer(7, torch.float32, CPU)
+    buffer.fill_(rank + 1)
+    without.start(buffer).wait()
+    expected = world * (world + 1) / 2
+    in_shared_memory = _holds(_mapped_shared_files(), buffer)
+    summing.close()
+    without.close()
+    return plain.tolist() == [expected] * 7, buffer.tolist() == [expected] * 7, in_shared_memory
+
+
+def test_buffers_outside_shared_memory_are_summed_by_gloo():
+    for plain_ok, agreed_ok, in_shared_memory in run(plain_buffer_and_disagreement, 2):
+        assert plain_ok and agreed_ok
+        assert not in_shared_memory
+
+
+def rank_that_never_arrives():
+    summing = SharedMemoryAllReduce(timeout=timedelta(seconds=1))
+    buffer = summing.new_buffer(16, torch.float32, CPU)
+    error = ""
+    if dist.get_rank() == 0:  # rank 1 never starts its all-reduce
+        try:
+            summing.start(buffer).wait()
+        except RuntimeError as e:
+            error = str(e)
+    dist.barrier()
+    summing.close()
+    return error
+
+
+def test_a_rank_that_never_arrives_fails_the_wait_instead_of_hanging():
+    errors = run(rank_that_never_arrives, 2)
+    assert "rank(s) [1] did not arrive within 1 s" in errors[0]
+
+
+def ddp_default_trains_in_shared_memory():
+    """sw.DDP() on CPU ranks of one host: its gradients live in shared memory (the kernel's
+    map of this process says so), and training matches one process on the global batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(13, 31), nn.Tanh(), nn.Linear(31, 5))
+
+    ours, opt = sw.prepare(model(), sw.DDP(), lr=1e-2)
+    reference = model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        x, y = (
+            torch.randn(4 * world, 13, generator=g),
+            torch.randint(0, 5, (4 * world,), generator=g),
+        )
+        F.cross_entropy(ours(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+        grads_shared = all(_holds(_mapped_shared_files(), p.grad) for p in ours.parameters())
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = sw.full_state_dict(ours)
+    diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return grads_shared, diff
+
+
+def test_ddp_on_one_host_sums_in_shared_memory_and_trains_exactly():
+    for grads_shared, diff in run(ddp_default_trains_in_shared_memory, 2):
+        assert grads_shared
+        assert diff <= 1e-6
