@@ -48,13 +48,14 @@ def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
     assert ended - _fired_at(run, "hang-rank1-step12") < 15
     report = (run / "hang_report.txt").read_text()
     head = report.splitlines()[0]
-    assert head.startswith("shardwise: hang: all_reduce #") and "(group world," in head
+    # (DDP's gradients, summed in shared memory on this one host, in the algorithm's group)
+    assert head.startswith("shardwise: hang: all_reduce_shared #") and "(group 0,1,2," in head
     assert "ranks 0, 2 wait in it; rank 1 never arrived" in head
     assert "rank 1 stack (main thread):" in report
     assert "faults/injection.py" in report  # where it sleeps
     assert head in result.stderr
     last = result.stderr.strip().splitlines()[-1]  # the launcher's: the hung rank, not rank 0
-    assert last.startswith("shardwise: hang: rank 1 never arrived at all_reduce #"), last
+    assert last.startswith("shardwise: hang: rank 1 never arrived at all_reduce_shared #"), last
     assert result.returncode == 3
 
 

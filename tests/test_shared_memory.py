@@ -152,3 +152,21 @@ def test_ddp_on_one_host_sums_in_shared_memory_and_trains_exactly():
     for grads_shared, diff in run(ddp_default_trains_in_shared_memory, 2):
         assert grads_shared
         assert diff <= 1e-6
+
+
+def test_a_peer_process_that_ended_is_told_apart_from_a_live_one():
+    import os
+    import subprocess
+    import time
+
+    from shardwise.comm.shared_memory import _exited
+
+    child = subprocess.Popen(["true"])
+    deadline = time.time() + 10
+    while not _exited(child.pid) and time.time() < deadline:  # ended, not yet reaped: a zombie
+        time.sleep(0.01)
+    assert _exited(child.pid)
+    assert Path(f"/proc/{child.pid}").exists()  # (still listed: it was the zombie state)
+    child.wait()
+    assert _exited(child.pid)  # reaped: gone
+    assert not _exited(os.getpid())

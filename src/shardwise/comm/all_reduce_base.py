@@ -8,7 +8,10 @@ interleaving with collectives the training thread issues meanwhile.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -56,13 +59,42 @@ class NativeAllReduce(AllReduceAlgorithm):
         return all_reduce(buffer, group=self.group, async_op=True)
 
 
+class CommThread:
+    """One daemon thread that runs the calls submitted to it in order, each answering with a
+    Future. (A ThreadPoolExecutor's worker is no daemon: an algorithm that was never closed, as
+    when training raised, would keep the process from exiting.)"""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # (handed to whoever waits)
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Ends the thread once the calls submitted before have run."""
+        self._calls.put(None)
+        self._thread.join()
+
+
 class ThreadedAllReduce(AllReduceAlgorithm):
     """Runs a blocking all-reduce function on a dedicated thread and process group."""
 
     op = "all_reduce"
 
     def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-comm")
+        self._thread = CommThread("shardwise-comm")
 
     def _run(self, buffer: torch.Tensor) -> None:
         raise NotImplementedError
@@ -75,4 +107,4 @@ class ThreadedAllReduce(AllReduceAlgorithm):
         return Handle(self.op, self._thread.submit(self._run_in_background, buffer), None)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self._thread.shutdown()

@@ -7,14 +7,13 @@ communication thread and a process group of its own, as our other threaded algor
 from __future__ import annotations
 
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from shardwise.comm.accounting import stats
-from shardwise.comm.all_reduce_base import ThreadedAllReduce
+from shardwise.comm.all_reduce_base import CommThread, ThreadedAllReduce
 from shardwise.comm.collectives import Handle
 from shardwise.comm.compression import (
     CastCodec,
@@ -103,7 +102,7 @@ class CompressedReduceScatter:
         self.codec = codec
         self.op = f"compressed_{codec.name}"
         self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-codec")
+        self._thread = CommThread("shardwise-codec")
 
     def describe(self, key: int, shapes: list[torch.Size]) -> None:
         self.codec.describe(key, shapes)
@@ -123,4 +122,4 @@ class CompressedReduceScatter:
             self.codec.reduce_scatter(full, shard, self.group, key)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self._thread.shutdown()

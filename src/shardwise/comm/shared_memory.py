@@ -33,13 +33,24 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import interrupt
-from shardwise.comm.accounting import native_volume
+from shardwise.comm.accounting import native_volume, stats
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
-from shardwise.comm.collectives import _issue, all_reduce
+from shardwise.comm.collectives import all_reduce
+from shardwise.comm.flight import recorder
 
 SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
 LINE = 64  # bytes: a counter's file (a page apart from the others': no contention)
 SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between polls
+CHECK_S = 0.05  # and every this long asks whether a missing peer's process ended
+
+
+def _exited(pid: int) -> bool:
+    """Whether process `pid` (of this host) has ended: gone, or a zombie not yet reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"  # (the state follows the command's parenthesis)
 
 
 class Arrivals:
@@ -49,10 +60,14 @@ class Arrivals:
     x86-64 keeps a process's stores in order, and its loads: a peer that reads this rank's new
     count also reads what this rank wrote before it (`supported` allows no other machine).
     A waiter polls without sleeping for `SPIN_S`, then sleeps between polls, up to 1 ms: ranks
-    that outnumber the cores do not take them from the ranks still computing."""
+    that outnumber the cores do not take them from the ranks still computing. A peer whose
+    process ended fails the wait within `CHECK_S`, as a closed connection fails gloo's."""
 
-    def __init__(self, counters: list[np.ndarray], rank: int, timeout_s: float) -> None:
+    def __init__(
+        self, counters: list[np.ndarray], rank: int, pids: list[int], timeout_s: float
+    ) -> None:
         self.counters, self.mine, self.timeout_s = counters, counters[rank], timeout_s
+        self.peers = {k: pid for k, pid in enumerate(pids) if k != rank}
         self.arrivals = 0
 
     def wait(self) -> None:
@@ -66,15 +81,21 @@ class Arrivals:
             now = time.perf_counter()
             if now - start > SPIN_S:
                 pause = min(0.001, max(2 * pause, 5e-5))
-            if now - checked > interrupt.POLL_S:
+            if now - checked > CHECK_S:
                 checked = now
-                interrupt.raise_if_interrupted(since)
-                if now - start > self.timeout_s:
-                    missing = [k for k, c in enumerate(counters) if c[0] < n]
-                    raise RuntimeError(
-                        f"shared-memory all-reduce: rank(s) {missing} did not arrive within "
-                        f"{self.timeout_s:.0f} s"
-                    )
+                self._check(n, since, now - start)
+
+    def _check(self, n: int, since: int, waited_s: float) -> None:
+        missing = [k for k, c in enumerate(self.counters) if c[0] < n]
+        ended = [k for k in missing if k in self.peers and _exited(self.peers[k])]
+        if ended:
+            raise RuntimeError(f"shared-memory all-reduce: the process of rank(s) {ended} ended")
+        interrupt.raise_if_interrupted(since)
+        if waited_s > self.timeout_s:
+            raise RuntimeError(
+                f"shared-memory all-reduce: rank(s) {missing} did not arrive within "
+                f"{self.timeout_s:.0f} s"
+            )
 
 
 def supported() -> bool:
@@ -122,8 +143,12 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         self.arrivals: Arrivals | None = None
         counters = self._map_shared("arrivals", LINE, torch.int64)
         if counters is not None:
+            pids = torch.zeros(self.size, dtype=torch.int64)
+            dist.all_gather_into_tensor(pids, torch.tensor([os.getpid()]), group=self.group)
             timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
-            self.arrivals = Arrivals([c.numpy() for c in counters], self.rank, timeout_s)
+            self.arrivals = Arrivals(
+                [c.numpy() for c in counters], self.rank, pids.tolist(), timeout_s
+            )
 
     def _map_shared(self, name: str, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """Every rank's file `name` of `nbytes`, mapped (this rank's made and filled with
@@ -162,16 +187,17 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             all_reduce(buffer, group=self.group)
             return
         slots = [buffer if p is None else p for p in peers]
+        # Recorded as its own op (the bench floor replays it so) and marked as waited in from
+        # its issue: the watchdog names a rank that never arrives, as in any collective.
+        call = recorder.issue("all_reduce_shared", self.group, buffer)
+        start = time.perf_counter()
+        thread = recorder.begin_wait(call, start)
+        try:
+            self._sum_in_place(slots)
+        finally:
+            recorder.end_wait(thread)
         volume = native_volume("all_reduce", buffer.numel() * buffer.element_size(), self.size)
-        _issue(
-            "all_reduce",
-            volume,
-            lambda: self._sum_in_place(slots),
-            False,
-            self.group,
-            buffer,
-            recorded_as="all_reduce_shared",
-        )
+        stats.record("all_reduce", volume, time.perf_counter() - start)
 
     def _sum_in_place(self, slots: list[torch.Tensor]) -> None:
         chunks = [slot.tensor_split(self.size) for slot in slots]

@@ -18,7 +18,9 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      a ring's step; post: posting one isend or irecv, as pipeline stages do
                      while both compute; prefetched_all_reduce, _all_gather,
                      _reduce_scatter: what one started a burst earlier adds to its caller,
-                     as ZeRO's and DDP's buckets but the last): the mean seconds
+                     as ZeRO's and DDP's buckets but the last; shared_all_reduce, where
+                     every rank is on one host: DDP's sum through shared memory, in its own
+                     buffers, `comm.shared_memory`): the mean seconds
                      of one call at payloads of 8 B to 4 MiB over --calls calls (100, or as
                      many as 1.5 s allow), each right after a burst of compute as in a
                      training step, averaged over --passes passes (3) taken in turns
@@ -53,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.comm import shared_memory
 from shardwise.plan import measure
 from shardwise.plan.measure import CALLS
 
@@ -262,9 +265,11 @@ def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
         # from one minute to the next on shared cores, so each is the mean of several passes.
         n = rt.world_size
         groups = {g: dist.new_subgroups(g)[0] for g in range(2, n) if n % g == 0}
+        one_host = rt.num_nodes == 1 and shared_memory.supported()
+        summing = shared_memory.SharedMemoryAllReduce(rt.timeout) if one_host else None
         tables, waits = [], []
         for _ in range(passes):
-            tables.append(measure.collective_rates(groups, calls))
+            tables.append(measure.collective_rates(groups, calls, summing))
             waits.append(measure.wait_points(BURSTS, calls))
             shared.append(measure.compute_rates(windows))
         result["collectives"] = _averaged(tables)

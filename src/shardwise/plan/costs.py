@@ -57,6 +57,7 @@ class Calls:
     ranks: int | None  # the group's size (None: every rank)
     prefetched: bool = False  # started one unit ahead and waited for after its compute
     in_path: bool = False  # priced inside a pipeline's ops, on its schedule's critical path
+    kind: str | None = None  # the calibrated collective it is priced as (None: by its op)
 
 
 @dataclass
@@ -78,10 +79,11 @@ class Costs:
         ranks: int | None = None,
         prefetched: bool = False,
         in_path: bool = False,
+        kind: str | None = None,
     ) -> None:
         """`calls` of `op` sending `nbytes` in all, among `ranks` ranks (None: every rank)."""
         if nbytes:  # (a collective over one rank sends nothing)
-            self.traffic.append(Calls(op, nbytes, calls, ranks, prefetched, in_path))
+            self.traffic.append(Calls(op, nbytes, calls, ranks, prefetched, in_path, kind))
 
     @property
     def comm(self) -> dict[str, float]:

@@ -136,10 +136,13 @@ class _Pace:
         return total / calls
 
 
-def collective_rates(groups: dict[int, object], calls: int = CALLS) -> dict[str, dict]:
+def collective_rates(
+    groups: dict[int, object], calls: int = CALLS, summing=None
+) -> dict[str, dict]:
     """One pass over every kind and payload, `calls` calls a point; `groups`: this rank's group
     of each smaller size that divides the world (a mesh's axes: tensor parallel's all-reduces
-    among t ranks), timed all groups at once."""
+    among t ranks), timed all groups at once. `summing`: a `SharedMemoryAllReduce` where every
+    rank is on one host, timed as `shared_all_reduce` (DDP's default there)."""
     import torch.distributed as dist
 
     n = dist.get_world_size()
@@ -158,6 +161,8 @@ def collective_rates(groups: dict[int, object], calls: int = CALLS) -> dict[str,
             out[op]["groups"] = {
                 str(g): _collective(op, group, g, pace) for g, group in groups.items()
             }
+    if summing is not None:
+        out["shared_all_reduce"] = _collective("shared_all_reduce", None, n, pace, summing)
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         out[f"prefetched_{op}"] = _prefetched(op, None, n, pace)
         if groups:  # (HSDP's shard groups and a mesh's data axis prefetch among g ranks)
@@ -248,7 +253,7 @@ def _post_s(size: int, exchanges: int = 200) -> float:
     return posting / posts
 
 
-def _collective(op: str, group, n: int, pace: _Pace) -> dict:
+def _collective(op: str, group, n: int, pace: _Pace, summing=None) -> dict:
     """Mean seconds of one call of `op` among the `n` ranks of `group` (None: all), at each
     payload, and the line through them."""
     import torch.distributed as dist
@@ -260,7 +265,10 @@ def _collective(op: str, group, n: int, pace: _Pace) -> dict:
     for size in SIZES:
         numel = max(n, size // 4 // n * n)  # (n divides it)
         full, part = torch.zeros(numel), torch.zeros(numel // n)
+        if op == "shared_all_reduce":  # (in a buffer it placed: DDP's buckets are)
+            full = summing.new_buffer(numel, torch.float32, torch.device("cpu"))
         run = {
+            "shared_all_reduce": lambda full=full: summing.start(full).wait(),
             "all_reduce": lambda full=full: comm.all_reduce(full, group),
             "all_gather": lambda full=full, part=part: comm.all_gather_into_tensor(
                 full, part, group
@@ -270,7 +278,8 @@ def _collective(op: str, group, n: int, pace: _Pace) -> dict:
             ),
         }[op]
         dist.barrier()
-        points.append((native_volume(op, numel * 4, n), pace.mean(run)))
+        volume = native_volume("all_reduce" if op == "shared_all_reduce" else op, numel * 4, n)
+        points.append((volume, pace.mean(run)))
     agreed = _agreed(points)
     return timings(agreed)
 

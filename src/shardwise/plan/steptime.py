@@ -59,7 +59,9 @@ def comm_seconds(costs: Costs, cal: dict, compute_s: float, world: int) -> float
     for t in costs.traffic:
         if t.op != "send" and not t.in_path:
             kind = KIND.get(t.op, "all_reduce")
-            if t.prefetched:  # started a unit of compute before it is waited for
+            if t.kind in cal["collectives"]:  # (a calibration from before it was measured: by op)
+                kind = t.kind  # (summed on the cores that compute: priced whole, never hidden)
+            elif t.prefetched:  # started a unit of compute before it is waited for
                 kind = f"prefetched_{kind}"
             seconds += t.calls * call_seconds(cal, kind, t.nbytes / t.calls, t.ranks)
     return seconds + arrival_wait(cal, compute_s)

@@ -295,6 +295,11 @@ class DDP(Strategy):
                 "along a device-mesh axis DDP uses the native all-reduce: "
                 "algorithm and compression apply to whole-world data parallel only"
             )
+        if self.algorithm == "shared_memory" and runtime.num_nodes > 1:
+            raise ValueError(
+                f"algorithm 'shared_memory' sums on one host; this job spans "
+                f"{runtime.num_nodes} nodes (leave algorithm unset: native there)"
+            )
         if self.sync_batchnorm and runtime.world_size > 1 and runtime.group is None:
             model = convert_sync_batchnorm(model)
         broadcast_module_state(model, group=runtime.group)

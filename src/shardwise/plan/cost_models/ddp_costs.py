@@ -31,12 +31,19 @@ def ddp_costs(job: CostJob, s: StrategySection) -> Costs:
     buckets = bucket_sizes(held[::-1], elem, s.bucket_mb, job.shared_cores)
     if s.compression is not None:
         codec_bytes(costs, s.compression, buckets, shapes, n)
-    elif s.algorithm == "native":
+    elif s.algorithm in (None, "native", "shared_memory"):  # (one sum per bucket, either way)
         # Each bucket's all-reduce starts as backward fills it; only the last one's (the first
-        # layers', filled as backward ends) is waited for with nothing left to compute.
+        # layers', filled as backward ends) is waited for with nothing left to compute. On one
+        # host's CPU the default sums in shared memory, calibrated as a kind of its own.
+        shared = s.algorithm == "shared_memory" or (s.algorithm is None and job.shared_cores)
         for i, numel in enumerate(buckets):
             volume = native_volume("all_reduce", numel * elem, n)
-            costs.add_comm("all_reduce", volume, prefetched=i < len(buckets) - 1)
+            costs.add_comm(
+                "all_reduce",
+                volume,
+                prefetched=i < len(buckets) - 1,
+                kind="shared_all_reduce" if shared else None,
+            )
     elif s.algorithm == "ring":
         for numel in buckets:
             costs.add_comm("ring_all_reduce", ring_bytes(numel, n, job.rank) * elem, 2 * (n - 1))
