@@ -21,6 +21,7 @@ of plain numbers cross between processes.
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import time
@@ -139,20 +140,21 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         self._made = 0
         # Every rank's mapping of each shared buffer but this rank's own (None), by the address
         # of this rank's: dropped with it (a finalizer), since a rebucketed model makes new ones.
-        self._peers: dict[int, list[torch.Tensor | None]] = {}
+        self._peers: dict[int, list[np.ndarray | None]] = {}
         self.arrivals: Arrivals | None = None
-        counters = self._map_shared("arrivals", LINE, torch.int64)
+        counters = self._map_shared("arrivals", LINE)
         if counters is not None:
             pids = torch.zeros(self.size, dtype=torch.int64)
             dist.all_gather_into_tensor(pids, torch.tensor([os.getpid()]), group=self.group)
             timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
             self.arrivals = Arrivals(
-                [c.numpy() for c in counters], self.rank, pids.tolist(), timeout_s
+                [c.view(np.int64) for c in counters], self.rank, pids.tolist(), timeout_s
             )
 
-    def _map_shared(self, name: str, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
-        """Every rank's file `name` of `nbytes`, mapped (this rank's made and filled with
-        zeros), or None on every rank where one rank could not make its own."""
+    def _map_shared(self, name: str, nbytes: int) -> list[np.ndarray] | None:
+        """Every rank's file `name` of `nbytes`, mapped as bytes (this rank's made and filled
+        with zeros), or None on every rank where one rank could not make its own. Arrays, not
+        tensors: a peer's memory is not this rank's, and tensor scans (`PeakMeter`) skip them."""
         paths = [SHARED_MEMORY / f"{self._prefix}{name}-{k}" for k in range(self.size)]
         made = supported() and _create(paths[self.rank], nbytes)
         everyone = torch.tensor([int(made)])
@@ -161,11 +163,13 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             if made:
                 paths[self.rank].unlink()
             return None
-        numel = nbytes // dtype.itemsize
-        slots = [torch.from_file(str(p), shared=True, size=numel, dtype=dtype) for p in paths]
+        mapped = []
+        for path in paths:
+            with open(path, "r+b") as f:
+                mapped.append(np.frombuffer(mmap.mmap(f.fileno(), nbytes), dtype=np.uint8))
         dist.barrier(group=self.group)  # every rank has mapped every file
         paths[self.rank].unlink()
-        return slots
+        return mapped
 
     def new_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed flat buffer of `numel`, in shared memory where every rank could make its own
@@ -173,20 +177,22 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         if torch.device(device).type != "cpu" or numel == 0 or self.arrivals is None:
             return torch.zeros(numel, dtype=dtype, device=device)
         index, self._made = self._made, self._made + 1
-        slots = self._map_shared(str(index), numel * dtype.itemsize, dtype)
-        if slots is None:
+        mapped = self._map_shared(str(index), numel * dtype.itemsize)
+        if mapped is None:
             return torch.zeros(numel, dtype=dtype, device=device)
-        mine, slots[self.rank] = slots[self.rank], None
-        self._peers[mine.data_ptr()] = slots
+        mine = torch.from_numpy(mapped[self.rank]).view(dtype)
+        mapped[self.rank] = None
+        self._peers[mine.data_ptr()] = mapped
         weakref.finalize(mine, self._peers.pop, mine.data_ptr(), None)
         return mine
 
     def _run(self, buffer: torch.Tensor) -> None:
         peers = self._peers.get(buffer.data_ptr())
-        if peers is None or any(p.numel() != buffer.numel() for p in peers if p is not None):
+        nbytes = buffer.numel() * buffer.element_size()
+        if peers is None or any(p.size != nbytes for p in peers if p is not None):
             all_reduce(buffer, group=self.group)
             return
-        slots = [buffer if p is None else p for p in peers]
+        slots = [buffer if p is None else torch.from_numpy(p).view(buffer.dtype) for p in peers]
         # Recorded as its own op (the bench floor replays it so) and marked as waited in from
         # its issue: the watchdog names a rank that never arrives, as in any collective.
         call = recorder.issue("all_reduce_shared", self.group, buffer)
@@ -196,7 +202,7 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             self._sum_in_place(slots)
         finally:
             recorder.end_wait(thread)
-        volume = native_volume("all_reduce", buffer.numel() * buffer.element_size(), self.size)
+        volume = native_volume("all_reduce", nbytes, self.size)
         stats.record("all_reduce", volume, time.perf_counter() - start)
 
     def _sum_in_place(self, slots: list[torch.Tensor]) -> None:
