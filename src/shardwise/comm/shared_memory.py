@@ -36,7 +36,7 @@ import torch.distributed as dist
 from shardwise.comm import interrupt
 from shardwise.comm.accounting import native_volume, stats
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
-from shardwise.comm.collectives import all_reduce
+from shardwise.comm.collectives import _all_gather_flat, all_reduce
 from shardwise.comm.flight import recorder
 
 SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
@@ -145,7 +145,7 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         counters = self._map_shared("arrivals", LINE)
         if counters is not None:
             pids = torch.zeros(self.size, dtype=torch.int64)
-            dist.all_gather_into_tensor(pids, torch.tensor([os.getpid()]), group=self.group)
+            _all_gather_flat(pids, torch.tensor([os.getpid()]), group=self.group)
             timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
             self.arrivals = Arrivals(
                 [c.view(np.int64) for c in counters], self.rank, pids.tolist(), timeout_s
