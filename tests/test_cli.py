@@ -165,7 +165,15 @@ def test_readme_example_runs_as_plain_python_and_under_both_launchers(tmp_path):
     (plain, plain_out), (ours, ours_out), (torchrun, torchrun_out) = finish(  # (all at once)
         start_python(script),
         start_cli("run", "--nproc", "2", script, cwd=tmp_path),
-        start_python("-m", "torch.distributed.run", "--nproc-per-node", "2", script),
+        start_python(  # (torchrun's agent logs under tmp_path, not a directory of /tmp)
+            "-m",
+            "torch.distributed.run",
+            "--log-dir",
+            str(tmp_path / "agent"),
+            "--nproc-per-node",
+            "2",
+            script,
+        ),
         timeout=120,
     )
     assert plain == 0 and "world 1: final loss" in plain_out, plain_out[-2000:]
@@ -173,12 +181,14 @@ def test_readme_example_runs_as_plain_python_and_under_both_launchers(tmp_path):
     assert torchrun == 0 and "world 2: final loss" in torchrun_out, torchrun_out[-2000:]
 
 
-def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
+def _two_torchrun_nodes(logs: Path, ranks_per_node: int, *train_args: str) -> None:
     """`shardwise train ...` under two torchrun agents (two 'nodes') meeting in a c10d
-    rendezvous on 127.0.0.1; both must succeed."""
+    rendezvous on 127.0.0.1; both must succeed. The agents log under `logs`."""
     cmd = [
         "-m",
         "torch.distributed.run",
+        "--log-dir",
+        str(logs),
         "--nnodes",
         "2",
         "--nproc-per-node",
@@ -201,10 +211,17 @@ def _two_torchrun_nodes(ranks_per_node: int, *train_args: str) -> None:
 
 def test_same_config_runs_under_torchrun_with_two_nodes(tmp_path):
     """Two torchrun agents (two 'nodes', one rank each) meet in a c10d rendezvous."""
+    runs = tmp_path / "runs"
     _two_torchrun_nodes(
-        1, "digits", "--set", "train.steps=20", "--set", f"launch.runs_dir={tmp_path}"
+        tmp_path / "agents",
+        1,
+        "digits",
+        "--set",
+        "train.steps=20",
+        "--set",
+        f"launch.runs_dir={runs}",
     )
-    (run_dir,) = tmp_path.iterdir()
+    (run_dir,) = runs.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
 
@@ -214,6 +231,7 @@ def test_two_level_ps_under_torchrun_on_two_nodes_writes_the_summary(tmp_path):
     workers find their roles by rank, and server 0 writes the summary once all have written."""
     run_dir = tmp_path / "run"
     _two_torchrun_nodes(
+        tmp_path / "agents",
         2,
         "digits",
         "--run-dir",

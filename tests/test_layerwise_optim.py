@@ -7,6 +7,8 @@ per parameter, the trap of optimizers unaware of ZeRO, is shown missing by far m
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 import torch
@@ -111,16 +113,20 @@ def _three_ranks() -> dict[str, float]:
     straight = states["lamb", 2]
     resumed = _distributed("mlp", "lamb", sw.ZeRO(stage=2, bucket_mb=0.0003), resume_at=25)
     out["lamb resumed bitwise"] = all(torch.equal(resumed[k], straight[k]) for k in straight)
-    try:
-        sw.prepare(_mlp(), sw.ZeRO(stage=2, offload="disk"), optimizer=sw.optim.LAMB)
-    except ValueError as e:
-        out["disk refused"] = str(e)
+    with tempfile.TemporaryDirectory() as parent:
+        refused = sw.ZeRO(stage=2, offload="disk", offload_dir=parent)
+        try:
+            sw.prepare(_mlp(), refused, optimizer=sw.optim.LAMB)
+        except ValueError as e:
+            out["disk refused"] = str(e)
+        out["left by the refusal"] = os.listdir(parent)
     return out
 
 
 def test_zero_stages_equal_one_process_and_a_per_shard_ratio_does_not():
     for result in run(_three_ranks, 3, timeout_s=300):
         assert result.pop("disk refused").startswith("LAMB needs every shard's norms at once")
+        assert result.pop("left by the refusal") == []
         assert result.pop("lamb resumed bitwise") is True
         for name in OPTIMIZERS:
             trap = result.pop(f"{name} per-shard zero2")

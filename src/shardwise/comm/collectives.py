@@ -166,14 +166,24 @@ def _issue(
     group: ProcessGroup | None = None,
     tensor: torch.Tensor | None = None,
     recorded_as: str | None = None,
+    blocking: bool = False,
 ) -> Handle:
     """Run a backend call, count it (as `op`), and either wait (timing the wait) or hand back
-    a Handle. `recorded_as`: the flight recorder's name for how it was sent, where not `op`."""
+    a Handle. `recorded_as`: the flight recorder's name for how it was sent, where not `op`.
+    `blocking`: the call itself is the wait (a collective of ours that returns when done),
+    marked as waited in from its issue, so the watchdog names a rank that never arrives."""
     if isinstance(group, TraceGroup):
         return Handle(op, None, None)
     recorded = recorder.issue(recorded_as or op, group, tensor)
     start = time.perf_counter()
-    work = call()
+    if blocking:
+        thread = recorder.begin_wait(recorded, start)
+        try:
+            work = call()
+        finally:
+            recorder.end_wait(thread)
+    else:
+        work = call()
     if async_op and work is not None:  # counted as it is waited for
         issued = time.perf_counter()
         return Handle(op, work, recorded, issued, (nbytes, issued - start))

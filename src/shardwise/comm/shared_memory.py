@@ -27,6 +27,7 @@ import secrets
 import time
 import weakref
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +35,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import interrupt
-from shardwise.comm.accounting import native_volume, stats
+from shardwise.comm.accounting import native_volume
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
-from shardwise.comm.collectives import _all_gather_flat, all_reduce
-from shardwise.comm.flight import recorder
+from shardwise.comm.collectives import _all_gather_flat, _issue, all_reduce
 
 SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
 LINE = 64  # bytes: a counter's file (a page apart from the others': no contention)
-SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between polls
+SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between polls,
+PAUSE_S = 0.001  # up to this long
 CHECK_S = 0.05  # and every this long asks whether a missing peer's process ended
 
 
@@ -81,7 +82,7 @@ class Arrivals:
             time.sleep(pause)  # (0: a yield of the core, and of the GIL)
             now = time.perf_counter()
             if now - start > SPIN_S:
-                pause = min(0.001, max(2 * pause, 5e-5))
+                pause = min(PAUSE_S, max(2 * pause, 5e-5))
             if now - checked > CHECK_S:
                 checked = now
                 self._check(n, since, now - start)
@@ -193,17 +194,10 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             all_reduce(buffer, group=self.group)
             return
         slots = [buffer if p is None else torch.from_numpy(p).view(buffer.dtype) for p in peers]
-        # Recorded as its own op (the bench floor replays it so) and marked as waited in from
-        # its issue: the watchdog names a rank that never arrives, as in any collective.
-        call = recorder.issue("all_reduce_shared", self.group, buffer)
-        start = time.perf_counter()
-        thread = recorder.begin_wait(call, start)
-        try:
-            self._sum_in_place(slots)
-        finally:
-            recorder.end_wait(thread)
+        # Recorded as its own op (the bench floor replays it so), counted as an all-reduce.
         volume = native_volume("all_reduce", nbytes, self.size)
-        stats.record("all_reduce", volume, time.perf_counter() - start)
+        call = partial(self._sum_in_place, slots)
+        _issue("all_reduce", volume, call, False, self.group, buffer, "all_reduce_shared", True)
 
     def _sum_in_place(self, slots: list[torch.Tensor]) -> None:
         chunks = [slot.tensor_split(self.size) for slot in slots]

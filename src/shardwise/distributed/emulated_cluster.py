@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,8 +110,10 @@ class Cluster:
         for ns in our_namespaces(self.run_id):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    def agent_command(self, i: int, port: int, args: list[str], module: str) -> list[str]:
-        """torchrun on host i, one rank, rendezvous at host 0."""
+    def agent_command(
+        self, i: int, port: int, args: list[str], module: str, logs: str
+    ) -> list[str]:
+        """torchrun on host i, one rank, rendezvous at host 0; its agent logs under `logs`."""
         conf = ["--rdzv-conf", "is_host=1"] if i == 0 else []
         return [
             "ip",
@@ -122,6 +125,8 @@ class Cluster:
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--log-dir",
+            logs,
             "--nnodes",
             str(self.hosts),
             "--nproc-per-node",
@@ -145,15 +150,19 @@ class Cluster:
         self, args: list[str], port: int = 29400, timeout: float = 600, module: str = "shardwise"
     ) -> list[int]:
         """Run `python -m MODULE ARGS` on every host; return each agent's exit code."""
-        agents = [
-            subprocess.Popen(self.agent_command(i, port, args, module)) for i in range(self.hosts)
-        ]
-        try:
-            return [agent.wait(timeout=timeout) for agent in agents]
-        finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    agent.kill()
+        # (torchrun's agents otherwise leave a log directory of their own in /tmp per run)
+        with tempfile.TemporaryDirectory(prefix="shardwise-cluster-") as logs:
+            agents = [
+                subprocess.Popen(self.agent_command(i, port, args, module, logs))
+                for i in range(self.hosts)
+            ]
+            try:
+                return [agent.wait(timeout=timeout) for agent in agents]
+            finally:
+                for agent in agents:
+                    if agent.poll() is None:
+                        agent.kill()
+                        agent.wait()
 
 
 @contextlib.contextmanager

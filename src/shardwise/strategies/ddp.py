@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from pydantic import Field
@@ -84,6 +84,19 @@ def broadcast_module_state(
         with torch.no_grad():
             for t, chunk in zip(same, unflatten(flat, same), strict=True):
                 t.copy_(chunk)
+
+
+def resolve_all_reduce(
+    algorithm: AllReduceName | None, shared_cores: bool, world_size: int
+) -> AllReduceName:
+    """`algorithm`, or where None: shared memory where every rank computes on one host's CPU
+    (`shared_cores`: gloo's all-reduce there is a copy through loopback sockets, 4x slower on
+    23 MB), else the backend's own. The cost model prices DDP's default by this too."""
+    if algorithm is not None:
+        return algorithm
+    if shared_cores and world_size > 1 and shared_memory.supported():
+        return "shared_memory"
+    return "native"
 
 
 def _make_bucket(params: list[nn.Parameter], all_reduce: AllReduceAlgorithm) -> Bucket:
@@ -272,20 +285,16 @@ class DDP(Strategy):
             make_codec(self.compression)  # validates the spec
         if self.bucket_mb is not None and self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.algorithm not in (None, "native", "shared_memory", "ring", "hierarchical"):
+        names = get_args(AllReduceName)
+        if self.algorithm is not None and self.algorithm not in names:
             raise ValueError(
-                "algorithm must be 'native', 'shared_memory', 'ring' or 'hierarchical', "
-                f"got {self.algorithm!r}"
+                f"algorithm must be one of {', '.join(map(repr, names))}, got {self.algorithm!r}"
             )
 
     def all_reduce_name(self, runtime: Runtime) -> AllReduceName:
-        """`algorithm`, or where None: shared memory where every rank computes on one host's
-        CPU (gloo's all-reduce there is a copy through loopback sockets, 4x slower on 23 MB),
-        else the backend's own."""
-        if self.algorithm is not None:
-            return self.algorithm
-        one_host = shares_cores(runtime.device, runtime.num_nodes) and runtime.world_size > 1
-        return "shared_memory" if one_host and shared_memory.supported() else "native"
+        """The all-reduce this job's DDP uses (`resolve_all_reduce`)."""
+        shared = shares_cores(runtime.device, runtime.num_nodes)
+        return resolve_all_reduce(self.algorithm, shared, runtime.world_size)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> DataParallelModel:
         if runtime.group is not None and (
@@ -339,7 +348,7 @@ class DDPConfig(StrategySection):
         description="gradient bucket size in MiB (default: an eighth of the "
         "gradients, within 1-25 MiB)",
     )
-    algorithm: Literal["native", "shared_memory", "ring", "hierarchical"] | None = Field(
+    algorithm: AllReduceName | None = Field(
         None,
         description="all-reduce: the backend's own, or our shared_memory / ring / hierarchical "
         "(default: shared memory where every rank is on one host's CPU, else native)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +26,12 @@ class DiskStore:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._maps: dict[str, mmap.mmap] = {}
+
+    @classmethod
+    def fresh(cls, parent: Path, prefix: str) -> DiskStore:
+        """A store in a new directory of its own under `parent` (made if missing)."""
+        parent.mkdir(parents=True, exist_ok=True)
+        return cls(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
     def place(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A file-backed tensor holding `value` (same dtype and shape)."""

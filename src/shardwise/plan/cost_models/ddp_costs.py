@@ -11,6 +11,7 @@ from shardwise.plan.cost_models import CostModel
 from shardwise.plan.costs import FP32, CostJob, Costs, bucket_sizes, numels, replica_costs
 from shardwise.plan.peaks import step_peak
 from shardwise.plan.work import data_parallel_compute
+from shardwise.strategies.ddp import resolve_all_reduce
 from shardwise.strategies.section import StrategySection
 
 
@@ -35,7 +36,7 @@ def ddp_costs(job: CostJob, s: StrategySection) -> Costs:
         # Each bucket's all-reduce starts as backward fills it; only the last one's (the first
         # layers', filled as backward ends) is waited for with nothing left to compute. On one
         # host's CPU the default sums in shared memory, calibrated as a kind of its own.
-        shared = s.algorithm == "shared_memory" or (s.algorithm is None and job.shared_cores)
+        shared = resolve_all_reduce(s.algorithm, job.shared_cores, n) == "shared_memory"
         for i, numel in enumerate(buckets):
             volume = native_volume("all_reduce", numel * elem, n)
             costs.add_comm(

@@ -180,12 +180,9 @@ class ZeRO(Strategy):
         else:
             device = torch.device("cpu") if self.offload else None
             masters = FP32Masters(self.mixed_precision, device, runtime.device)
-        offload_dir = None
-        if self.offload == "disk":  # unique per rank and job, even in a shared parent
-            parent = self.offload_dir or tempfile.gettempdir()
-            Path(parent).mkdir(parents=True, exist_ok=True)
-            prefix = f"shardwise-offload-rank{runtime.rank}-"
-            offload_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        offload_dir = None  # (its rank's own directory is made in it with the optimizer)
+        if self.offload == "disk":
+            offload_dir = Path(self.offload_dir or tempfile.gettempdir())
         stage = STAGES[self.stage]
         bucket_bytes = int(self.bucket_mb * 2**20)
         groups = build_shard_groups(self.shard_group, runtime)  # (collective)

@@ -20,7 +20,6 @@ becomes K), and each reduced slice is then all-reduced across the N/K replicas o
 from __future__ import annotations
 
 import contextlib
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +253,9 @@ class ZeroStage1(DistributedModel):
                 "rather than 'disk' (which steps the shards one page at a time)"
             )
         if self.offload_dir is not None:  # masters and optimizer state in memory-mapped files
-            store = DiskStore(self.offload_dir)
+            # A directory unique to this rank and job, even in a shared parent; made only now
+            # (not at wrap), so that an optimizer refused above leaves nothing behind.
+            store = DiskStore.fresh(self.offload_dir, f"shardwise-offload-rank{self.runtime.rank}-")
             self.disk_step = DiskOffloadedStep(optimizer.inner, self.shards, store)
         return optimizer
 
@@ -433,5 +434,3 @@ class ZeroStage1(DistributedModel):
             hook.remove()
         if self.disk_step is not None:
             self.disk_step.store.remove()
-        elif self.offload_dir is not None:  # made at wrap, before any optimizer existed
-            shutil.rmtree(self.offload_dir, ignore_errors=True)
