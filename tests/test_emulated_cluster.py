@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _agent_logs() -> set[str]:
+    """torchrun's agents' log directories in the temporary directory (its default place)."""
+    prefixes = ("torchelastic_", "shardwise-cluster-")
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(prefixes)}
+
+
 def test_two_hosts_train_over_a_capped_link_and_leave_nothing_behind(tmp_path):
+    logs_before = _agent_logs()
     with emulated(hosts=2, rate="100mbit") as cluster:
         run_id = cluster.run_id
         assert len(our_namespaces(run_id)) == 3  # two hosts and the switch
@@ -38,6 +47,7 @@ def test_two_hosts_train_over_a_capped_link_and_leave_nothing_behind(tmp_path):
     (run_dir,) = tmp_path.iterdir()
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     assert our_namespaces(run_id) == []
+    assert _agent_logs() == logs_before  # (the agents' logs went with the run)
 
 
 def test_a_failing_job_still_removes_the_hosts():
