@@ -8,14 +8,15 @@ FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: setup demo test lint bench clean
 
-# uv installs the same pins in seconds where pip takes about a minute (most of it unpacking
-# torch): 9 s against 58 s on this project's 2-core machines. Where uv cannot be had, pip does it.
+# uv installs the same pins faster than pip (37 s against 58 s on this project's 2-core
+# machines, most of it compiling torch's bytecode as pip does: where PYTHONDONTWRITEBYTECODE is
+# set, as there, a module without it is compiled anew by every process). Without uv, pip.
 INSTALL := $(FIND) -c constraints.txt -e '.[dev,hf]'
 
 $(BIN)/shardwise: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	($(PIP) install --quiet --disable-pip-version-check uv && \
-	  $(BIN)/uv pip install --quiet --python $(BIN)/python $(INSTALL)) || \
+	  $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python $(INSTALL)) || \
 	  $(PIP) install --quiet --disable-pip-version-check $(INSTALL)
 	@touch $@
 
@@ -24,7 +25,10 @@ setup: $(BIN)/shardwise
 demo: setup  ## set up and run the default job (digits, 2 ranks, our DDP)
 	$(BIN)/shardwise train
 
+# First our own modules' bytecode (an editable install compiles none): where none is written,
+# every process the tests start (a job's launcher, each of its ranks) would compile them anew.
 test: setup  ## set up, lint and run the test suite
+	$(BIN)/python -m compileall -q src
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone"
