@@ -187,9 +187,11 @@ def _peak_unmodelled(options: dict) -> bool:
 def _gloo_late_free(options: dict, predicted: dict, world: int) -> int:
     """Bytes gloo's own thread may still hold when the meter looks: it lets go of a collective's
     buffers on its own time, after the caller's wait has returned (a tensor it holds keeps its
-    Python object, which the meter's scan finds). Three places it was seen in CI runs:
+    Python object, which the meter's scan finds). Four places it was seen in CI runs:
     ZeRO 1-2 with fp32 masters copy a reduced slice to fp32 as the backend frees the buffer it
-    reduced (+52,244 B once: the fp32 slice); a DDP wire codec's gather of every rank's message
+    reduced (+52,244 B once: the fp32 slice); without masters, gloo's own copy of the flat
+    gradients it reduce-scattered (+104,320 B once, ZeRO-1 on the MLP at world 2, a loaded
+    machine: the gradients' bytes); a DDP wire codec's gather of every rank's message
     (`Codec.reduce`, on the codec's thread) still alive as the next step's meter starts (+83,680 B
     once, topk:0.1 at world 4: the gathered buffer); local SGD's flat copy of the parameters
     it averaged (+104,488 B once, period 2 on the MLP at world 2: the parameters' bytes). Up to
@@ -198,7 +200,7 @@ def _gloo_late_free(options: dict, predicted: dict, world: int) -> int:
         return predicted["memory"]["params"]
     if options.get("name") == "zero" and options.get("stage") in (1, 2):
         masters = options.get("mixed_precision") or options.get("offload")
-        return predicted["memory"]["master_weights"] if masters else 0
+        return predicted["memory"]["master_weights" if masters else "params"]
     codec = options.get("compression")
     if options.get("name") != "ddp" or codec is None or codec.split(":")[0] in CAST_OR_POWERSGD:
         return 0
