@@ -8,7 +8,7 @@ hierarchical), or through shared memory where every rank is on one host (`shared
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ __all__ = [
     "AllReduceName",
     "NativeAllReduce",
     "ThreadedAllReduce",
+    "check_all_reduce_name",
     "make_all_reduce",
 ]
 
@@ -63,7 +64,12 @@ def make_all_reduce(
         return RingAllReduce(timeout)
     if name == "hierarchical":
         return HierarchicalAllReduce(group_size or 1, timeout)
-    raise ValueError(
-        "all-reduce algorithm must be 'native', 'shared_memory', 'ring' or 'hierarchical', "
-        f"got {name!r}"
-    )
+    check_all_reduce_name(name)
+    raise AssertionError(f"no all-reduce made for {name!r}")
+
+
+def check_all_reduce_name(name: str) -> None:
+    """A one-line error unless `name` is one of `AllReduceName`'s."""
+    names = get_args(AllReduceName)
+    if name not in names:
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, names))}, got {name!r}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -37,6 +37,7 @@ from shardwise.comm.algorithms import (
     AllReduceAlgorithm,
     AllReduceName,
     NativeAllReduce,
+    check_all_reduce_name,
     make_all_reduce,
 )
 from shardwise.comm.compressed_collectives import CompressedAllReduce, make_codec
@@ -285,11 +286,8 @@ class DDP(Strategy):
             make_codec(self.compression)  # validates the spec
         if self.bucket_mb is not None and self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        names = get_args(AllReduceName)
-        if self.algorithm is not None and self.algorithm not in names:
-            raise ValueError(
-                f"algorithm must be one of {', '.join(map(repr, names))}, got {self.algorithm!r}"
-            )
+        if self.algorithm is not None:
+            check_all_reduce_name(self.algorithm)
 
     def all_reduce_name(self, runtime: Runtime) -> AllReduceName:
         """The all-reduce this job's DDP uses (`resolve_all_reduce`)."""
