@@ -43,6 +43,16 @@ ALONE = {
 }
 
 
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """`make test`'s two runs (`-m "not alone"`, `-m alone`) do not import the other's files:
+    collecting them costs seconds a process (inductor, transformers) for tests deselected."""
+    if collection_path.suffix != ".py":
+        return None
+    alone = collection_path.name in ALONE
+    selected = {"alone": alone, "not alone": not alone}.get(config.option.markexpr, True)
+    return True if not selected else None
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path.name in ALONE:
