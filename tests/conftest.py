@@ -40,6 +40,7 @@ ALONE = {
     "test_script_watchdog.py",
     "test_steptime.py",
     "test_work_queue.py",
+    "test_zygote.py",
 }
 
 

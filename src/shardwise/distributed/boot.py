@@ -9,28 +9,50 @@ under memory pressure) must not leave them running on. The launcher puts its pid
 `SHARDWISE_PARENT_PID` before it starts them, so a worker whose launcher died before the request
 (its parent is then another process) sees it and leaves at once. Only the standard library is
 imported here.
+
+Where the launcher runs a zygote (`zygote.py`, named by `SHARDWISE_ZYGOTE`), the rank's work
+runs in a fork of it, which has imported torch already: this process hands it the rank's
+arguments, environment and standard streams, passes on the signals it gets, and exits as the
+fork exits. Where no zygote answers, the rank runs here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import json
 import os
 import runpy
 import signal
+import socket
 import sys
 
 PARENT_ENV = "SHARDWISE_PARENT_PID"
+ZYGOTE_ENV = "SHARDWISE_ZYGOTE"
 PR_SET_PDEATHSIG = 1
+# What a rank's process passes on to its fork: the stop signals a launcher, torchrun's agent or
+# a user sends (SIGKILL cannot be caught: the zygote kills the fork when this process is gone).
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+MESSAGE_BYTES = 1 << 20  # the largest message either side takes (a request: argv and env)
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when its parent exits (Linux; elsewhere a no-op),
-    and leave now if the parent this process was started by is already gone."""
+    and leave now if the parent this process was started by (`parent`, else the launcher named
+    in the environment) is already gone."""
     if not sys.platform.startswith("linux"):
         return
-    expected = os.environ.get(PARENT_ENV)
-    parent = int(expected) if expected and expected.isdigit() else os.getppid()
+    if parent is None:
+        expected = os.environ.get(PARENT_ENV)
+        parent = int(expected) if expected and expected.isdigit() else os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request: follow it now
@@ -45,11 +67,10 @@ def _announce_leaving(error: BaseException) -> None:
         runtime.announce_leaving(f"{type(error).__name__}: {error}".splitlines()[0][:300])
 
 
-def main() -> None:
-    die_with_parent()
+def run(args: list[str]) -> None:
+    """Run the rank: `-m MODULE ARGS...` or `SCRIPT ARGS...`, as `python` would."""
     # Python put this file's folder, the package's own, first on the path: its modules must not
     # shadow top-level ones. What `python -m MODULE` or `python SCRIPT` would put there instead:
-    args = sys.argv[1:]
     if args[:1] == ["-m"] and len(args) > 1:
         sys.path[0] = os.getcwd()
         sys.argv = args[1:]
@@ -69,6 +90,56 @@ def main() -> None:
             gc.freeze()
     else:
         sys.exit("usage: boot.py -m MODULE [ARGS...] | boot.py SCRIPT [ARGS...]")
+
+
+def run_forked(address: str, args: list[str]) -> int | None:
+    """Have the zygote at `address` run the rank in a fork; its exit code (negative: the signal
+    that ended it). None if no zygote took the request (nothing was forked): run it here."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
+    request = json.dumps({"argv": args, "cwd": os.getcwd(), "env": env}).encode()
+    try:
+        connection.connect(address)
+        socket.send_fds(connection, [request], [0, 1, 2])
+        reply = connection.recv(MESSAGE_BYTES)  # (waits while the zygote imports torch)
+    except OSError:
+        return None
+    if not reply:  # the zygote could not start (it said why) or went away: nothing forked
+        return None
+    fork = int(json.loads(reply)["pid"])
+
+    def pass_on(signum: int, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):  # (it ended meanwhile)
+            os.kill(fork, signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, pass_on)
+    reply = connection.recv(MESSAGE_BYTES)
+    if not reply:  # the zygote died, and the fork with it (its parent-death signal)
+        print(f"shardwise: the zygote that ran pid {fork} is gone", file=sys.stderr, flush=True)
+        return -int(signal.SIGKILL)
+    return int(json.loads(reply)["exit"])
+
+
+def exit_as(code: int) -> None:
+    """End this process as the fork ended: the same exit code, or killed by the same signal."""
+    if code < 0:
+        with_signal = signal.Signals(-code)
+        if with_signal not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(with_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), with_signal)
+    os._exit(code & 0xFF)
+
+
+def main() -> None:
+    die_with_parent()
+    args = sys.argv[1:]
+    address = os.environ.get(ZYGOTE_ENV)
+    if address and args:
+        code = run_forked(address, args)
+        if code is not None:
+            exit_as(code)
+    run(args)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
 from shardwise.comm import jobstore
 from shardwise.comm.broken import broken_connection
-from shardwise.distributed import boot, leaving, loopback, membership
+from shardwise.distributed import boot, leaving, loopback, membership, zygote
 from shardwise.distributed.runtime import WATCHDOG_ENV
 
 BOOT = str(Path(boot.__file__).resolve())  # run by path: nothing imported before its work
@@ -221,6 +221,8 @@ def _launch(
     with (
         jobstore.JobStoreServer(jobstore.new_secret()) as store,
         _environment({**worker_environment(nproc, threads_per_rank), **store.environment()}),
+        zygote.running(python_args, dict(os.environ)) as forked,
+        _environment(forked),
         # torchrun's agent keeps a log directory (and error files) per start: with the job.
         tempfile.TemporaryDirectory(prefix="shardwise-agent-") as logs,
     ):

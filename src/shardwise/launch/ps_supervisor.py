@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from shardwise.comm import jobstore
 from shardwise.config import Config
-from shardwise.distributed import loopback
+from shardwise.distributed import loopback, zygote
 from shardwise.distributed.launcher import boot_argv, worker_environment
 from shardwise.distributed.signals import handling_stop_signals
 from shardwise.faults.nonfinite import EXIT_NONFINITE
@@ -103,12 +103,17 @@ class Attempt:
 
 
 def _start(
-    argv: list[str], nproc: int, threads: int | None, attempt: int, layout: Layout
+    argv: list[str],
+    nproc: int,
+    threads: int | None,
+    attempt: int,
+    layout: Layout,
+    forked: dict[str, str],
 ) -> Attempt:
     # The job's store lives in the supervisor, as torchrun's agent hosts its own: a rank that
     # freezes freezes nobody's store requests (heartbeats).
     server = jobstore.JobStoreServer(jobstore.new_secret())
-    env = {**os.environ, **worker_environment(nproc, threads), **server.environment()}
+    env = {**os.environ, **worker_environment(nproc, threads), **server.environment(), **forked}
     env.update(
         MASTER_ADDR=loopback.HOST,  # gloo's sockets follow it: 127.0.0.1 only
         WORLD_SIZE=str(nproc),
@@ -165,9 +170,10 @@ def supervise(
     """Run the processes; returns (whether the servers and relays finished, {rank: exit code}
     of processes that failed)."""
     running: list[subprocess.Popen] = []
-    with _ending_children_on_signals(running):
-        for attempt in range(restarts + 1):
-            job = _start(argv, nproc, threads, attempt, layout)
+    base = {**os.environ, **worker_environment(nproc, threads)}
+    with _ending_children_on_signals(running), zygote.running(argv, base) as forked:
+        for attempt in range(restarts + 1):  # (a restart's processes are forks too: no imports)
+            job = _start(argv, nproc, threads, attempt, layout, forked)
             running[:] = job.procs
             if _watch(job, layout):
                 return layout.served(job.procs), job.failures

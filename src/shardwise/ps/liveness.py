@@ -50,7 +50,9 @@ class HeartbeatSender:
 
     def _run(self) -> None:
         failures = 0
-        while not self._stop.wait(self._period):
+        # The first beat at once: until it, watchers allow a start-up's silence (FIRST_BEAT_S),
+        # and a server forked ready to serve can answer 10 updates before a period has passed.
+        while True:
             try:
                 self._store.add(self._key, 1)
                 failures = 0
@@ -58,6 +60,8 @@ class HeartbeatSender:
                 failures += 1
                 if failures >= GIVE_UP_AFTER:
                     return
+            if self._stop.wait(self._period):
+                return
 
     def stop(self) -> None:
         self._stop.set()

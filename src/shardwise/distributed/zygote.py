@@ -1,0 +1,220 @@
+"""A job's zygote: one process that imports torch and shardwise once, and forks each rank.
+
+    python .../distributed/zygote.py FD ARGS...   # FD: its listening socket; ARGS: the job's
+
+Every rank's process would otherwise import torch, its compiler stack (which the first optimizer
+imports) and shardwise before any work: 2.7-3.2 s of CPU a rank on 2 cores, more than a short
+job's training. A launcher starts one zygote per job (`start`) beside the processes it starts
+for the ranks (`boot.py`); each of those asks the zygote for a fork that runs the rank
+(`boot.run_forked`), passes its signals on, and exits as the fork exits. So torchrun's agent and
+the parameter-server supervisor keep their own processes, pids, exit codes and signals, and the
+forks, which share the zygote's imported pages, do the work.
+
+One connection per rank, on a Unix socket in the launcher's private folder (SOCK_SEQPACKET: one
+message a read):
+  rank -> zygote: {"argv": [...], "cwd": "...", "env": {...}}, with the rank's stdin, stdout and
+                  stderr passed along (SCM_RIGHTS);
+  zygote -> rank: {"pid": N} once forked, then {"exit": CODE} (negative: the signal that ended
+                  it).
+A rank process whose connection closes (killed, SIGKILL included) has its fork SIGKILLed. The
+forks die with the zygote and the zygote with the launcher (parent-death signals), and the
+zygote is single-threaded when it forks (nothing it imports starts a thread).
+
+Run by its path, as `boot.py` is: the standard library and `boot` until the socket listens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+if __package__:
+    from shardwise.distributed import boot
+else:  # run by path (the zygote itself): its sibling, and nothing heavy yet
+    import boot
+
+# What every rank imports before its work (torch._dynamo: `torch.optim` does, for its first
+# optimizer); each rank still imports what its own work needs beyond these.
+PRELOAD = ("torch", "torch._dynamo", "shardwise")
+SOCKET_NAME = "zygote.sock"
+REQUEST_S = 5.0  # seconds a connected rank process gets to send its request
+
+
+def supported() -> bool:
+    """Linux: the parent-death signal, and pidfds to learn when a fork ends."""
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+
+
+@contextlib.contextmanager
+def running(job_args: list[str], env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A zygote for the job's ranks while inside, started with their base `env` (what is read
+    as Python and torch start: threads, the allocator); yields what the ranks' environment needs
+    to be forked from it ({} where zygotes are not supported, or `SHARDWISE_ZYGOTE=0` turns them
+    off). `job_args` name the job in the zygote's command line, as in its ranks'."""
+    if not supported() or os.environ.get(boot.ZYGOTE_ENV) == "0":
+        yield {}
+        return
+    with tempfile.TemporaryDirectory(prefix="shardwise-zygote-") as folder:  # (mode 0700)
+        path = os.path.join(folder, SOCKET_NAME)
+        # Listening before any rank starts (a rank that found no socket would import torch
+        # itself); the zygote accepts once its imports are done.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+            listener.bind(path)
+            listener.listen(256)
+            process = subprocess.Popen(
+                [sys.executable, __file__, str(listener.fileno()), *job_args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                pass_fds=[listener.fileno()],
+                start_new_session=True,  # a terminal's Ctrl-C is for the ranks, via the launcher
+            )
+        try:
+            yield {boot.ZYGOTE_ENV: path}
+        finally:  # (a fork still running ends with it)
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            process.wait()
+
+
+@dataclass
+class _Fork:
+    pid: int
+    connection: socket.socket  # to the rank's own process
+    pidfd: int
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+def _request(connection: socket.socket) -> tuple[list[str], str, dict[str, str], list[int]]:
+    """A rank's request, checked: its arguments, folder, environment and three descriptors."""
+    data, fds, _, _ = socket.recv_fds(connection, boot.MESSAGE_BYTES, 3)
+    try:
+        message = json.loads(data)
+        argv, cwd, env = message["argv"], message["cwd"], message["env"]
+        ok = (
+            isinstance(argv, list)
+            and argv
+            and all(isinstance(a, str) for a in argv)
+            and isinstance(cwd, str)
+            and isinstance(env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+            and len(fds) == 3
+        )
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        for fd in fds:
+            os.close(fd)
+        raise _BadRequest(f"a malformed request ({len(data)} bytes, {len(fds)} descriptors)")
+    return argv, cwd, env, fds
+
+
+def _become_rank(
+    zygote: int, cwd: str, env: dict[str, str], fds: list[int], listener, forks
+) -> None:
+    """In the fork: the rank's own session, streams, folder and environment; nothing of the
+    zygote's connections."""
+    os.setsid()
+    boot.die_with_parent(zygote)
+    listener.close()
+    for fork in forks.values():
+        fork.connection.close()
+        os.close(fork.pidfd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        if fd > 2:
+            os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ[boot.PARENT_ENV] = str(zygote)  # (what a rank checks it has not lost: its parent)
+    # As a fresh process would, a fork draws new seeds from the OS (Python's `random` does so
+    # itself after a fork; numpy's global generator would repeat the zygote's in every rank).
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+
+
+def serve(listener: socket.socket) -> list[str]:
+    """Fork a rank for each request until killed. Returns only in a fork: the rank's argv."""
+    zygote = os.getpid()
+    forks: dict[int, _Fork] = {}  # by the fd of its connection
+    events = selectors.DefaultSelector()
+    events.register(listener, selectors.EVENT_READ)
+    while True:
+        for key, _ in events.select():
+            if key.fileobj is listener:
+                connection, _ = listener.accept()
+                connection.settimeout(REQUEST_S)  # (a client that sends nothing holds no one up)
+                try:
+                    argv, cwd, env, fds = _request(connection)
+                    connection.setblocking(True)
+                except (OSError, _BadRequest) as e:
+                    print(f"shardwise: zygote: {e}", file=sys.stderr, flush=True)
+                    connection.close()
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    events.close()
+                    connection.close()
+                    _become_rank(zygote, cwd, env, fds, listener, forks)
+                    return argv
+                for fd in fds:
+                    os.close(fd)
+                fork = _Fork(pid, connection, os.pidfd_open(pid))
+                forks[connection.fileno()] = fork
+                events.register(connection, selectors.EVENT_READ, fork)
+                events.register(fork.pidfd, selectors.EVENT_READ, fork)
+                with contextlib.suppress(OSError):  # (its process gone: seen as a close)
+                    connection.send(json.dumps({"pid": pid}).encode())
+            elif key.fileobj is key.data.connection:  # the rank's process went away
+                fork = key.data
+                events.unregister(fork.connection)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(fork.pid, signal.SIGKILL)
+            else:  # the fork ended
+                fork = key.data
+                _, status = os.waitpid(fork.pid, 0)
+                with contextlib.suppress(OSError):
+                    fork.connection.send(
+                        json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode()
+                    )
+                with contextlib.suppress(KeyError, ValueError):
+                    events.unregister(fork.connection)
+                events.unregister(fork.pidfd)
+                os.close(fork.pidfd)
+                forks.pop(fork.connection.fileno(), None)
+                fork.connection.close()
+
+
+def main() -> None:
+    boot.die_with_parent()
+    listener = socket.socket(fileno=int(sys.argv[1]))  # (bound by the launcher)
+    sys.path[0] = os.getcwd()  # (not this folder: its modules would shadow top-level ones)
+    try:
+        for module in PRELOAD:
+            __import__(module)
+    except BaseException as e:  # the ranks then find no zygote and run in their own processes
+        print(f"shardwise: zygote: cannot import {module}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if sys.modules["torch"].cuda.is_initialized():  # (a fork cannot use its parent's CUDA)
+        print("shardwise: zygote: CUDA was initialised on import", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    argv = serve(listener)
+    boot.run(argv)  # (in a fork: the rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Each rank of a job runs in a fork of the job's zygote (`distributed/zygote.py`), which
+imported torch once: the process torchrun's agent started for the rank (`boot.py`) hands it the
+rank and ends as the fork ends. Evidence from the kernel (parents, command lines, what is
+alive), not from the zygote: the ranks' parent is one zygote, torch is imported before the
+script's first line, the same job runs without one (`SHARDWISE_ZYGOTE=0`), a killed rank process
+takes its fork with it, and a malformed request changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from harness import run_cli, wait_until
+from shardwise.distributed import launcher, zygote
+
+REPORT = """
+    import json, os, sys
+    preloaded = "torch" in sys.modules  # (before this script imports anything)
+    import torch
+    import shardwise as sw
+    rt = sw.init()
+    t = torch.tensor([float(rt.rank + 1)])
+    sw.comm.all_reduce(t)
+    parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+    import numpy
+    report = {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded,
+              "parent": [a.decode() for a in parent if a], "sum": t.item(),
+              "numpy": float(numpy.random.random())}
+    open(os.path.join(sys.argv[1], f"rank{rt.rank}.json"), "w").write(json.dumps(report))
+    sw.shutdown()
+"""
+
+
+def _reports(tmp_path: Path, env: dict[str, str] | None) -> list[dict]:
+    script, out = tmp_path / "report.py", tmp_path / ("out" if env is None else "out-no-zygote")
+    script.write_text(textwrap.dedent(REPORT))
+    out.mkdir()
+    done = run_cli("run", "--nproc", "2", str(script), str(out), env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ranks_are_forks_of_one_zygote_and_the_job_is_the_same_without_it(tmp_path):
+    forked = _reports(tmp_path, None)
+    assert forked[0]["ppid"] == forked[1]["ppid"]  # one parent for both ranks
+    assert any(a.endswith("distributed/zygote.py") for a in forked[0]["parent"])
+    assert all(r["preloaded"] for r in forked)
+    assert forked[0]["numpy"] != forked[1]["numpy"]  # seeded afresh, as a new process is
+    alone = _reports(tmp_path, {"SHARDWISE_ZYGOTE": "0"})
+    for report in alone:  # each its own process, started by the launcher's agent
+        assert report["parent"][1:3] == ["-m", "shardwise"], report["parent"]
+    assert not any(r["preloaded"] for r in alone)
+    assert [r["sum"] for r in forked] == [r["sum"] for r in alone] == [3.0, 3.0]
+
+
+SLEEPER = """
+    import os, sys, time
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    code = sys.argv[2]
+    if code == "sleep":
+        time.sleep(600)
+    elif code == "SIGTERM":
+        os.kill(os.getpid(), 15)
+    sys.exit(int(code))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _rank(script: Path, pid_file: Path, code: str, env: dict[str, str]) -> subprocess.Popen:
+    """What an agent starts for a rank: `python boot.py SCRIPT ARGS`, here running `script`."""
+    args = [sys.executable, launcher.BOOT, str(script), str(pid_file), code]
+    return subprocess.Popen(args, env={**os.environ, **env})
+
+
+def test_a_fork_ends_as_its_rank_process_sees_and_dies_with_it(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(textwrap.dedent(SLEEPER))
+    with zygote.running([str(script)], dict(os.environ)) as env:
+        # Exit codes and signals come back as the fork's own.
+        for code, want in (("0", 0), ("7", 7), ("SIGTERM", -signal.SIGTERM)):
+            pid_file = tmp_path / f"pid-{code}"
+            rank = _rank(script, pid_file, code, env)
+            assert rank.wait(timeout=60) == want
+            assert int(pid_file.read_text()) != rank.pid  # it ran in a fork
+        # Requests that are not a rank's (not JSON; a wrong field; no descriptors) are
+        # refused, the connection closed and nothing forked, and the zygote serves on.
+        for data, fds in ((b"\xff not json", [0, 1, 2]), (b'{"argv": ["x"]}', [0, 1, 2])):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
+                client.connect(env["SHARDWISE_ZYGOTE"])
+                socket.send_fds(client, [data], fds)
+                client.settimeout(30)
+                assert client.recv(4096) == b""
+        # SIGKILL to the rank's process (what an agent does to a rank that will not stop): the
+        # fork goes too, while the zygote lives on.
+        pid_file = tmp_path / "pid-sleep"
+        rank = _rank(script, pid_file, "sleep", env)
+        wait_until(pid_file.exists, job=rank)
+        fork = int(pid_file.read_text())
+        assert _alive(fork)
+        rank.kill()
+        rank.wait()
+        wait_until(lambda: not _alive(fork), timeout_s=10)
+        # The next rank is served as the first was.
+        rank = _rank(script, tmp_path / "pid-after", "3", env)
+        assert rank.wait(timeout=60) == 3
