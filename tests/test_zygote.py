@@ -16,8 +16,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from harness import run_cli, wait_until
-from shardwise.distributed import launcher, zygote
+from shardwise.distributed import boot, launcher, zygote
 
 REPORT = """
     import json, os, sys
@@ -85,6 +87,43 @@ def _rank(script: Path, pid_file: Path, code: str, env: dict[str, str]) -> subpr
     return subprocess.Popen(args, env={**os.environ, **env})
 
 
+OUTSIDER = """
+import json, socket, sys
+client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+client.connect("\\0" + sys.argv[1][1:])  # (an abstract name: '@' for its NUL)
+request = {"argv": sys.argv[2:], "cwd": "/", "env": {}}
+socket.send_fds(client, [json.dumps(request).encode()], [0, 1, 2])
+client.settimeout(30)
+try:
+    reply = client.recv(4096)
+except ConnectionResetError:  # (closed with the request unread: refused all the same)
+    reply = b""
+print(repr(reply))
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to run a process as another user")
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="no system python for nobody")
+def test_another_users_request_is_refused_and_nothing_runs(tmp_path):
+    """A well-formed request from user `nobody`: the zygote's socket has no file whose mode
+    could keep it out, so the zygote asks the kernel who connected."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(textwrap.dedent(SLEEPER))
+    os.chmod(tmp_path, 0o755)  # (nobody may read the script: only the zygote stops it)
+    pid_file = tmp_path / "pid-nobody"
+    with zygote.running([str(script)], dict(os.environ)) as env:
+        # (/usr/bin/python3: this environment's interpreter may lie where nobody cannot go)
+        argv = ["/usr/bin/python3", "-c", OUTSIDER, env["SHARDWISE_ZYGOTE"], str(script)]
+        done = subprocess.run(
+            [*argv, str(pid_file), "0"], user=65534, cwd="/", capture_output=True, text=True
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "b''", done.stderr[-2000:]
+        # The same request from this user runs (the refusal was the user's, not the request's).
+        rank = _rank(script, tmp_path / "pid-mine", "0", env)
+        assert rank.wait(timeout=60) == 0 and (tmp_path / "pid-mine").exists()
+    assert not pid_file.exists()
+
+
 def test_a_fork_ends_as_its_rank_process_sees_and_dies_with_it(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(textwrap.dedent(SLEEPER))
@@ -99,7 +138,7 @@ def test_a_fork_ends_as_its_rank_process_sees_and_dies_with_it(tmp_path):
         # refused, the connection closed and nothing forked, and the zygote serves on.
         for data, fds in ((b"\xff not json", [0, 1, 2]), (b'{"argv": ["x"]}', [0, 1, 2])):
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
-                client.connect(env["SHARDWISE_ZYGOTE"])
+                client.connect(boot.socket_address(env["SHARDWISE_ZYGOTE"]))
                 socket.send_fds(client, [data], fds)
                 client.settimeout(30)
                 assert client.recv(4096) == b""

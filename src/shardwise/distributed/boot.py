@@ -92,6 +92,12 @@ def run(args: list[str]) -> None:
         sys.exit("usage: boot.py -m MODULE [ARGS...] | boot.py SCRIPT [ARGS...]")
 
 
+def socket_address(name: str) -> str:
+    """The Unix socket address a zygote's name stands for: '@NAME' is NAME in the abstract
+    namespace (an environment variable cannot hold its leading NUL)."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
 def run_forked(address: str, args: list[str]) -> int | None:
     """Have the zygote at `address` run the rank in a fork; its exit code (negative: the signal
     that ended it). None if no zygote took the request (nothing was forked): run it here."""
@@ -99,7 +105,7 @@ def run_forked(address: str, args: list[str]) -> int | None:
     env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
     request = json.dumps({"argv": args, "cwd": os.getcwd(), "env": env}).encode()
     try:
-        connection.connect(address)
+        connection.connect(socket_address(address))
         socket.send_fds(connection, [request], [0, 1, 2])
         reply = connection.recv(MESSAGE_BYTES)  # (waits while the zygote imports torch)
     except OSError:

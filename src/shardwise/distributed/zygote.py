@@ -10,8 +10,9 @@ for the ranks (`boot.py`); each of those asks the zygote for a fork that runs th
 the parameter-server supervisor keep their own processes, pids, exit codes and signals, and the
 forks, which share the zygote's imported pages, do the work.
 
-One connection per rank, on a Unix socket in the launcher's private folder (SOCK_SEQPACKET: one
-message a read):
+One connection per rank, on a Unix socket in Linux's abstract namespace (no file, so nothing is
+left behind by a launcher that is killed), taken only from processes of this user (their
+credentials, from the kernel), as a private folder would; SOCK_SEQPACKET: one message a read.
   rank -> zygote: {"argv": [...], "cwd": "...", "env": {...}}, with the rank's stdin, stdout and
                   stderr passed along (SCM_RIGHTS);
   zygote -> rank: {"pid": N} once forked, then {"exit": CODE} (negative: the signal that ended
@@ -28,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,7 +47,6 @@ else:  # run by path (the zygote itself): its sibling, and nothing heavy yet
 # What every rank imports before its work (torch._dynamo: `torch.optim` does, for its first
 # optimizer); each rank still imports what its own work needs beyond these.
 PRELOAD = ("torch", "torch._dynamo", "shardwise")
-SOCKET_NAME = "zygote.sock"
 REQUEST_S = 5.0  # seconds a connected rank process gets to send its request
 
 
@@ -63,26 +64,25 @@ def running(job_args: list[str], env: dict[str, str]) -> Iterator[dict[str, str]
     if not supported() or os.environ.get(boot.ZYGOTE_ENV) == "0":
         yield {}
         return
-    with tempfile.TemporaryDirectory(prefix="shardwise-zygote-") as folder:  # (mode 0700)
-        path = os.path.join(folder, SOCKET_NAME)
-        # Listening before any rank starts (a rank that found no socket would import torch
-        # itself); the zygote accepts once its imports are done.
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
-            listener.bind(path)
-            listener.listen(256)
-            process = subprocess.Popen(
-                [sys.executable, __file__, str(listener.fileno()), *job_args],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                pass_fds=[listener.fileno()],
-                start_new_session=True,  # a terminal's Ctrl-C is for the ranks, via the launcher
-            )
-        try:
-            yield {boot.ZYGOTE_ENV: path}
-        finally:  # (a fork still running ends with it)
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            process.wait()
+    name = f"@shardwise-zygote-{secrets.token_hex(8)}"  # ('@': the abstract namespace)
+    # Listening before any rank starts (a rank that found no socket would import torch itself);
+    # the zygote accepts once its imports are done.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(boot.socket_address(name))
+        listener.listen(256)
+        process = subprocess.Popen(
+            [sys.executable, __file__, str(listener.fileno()), *job_args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=[listener.fileno()],
+            start_new_session=True,  # a terminal's Ctrl-C is for the ranks, via the launcher
+        )
+    try:
+        yield {boot.ZYGOTE_ENV: name}
+    finally:  # (a fork still running ends with it)
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        process.wait()
 
 
 @dataclass
@@ -96,8 +96,17 @@ class _BadRequest(ValueError):
     pass
 
 
+def _peer_uid(connection: socket.socket) -> int:
+    """The user of the process at the other end, as the kernel knows it (SO_PEERCRED)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    _, uid, _ = struct.unpack("3i", credentials)
+    return uid
+
+
 def _request(connection: socket.socket) -> tuple[list[str], str, dict[str, str], list[int]]:
     """A rank's request, checked: its arguments, folder, environment and three descriptors."""
+    if _peer_uid(connection) != os.getuid():
+        raise _BadRequest(f"a request from another user (uid {_peer_uid(connection)})")
     data, fds, _, _ = socket.recv_fds(connection, boot.MESSAGE_BYTES, 3)
     try:
         message = json.loads(data)
