@@ -24,7 +24,7 @@ from shardwise.comm.jobstore import JobStoreServer, new_secret
 _CTX = mp.get_context("forkserver")
 # torch.optim imports torch._dynamo on a process's first optimizer (~3 s of CPU): done once here.
 # transformers (the optional extra) costs ~3 s per import: once here too, where it is installed.
-_PRELOAD = ["torch", "torch._dynamo", "shardwise"]
+_PRELOAD = ["torch", "torch._dynamo", "preloaded"]
 _CTX.set_forkserver_preload(
     _PRELOAD + (["transformers"] if importlib.util.find_spec("transformers") else [])
 )

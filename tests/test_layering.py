@@ -39,6 +39,7 @@ LAYERS = [
     "shardwise",
     "bench",
     "cli",
+    "entry",
     "__main__",
 ]
 

@@ -33,14 +33,15 @@ REPORT = """
     import numpy
     report = {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded,
               "parent": [a.decode() for a in parent if a], "sum": t.item(),
-              "numpy": float(numpy.random.random())}
+              "numpy": float(numpy.random.random()),
+              "threads": [torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])]}
     open(os.path.join(sys.argv[1], f"rank{rt.rank}.json"), "w").write(json.dumps(report))
     sw.shutdown()
 """
 
 
 def _reports(tmp_path: Path, env: dict[str, str] | None) -> list[dict]:
-    script, out = tmp_path / "report.py", tmp_path / ("out" if env is None else "out-no-zygote")
+    script, out = tmp_path / "report.py", tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
     script.write_text(textwrap.dedent(REPORT))
     out.mkdir()
     done = run_cli("run", "--nproc", "2", str(script), str(out), env=env, cwd=tmp_path)
@@ -49,11 +50,15 @@ def _reports(tmp_path: Path, env: dict[str, str] | None) -> list[dict]:
 
 
 def test_ranks_are_forks_of_one_zygote_and_the_job_is_the_same_without_it(tmp_path):
-    forked = _reports(tmp_path, None)
+    # (the command's own threads: 2; its zygote starts with them, its ranks are to have 1 each)
+    forked = _reports(tmp_path, {"OMP_NUM_THREADS": "2"})
     assert forked[0]["ppid"] == forked[1]["ppid"]  # one parent for both ranks
     assert any(a.endswith("distributed/zygote.py") for a in forked[0]["parent"])
     assert all(r["preloaded"] for r in forked)
     assert forked[0]["numpy"] != forked[1]["numpy"]  # seeded afresh, as a new process is
+    # The zygote started before the job's threads were known (`entry.py`): each fork takes them
+    # from its own environment, as a new process's OpenMP does.
+    assert all(r["threads"] == [1, 1] for r in forked)
     alone = _reports(tmp_path, {"SHARDWISE_ZYGOTE": "0"})
     for report in alone:  # each its own process, started by the launcher's agent
         assert report["parent"][1:3] == ["-m", "shardwise"], report["parent"]

@@ -1,3 +1,3 @@
-from shardwise.cli import run
+from shardwise.entry import main
 
-run()
+main()

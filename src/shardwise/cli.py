@@ -42,12 +42,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
+from shardwise.distributed.boot import in_rank
 from shardwise.plan import calibrate as calibrate_module
 from shardwise.plan import command as planner
-
-
-def _in_worker() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
 def _quiet_torch_elastic() -> None:
@@ -81,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_restarts is not None:
         overrides.append(f"launch.max_restarts={args.max_restarts}")
     cfg = load_config(_config_source(args), overrides)
-    if _in_worker():  # a rank of the job (under our launcher, or torchrun on any machine)
+    if in_rank():  # a rank of the job (under our launcher, or torchrun on any machine)
         import shardwise as sw
         from shardwise.distributed.boot import die_with_parent
         from shardwise.launch.job_runner import train_rank

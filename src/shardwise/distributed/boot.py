@@ -31,6 +31,9 @@ import sys
 PARENT_ENV = "SHARDWISE_PARENT_PID"
 ZYGOTE_ENV = "SHARDWISE_ZYGOTE"
 PR_SET_PDEATHSIG = 1
+# Keep freed memory in the process: large gradient buffers are reallocated every step (glibc
+# reads these as a process starts: a rank's, or the zygote's it is forked from).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 # What a rank's process passes on to its fork: the stop signals a launcher, torchrun's agent or
 # a user sends (SIGKILL cannot be caught: the zygote kills the fork when this process is gone).
 FORWARDED = (
@@ -42,6 +45,11 @@ FORWARDED = (
     signal.SIGUSR2,
 )
 MESSAGE_BYTES = 1 << 20  # the largest message either side takes (a request: argv and env)
+
+
+def in_rank() -> bool:
+    """Whether this process is a rank of a job (under our launcher, or torchrun anywhere)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
 def die_with_parent(parent: int | None = None) -> None:

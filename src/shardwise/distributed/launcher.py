@@ -43,8 +43,6 @@ from shardwise.distributed import boot, leaving, loopback, membership, zygote
 from shardwise.distributed.runtime import WATCHDOG_ENV
 
 BOOT = str(Path(boot.__file__).resolve())  # run by path: nothing imported before its work
-# Keep freed memory in the process: large gradient buffers are reallocated every step.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NONFINITE_EXIT = 4  # the trainer's EXIT_NONFINITE (not imported: the launcher stays light)
 
@@ -67,7 +65,7 @@ def worker_environment(nproc: int, threads_per_rank: int | None) -> dict[str, st
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     env[boot.PARENT_ENV] = str(os.getpid())  # the workers' parent: this process
-    for key, value in MALLOC_ENV.items():
+    for key, value in boot.MALLOC_ENV.items():
         env[key] = os.environ.get(key, value)
     return env
 

@@ -26,6 +26,7 @@ Run by its path, as `boot.py` is: the standard library and `boot` until the sock
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -45,8 +46,9 @@ else:  # run by path (the zygote itself): its sibling, and nothing heavy yet
     import boot
 
 # What every rank imports before its work (torch._dynamo: `torch.optim` does, for its first
-# optimizer); each rank still imports what its own work needs beyond these.
-PRELOAD = ("torch", "torch._dynamo", "shardwise")
+# optimizer; then every name `import shardwise` offers); each rank still imports what its own
+# work needs beyond these.
+PRELOAD = ("torch", "torch._dynamo", "shardwise.cli")
 REQUEST_S = 5.0  # seconds a connected rank process gets to send its request
 
 
@@ -55,15 +57,12 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
 
 
-@contextlib.contextmanager
-def running(job_args: list[str], env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """A zygote for the job's ranks while inside, started with their base `env` (what is read
-    as Python and torch start: threads, the allocator); yields what the ranks' environment needs
-    to be forked from it ({} where zygotes are not supported, or `SHARDWISE_ZYGOTE=0` turns them
-    off). `job_args` name the job in the zygote's command line, as in its ranks'."""
-    if not supported() or os.environ.get(boot.ZYGOTE_ENV) == "0":
-        yield {}
-        return
+_early: subprocess.Popen | None = None  # this process's zygote, started before its imports
+
+
+def start(job_args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start a zygote with the ranks' base `env`; it and the name that ranks find it by (what
+    `boot.ZYGOTE_ENV` holds). `job_args` name the job in its command line, as in its ranks'."""
     name = f"@shardwise-zygote-{secrets.token_hex(8)}"  # ('@': the abstract namespace)
     # Listening before any rank starts (a rank that found no socket would import torch itself);
     # the zygote accepts once its imports are done.
@@ -77,12 +76,42 @@ def running(job_args: list[str], env: dict[str, str]) -> Iterator[dict[str, str]
             pass_fds=[listener.fileno()],
             start_new_session=True,  # a terminal's Ctrl-C is for the ranks, via the launcher
         )
+    return process, name
+
+
+def _stop(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # (a fork still running ends with it)
+        process.kill()
+    process.wait()
+
+
+def start_early(job_args: list[str]) -> None:
+    """Start this launcher's zygote now, before the launcher imports torch: the two imports
+    then run side by side. Its forks take the job's threads from their own environment (the
+    job's are not known yet); it ends as this process exits."""
+    global _early
+    if not supported() or os.environ.get(boot.ZYGOTE_ENV) == "0" or boot.in_rank():
+        return
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", boot.PARENT_ENV: str(os.getpid())}
+    env.update({key: os.environ.get(key, value) for key, value in boot.MALLOC_ENV.items()})
+    _early, os.environ[boot.ZYGOTE_ENV] = start(job_args, env)
+    atexit.register(_stop, _early)
+
+
+@contextlib.contextmanager
+def running(job_args: list[str], env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A zygote for the job's ranks while inside, started with their base `env` (what is read
+    as Python and torch start: threads, the allocator), or the one `start_early` started; yields
+    what the ranks' environment needs to be forked from it ({} where zygotes are not supported,
+    or `SHARDWISE_ZYGOTE=0` turns them off, or it is in the environment already)."""
+    if _early is not None or not supported() or os.environ.get(boot.ZYGOTE_ENV) == "0":
+        yield {}
+        return
+    process, name = start(job_args, env)
     try:
         yield {boot.ZYGOTE_ENV: name}
-    finally:  # (a fork still running ends with it)
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        process.wait()
+    finally:
+        _stop(process)
 
 
 @dataclass
@@ -148,6 +177,9 @@ def _become_rank(
     os.environ.clear()
     os.environ.update(env)
     os.environ[boot.PARENT_ENV] = str(zygote)  # (what a rank checks it has not lost: its parent)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # (OpenMP read the zygote's, as it started)
+        sys.modules["torch"].set_num_threads(int(threads))
     # As a fresh process would, a fork draws new seeds from the OS (Python's `random` does so
     # itself after a fork; numpy's global generator would repeat the zygote's in every rank).
     if "numpy.random" in sys.modules:
@@ -215,6 +247,7 @@ def main() -> None:
     try:
         for module in PRELOAD:
             __import__(module)
+        sys.modules["shardwise"].preload()
     except BaseException as e:  # the ranks then find no zygote and run in their own processes
         print(f"shardwise: zygote: cannot import {module}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
