@@ -134,8 +134,8 @@ def _peer_uid(connection: socket.socket) -> int:
 
 def _request(connection: socket.socket) -> tuple[list[str], str, dict[str, str], list[int]]:
     """A rank's request, checked: its arguments, folder, environment and three descriptors."""
-    if _peer_uid(connection) != os.getuid():
-        raise _BadRequest(f"a request from another user (uid {_peer_uid(connection)})")
+    if (uid := _peer_uid(connection)) != os.getuid():
+        raise _BadRequest(f"a request from another user (uid {uid})")
     data, fds, _, _ = socket.recv_fds(connection, boot.MESSAGE_BYTES, 3)
     try:
         message = json.loads(data)
@@ -249,7 +249,7 @@ def main() -> None:
             __import__(module)
         sys.modules["shardwise"].preload()
     except BaseException as e:  # the ranks then find no zygote and run in their own processes
-        print(f"shardwise: zygote: cannot import {module}: {e}", file=sys.stderr, flush=True)
+        print(f"shardwise: zygote: cannot preload: {e!r}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if sys.modules["torch"].cuda.is_initialized():  # (a fork cannot use its parent's CUDA)
         print("shardwise: zygote: CUDA was initialised on import", file=sys.stderr, flush=True)
