@@ -73,6 +73,46 @@ def test_sums_equal_gloos_and_no_file_is_left_behind(world_size):
         assert mapped and all(path.endswith("(deleted)") for _, _, path in mapped)
 
 
+def means_are_sums_divided():
+    """start_mean: the shared sum divided by the group's size, bit for bit; and which buffers
+    it can average as it sums (none in fp16, whose undivided sums can overflow)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    summing = SharedMemoryAllReduce(timeout=timedelta(seconds=30))
+    exact = True
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (1, 5, 4097):
+            g = torch.Generator().manual_seed(100 * rank + numel)
+            mine = (torch.randn(numel, generator=g) * 100).to(dtype)
+            summed, averaged = (summing.new_buffer(numel, dtype, CPU) for _ in range(2))
+            summed.copy_(mine)
+            averaged.copy_(mine)
+            summing.start(summed).wait()
+            summing.start_mean(averaged).wait()
+            exact &= torch.equal(averaged, summed / world)
+    can = [
+        summing.sums_to_mean(summing.new_buffer(8, dtype, CPU))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+    ]
+    shared = summing.new_buffer(8, torch.float32, CPU)
+    can += [summing.sums_to_mean(shared[3:]), summing.sums_to_mean(torch.zeros(8))]
+    try:
+        summing.start_mean(torch.zeros(8))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    summing.close()
+    return exact, can, refused
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_mean_is_the_shared_sum_divided_by_the_group(world_size):
+    for exact, can, refused in run(means_are_sums_divided, world_size):
+        assert exact
+        # fp32, bf16: yes; fp16, int64: no; a slice of a shared buffer: yes; a plain one: no
+        assert can == [True, True, False, False, True, False]
+        assert "did not place" in refused
+
+
 def plain_buffer_and_disagreement():
     """A buffer the algorithm did not place, and an algorithm one rank cannot place any in:
     both sum through gloo, and correctly."""

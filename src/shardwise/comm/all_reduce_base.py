@@ -38,6 +38,16 @@ class AllReduceAlgorithm:
     def start(self, buffer: torch.Tensor) -> Handle:
         raise NotImplementedError
 
+    def sums_to_mean(self, buffer: torch.Tensor) -> bool:
+        """Whether `start_mean` divides `buffer`'s sum (`buffer`: one of `new_buffer`'s, or a
+        slice of one) by the group's size as it sums, with no pass of its own over the buffer:
+        a strategy whose ranks' shares are equal then leaves its gradients undivided."""
+        return False
+
+    def start_mean(self, buffer: torch.Tensor) -> Handle:
+        """As `start`, the sum divided by the group's size (only where `sums_to_mean`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not divide as it sums")
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -99,9 +109,9 @@ class ThreadedAllReduce(AllReduceAlgorithm):
     def _run(self, buffer: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _run_in_background(self, buffer: torch.Tensor) -> None:
+    def _run_in_background(self, buffer: torch.Tensor, *args) -> None:
         with stats.background():
-            self._run(buffer)
+            self._run(buffer, *args)
 
     def start(self, buffer: torch.Tensor) -> Handle:
         return Handle(self.op, self._thread.submit(self._run_in_background, buffer), None)

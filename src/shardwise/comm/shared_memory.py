@@ -6,10 +6,13 @@ kernel's loopback sockets, made by the cores that compute: on 2 cores, gloo's al
 buffer lives in a shared-memory file that every rank of the group maps, and an all-reduce is
 
 1. (barrier) every rank's buffer holds its contribution;
-2. a reduce-scatter in place: rank r adds chunk r of every other buffer into chunk r of its own,
-   so each chunk is summed once, by one rank, and every rank ends with the same bits;
-3. (barrier) an all-gather in place: rank r copies each finished chunk k from rank k's buffer;
-4. (barrier) no rank writes into its buffer again (the next gradients) while a peer reads it.
+2. rank r adds chunk r of every other buffer into chunk r of its own, so each chunk is summed
+   once, by one rank, and every rank ends with the same bits (and divides it by the group's
+   size there, for `start_mean`: DDP's equal shares then need no pass of their own over the
+   gradients); then it writes the finished chunk r over chunk r of every other buffer, which
+   it alone read;
+3. (barrier) every buffer holds the whole sum, and no rank touches another's buffer until the
+   next all-reduce (the next gradients are written into a rank's own only).
 
 Each rank reads and writes about twice its buffer, whatever the group's size; no byte crosses a
 socket. The barriers are counters in shared memory too (`Arrivals`): gloo's barrier took
@@ -37,13 +40,15 @@ import torch.distributed as dist
 from shardwise.comm import interrupt
 from shardwise.comm.accounting import native_volume
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
-from shardwise.comm.collectives import _all_gather_flat, _issue, all_reduce
+from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_reduce
 
 SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
 LINE = 64  # bytes: a counter's file (a page apart from the others': no contention)
-SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between polls,
+SPIN_S = 0.001  # a waiter polls this long at full speed (where ranks outnumber the cores),
+SPIN_OWN_CORE_S = 0.005  # (where each has one) then sleeps between polls,
 PAUSE_S = 0.001  # up to this long
 CHECK_S = 0.05  # and every this long asks whether a missing peer's process ended
+MEAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _exited(pid: int) -> bool:
@@ -61,9 +66,11 @@ class Arrivals:
 
     x86-64 keeps a process's stores in order, and its loads: a peer that reads this rank's new
     count also reads what this rank wrote before it (`supported` allows no other machine).
-    A waiter polls without sleeping for `SPIN_S`, then sleeps between polls, up to 1 ms: ranks
-    that outnumber the cores do not take them from the ranks still computing. A peer whose
-    process ended fails the wait within `CHECK_S`, as a closed connection fails gloo's."""
+    A waiter polls without sleeping for `spin_s`, then sleeps between polls, up to 1 ms: ranks
+    that outnumber the cores do not take them from the ranks still computing. Where each rank
+    has a core of its own, it polls longer: a sleep of up to 1 ms past a peer's arrival delays
+    every rank's step (the bench MLP's by 1-2 ms with 1 ms of polling, against 5 ms). A peer
+    whose process ended fails the wait within `CHECK_S`, as a closed connection fails gloo's."""
 
     def __init__(
         self, counters: list[np.ndarray], rank: int, pids: list[int], timeout_s: float
@@ -71,6 +78,8 @@ class Arrivals:
         self.counters, self.mine, self.timeout_s = counters, counters[rank], timeout_s
         self.peers = {k: pid for k, pid in enumerate(pids) if k != rank}
         self.arrivals = 0
+        own_core = len(pids) <= len(os.sched_getaffinity(0))
+        self.spin_s = SPIN_OWN_CORE_S if own_core else SPIN_S
 
     def wait(self) -> None:
         self.arrivals += 1
@@ -81,7 +90,7 @@ class Arrivals:
         while any(c[0] < n for c in counters):
             time.sleep(pause)  # (0: a yield of the core, and of the GIL)
             now = time.perf_counter()
-            if now - start > SPIN_S:
+            if now - start > self.spin_s:
                 pause = min(PAUSE_S, max(2 * pause, 5e-5))
             if now - checked > CHECK_S:
                 checked = now
@@ -187,30 +196,50 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         weakref.finalize(mine, self._peers.pop, mine.data_ptr(), None)
         return mine
 
-    def _run(self, buffer: torch.Tensor) -> None:
+    def _peers_of(self, buffer: torch.Tensor) -> list[np.ndarray | None] | None:
         peers = self._peers.get(buffer.data_ptr())
         nbytes = buffer.numel() * buffer.element_size()
         if peers is None or any(p.size != nbytes for p in peers if p is not None):
+            return None
+        return peers
+
+    def sums_to_mean(self, buffer: torch.Tensor) -> bool:
+        # (`buffer` or any slice of it: its storage is the mapping. Not fp16: a sum of undivided
+        # fp16 gradients can overflow where their means do not.)
+        return buffer.dtype in MEAN_DTYPES and buffer.untyped_storage().data_ptr() in self._peers
+
+    def start_mean(self, buffer: torch.Tensor) -> Handle:
+        if not self.sums_to_mean(buffer) or self._peers_of(buffer) is None:
+            raise ValueError("start_mean: a buffer this all-reduce did not place, or fp16")
+        return Handle(self.op, self._thread.submit(self._run_in_background, buffer, True), None)
+
+    def _run(self, buffer: torch.Tensor, mean: bool = False) -> None:
+        peers = self._peers_of(buffer)
+        if peers is None:
             all_reduce(buffer, group=self.group)
             return
         slots = [buffer if p is None else torch.from_numpy(p).view(buffer.dtype) for p in peers]
         # Recorded as its own op (the bench floor replays it so), counted as an all-reduce.
-        volume = native_volume("all_reduce", nbytes, self.size)
-        call = partial(self._sum_in_place, slots)
+        volume = native_volume("all_reduce", buffer.numel() * buffer.element_size(), self.size)
+        call = partial(self._sum_in_place, slots, mean)
         _issue("all_reduce", volume, call, False, self.group, buffer, "all_reduce_shared", True)
 
-    def _sum_in_place(self, slots: list[torch.Tensor]) -> None:
+    def _sum_in_place(self, slots: list[torch.Tensor], mean: bool) -> None:
+        # chunks[k][j]: chunk j of rank k's buffer. Between the two arrivals, chunk j of every
+        # buffer is read and written by rank j alone, and after the second by its owner alone.
         chunks = [slot.tensor_split(self.size) for slot in slots]
         r = self.rank
-        self.arrivals.wait()
+        mine = chunks[r][r]
+        self.arrivals.wait()  # every rank's buffer holds its contribution
         for k in range(self.size):
             if k != r:
-                chunks[r][r].add_(chunks[k][r])
-        self.arrivals.wait()
+                mine.add_(chunks[k][r])
+        if mean:  # (the rounding of dividing the sum, as NCCL's AVG)
+            mine.div_(self.size)
         for k in range(self.size):
             if k != r:
-                chunks[r][k].copy_(chunks[k][k])
-        self.arrivals.wait()
+                chunks[k][r].copy_(mine)  # (its contribution, read above and by no one else)
+        self.arrivals.wait()  # every chunk is in every buffer: each rank's own again
 
     def close(self) -> None:
         super().close()

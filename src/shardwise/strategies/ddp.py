@@ -10,7 +10,9 @@ How it works, top to bottom:
    order, since backward produces the last layers' gradients first; after the first backward,
    in the order it actually made them, rank 0's for all). Each `param.grad` is a view into its
    bucket, so there is no second gradient copy: 16 bytes/parameter with fp32 AdamW. A fresh
-   gradient is weighed (divided by the world) as it is copied in: one pass over it.
+   gradient is weighed (divided by the world) as it is copied in: one pass over it. An
+   `nn.Linear` writes its weight's gradient into the bucket itself (`linear_into_bucket`), and
+   it is weighed there: no copy at all.
 3. A post-accumulate-grad hook per parameter counts down its bucket; when a bucket is complete
    (and every earlier bucket has been launched, so all ranks launch in the same order), its
    asynchronous all-reduce starts while backward continues on earlier layers. Where all ranks
@@ -59,6 +61,7 @@ from shardwise.strategies.grad_buckets import (
     bucket_bytes,
     shares_cores,
 )
+from shardwise.strategies.linear_into_bucket import WritesIntoSlots
 from shardwise.strategies.section import StrategySection
 
 
@@ -69,6 +72,9 @@ class Bucket:
     buffer: torch.Tensor
     params: list[nn.Parameter]
     views: list[torch.Tensor]
+    # Whether its all-reduce divides the sum by the world as it sums (`sums_to_mean`): with
+    # equal shares, its gradients are then not weighed before (no pass of their own).
+    averaged: bool
     handle: comm.Handle | None = None
 
 
@@ -108,7 +114,7 @@ def _make_bucket(params: list[nn.Parameter], all_reduce: AllReduceAlgorithm) -> 
         if p.grad is not None:
             v.copy_(p.grad)
         p.grad = v
-    return Bucket(buffer, params, views)
+    return Bucket(buffer, params, views, all_reduce.sums_to_mean(buffer))
 
 
 def _by_identity(groups: list[list[nn.Parameter]]) -> list[list[int]]:
@@ -144,7 +150,10 @@ class GradientReducer:
         recut = len(groups) > 1 and not isinstance(all_reduce, CompressedAllReduce)
         self.arrival: list[nn.Parameter] | None = [] if recut else None
         self.buckets = [_make_bucket(ps, all_reduce) for ps in groups]
-        self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
+        self._index_slots()
+        # Weights whose Linear layer wrote this backward's gradient straight into the slot
+        # (`claim_slot`), until their hook takes it.
+        self.written_in_slot: set[nn.Parameter] = set()
         for b in self.buckets:  # codecs keep state per bucket; PowerSGD needs the shapes
             all_reduce.describe(b.buffer, [p.shape for p in b.params])
         self.weighing = WeighedOnArrival(share)
@@ -156,14 +165,44 @@ class GradientReducer:
             find_unused_parameters,
         )
 
+    def _index_slots(self) -> None:
+        self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+
+    def _weighs(self, bucket: Bucket) -> bool:
+        """Whether `bucket`'s gradients are weighed before its all-reduce, which otherwise
+        averages them (equal shares)."""
+        return not bucket.averaged or self.share.uneven_weight() is not None
+
     def _move_into_bucket(self, p: nn.Parameter) -> None:
         if self.arrival is not None:
             self.arrival.append(p)
-        view = self.view_of[p]
-        if p.grad.data_ptr() == view.data_ptr():
-            return  # accumulated in place (no_sync, or zero_grad(set_to_none=False))
-        self.weighing.move_in(p, view, reducing=self.backward.enabled)  # a fresh gradient
+        view, grad = self.view_of[p], p.grad
+        weigh = self.backward.enabled and self._weighs(self.bucket_of[p])
+        if grad.data_ptr() == view.data_ptr():
+            if p in self.written_in_slot:  # a fresh gradient its Linear layer wrote in place
+                self.written_in_slot.discard(p)
+                self.weighing.weigh_in_place(p, view, weigh)
+            return  # else accumulated in place (no_sync, or zero_grad(set_to_none=False))
+        self.written_in_slot.discard(p)  # (summed with another use's: a fresh tensor)
+        self.weighing.move_in(p, view, weigh)  # a fresh gradient
         p.grad = view
+
+    def claim_slot(self, weight: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
+        """`weight`'s bucket slot, for its Linear layer to write the fresh gradient into
+        (`linear_into_bucket`): where it has none yet, and this is the weight's first use to
+        claim it in this backward (a second use's gradient is summed with the first's)."""
+        view = self.view_of.get(weight)
+        if (
+            view is None
+            or weight.grad is not None
+            or weight in self.written_in_slot
+            or view.dtype != grad.dtype
+            or view.device != grad.device
+        ):
+            return None
+        self.written_in_slot.add(weight)
+        return view
 
     def _zero(self, p: nn.Parameter) -> None:
         if p.grad is None or p.grad.data_ptr() != self.view_of[p].data_ptr():
@@ -175,8 +214,11 @@ class GradientReducer:
         bucket = self.buckets[index]
         # Weigh (divide by the world, for equal batches) before summing, as torch DDP does, so
         # fp16 sums do not overflow: what was not weighed as it moved in.
-        self.weighing.weigh_rest(bucket.params, bucket.buffer, self.view_of.__getitem__)
-        bucket.handle = self.all_reduce.start(bucket.buffer)
+        if self._weighs(bucket):
+            self.weighing.weigh_rest(bucket.params, bucket.buffer, self.view_of.__getitem__)
+            bucket.handle = self.all_reduce.start(bucket.buffer)
+        else:  # (equal shares: the all-reduce divides as it sums, no pass of ours)
+            bucket.handle = self.all_reduce.start_mean(bucket.buffer)
 
     def _wait(self) -> None:
         for bucket in self.buckets:
@@ -202,7 +244,7 @@ class GradientReducer:
         if _by_identity(groups) == _by_identity([b.params for b in self.buckets]):
             return  # (the usual case: backward runs in reverse registration order)
         self.buckets = [_make_bucket(ps, self.all_reduce) for ps in groups]  # (`.grad`s along)
-        self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
+        self._index_slots()
         self.backward.rebucket([b.params for b in self.buckets])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -211,6 +253,7 @@ class GradientReducer:
         buckets and adding into them. Either way, gradients live in the buckets after backward.
         """
         self.weighing.clear()  # (a backward that raised never reached `_wait`)
+        self.written_in_slot.clear()
         if self.alone:  # (no buckets: as a plain module)
             clear_grads(self.params, set_to_none)
             return
@@ -231,9 +274,16 @@ class GradientReducer:
 class DataParallelModel(DistributedModel):
     """Every rank holds the whole model; gradients are averaged during backward."""
 
-    def __init__(self, module: nn.Module, runtime: Runtime, reducer: GradientReducer) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        runtime: Runtime,
+        reducer: GradientReducer,
+        linears: WritesIntoSlots | None = None,
+    ) -> None:
         super().__init__(module, runtime)
         self.reducer = reducer
+        self.linears = linears
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""
@@ -256,6 +306,8 @@ class DataParallelModel(DistributedModel):
         return "ddp"
 
     def close(self) -> None:
+        if self.linears is not None:
+            self.linears.remove()
         self.reducer.remove()
 
 
@@ -270,6 +322,8 @@ class DDP(Strategy):
     group_size: ranks per group for 'hierarchical' (default: ranks per node).
     find_unused_parameters: allow parameters that get no gradient (treated as zero).
     sync_batchnorm: replace BatchNorm layers by SyncBatchNorm (global-batch statistics).
+    linear_grads_in_buckets: `nn.Linear` layers write their weight gradients straight into the
+        buckets instead of autograd making them for DDP to copy in (`linear_into_bucket`).
     compression: a gradient codec ('fp16', 'bf16', 'int8', 'topk:RATIO', 'randomk:RATIO',
         'sign', 'powersgd:RANK'; see `shardwise.comm.compression`) used instead of `algorithm`.
     """
@@ -279,6 +333,7 @@ class DDP(Strategy):
     group_size: int | None = None
     find_unused_parameters: bool = False
     sync_batchnorm: bool = True
+    linear_grads_in_buckets: bool = True
     compression: str | None = None
 
     def __post_init__(self) -> None:
@@ -335,7 +390,10 @@ class DDP(Strategy):
             ),
             self.find_unused_parameters,
         )
-        return DataParallelModel(model, runtime, reducer)
+        linears = None
+        if self.linear_grads_in_buckets and reducer.buckets:
+            linears = WritesIntoSlots(model, reducer, set(reducer.view_of))
+        return DataParallelModel(model, runtime, reducer, linears)
 
 
 class DDPConfig(StrategySection):
@@ -358,6 +416,11 @@ class DDPConfig(StrategySection):
         False, description="allow parameters that receive no gradient (treated as zero)"
     )
     sync_batchnorm: bool = Field(True, description="BatchNorm statistics over the global batch")
+    linear_grads_in_buckets: bool = Field(
+        True,
+        description="nn.Linear layers write their weight gradients straight into the buckets "
+        "(no copy)",
+    )
     compression: str | None = Field(
         None,
         description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
