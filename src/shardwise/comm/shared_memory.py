@@ -44,8 +44,7 @@ from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_red
 
 SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
 LINE = 64  # bytes: a counter's file (a page apart from the others': no contention)
-SPIN_S = 0.001  # a waiter polls this long at full speed (where ranks outnumber the cores),
-SPIN_OWN_CORE_S = 0.005  # (where each has one) then sleeps between polls,
+SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between polls,
 PAUSE_S = 0.001  # up to this long
 CHECK_S = 0.05  # and every this long asks whether a missing peer's process ended
 MEAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -66,11 +65,9 @@ class Arrivals:
 
     x86-64 keeps a process's stores in order, and its loads: a peer that reads this rank's new
     count also reads what this rank wrote before it (`supported` allows no other machine).
-    A waiter polls without sleeping for `spin_s`, then sleeps between polls, up to 1 ms: ranks
-    that outnumber the cores do not take them from the ranks still computing. Where each rank
-    has a core of its own, it polls longer: a sleep of up to 1 ms past a peer's arrival delays
-    every rank's step (the bench MLP's by 1-2 ms with 1 ms of polling, against 5 ms). A peer
-    whose process ended fails the wait within `CHECK_S`, as a closed connection fails gloo's."""
+    A waiter polls without sleeping for `SPIN_S`, then sleeps between polls, up to 1 ms: ranks
+    that outnumber the cores do not take them from the ranks still computing. A peer whose
+    process ended fails the wait within `CHECK_S`, as a closed connection fails gloo's."""
 
     def __init__(
         self, counters: list[np.ndarray], rank: int, pids: list[int], timeout_s: float
@@ -78,8 +75,6 @@ class Arrivals:
         self.counters, self.mine, self.timeout_s = counters, counters[rank], timeout_s
         self.peers = {k: pid for k, pid in enumerate(pids) if k != rank}
         self.arrivals = 0
-        own_core = len(pids) <= len(os.sched_getaffinity(0))
-        self.spin_s = SPIN_OWN_CORE_S if own_core else SPIN_S
 
     def wait(self) -> None:
         self.arrivals += 1
@@ -90,7 +85,7 @@ class Arrivals:
         while any(c[0] < n for c in counters):
             time.sleep(pause)  # (0: a yield of the core, and of the GIL)
             now = time.perf_counter()
-            if now - start > self.spin_s:
+            if now - start > SPIN_S:
                 pause = min(PAUSE_S, max(2 * pause, 5e-5))
             if now - checked > CHECK_S:
                 checked = now
