@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.strategies import linear_into_bucket
 from shardwise.strategies.linear_into_bucket import LinearIntoSlot
 from spawn import run
 
@@ -114,6 +115,7 @@ def awkward_training(in_buckets: bool):
     no_sync() and the fourth on uneven shares; and where autograd left each weight's gradient
     in the second backward (a hook registered before DDP's sees `.grad` as autograd set it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    linear_into_bucket.MIN_BYTES = 0  # (this model's weights are tiny)
     module, step = _model(), 0
     made_at: dict[str, int] = {}  # (in the second backward: the first adds into the zeroed
     # buckets that wrapping made each `.grad`, as after zero_grad(set_to_none=False))
@@ -189,3 +191,17 @@ def test_ddp_trains_exactly_whichever_way_a_weight_gets_its_gradient():
         assert all(torch.equal(state[k], plain[k]) for k in state)
         worst = max((state[k] - v).abs().max().item() for k, v in reference.items())
         assert worst <= 1e-6
+
+
+def test_only_weights_of_min_bytes_or_more_write_into_their_slot():
+    small, large = nn.Linear(8, 1024), nn.Linear(1024, 600)  # 32 KB and 2.4 MB of fp32 weight
+    model = nn.Sequential(small, large)
+    assert large.weight.nbytes >= linear_into_bucket.MIN_BYTES > small.weight.nbytes
+    linears = linear_into_bucket.WritesIntoSlots(
+        model, OneSlot(large.weight), {small.weight, large.weight}
+    )
+    assert "forward" in vars(large) and "forward" not in vars(small)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), large(small(x)))
+    linears.remove()
+    assert "forward" not in vars(large)
