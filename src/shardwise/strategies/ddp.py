@@ -10,9 +10,10 @@ How it works, top to bottom:
    order, since backward produces the last layers' gradients first; after the first backward,
    in the order it actually made them, rank 0's for all). Each `param.grad` is a view into its
    bucket, so there is no second gradient copy: 16 bytes/parameter with fp32 AdamW. A fresh
-   gradient is weighed (divided by the world) as it is copied in: one pass over it. An
-   `nn.Linear` writes its weight's gradient into the bucket itself (`linear_into_bucket`), and
-   it is weighed there: no copy at all.
+   gradient is weighed (divided by the world) as it is copied in: one pass over it; where the
+   all-reduce divides as it sums (shared memory, equal shares), it is copied in as it is. An
+   `nn.Linear` with a weight of 2 MiB or more writes that gradient into the bucket itself
+   (`linear_into_bucket`): no copy at all.
 3. A post-accumulate-grad hook per parameter counts down its bucket; when a bucket is complete
    (and every earlier bucket has been launched, so all ranks launch in the same order), its
    asynchronous all-reduce starts while backward continues on earlier layers. Where all ranks
