@@ -11,7 +11,9 @@ was still starting Python to the first line of `boot.py`, where it sees its laun
 
 from __future__ import annotations
 
+import os
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from harness import (
     train_args,
     wait_until,
 )
+from shardwise.distributed.launcher import AGENT_LOGS, agent_logs
 
 LONG = "train.steps=100000"
 PS = ["strategy.servers=1", "strategy.workers=2"]
@@ -74,6 +77,12 @@ def test_no_process_of_the_job_outlives_a_signal_to_its_launcher(run_dir, kind, 
         if sig == signal.SIGTERM:
             assert job.returncode == 128 + signal.SIGTERM
             assert "Traceback" not in job.stderr.read()
+        if kind == "train":  # torchrun's agent's log folder: gone with the job, or at the next
+            left = list(Path(tempfile.gettempdir()).glob(f"{AGENT_LOGS}{job.pid}-*"))
+            assert len(left) == (1 if sig == signal.SIGKILL else 0), left
+            with agent_logs() as logs:  # (what the next launch does first)
+                assert not any(path.exists() for path in left)
+                assert Path(logs).name.startswith(f"{AGENT_LOGS}{os.getpid()}-")
     finally:
         job.kill()
 

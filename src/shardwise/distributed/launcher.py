@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -221,8 +222,7 @@ def _launch(
         _environment({**worker_environment(nproc, threads_per_rank), **store.environment()}),
         zygote.running(python_args, dict(os.environ)) as forked,
         _environment(forked),
-        # torchrun's agent keeps a log directory (and error files) per start: with the job.
-        tempfile.TemporaryDirectory(prefix="shardwise-agent-") as logs,
+        agent_logs() as logs,
     ):
         try:
             failures, attempt = _run_agent(
@@ -232,6 +232,31 @@ def _launch(
             raise Stopped(int(e.sigval)) from None
         if failures:
             raise _failure(failures, store, attempt)
+
+
+AGENT_LOGS = "shardwise-agent-"  # then the launcher's pid, "-", and tempfile's letters
+
+
+def agent_logs() -> tempfile.TemporaryDirectory:
+    """A folder for torchrun's agent's logs and error files, removed with the job. A launcher
+    killed by SIGKILL cannot remove its own: each launch removes those of this user's launchers
+    that no longer run (named by pid), so they do not pile up in the temporary directory."""
+    for stale in Path(tempfile.gettempdir()).glob(f"{AGENT_LOGS}*-*"):
+        pid = stale.name.removeprefix(AGENT_LOGS).split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and stale.stat().st_uid == os.getuid() and not _running(int(pid)):
+                shutil.rmtree(stale)
+    return tempfile.TemporaryDirectory(prefix=f"{AGENT_LOGS}{os.getpid()}-")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # (no signal sent: whether the process exists)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (someone else's: it runs)
+        pass
+    return True
 
 
 @contextlib.contextmanager
