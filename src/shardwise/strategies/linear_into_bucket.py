@@ -5,17 +5,19 @@ tensor that DDP then copies in: on the bench MLP (5.8M parameters, 2 ranks on 2 
 was 7 of a 22 ms backward. Megatron-LM avoids it for its own layers
 (`gradient_accumulation_fusion`: the weight-gradient GEMM writes into the main-gradient buffer).
 We do the same for the user's own `nn.Linear` modules without changing their class: while the
-model is wrapped, each one's forward runs through `LinearIntoSlot`, whose backward computes
+model is wrapped, the forward of each one whose weight is `MIN_BYTES` or more runs through
+`LinearIntoSlot`, whose backward computes
 `grad_output^T @ input` with the bucket slot as `out=` and hands autograd that slot as the
 weight's gradient. Autograd's accumulation takes a fresh gradient that nothing else references as
 `.grad` without copying it, so DDP's hook finds the gradient already in its place.
 
 Exactness: the slot receives what autograd would have made (the same GEMM on the same operands:
-the same bits), unweighted; DDP weighs it in place, as it weighs a copy. Where the simple case does
-not hold, autograd's own path runs: `.grad` already set (no_sync accumulating, or
-`zero_grad(set_to_none=False)`), the layer's second use in one forward, autocast, a dtype or
-device other than the slot's, torch.compile tracing. Where autograd sums the slot with another
-contribution (a weight also used outside its module), the sum is a fresh tensor and DDP copies it.
+the same bits), unweighted; DDP weighs it where it lies (or its all-reduce averages it), as it
+would a copy. Where the simple case does not hold, autograd's own path runs: `.grad` already
+set (no_sync accumulating, or `zero_grad(set_to_none=False)`), the layer's second use in one
+forward, autocast, a dtype or device other than the slot's, torch.compile tracing. Where
+autograd sums the slot with another contribution (a weight also used outside its module), the
+sum is a fresh tensor and DDP copies it.
 """
 
 from __future__ import annotations
