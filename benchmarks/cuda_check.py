@@ -107,6 +107,42 @@ def check_gpt(rt: sw.Runtime) -> dict:
     return out
 
 
+def check_linear_into_slot(device: torch.device) -> dict:
+    """DDP's Linear layers write their weight's gradient into the bucket (`linear_into_bucket`;
+    at world 1 DDP keeps no buckets, so this is checked here, as in the CPU tests): on the GPU,
+    into a slot at an odd offset of a larger buffer, against autograd's own linear."""
+    from shardwise.strategies.linear_into_bucket import LinearIntoSlot
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1024, 600).to(device)
+    x = torch.randn(4, 16, 1024, device=device, requires_grad=True)
+    grad_out = torch.randn(4, 16, 600, device=device)
+    expected = torch.autograd.grad(
+        torch.nn.functional.linear(x, layer.weight, layer.bias),
+        [x, layer.weight, layer.bias],
+        grad_out,
+    )
+    buffer = torch.full((layer.weight.numel() + 6,), float("nan"), device=device)
+    slot = buffer[3 : 3 + layer.weight.numel()].view_as(layer.weight)
+
+    class OneSlot:
+        def claim_slot(self, weight, grad):
+            return slot
+
+    LinearIntoSlot.apply(x, layer.bias, layer.weight, OneSlot()).backward(grad_out)
+    got = [x.grad, layer.weight.grad, layer.bias.grad]
+    diff = max((g - e).abs().max().item() for g, e in zip(got, expected, strict=True))
+    in_slot = layer.weight.grad.data_ptr() == slot.data_ptr()
+    untouched = bool(buffer[:3].isnan().all() and buffer[-3:].isnan().all())
+    bits = all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    return {
+        "ok": in_slot and untouched and diff < 1e-5,
+        "same_bits": bits,
+        "max_abs_diff": diff,
+        "grad_is_the_slot": in_slot,
+    }
+
+
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # compare fp32 with fp32
     rt = sw.init()
@@ -160,6 +196,10 @@ def main() -> int:
         if not results[name]["ok"]:
             failed.append(name)
         print(name, results[name], flush=True)
+    results["linear_into_slot"] = check_linear_into_slot(rt.device)
+    print("linear_into_slot", results["linear_into_slot"], flush=True)
+    if not results["linear_into_slot"]["ok"]:
+        failed.append("linear_into_slot")
     for name, result in check_gpt(rt).items():
         results[f"gpt_{name}"] = result
         print(f"gpt_{name}", result, flush=True)
