@@ -52,6 +52,23 @@ def test_gradients_are_autograds_own_bits_and_the_slot_becomes_grad(shape, bias)
     assert slots.buffer[:3].isnan().all() and slots.buffer[-3:].isnan().all()
 
 
+def test_a_gradient_of_several_row_blocks_is_autograds_within_rounding():
+    """A weight of 2.4 MB, written a MiB of rows at a time (three GEMMs), over a 40-row batch."""
+    torch.manual_seed(0)
+    layer = nn.Linear(300, 2000)
+    assert layer.weight.nbytes > 2 * linear_into_bucket.ROWS_BYTES
+    x = torch.randn(4, 10, 300)
+    grad_out = torch.randn(4, 10, 2000)
+    (expected,) = torch.autograd.grad(
+        F.linear(x, layer.weight, layer.bias), [layer.weight], grad_out
+    )
+    slots = OneSlot(layer.weight)
+    LinearIntoSlot.apply(x, layer.bias, layer.weight, slots).backward(grad_out)
+    assert layer.weight.grad.data_ptr() == slots.slot.data_ptr()
+    assert torch.allclose(layer.weight.grad, expected, rtol=1e-6, atol=1e-6)
+    assert slots.buffer[:3].isnan().all() and slots.buffer[-3:].isnan().all()
+
+
 def test_a_second_use_in_one_backward_is_summed_by_autograd():
     """The layer used twice: the first claim writes into the slot, the second is refused and
     made fresh; autograd's sum is a tensor of its own, equal to its own linear's sum."""

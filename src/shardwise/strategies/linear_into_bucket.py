@@ -11,13 +11,15 @@ model is wrapped, the forward of each one whose weight is `MIN_BYTES` or more ru
 weight's gradient. Autograd's accumulation takes a fresh gradient that nothing else references as
 `.grad` without copying it, so DDP's hook finds the gradient already in its place.
 
-Exactness: the slot receives what autograd would have made (the same GEMM on the same operands:
-the same bits), unweighted; DDP weighs it where it lies (or its all-reduce averages it), as it
-would a copy. Where the simple case does not hold, autograd's own path runs: `.grad` already
-set (no_sync accumulating, or `zero_grad(set_to_none=False)`), the layer's second use in one
-forward, autocast, a dtype or device other than the slot's, torch.compile tracing. Where
-autograd sums the slot with another contribution (a weight also used outside its module), the
-sum is a fresh tensor and DDP copies it.
+Exactness: the slot receives what autograd would have made, unweighted (the same GEMM on the
+same operands; written `ROWS_BYTES` of rows at a time, which MKL may sum in another order where
+the batch is long: within rounding, 5e-5 on 1000-row sums of magnitude 30), and DDP weighs it
+where it lies (or its all-reduce averages it), as it would a copy. Where the simple case does
+not hold, autograd's own path runs: `.grad` already set (no_sync accumulating, or
+`zero_grad(set_to_none=False)`), the layer's second use in one forward, autocast, a dtype or
+device other than the slot's, torch.compile tracing. Where autograd sums the slot with another
+contribution (a weight also used outside its module), the sum is a fresh tensor and DDP copies
+it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from torch import nn
 # 2 cores: the MLP's 6.4 and 16.8 MB weights stepped 2.5 ms faster (57.2-57.9 against 60.0-61.1
 # ms), the GPT's, of 0.25-1 MB, 0.5 % slower (three interleaved runs of 9-15 repetitions).
 MIN_BYTES = 2 * 2**20
+# The gradient is written this many bytes of rows at a time. One GEMM with a larger output sends
+# it past the cache to memory, and the all-reduce that reads it next waits for memory: the bench
+# MLP stepped in 58.3-58.7 ms written a MiB at a time, 59.5-59.7 ms 256 KiB at a time, and
+# 60.2-60.8 ms in one GEMM (4 MiB at a time: no better); one interleaved run each.
+ROWS_BYTES = 2**20
 
 
 class Slots(Protocol):
@@ -67,7 +74,10 @@ class LinearIntoSlot(torch.autograd.Function):
             if slot is None:
                 grad_weight = grad_2d.t().mm(input_2d)
             else:
-                torch.mm(grad_2d.t(), input_2d, out=slot)
+                grad_t = grad_2d.t()
+                rows = max(1, ROWS_BYTES // (slot.shape[1] * slot.element_size()))
+                for start in range(0, slot.shape[0], rows):
+                    torch.mm(grad_t[start : start + rows], input_2d, out=slot[start : start + rows])
                 # A tensor object of its own, referenced by autograd alone: it becomes `.grad`.
                 grad_weight = slot.view_as(slot)
         grad_bias = grad_2d.sum(0) if need_bias else None
