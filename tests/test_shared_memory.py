@@ -199,14 +199,15 @@ def test_a_peer_process_that_ended_is_told_apart_from_a_live_one():
     import subprocess
     import time
 
-    from shardwise.comm.shared_memory import _exited
+    from shardwise.comm.shared_memory import process_ended
 
     child = subprocess.Popen(["true"])
     deadline = time.time() + 10
-    while not _exited(child.pid) and time.time() < deadline:  # ended, not yet reaped: a zombie
+    # ended, not yet reaped: a zombie
+    while not process_ended(child.pid) and time.time() < deadline:
         time.sleep(0.01)
-    assert _exited(child.pid)
+    assert process_ended(child.pid)
     assert Path(f"/proc/{child.pid}").exists()  # (still listed: it was the zombie state)
     child.wait()
-    assert _exited(child.pid)  # reaped: gone
-    assert not _exited(os.getpid())
+    assert process_ended(child.pid)  # reaped: gone
+    assert not process_ended(os.getpid())

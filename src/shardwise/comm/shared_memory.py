@@ -50,7 +50,7 @@ CHECK_S = 0.05  # and every this long asks whether a missing peer's process ende
 MEAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
-def _exited(pid: int) -> bool:
+def process_ended(pid: int) -> bool:
     """Whether process `pid` (of this host) has ended: gone, or a zombie not yet reaped."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -93,7 +93,7 @@ class Arrivals:
 
     def _check(self, n: int, since: int, waited_s: float) -> None:
         missing = [k for k, c in enumerate(self.counters) if c[0] < n]
-        ended = [k for k in missing if k in self.peers and _exited(self.peers[k])]
+        ended = [k for k in missing if k in self.peers and process_ended(self.peers[k])]
         if ended:
             raise RuntimeError(f"shared-memory all-reduce: the process of rank(s) {ended} ended")
         interrupt.raise_if_interrupted(since)

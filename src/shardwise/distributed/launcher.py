@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
 from shardwise.comm import jobstore
 from shardwise.comm.broken import broken_connection
+from shardwise.comm.shared_memory import process_ended
 from shardwise.distributed import boot, leaving, loopback, membership, zygote
 from shardwise.distributed.runtime import WATCHDOG_ENV
 
@@ -244,19 +245,9 @@ def agent_logs() -> tempfile.TemporaryDirectory:
     for stale in Path(tempfile.gettempdir()).glob(f"{AGENT_LOGS}*-*"):
         pid = stale.name.removeprefix(AGENT_LOGS).split("-", 1)[0]
         with contextlib.suppress(OSError):
-            if pid.isdigit() and stale.stat().st_uid == os.getuid() and not _running(int(pid)):
+            if pid.isdigit() and stale.stat().st_uid == os.getuid() and process_ended(int(pid)):
                 shutil.rmtree(stale)
     return tempfile.TemporaryDirectory(prefix=f"{AGENT_LOGS}{os.getpid()}-")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # (no signal sent: whether the process exists)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (someone else's: it runs)
-        pass
-    return True
 
 
 @contextlib.contextmanager

@@ -119,20 +119,20 @@ class WeighedOnArrival:
         self.share = share
         self.done: set[nn.Parameter] = set()
 
-    def move_in(self, p: nn.Parameter, slot: torch.Tensor, reducing: bool) -> None:
-        """`p`'s fresh gradient into `slot`: weighed on the way where this backward reduces
-        (and its all-reduce does not average); inside no_sync() (not `reducing`) it is a sum to
-        come, weighed at the launch."""
-        if reducing:
+    def move_in(self, p: nn.Parameter, slot: torch.Tensor, weigh: bool) -> None:
+        """`p`'s fresh gradient into `slot`, weighed on the way where `weigh` (a backward that
+        reduces, by an all-reduce that does not average); else copied as it is: inside no_sync()
+        a sum to come, weighed at the launch."""
+        if weigh:
             self.share.weigh_into(p.grad, slot)
             self.done.add(p)
         else:
             slot.copy_(p.grad)
 
-    def weigh_in_place(self, p: nn.Parameter, slot: torch.Tensor, reducing: bool) -> None:
-        """`p`'s fresh gradient, made in `slot` itself: weighed there where this backward
-        reduces (the same bits as `move_in`'s); inside no_sync() at the launch."""
-        if reducing:
+    def weigh_in_place(self, p: nn.Parameter, slot: torch.Tensor, weigh: bool) -> None:
+        """`p`'s fresh gradient, made in `slot` itself: weighed there where `weigh` (the same
+        bits as `move_in`'s)."""
+        if weigh:
             self.share.weigh(slot)
             self.done.add(p)
 

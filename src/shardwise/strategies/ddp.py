@@ -168,7 +168,6 @@ class GradientReducer:
 
     def _index_slots(self) -> None:
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
 
     def _weighs(self, bucket: Bucket) -> bool:
         """Whether `bucket`'s gradients are weighed before its all-reduce, which otherwise
@@ -179,7 +178,7 @@ class GradientReducer:
         if self.arrival is not None:
             self.arrival.append(p)
         view, grad = self.view_of[p], p.grad
-        weigh = self.backward.enabled and self._weighs(self.bucket_of[p])
+        weigh = self.backward.enabled and self._weighs(self.buckets[self.backward.bucket_of[p]])
         if grad.data_ptr() == view.data_ptr():
             if p in self.written_in_slot:  # a fresh gradient its Linear layer wrote in place
                 self.written_in_slot.discard(p)

@@ -150,7 +150,7 @@ class ZeroStage1(DistributedModel):
         # Gradients stay views into the persistent buffer (as in DDP).
         slot = self.unit_of[p].slot(self.unit_of[p].grad_full, p)
         if p.grad.data_ptr() != slot.data_ptr():
-            self.weighing.move_in(p, slot, reducing=self.backward.enabled)
+            self.weighing.move_in(p, slot, weigh=self.backward.enabled)
             p.grad = slot
 
     def _zero(self, p: nn.Parameter) -> None:

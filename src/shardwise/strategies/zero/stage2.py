@@ -44,7 +44,7 @@ class ZeroStage2(ZeroStage1):
             unit.fresh_grads = False
         slot = unit.slot(unit.grad_full, p)
         if unit.fresh_grads:
-            self.weighing.move_in(p, slot, reducing=True)
+            self.weighing.move_in(p, slot, weigh=True)
         else:
             slot.add_(p.grad)  # onto a no_sync() sum
         p.grad = None  # the parameter's gradient is not kept beyond this hook
