@@ -38,13 +38,13 @@ def _holds(mappings: list[tuple[int, int, str]], t: torch.Tensor) -> bool:
 
 
 def sums_like_gloo():
-    """Each dtype and awkward size (fewer elements than ranks too), summed in shared memory
-    and by gloo from the same inputs."""
+    """Each dtype and awkward size (fewer elements than ranks too; chunks of several blocks
+    and a ragged last one), summed in shared memory and by gloo from the same inputs."""
     rank = dist.get_rank()
     summing = SharedMemoryAllReduce(timeout=timedelta(seconds=30))
     worst, exact = 0.0, True
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        for numel in (1, 2, 5, 4097):
+        for numel in (1, 2, 5, 4097, 300_007):
             g = torch.Generator().manual_seed(100 * rank + numel)
             mine = (torch.randn(numel, generator=g) * 100).to(dtype)
             shared = summing.new_buffer(numel, dtype, CPU)
@@ -80,7 +80,7 @@ def means_are_sums_divided():
     summing = SharedMemoryAllReduce(timeout=timedelta(seconds=30))
     exact = True
     for dtype in (torch.float32, torch.bfloat16):
-        for numel in (1, 5, 4097):
+        for numel in (1, 5, 4097, 300_007):
             g = torch.Generator().manual_seed(100 * rank + numel)
             mine = (torch.randn(numel, generator=g) * 100).to(dtype)
             summed, averaged = (summing.new_buffer(numel, dtype, CPU) for _ in range(2))

@@ -10,7 +10,8 @@ buffer lives in a shared-memory file that every rank of the group maps, and an a
    once, by one rank, and every rank ends with the same bits (and divides it by the group's
    size there, for `start_mean`: DDP's equal shares then need no pass of their own over the
    gradients); then it writes the finished chunk r over chunk r of every other buffer, which
-   it alone read;
+   it alone read. It does all three a block at a time (`SUM_BLOCK_BYTES`), each block's while
+   it is in cache;
 3. (barrier) every buffer holds the whole sum, and no rank touches another's buffer until the
    next all-reduce (the next gradients are written into a rank's own only).
 
@@ -48,6 +49,13 @@ SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between po
 PAUSE_S = 0.001  # up to this long
 CHECK_S = 0.05  # and every this long asks whether a missing peer's process ended
 MEAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+# A rank sums, divides and hands on its chunk this many bytes at a time, each block's passes
+# while it is in the core's cache: in a pass of their own, the division and the copy to the
+# peers read the whole chunk again from memory. In DDP's step, 2 ranks on 2 cores (100 steps,
+# medians): the MLP's 11.6 MB chunk took 3.7-4.0 ms whole, 2.9-3.2 ms by 256 KiB (128 KiB 3.2,
+# 64 KiB 3.7: the calls add up; 1 MiB 3.6-3.8: past the cache); the GPT's 6.5 MB 2.3-2.5 ms
+# whole, 1.8-1.9 ms by 256 KiB.
+SUM_BLOCK_BYTES = 2**18
 
 
 def process_ended(pid: int) -> bool:
@@ -225,15 +233,17 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         chunks = [slot.tensor_split(self.size) for slot in slots]
         r = self.rank
         mine = chunks[r][r]
+        theirs = [chunks[k][r] for k in range(self.size) if k != r]
+        step = max(1, SUM_BLOCK_BYTES // mine.element_size())
         self.arrivals.wait()  # every rank's buffer holds its contribution
-        for k in range(self.size):
-            if k != r:
-                mine.add_(chunks[k][r])
-        if mean:  # (the rounding of dividing the sum, as NCCL's AVG)
-            mine.div_(self.size)
-        for k in range(self.size):
-            if k != r:
-                chunks[k][r].copy_(mine)  # (its contribution, read above and by no one else)
+        for start in range(0, mine.numel(), step):
+            block = mine[start : start + step]
+            for chunk in theirs:
+                block.add_(chunk[start : start + step])
+            if mean:  # (the rounding of dividing the sum, as NCCL's AVG)
+                block.div_(self.size)
+            for chunk in theirs:  # (its contribution, read above and by no one else)
+                chunk[start : start + step].copy_(block)
         self.arrivals.wait()  # every chunk is in every buffer: each rank's own again
 
     def close(self) -> None:
