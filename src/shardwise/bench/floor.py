@@ -8,6 +8,8 @@ Two floors bound what any data-parallel implementation of a step can reach here:
     unoverlapped  the compute plus the strategy's own bytes: the collectives one step of the
                   strategy issued (read from the flight recorder: op, shape, dtype), replayed
                   back to back straight on `torch.distributed`, with nothing else running
+                  (one step's worth at a time, between the other variants' steps, so its
+                  buffers come from memory as a step's do, not from the previous replay)
 
 A step above the unoverlapped floor pays for more than computing and then communicating; a
 step below it hides part of its communication behind compute. Both floors are timed as variants
