@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -82,13 +83,17 @@ def interleaved_times(
     variants: dict[str, Callable[[], None]], steps: int, reps: int
 ) -> dict[str, list[float]]:
     """Warm every variant up, then time them in `reps` rounds of `steps` steps each: one step of
-    every variant in turn (in rotating order), each after a barrier that is not timed. Returns
-    each round's seconds per step by variant: its mean step on each rank, the slowest rank's.
+    every variant in turn, in an order shuffled afresh each time (the same on every rank), each
+    after a barrier that is not timed. Returns each round's seconds per step by variant: its
+    mean step on each rank, the slowest rank's.
 
     Step by step, not a block of steps per variant: this machine's speed drifts within seconds,
-    and a round's variants then share its every second. Timed so, the GPT's DDP step over its
-    floor ranged 1.015-1.058 over 15 rounds, in blocks of 10 steps 0.929-1.105 (same run, the
-    same medians: 1.020-1.026 against 1.019-1.034)."""
+    and a round's variants then share its every second (the GPT's DDP step over its floor
+    ranged 1.015-1.058 over 15 rounds so, 0.929-1.105 in blocks of 10 steps). Shuffled, not
+    rotated: a step pays for what ran just before it (DDP's MLP step took 2-3 ms longer after
+    23 MB of gloo traffic than after nothing), and in a fixed cycle each variant would always
+    follow the same one.
+    """
     for step in variants.values():
         timed(step, WARMUP_STEPS)
     names = list(variants)
@@ -96,8 +101,9 @@ def interleaved_times(
     for rep in range(reps):
         spent = dict.fromkeys(names, 0.0)
         for s in range(steps):
-            turn = (rep + s) % len(names)
-            for key in names[turn:] + names[:turn]:
+            order = list(names)
+            random.Random(f"{rep}:{s}").shuffle(order)
+            for key in order:
                 dist.barrier()
                 t0 = time.perf_counter()
                 variants[key]()
