@@ -1,11 +1,11 @@
 """Benchmark: our DDP against torch's DistributedDataParallel, same job, same processes.
 
 Both wrap identical copies of the model and train with AdamW on the same batches. Their steps
-are interleaved one by one (ours, torch, ..., then torch, ..., ours: `interleaved_times`) so
+are interleaved one by one, in a shuffled order (`interleaved_times`), so
 drift in machine load hits both alike, and the environment (threads per rank, malloc
 thresholds) is set once by the launcher for both. A repetition's step time is the slowest
 rank's mean; we report the median over repetitions, and each repetition's ratio. The floors
-(`floor.py`) are timed in the same rotation: the model with no wrapper (compute alone), and
+(`floor.py`) are timed in the same rounds: the model with no wrapper (compute alone), and
 our step's collectives replayed bare (its bytes alone).
 
 Run: shardwise bench ddp --world-size 2   (or python -m shardwise.bench.ddp_bench under torchrun)

@@ -13,7 +13,7 @@ Two floors bound what any data-parallel implementation of a step can reach here:
 
 A step above the unoverlapped floor pays for more than computing and then communicating; a
 step below it hides part of its communication behind compute. Both floors are timed as variants
-of the benchmark's interleaved rotation, so each repetition has its own floor, next to the
+of the benchmark's interleaved rounds, so each repetition has its own floor, next to the
 step it bounds.
 """
 
@@ -87,7 +87,7 @@ def _bare(call: Call) -> Callable[[], None]:
 
 
 def floor_figures(times: dict[str, list[float]], key: str) -> dict:
-    """Variant `key`'s floors from the rotation's times by repetition: "compute" (the model
+    """Variant `key`'s floors from the rounds' times by repetition: "compute" (the model
     alone) and f"bytes:{key}" (its collectives alone); and its step over each floor, by
     repetition (the headline is their median)."""
     own, compute, alone = times[key], times["compute"], times[f"bytes:{key}"]

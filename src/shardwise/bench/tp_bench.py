@@ -8,7 +8,7 @@ and beside torch's own tensor parallel (`torch.distributed.tensor.parallel`, DTe
 plan; and its floors (`floor.py`): the compute alone (the same split step with its collectives
 skipped) and the compute plus its all-reduces replayed bare. Tensor parallel's all-reduces sit
 on the critical path (each layer's output waits for its sum), so its step is bounded by the
-unoverlapped floor. All variants run in one interleaved rotation.
+unoverlapped floor. All variants run in the same interleaved rounds.
 
 The formula, per step with B*S tokens of width d, L blocks and all-reduces of fp32 activations:
 forward: the embedding's g, and g after attention and after the MLP in every block (1 + 2L);
@@ -114,7 +114,7 @@ def torch_tp(model: TinyGPT, parts: int):
 
 
 def time_variants(model, opt, x, y, parts: int, steps: int, reps: int) -> dict:
-    """Seconds per step by repetition, in one interleaved rotation: ours, its two floors
+    """Seconds per step by repetition, in the same interleaved rounds: ours, its two floors
     (`floor.py`: the compute alone, and its all-reduces replayed bare), torch's tensor parallel
     (where it runs here), single-process training."""
 

@@ -6,7 +6,7 @@ the model, trains with AdamW fp32 on the same batches, and is timed in rotating 
 per variant: step time, samples/s, model-state bytes per parameter per rank (parameters,
 gradients, optimizer state, measured after backward), and, for ours, the bytes our accounting
 layer counted for one step, and its floors (`floor.py`: compute alone, and compute plus its
-collectives replayed bare), timed in the same rotation. FSDP2 shards per unit as our stage 3
+collectives replayed bare), timed in the same rounds. FSDP2 shards per unit as our stage 3
 does (each block or layer, then the root).
 
 Run: shardwise bench zero --world-size 2
