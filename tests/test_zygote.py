@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_cli, wait_until
+from harness import finish, start_cli, wait_until
 from shardwise.distributed import boot, launcher, zygote
 
 REPORT = """
@@ -30,9 +30,13 @@ REPORT = """
     t = torch.tensor([float(rt.rank + 1)])
     sw.comm.all_reduce(t)
     parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+    name = open(f"/proc/{os.getppid()}/comm").read().strip()
+    grandparent = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])
     import numpy
     report = {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded,
               "parent": [a.decode() for a in parent if a], "sum": t.item(),
+              "parent_name": name, "grandparent": grandparent,
+              "name": open("/proc/self/comm").read().strip(),
               "numpy": float(numpy.random.random()),
               "threads": [torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])]}
     open(os.path.join(sys.argv[1], f"rank{rt.rank}.json"), "w").write(json.dumps(report))
@@ -40,26 +44,31 @@ REPORT = """
 """
 
 
-def _reports(tmp_path: Path, env: dict[str, str] | None) -> list[dict]:
+def _reports(tmp_path: Path, env: dict[str, str] | None) -> tuple[int, list[dict]]:
+    """The launcher's pid, and what each rank reported."""
     script, out = tmp_path / "report.py", tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
     script.write_text(textwrap.dedent(REPORT))
     out.mkdir()
-    done = run_cli("run", "--nproc", "2", str(script), str(out), env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    job = start_cli("run", "--nproc", "2", str(script), str(out), env=env, cwd=tmp_path)
+    [(code, output)] = finish(job)
+    assert code == 0, output[-3000:]
+    return job.pid, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def test_ranks_are_forks_of_one_zygote_and_the_job_is_the_same_without_it(tmp_path):
     # (the command's own threads: 2; its zygote starts with them, its ranks are to have 1 each)
-    forked = _reports(tmp_path, {"OMP_NUM_THREADS": "2"})
+    launcher, forked = _reports(tmp_path, {"OMP_NUM_THREADS": "2"})
     assert forked[0]["ppid"] == forked[1]["ppid"]  # one parent for both ranks
-    assert any(a.endswith("distributed/zygote.py") for a in forked[0]["parent"])
+    # ... the zygote, a fork of the launcher (named for `ps`); the ranks keep the launcher's name
+    assert forked[0]["parent_name"] == "sw-zygote" and forked[0]["grandparent"] == launcher
+    assert forked[0]["parent"][1:3] == ["-m", "shardwise"], forked[0]["parent"]
+    assert all(r["name"] != "sw-zygote" for r in forked)
     assert all(r["preloaded"] for r in forked)
     assert forked[0]["numpy"] != forked[1]["numpy"]  # seeded afresh, as a new process is
     # The zygote started before the job's threads were known (`entry.py`): each fork takes them
     # from its own environment, as a new process's OpenMP does.
     assert all(r["threads"] == [1, 1] for r in forked)
-    alone = _reports(tmp_path, {"SHARDWISE_ZYGOTE": "0"})
+    _, alone = _reports(tmp_path, {"SHARDWISE_ZYGOTE": "0"})
     for report in alone:  # each its own process, started by the launcher's agent
         assert report["parent"][1:3] == ["-m", "shardwise"], report["parent"]
     assert not any(r["preloaded"] for r in alone)

@@ -1,8 +1,10 @@
-"""The `shardwise` command's first lines: a job's zygote starts before anything heavy loads.
+"""The `shardwise` command's first lines: a job's zygote is forked from the launcher.
 
-A command that starts a job's ranks on this machine (`train`, `run`) starts the job's zygote
-(`distributed/zygote.py`) before it imports torch, so that the two imports run side by side on
-two cores instead of one after the other; everything else goes straight to `cli.py`.
+A command that starts a job's ranks on this machine (`train`, `run`) forks the job's zygote
+(`distributed/zygote.py`) as soon as it has imported torch and the command line, before it
+starts a thread: the zygote goes on to import torch's compiler stack and shardwise's names while
+the launcher reads the config and starts torchrun's agent, and torch is imported once for the
+two. Everything else goes straight to `cli.py`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ LAUNCHING = ("train", "run")
 
 def main() -> None:
     args = sys.argv[1:]
-    if args[:1] and args[0] in LAUNCHING and not {"-h", "--help"} & set(args):
-        zygote.start_early(args)
-    from shardwise.cli import run
+    from shardwise.cli import run  # (torch with it)
 
+    if args[:1] and args[0] in LAUNCHING and not {"-h", "--help"} & set(args):
+        zygote.fork_early()
     run()

@@ -1,11 +1,14 @@
 """A job's zygote: one process that imports torch and shardwise once, and forks each rank.
 
-    python .../distributed/zygote.py FD ARGS...   # FD: its listening socket; ARGS: the job's
+    zygote.fork_early()                            # `shardwise train|run`: a fork of itself
+    python .../distributed/zygote.py FD ARGS...   # other launchers; FD: its listening socket
 
 Every rank's process would otherwise import torch, its compiler stack (which the first optimizer
 imports) and shardwise before any work: 2.7-3.2 s of CPU a rank on 2 cores, more than a short
-job's training. A launcher starts one zygote per job (`start`) beside the processes it starts
-for the ranks (`boot.py`); each of those asks the zygote for a fork that runs the rank
+job's training. A launcher has one zygote per job beside the processes it starts for the ranks
+(`boot.py`): the `shardwise` command forks it from itself once torch is imported
+(`fork_early`, named `sw-zygote` in `ps`), other launchers start it (`running`). Each rank's
+process asks the zygote for a fork that runs the rank
 (`boot.run_forked`), passes its signals on, and exits as the fork exits. So torchrun's agent and
 the parameter-server supervisor keep their own processes, pids, exit codes and signals, and the
 forks, which share the zygote's imported pages, do the work.
@@ -21,13 +24,17 @@ A rank process whose connection closes (killed, SIGKILL included) has its fork S
 forks die with the zygote and the zygote with the launcher (parent-death signals), and the
 zygote is single-threaded when it forks (nothing it imports starts a thread).
 
-Run by its path, as `boot.py` is: the standard library and `boot` until the socket listens.
+Started, it runs by its path, as `boot.py` does: the standard library and `boot` until the
+socket listens.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import gc
+import io
 import json
 import os
 import secrets
@@ -39,6 +46,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 if __package__:
     from shardwise.distributed import boot
@@ -49,6 +57,9 @@ else:  # run by path (the zygote itself): its sibling, and nothing heavy yet
 # optimizer; then every name `import shardwise` offers); each rank still imports what its own
 # work needs beyond these.
 PRELOAD = ("torch", "torch._dynamo", "shardwise.cli")
+PROCESS_NAME = b"sw-zygote"  # (/proc/PID/comm: what `ps` and `top` show; 15 bytes at most)
+PR_SET_NAME = 15
+MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}  # glibc's M_* parameters
 REQUEST_S = 5.0  # seconds a connected rank process gets to send its request
 
 
@@ -57,7 +68,8 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
 
 
-_early: subprocess.Popen | None = None  # this process's zygote, started before its imports
+_early: int | None = None  # the pid of this launcher's zygote, forked by `fork_early`
+_launcher_name: bytes | None = None  # in a forked zygote: the launcher's name, for its ranks
 
 
 def start(job_args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -85,23 +97,72 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def start_early(job_args: list[str]) -> None:
-    """Start this launcher's zygote now, before the launcher imports torch: the two imports
-    then run side by side. Its forks take the job's threads from their own environment (the
-    job's are not known yet); it ends as this process exits."""
+def fork_early() -> None:
+    """Fork this launcher's zygote now, once the launcher has imported torch and the command
+    line, and before it starts a thread: the zygote imports only the rest (torch's compiler
+    stack, shardwise's names) while the launcher goes on. A zygote started as its own process
+    would import torch a second time: 1.8 s more CPU a job, for no earlier start (its imports
+    are what a rank waits for, and a fork's are the same less torch's). It ends as this process
+    exits; its forks take the job's threads from their own environment."""
     global _early
     if not supported() or os.environ.get(boot.ZYGOTE_ENV) == "0" or boot.in_rank():
         return
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", boot.PARENT_ENV: str(os.getpid())}
-    env.update({key: os.environ.get(key, value) for key, value in boot.MALLOC_ENV.items()})
-    _early, os.environ[boot.ZYGOTE_ENV] = start(job_args, env)
-    atexit.register(_stop, _early)
+    name = f"@shardwise-zygote-{secrets.token_hex(8)}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(boot.socket_address(name))
+    listener.listen(256)
+    launcher = os.getpid()
+    # What the imports made is not garbage: out of the collector's passes, which would write to
+    # every page the two processes share (each write then copies it).
+    gc.freeze()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _become_zygote(launcher)
+        _preload_and_serve(listener)
+        raise SystemExit(0)  # (in a fork, a script ran to its end; never the launcher's code)
+    listener.close()
+    _early, os.environ[boot.ZYGOTE_ENV] = pid, name
+    atexit.register(_stop_fork, pid)
+
+
+def _stop_fork(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _become_zygote(launcher: int) -> None:
+    """In the launcher's fork: what a zygote started as its own process has. Its own session
+    (a terminal's Ctrl-C is for the ranks, via the launcher), no stdin, output written as it is
+    printed (PYTHONUNBUFFERED's streams: a rank's lines must not wait in a buffer), the
+    allocator's settings that glibc reads from the environment only as a process starts, and a
+    name of its own in `ps` and `top`."""
+    os.setsid()
+    boot.die_with_parent(launcher)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for variable, value in boot.MALLOC_ENV.items():
+        libc.mallopt(MALLOPT[variable], int(os.environ.get(variable, value)))
+    global _launcher_name
+    _launcher_name = Path("/proc/self/comm").read_bytes().strip()
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(PROCESS_NAME), 0, 0, 0)
 
 
 @contextlib.contextmanager
 def running(job_args: list[str], env: dict[str, str]) -> Iterator[dict[str, str]]:
     """A zygote for the job's ranks while inside, started with their base `env` (what is read
-    as Python and torch start: threads, the allocator), or the one `start_early` started; yields
+    as Python and torch start: threads, the allocator), or the one `fork_early` forked; yields
     what the ranks' environment needs to be forked from it ({} where zygotes are not supported,
     or `SHARDWISE_ZYGOTE=0` turns them off, or it is in the environment already)."""
     if _early is not None or not supported() or os.environ.get(boot.ZYGOTE_ENV) == "0":
@@ -165,6 +226,8 @@ def _become_rank(
     zygote's connections."""
     os.setsid()
     boot.die_with_parent(zygote)
+    if _launcher_name is not None:  # (a rank is not the zygote in `ps`: the name it started as)
+        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(_launcher_name), 0, 0, 0)
     listener.close()
     for fork in forks.values():
         fork.connection.close()
@@ -240,10 +303,8 @@ def serve(listener: socket.socket) -> list[str]:
                 fork.connection.close()
 
 
-def main() -> None:
-    boot.die_with_parent()
-    listener = socket.socket(fileno=int(sys.argv[1]))  # (bound by the launcher)
-    sys.path[0] = os.getcwd()  # (not this folder: its modules would shadow top-level ones)
+def _preload_and_serve(listener: socket.socket) -> None:
+    """Import what every rank needs, then serve; returns only in a fork, once its rank ended."""
     try:
         for module in PRELOAD:
             __import__(module)
@@ -256,6 +317,13 @@ def main() -> None:
         raise SystemExit(1)
     argv = serve(listener)
     boot.run(argv)  # (in a fork: the rank)
+
+
+def main() -> None:
+    boot.die_with_parent()
+    listener = socket.socket(fileno=int(sys.argv[1]))  # (bound by the launcher)
+    sys.path[0] = os.getcwd()  # (not this folder: its modules would shadow top-level ones)
+    _preload_and_serve(listener)
 
 
 if __name__ == "__main__":
