@@ -11,53 +11,30 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import kill_processes_of
 
-# Test files that assert wall-clock bounds (heartbeats, hang and straggler timeouts, the time to
-# recover), race a backend's own thread (the peak meter), or measure this machine (calibration,
-# step-time models): `make test` runs them after the others, one at a time, with nothing beside
-# them. The others (equivalence and unit tests, whose results never depend on the load) run two
-# files at once (`-n 2`), which the machine's idle moments (start-up, waits) pay for.
-ALONE = {
-    "test_balance.py",
-    "test_bench_planner.py",
-    "test_cli.py",
-    "test_costs.py",
-    "test_elastic.py",
-    "test_emulated_cluster.py",
-    "test_faults.py",
-    "test_jobstore.py",
-    "test_mixed_precision.py",
-    "test_observability.py",
-    "test_own_loop.py",
-    "test_plan_inputs.py",
-    "test_planner.py",
-    "test_processes.py",
-    "test_ps.py",
-    "test_ps_fuzz.py",
-    "test_ps_liveness.py",
-    "test_ps_nonfinite.py",
-    "test_report_inputs.py",
-    "test_resume.py",
-    "test_script_watchdog.py",
-    "test_steptime.py",
-    "test_work_queue.py",
-    "test_zygote.py",
-}
+# A test that asserts wall-clock bounds (heartbeats, hang and straggler timeouts, the time to
+# recover), races a backend's own thread (the peak meter) or measures this machine (calibration)
+# is marked `alone`, each with its reason (`pytestmark = pytest.mark.alone` where the whole file
+# is): `make test` runs those after the others, one at a time, with nothing beside them. The
+# others (equivalence, unit and end-to-end tests whose results never depend on the load, and
+# whose deadlines only bound a failure) run two files at once (`-n 2`), which the machine's idle
+# moments (start-up, waits) pay for.
+ALONE = "pytest.mark.alone"
+WHOLLY_ALONE = "pytestmark = pytest.mark.alone"
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
-    """`make test`'s two runs (`-m "not alone"`, `-m alone`) do not import the other's files:
-    collecting them costs seconds a process (inductor, transformers) for tests deselected."""
-    if collection_path.suffix != ".py":
+    """`make test`'s two runs (`-m "not alone"`, `-m alone`) do not import files that hold
+    nothing for them: collecting them costs seconds a process (inductor, transformers) for
+    tests deselected. (Read from the file's text: whether it marks a test, or itself, alone.)"""
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
-    alone = collection_path.name in ALONE
-    selected = {"alone": alone, "not alone": not alone}.get(config.option.markexpr, True)
-    return True if not selected else None
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if item.path.name in ALONE:
-            item.add_marker(pytest.mark.alone)
+    wanted = config.option.markexpr
+    if wanted not in ("alone", "not alone"):
+        return None
+    text = collection_path.read_text()
+    if wanted == "alone":
+        return True if ALONE not in text else None
+    return True if WHOLLY_ALONE in text else None
 
 
 @pytest.fixture

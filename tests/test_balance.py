@@ -22,6 +22,8 @@ from shardwise.data import ledger
 from shardwise.data.balance import ThroughputBalancer, weighted_sizes
 from spawn import run as spawn
 
+pytestmark = pytest.mark.alone  # (its shares follow the ranks' measured speeds)
+
 WINDOW = 5  # steps per rebalancing window
 
 

@@ -292,6 +292,7 @@ SMALL_GPT = [
 ]
 
 
+@pytest.mark.alone  # (the peak meter races gloo's thread)
 def test_tensor_and_pipeline_parallel_jobs_from_the_command_line(tmp_path):
     strategies = (["strategy.name=tp"], ["strategy.name=pp", "strategy.microbatches=2"])
     jobs = []  # (both at once)
@@ -341,6 +342,7 @@ def test_mesh_sizes_that_do_not_fit_the_world_are_one_line_before_launch(tmp_pat
     ]
 
 
+@pytest.mark.alone  # (a 2 s silence timeout, a dead worker named within 3 s)
 def test_ps_job_survives_a_killed_worker_and_restarts_after_a_killed_server(tmp_path):
     """`strategy: ps` from the command line, under our supervisor (2 servers + 2 workers)."""
     base = ["strategy.servers=2", "strategy.workers=2", "strategy.timeout_s=2"]

@@ -25,6 +25,8 @@ from shardwise.data import ledger
 from shardwise.data.sharded_loader import loader
 from shardwise.jobs import OPTIMIZERS, base_lr, build_job, optimizer_kwargs, schedule
 
+pytestmark = pytest.mark.alone  # (a 3 s hang timeout, and recoveries bounded in seconds)
+
 STEPS = 60
 SETS = [f"train.steps={STEPS}", "train.sample_ledger=true", "train.measure=false"]
 

@@ -34,6 +34,7 @@ def _fired_at(run_dir: Path, name: str) -> float:
     return float((run_dir / "faults" / name).read_text())
 
 
+@pytest.mark.alone  # (a 3 s hang timeout; bounded in seconds)
 def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
     run = tmp_path / "run"
     result = _job(
@@ -59,6 +60,7 @@ def test_a_hung_rank_is_named_and_every_rank_exits_within_seconds(tmp_path):
     assert result.returncode == 3
 
 
+@pytest.mark.alone  # (bounded in seconds)
 def test_ranks_issuing_different_collectives_are_named_with_both_calls(tmp_path):
     """With the default hang timeout (a minute), a desync that hangs ends every rank within
     5 s of the fault: the watchdogs compare the call they all wait in."""
@@ -196,6 +198,7 @@ def test_rollback_gives_up_when_rolling_back_makes_no_progress(tmp_path):
     assert not (run / "summary.json").exists() and not (run / "checkpoint").exists()
 
 
+@pytest.mark.alone  # (bounded in seconds)
 def test_a_full_disk_ends_the_job_in_seconds_and_keeps_the_checkpoint(tmp_path):
     # A full disk, emulated without root: every process of the job may write files of at most
     # LIMIT bytes (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write past it fails with EFBIG),

@@ -81,6 +81,7 @@ def test_a_connection_without_the_secret_gets_only_a_challenge(server, payload):
     assert server.read("heartbeat") == b"private"
 
 
+@pytest.mark.alone  # (torch's 3 s store timeout, bounded in seconds)
 def test_a_wrong_secret_and_torchs_own_client_are_refused(server):
     with pytest.raises(JobStoreError, match="refused this process"):
         JobStoreClient(server.address, jobstore.new_secret(), timeout_s=2)
@@ -107,6 +108,7 @@ def _torchs_store_keys(port: int) -> tuple[dist.TCPStore | None, list[str] | Non
         return None, None
 
 
+@pytest.mark.alone  # (races torch's client timeout against a job's fixed seconds)
 def test_an_outsider_cannot_read_forge_or_abort_a_running_job(run_dir):
     # 300 steps of at least 20 ms each: the job trains for 6 s or more after its first step,
     # longer than torch's client takes to give up on the job's own store (up to 7 s seen with

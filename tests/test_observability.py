@@ -11,6 +11,8 @@ import pytest
 from harness import run_cli, train_args
 from shardwise.observe.phases import breakdown
 
+pytestmark = pytest.mark.alone  # (its timing ratios and a merged timeline's error in milliseconds)
+
 STEPS, BATCH, LR, SKEW = 30, 256, 0.01, 2.5
 SETS = [
     "model.hidden=[512, 512]",  # per-sample compute well above a step's fixed costs

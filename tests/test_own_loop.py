@@ -8,9 +8,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from harness import finish, run_cli, start_cli
+
+pytestmark = (
+    pytest.mark.alone
+)  # (its ranks run a 3 s watchdog: a slow but healthy rank would be named)
 
 SCRIPT = Path(__file__).with_name("own_loop.py")
 

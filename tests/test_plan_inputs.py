@@ -73,6 +73,7 @@ def test_a_bad_number_is_one_line_and_exit_2(argv, says, tmp_path, monkeypatch, 
     assert says in err
 
 
+@pytest.mark.alone  # (bounded in seconds)
 def test_a_billion_devices_are_planned_in_well_under_a_second(capsys):
     # The search walked every number up to the device count, twice: 49 s for 10^9 devices.
     # Now it walks the divisors of gcd(devices, batch). Against the definition (tp at most

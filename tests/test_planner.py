@@ -20,6 +20,7 @@ from shardwise.plan.search import PRESETS, ClusterSpec, Plan, plan_sets, price, 
 FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
 
 
+@pytest.mark.alone  # (bounded in seconds)
 def test_plan_reproduces_zero_figure_1_from_the_command_line():
     argv = ["plan", "--params", "7.5e9", "--devices", "64", "--precision", "mixed", "--json"]
     started = time.perf_counter()
@@ -42,6 +43,7 @@ def test_each_stage_shards_one_more_category():
     assert z3.comm_bytes_per_step == 1.5 * z2.comm_bytes_per_step == 1.5 * dp.comm_bytes_per_step
 
 
+@pytest.mark.alone  # (bounded in seconds)
 def test_seventy_billion_on_1024_devices_answers_in_under_a_second_and_fits():
     spec, cluster = PRESETS["70b"], ClusterSpec(devices=1024, memory_gb=80, network_gbit=400)
     started = time.perf_counter()
@@ -79,6 +81,7 @@ def test_the_top_ten_plans_for_70b_are_configs_shardwise_trains():
     assert any(p.offload for p in fits[:10]) and any(p.microbatches > 1 for p in fits[:10])
 
 
+@pytest.mark.alone  # (bounded in seconds)
 def test_a_trillion_parameters_on_10000_devices_in_under_a_second():
     started = time.perf_counter()
     fits, _ = search(PRESETS["1t"], ClusterSpec(devices=10_000))
@@ -130,6 +133,7 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
     assert "unknown keys ['width']" in done.stderr
 
 
+@pytest.mark.alone  # (it measures the machine)
 def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     plan = ["plan", "--config", "digits", "--nproc", "2"]

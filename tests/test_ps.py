@@ -203,6 +203,7 @@ def _late_joiner_run(mode: str):
     return told
 
 
+@pytest.mark.alone  # (a 0.5 s sleep must outlast a push)
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_a_worker_told_other_versions_by_its_servers_is_served(mode):
     refused_0, refused_1, _, told = run(_late_joiner_run, 4, mode)
@@ -221,6 +222,7 @@ def test_a_hello_that_is_not_a_model_signature_is_refused_in_words():
     assert check_hello(ours, protocol.pack([[n, list(s)] for n, s in ours])) is None
 
 
+@pytest.mark.alone  # (a straggler's sleep must outlast the others' steps)
 def test_ssp_never_lets_a_worker_run_more_than_s_clocks_ahead():
     staleness = 2
     logs = [log for log in run(_ssp_run, 4, staleness) if log is not None]
@@ -347,12 +349,14 @@ def _each_batch_trained_once(server: dict, log_dir: Path) -> None:
     assert server["consumed"] == sum(planned.values()) * 32
 
 
+@pytest.mark.alone  # (2 s and 3 s silence timeouts)
 def test_async_reaches_90_percent_on_digits(tmp_path):
     server, *workers = run(_digits_run, 3, str(tmp_path), "async", None, timeout_s=180)
     assert all(w["accuracy"] >= 0.90 for w in workers), workers
     _each_batch_trained_once(server, tmp_path)
 
 
+@pytest.mark.alone  # (a dead worker named within 3 s)
 def test_a_killed_worker_is_declared_dead_and_its_data_is_consumed_by_the_others(tmp_path):
     server, _, alive = run(_digits_run, 3, str(tmp_path), "ssp", 1, timeout_s=180, dies=(1,))
     assert list(server["dead"]) == [1] and server["dead"][1] <= 2.0 + 1.0  # timeout + a check
@@ -361,6 +365,7 @@ def test_a_killed_worker_is_declared_dead_and_its_data_is_consumed_by_the_others
     assert alive["accuracy"] >= 0.85
 
 
+@pytest.mark.alone  # (a stuck worker named within 3-5 s)
 def test_a_worker_whose_training_hangs_is_declared_stuck_and_its_batch_trained_by_another(
     tmp_path,
 ):
@@ -508,6 +513,7 @@ def test_a_ps_job_left_no_usable_snapshot_fails_at_once_with_one_line_and_no_res
     assert foreign.exists()  # nothing removed
 
 
+@pytest.mark.alone  # (2 s and 3 s silence timeouts)
 @pytest.mark.parametrize("mode, hang", [("async", False), ("sync", True)], ids=["kill", "hang"])
 def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(mode, hang, tmp_path):
     """1 server, relays 1 and 2 over workers 3, 4 and 5; worker 3 dies (async), or its training
@@ -525,6 +531,7 @@ def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(mode, hang, 
     assert all(w["accuracy"] >= 0.85 for w in alive), alive
 
 
+@pytest.mark.alone  # (2 s and 3 s silence timeouts)
 def test_sync_servers_apply_the_same_rounds_when_a_worker_dies(tmp_path):
     """2 servers, 3 workers, sync; worker 2 dies, and at the end of the queue the others wait
     for its batch. Server 0 decides each round's members and server 1 follows: both apply the
@@ -558,6 +565,7 @@ def test_the_work_queue_holds_exactly_the_batches_asked_for():
         sw.ps.WorkQueue.for_batches(10, size=20, batch=32, seed=0)
 
 
+@pytest.mark.alone  # (bounded in seconds)
 def test_a_work_queue_of_ten_million_batches_is_built_at_once_in_little_memory():
     """Batches are computed when dealt (every one was built up front: ~15 GiB here); a batch
     given back is dealt first, and each is consumed once, across an epoch's end too."""
@@ -631,6 +639,7 @@ def _backup_run(servers: int, backups: int, slow: int, steps: int = STEPS):
     return {"state": state, "pushes": pushes}
 
 
+@pytest.mark.alone  # (a 0.15 s sleep must outlast the others' steps)
 def test_backup_workers_average_the_first_pushes_and_count_the_late_ones():
     """2 servers, 3 workers, backup_workers 1, worker 2 slow: each round is the mean of the
     slices of the workers in it (at least 2 of 3), both servers apply the same rounds, and

@@ -12,7 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from harness import none_left, start_ps_job, wait_until
+
+pytestmark = pytest.mark.alone  # (heartbeats of 0.2 s and silences of 2 s, bounds in seconds)
 
 HEARTBEAT_S, TIMEOUT_S, PROGRESS_S = 0.2, 2.0, 2.0
 BASE = [

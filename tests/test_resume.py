@@ -86,6 +86,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_identically(tmp_path, strategy, 
     _same_end(tmp_path / "straight", tmp_path / "faulty")
 
 
+@pytest.mark.alone  # (the signal must land in the job's last 2 s)
 def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_path):
     straight = _train(tmp_path / "straight")  # (both jobs run at once)
     slow = ["train.delay_s=[0.05, 0.05]"]  # (sleeps only: the arithmetic is the same)
@@ -131,6 +132,7 @@ def _files(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.alone  # (the signal must land in the job's last 2 s)
 def test_sigterm_to_one_worker_saves_and_resume_uses_the_runs_own_config(tmp_path, capsys):
     run = tmp_path / "run"
     own = ["name=small", "model.hidden=[16]", "train.delay_s=[0.05, 0.05]"]  # not digits' own

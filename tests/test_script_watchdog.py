@@ -13,6 +13,8 @@ import pytest
 
 from harness import run_cli
 
+pytestmark = pytest.mark.alone  # (a 4 s hang timeout, and bounds in seconds)
+
 SCRIPT = """
     import sys, time, torch
     import shardwise as sw

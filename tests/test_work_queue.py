@@ -76,6 +76,7 @@ def test_chunks_are_dealt_once_each_and_rounds_end_alike_on_every_rank():
     assert seen == Counter({i: 2 for i in range(50)})
 
 
+@pytest.mark.alone  # (its shares follow the ranks' measured speeds)
 @pytest.mark.usefixtures("uncalibrated")
 def test_faster_rank_takes_more_and_every_sample_once_per_epoch(tmp_path):
     run = tmp_path / "run"
