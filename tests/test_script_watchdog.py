@@ -55,4 +55,6 @@ def test_the_rank_that_hangs_or_leaves_is_named_last_within_seconds(tmp_path, fa
         assert ("never arrived" if fault == "hangs" else "left the job") in last
     assert took < 40  # start-up, then the 4 s timeout at most: never the backend's 300 s
     assert sorted(tmp_path.iterdir()) == [script, temporary]  # (no report file lands here)
-    assert list(temporary.iterdir()) == []
+    # (torch's compiler stack, imported by the first optimizer, makes its cache folder in the
+    # temporary folder: `torchinductor_USER`, unless a parent process's import named one)
+    assert [p for p in temporary.iterdir() if not p.name.startswith("torchinductor_")] == []

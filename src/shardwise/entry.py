@@ -21,5 +21,5 @@ def main() -> None:
     from shardwise.cli import run  # (torch with it)
 
     if args[:1] and args[0] in LAUNCHING and not {"-h", "--help"} & set(args):
-        zygote.fork_early()
+        zygote.fork_early()  # (its forks end in SystemExit there: none runs what follows)
     run()

@@ -117,11 +117,21 @@ def fork_early() -> None:
     gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        _become_zygote(launcher)
-        _preload_and_serve(listener)
-        raise SystemExit(0)  # (in a fork, a script ran to its end; never the launcher's code)
+    try:
+        pid = os.fork()
+    except OSError:  # (no zygote: each rank imports for itself)
+        listener.close()
+        return
+    if pid == 0:  # the zygote, and each rank forked from it: none returns to the launcher's code
+        try:
+            _become_zygote(launcher)
+            _preload_and_serve(listener)
+        except SystemExit:
+            raise
+        except BaseException:  # (a rank's script that raised: said as Python says it)
+            sys.excepthook(*sys.exc_info())
+            raise SystemExit(1) from None
+        raise SystemExit(0)  # (a rank's script that ran to its end)
     listener.close()
     _early, os.environ[boot.ZYGOTE_ENV] = pid, name
     atexit.register(_stop_fork, pid)
