@@ -4,7 +4,7 @@ A job on one rank (a laptop, one GPU) must pay nothing for being written with sh
 of our strategies wraps an identical copy of the model and steps through `sw.train_step`
 (the loop every strategy shares; a pipeline runs its one stage's schedule, tensor parallel its
 one shard); the baseline is the same model and AdamW with `loss.backward()`, no wrapper. All
-are timed in one process, in rotating order, `reps` rounds; reported per strategy and model:
+are timed in one process, step by step (shuffled), `reps` rounds; reported per strategy and model:
 step time and its ratio to plain torch (the median of each round's ratio), each round's ratio,
 and one JSON line.
 

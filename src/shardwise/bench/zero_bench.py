@@ -2,7 +2,7 @@
 
 DeepSpeed ZeRO-1/2/3 join when `deepspeed` is installed (`pip install --no-build-isolation
 deepspeed`; CPU accelerator over the same gloo group). Every variant wraps an identical copy of
-the model, trains with AdamW fp32 on the same batches, and is timed in rotating order. Reported
+the model, trains with AdamW fp32 on the same batches, and is timed step by step, shuffled. Reported
 per variant: step time, samples/s, model-state bytes per parameter per rank (parameters,
 gradients, optimizer state, measured after backward), and, for ours, the bytes our accounting
 layer counted for one step, and its floors (`floor.py`: compute alone, and compute plus its

@@ -161,13 +161,17 @@ def _become_zygote(launcher: int) -> None:
         stream = io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-    libc = ctypes.CDLL(None, use_errno=True)
     for variable, value in boot.MALLOC_ENV.items():
         if variable not in os.environ:  # (one set there, glibc read as the launcher started)
-            libc.mallopt(MALLOPT[variable], int(value))
+            ctypes.CDLL(None).mallopt(MALLOPT[variable], int(value))
     global _launcher_name
     _launcher_name = Path("/proc/self/comm").read_bytes().strip()
-    libc.prctl(PR_SET_NAME, ctypes.c_char_p(PROCESS_NAME), 0, 0, 0)
+    _set_name(PROCESS_NAME)
+
+
+def _set_name(name: bytes) -> None:
+    """This process's name in `ps` and `top` (/proc/PID/comm)."""
+    ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
 
 
 @contextlib.contextmanager
@@ -238,7 +242,7 @@ def _become_rank(
     os.setsid()
     boot.die_with_parent(zygote)
     if _launcher_name is not None:  # (a rank is not the zygote in `ps`: the name it started as)
-        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(_launcher_name), 0, 0, 0)
+        _set_name(_launcher_name)
     listener.close()
     for fork in forks.values():
         fork.connection.close()
