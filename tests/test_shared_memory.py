@@ -13,7 +13,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.comm import shared_memory
-from shardwise.comm.shared_memory import SharedMemoryAllReduce
+from shardwise.comm.shared_memory import SharedMemoryAllReduce, SharedMemoryReduceScatter
 from spawn import run
 
 pytestmark = pytest.mark.skipif(not shared_memory.supported(), reason="needs /dev/shm on x86-64")
@@ -111,6 +111,56 @@ def test_a_mean_is_the_shared_sum_divided_by_the_group(world_size):
         # fp32, bf16: yes; fp16, int64: no; a slice of a shared buffer: yes; a plain one: no
         assert can == [True, True, False, False, True, False]
         assert "did not place" in refused
+
+
+def scatters_like_the_exchange():
+    """Reduce-scatters in shared memory, of whole buffers and of prefixes of a larger one,
+    against every rank's inputs gathered and summed here in rank order (how ZeRO summed the
+    exchanged slices before): the same bits. And what it refuses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scatter = SharedMemoryReduceScatter(timeout=timedelta(seconds=30))
+    larger = {dtype: scatter.new_buffer(world * 100_003, dtype, CPU) for dtype in DTYPES}
+    exact = True
+    for dtype in DTYPES:
+        for per_rank in (1, 5, 4097, 100_003):
+            numel = world * per_rank
+            for staged in (scatter.new_buffer(numel, dtype, CPU), larger[dtype][:numel]):
+                g = torch.Generator().manual_seed(100 * rank + per_rank)
+                mine = (torch.randn(numel, generator=g) * 100).to(dtype)
+                staged.copy_(mine)
+                out = torch.empty(per_rank, dtype=dtype)
+                scatter.start_reduce_scatter(staged, out).wait()
+                everyone = torch.empty(world, numel, dtype=dtype)
+                dist.all_gather_into_tensor(everyone.view(-1), mine)
+                slices = everyone[:, rank * per_rank : (rank + 1) * per_rank]
+                expected = slices[0] + slices[1]
+                for more in slices[2:]:
+                    expected += more
+                exact &= torch.equal(out, expected) and torch.equal(staged, mine)
+    refused = []
+    for full, out in (
+        (torch.zeros(world * 4), torch.empty(4)),  # not placed by it
+        (larger[torch.float32][: world * 4 + 1], torch.empty(4)),  # not divided by the world
+        (larger[torch.float32][1 : world * 4 + 1], torch.empty(4)),  # not a buffer's start
+        (larger[torch.float32][: world * 4], torch.empty(5)),  # an output of the wrong size
+    ):
+        try:
+            scatter.start_reduce_scatter(full, out)
+            refused.append("")
+        except ValueError as e:
+            refused.append(str(e))
+    scatter.close()
+    return exact, refused
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_reduce_scatter_sums_each_slice_as_the_exchange_did(world_size):
+    for exact, refused in run(scatters_like_the_exchange, world_size):
+        assert exact
+        assert all("is not a buffer it placed" in e for e in refused), refused
 
 
 def plain_buffer_and_disagreement():

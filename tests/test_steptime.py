@@ -70,6 +70,7 @@ def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict
     import shardwise as sw
     import small_models
     from shardwise import comm
+    from shardwise.comm.shared_memory import SharedMemoryReduceScatter
     from shardwise.plan.costs import CostJob
     from shardwise.plan.predictors import predict
     from shardwise.strategies.zero import ZeROConfig
@@ -103,14 +104,15 @@ def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict
         out.register_hook(lambda _grad: events.append(("compute",)))
 
     # (the gradients' reduction: a reduce-scatter, or where gloo's ranks share a host an
-    # exchange of the slices, an all-to-all; the gathers there are direct messages. ZeRO
-    # takes its gather function as it is made: observed from before.)
+    # exchange of the slices, an all-to-all, or there in shared memory; the gathers there are
+    # direct messages. ZeRO takes its gather function as it is made: observed from before.)
     names = ("all_gather_into_tensor", "all_gather_pairwise", "reduce_scatter_tensor")
-    names += ("all_to_all_single",)
-    ops = ("all_gather", "all_gather", "reduce_scatter", "all_to_all")
-    starts = [getattr(comm, name) for name in names]
-    for name, start, op in zip(names, starts, ops, strict=True):
-        setattr(comm, name, observed(start, op))
+    names += ("all_to_all_single", "start_reduce_scatter")
+    places = [comm] * 4 + [SharedMemoryReduceScatter]
+    ops = ("all_gather", "all_gather", "reduce_scatter", "all_to_all", "reduce_scatter")
+    starts = [getattr(place, name) for place, name in zip(places, names, strict=True)]
+    for place, name, start, op in zip(places, names, starts, ops, strict=True):
+        setattr(place, name, observed(start, op))
     try:
         model, _ = sw.prepare(small_models.build(model_name), section.build(world, tmp), lr=1e-3)
         for unit in stage3_units(model.module):
@@ -119,8 +121,8 @@ def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict
             events.clear()
             sw.train_step(model, *batch(8 // world), loss_fn, total=8)
     finally:
-        for name, start in zip(names, starts, strict=True):
-            setattr(comm, name, start)
+        for place, name, start in zip(places, names, starts, strict=True):
+            setattr(place, name, start)
     exposed: dict[str, float] = {}
     issued: dict[tuple, int] = {}
     for i, event in enumerate(events):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import post_pairwise_gather
 from shardwise.comm.flight import KEEP, Call, recorder
-from shardwise.comm.shared_memory import SharedMemoryAllReduce
+from shardwise.comm.shared_memory import SharedMemoryAllReduce, SharedMemoryReduceScatter
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -67,6 +67,11 @@ def _bare(call: Call) -> Callable[[], None]:
         summing = SharedMemoryAllReduce()
         shared = summing.new_buffer(tensor.numel(), dtype, tensor.device)
         return lambda: summing.start(shared).wait()
+    if call.op == "reduce_scatter_shared":  # (ZeRO's, where every rank is on one host's CPU)
+        scatter = SharedMemoryReduceScatter()
+        staged = scatter.new_buffer(tensor.numel(), dtype, tensor.device)
+        out = torch.empty(tensor.numel() // world, dtype=dtype)
+        return lambda: scatter.start_reduce_scatter(staged, out).wait()
     if call.op == "broadcast":
         return lambda: dist.broadcast(tensor, src=0)
     if call.op == "all_gather":  # (recorded: the gathered output)

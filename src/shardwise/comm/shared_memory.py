@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import interrupt
-from shardwise.comm.accounting import native_volume
+from shardwise.comm.accounting import native_volume, stats
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
 from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_reduce
 
@@ -78,9 +78,15 @@ class Arrivals:
     process ended fails the wait within `CHECK_S`, as a closed connection fails gloo's."""
 
     def __init__(
-        self, counters: list[np.ndarray], rank: int, pids: list[int], timeout_s: float
+        self,
+        counters: list[np.ndarray],
+        rank: int,
+        pids: list[int],
+        timeout_s: float,
+        what: str,
     ) -> None:
         self.counters, self.mine, self.timeout_s = counters, counters[rank], timeout_s
+        self.what = what  # (the collective, as its errors name it)
         self.peers = {k: pid for k, pid in enumerate(pids) if k != rank}
         self.arrivals = 0
 
@@ -103,12 +109,11 @@ class Arrivals:
         missing = [k for k, c in enumerate(self.counters) if c[0] < n]
         ended = [k for k in missing if k in self.peers and process_ended(self.peers[k])]
         if ended:
-            raise RuntimeError(f"shared-memory all-reduce: the process of rank(s) {ended} ended")
+            raise RuntimeError(f"{self.what}: the process of rank(s) {ended} ended")
         interrupt.raise_if_interrupted(since)
         if waited_s > self.timeout_s:
             raise RuntimeError(
-                f"shared-memory all-reduce: rank(s) {missing} did not arrive within "
-                f"{self.timeout_s:.0f} s"
+                f"{self.what}: rank(s) {missing} did not arrive within {self.timeout_s:.0f} s"
             )
 
 
@@ -160,9 +165,9 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             pids = torch.zeros(self.size, dtype=torch.int64)
             _all_gather_flat(pids, torch.tensor([os.getpid()]), group=self.group)
             timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
-            self.arrivals = Arrivals(
-                [c.view(np.int64) for c in counters], self.rank, pids.tolist(), timeout_s
-            )
+            counters = [c.view(np.int64) for c in counters]
+            what = f"shared-memory {self.op.replace('_', '-')}"
+            self.arrivals = Arrivals(counters, self.rank, pids.tolist(), timeout_s, what)
 
     def _map_shared(self, name: str, nbytes: int) -> list[np.ndarray] | None:
         """Every rank's file `name` of `nbytes`, mapped as bytes (this rank's made and filled
@@ -249,3 +254,54 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
     def close(self) -> None:
         super().close()
         self._peers.clear()
+
+
+class SharedMemoryReduceScatter(SharedMemoryAllReduce):
+    """Reduce-scatters buffers it placed (`new_buffer`, or a prefix of one that N ranks divide)
+    through shared memory, on its thread: between two arrivals, rank r adds slice r of every
+    rank's buffer, in rank order, into an output of its own. Each rank reads its slice of every
+    buffer once and writes none of them: a buffer can be filled again once the second arrival
+    has passed. (Its buffers, group and arrivals are the all-reduce's.) Gloo's exchange of the
+    slices, ZeRO's reduce-scatter on one host before, copies them through loopback sockets
+    first, on the cores that compute (`docs/benchmarks.md`, stop 54)."""
+
+    op = "reduce_scatter"
+
+    def placed(self, full: torch.Tensor) -> bool:
+        """Whether `full` starts a buffer of `new_buffer`'s, within it, and N ranks divide it."""
+        peers = self._peers.get(full.data_ptr())
+        nbytes = full.numel() * full.element_size()
+        return (
+            peers is not None
+            and full.is_contiguous()
+            and full.numel() % self.size == 0
+            and all(p.size >= nbytes for p in peers if p is not None)
+        )
+
+    def start_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor) -> Handle:
+        """`out` (this rank's slice of `full`'s size, a tensor of its own) becomes the sum of
+        that slice over every rank's `full`."""
+        if not self.placed(full) or out.numel() * self.size != full.numel():
+            raise ValueError(
+                f"shared-memory reduce-scatter: {tuple(full.shape)} is not a buffer it placed "
+                f"that {self.size} ranks divide into outputs of {tuple(out.shape)}"
+            )
+        return Handle(self.op, self._thread.submit(self._scatter_in_background, full, out), None)
+
+    def _scatter_in_background(self, full: torch.Tensor, out: torch.Tensor) -> None:
+        with stats.background():
+            n, dtype = full.numel(), full.dtype
+            peers = self._peers[full.data_ptr()]
+            slots = [full if p is None else torch.from_numpy(p).view(dtype)[:n] for p in peers]
+            mine = [slot.tensor_split(self.size)[self.rank] for slot in slots]
+            volume = native_volume("reduce_scatter", n * full.element_size(), self.size)
+            call = partial(self._sum_slices, mine, out)
+            recorded = "reduce_scatter_shared"  # (the bench floor replays it so)
+            _issue("reduce_scatter", volume, call, False, self.group, full, recorded, True)
+
+    def _sum_slices(self, slices: list[torch.Tensor], out: torch.Tensor) -> None:
+        self.arrivals.wait()  # every rank's buffer holds its contribution
+        torch.add(slices[0], slices[1], out=out)  # (rank order: the bits of the exchange's sum)
+        for more in slices[2:]:
+            out.add_(more)
+        self.arrivals.wait()  # every rank has read its slice: the buffers are their owners' again

@@ -141,8 +141,9 @@ def collective_rates(
 ) -> dict[str, dict]:
     """One pass over every kind and payload, `calls` calls a point; `groups`: this rank's group
     of each smaller size that divides the world (a mesh's axes: tensor parallel's all-reduces
-    among t ranks), timed all groups at once. `summing`: a `SharedMemoryAllReduce` where every
-    rank is on one host, timed as `shared_all_reduce` (DDP's default there)."""
+    among t ranks), timed all groups at once. `summing`: a `SharedMemoryReduceScatter` where
+    every rank is on one host, timed as `shared_all_reduce` (DDP's default there) and
+    `shared_reduce_scatter` (ZeRO-2/3's)."""
     import torch.distributed as dist
 
     n = dist.get_world_size()
@@ -162,7 +163,8 @@ def collective_rates(
                 str(g): _collective(op, group, g, pace) for g, group in groups.items()
             }
     if summing is not None:
-        out["shared_all_reduce"] = _collective("shared_all_reduce", None, n, pace, summing)
+        for op in ("shared_all_reduce", "shared_reduce_scatter"):
+            out[op] = _collective(op, None, n, pace, summing)
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         out[f"prefetched_{op}"] = _prefetched(op, None, n, pace)
         if groups:  # (HSDP's shard groups and a mesh's data axis prefetch among g ranks)
@@ -265,10 +267,13 @@ def _collective(op: str, group, n: int, pace: _Pace, summing=None) -> dict:
     for size in SIZES:
         numel = max(n, size // 4 // n * n)  # (n divides it)
         full, part = torch.zeros(numel), torch.zeros(numel // n)
-        if op == "shared_all_reduce":  # (in a buffer it placed: DDP's buckets are)
+        if op.startswith("shared_"):  # (in a buffer it placed: DDP's buckets, ZeRO's are)
             full = summing.new_buffer(numel, torch.float32, torch.device("cpu"))
         run = {
             "shared_all_reduce": lambda full=full: summing.start(full).wait(),
+            "shared_reduce_scatter": lambda full=full, part=part: summing.start_reduce_scatter(
+                full, part
+            ).wait(),
             "all_reduce": lambda full=full: comm.all_reduce(full, group),
             "all_gather": lambda full=full, part=part: comm.all_gather_into_tensor(
                 full, part, group
@@ -278,7 +283,7 @@ def _collective(op: str, group, n: int, pace: _Pace, summing=None) -> dict:
             ),
         }[op]
         dist.barrier()
-        volume = native_volume("all_reduce" if op == "shared_all_reduce" else op, numel * 4, n)
+        volume = native_volume(op.removeprefix("shared_"), numel * 4, n)
         points.append((volume, pace.mean(run)))
     agreed = _agreed(points)
     return timings(agreed)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from shardwise.comm import shared_memory
 from shardwise.comm.accounting import native_volume
 from shardwise.comm.compressed_collectives import make_codec
 from shardwise.comm.compression import WireCodec, wire_nbytes
@@ -39,6 +40,7 @@ from shardwise.plan.peaks import step_peak
 from shardwise.plan.work import data_parallel_compute
 from shardwise.strategies.grad_buckets import assign_buckets
 from shardwise.strategies.section import StrategySection
+from shardwise.strategies.zero.stage2 import staging_buffers
 from shardwise.strategies.zero.stage3 import kept_units, stage3_units, unit_groups
 
 
@@ -136,6 +138,14 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         exchanges=job.shared_cores and shard_size(job, s) > 1 and not s.compression,
     )
     emulation.kept = units.kept  # (stage 3)
+    k = shard_size(job, s)
+    ranks = k if k < job.world_size else None
+    # Over the whole world of one host's CPU ranks, stages 2/3 reduce their gradients in
+    # shared memory, in staging buffers the size of the largest unit, made with the model.
+    staged = emulation.exchanges and s.stage >= 2 and ranks is None and shared_memory.supported()
+    emulation.staged_slots = staging_buffers(s.stage, bool(units.rest)) if staged else 0
+    largest = max(units.shards, default=0) * k * HALF.get(s.mixed_precision, FP32)
+    staging = emulation.staged_slots * largest
     costs.peak = step_peak(
         job,
         memory,
@@ -147,13 +157,13 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         emulation=emulation,
         # Stages 1 and 2 gather every unit after the step, from compute copies of the slices.
         after_step=0 if s.stage == 3 else sum(units.shards) * HALF.get(s.mixed_precision, FP32),
-        buffers=codec_state(s.compression, [p.shape for u in units.params for p in u]),
+        buffers=codec_state(s.compression, [p.shape for u in units.params for p in u]) + staging,
         # Under accumulation stages 2 and 3 keep every unit's full gradient (no_sync).
         accumulated=full if s.stage >= 2 else None,
     )
-    k = shard_size(job, s)
-    ranks = k if k < job.world_size else None
-    zero_traffic(costs, units, k, s, job.accumulate, ranks=ranks, exchanges=job.shared_cores)
+    zero_traffic(
+        costs, units, k, s, job.accumulate, ranks, exchanges=job.shared_cores, staged=staged
+    )
     replicas, compute = job.world_size // k, HALF.get(s.mixed_precision, FP32)
     for S in units.shards:  # HSDP: each reduced slice averaged across the replicas
         volume = native_volume("all_reduce", S * compute, replicas)
@@ -184,9 +194,11 @@ def zero_traffic(
     passes: int = 1,
     ranks=None,
     exchanges: bool = False,
+    staged: bool = False,
 ) -> None:
     """Each unit's reduce-scatter (or its codec's messages; `exchanges`, gloo on one host:
-    an all-to-all of its slices, `ZeroStage1.exchanges_slices`) and all-gathers, and which
+    an all-to-all of its slices, `ZeroStage1.exchanges_slices`, or where also `staged`, a
+    reduce-scatter in shared memory, `StagedGradients`) and all-gathers, and which
     of them a unit's compute hides, among `ranks` ranks (None: every rank) of which `n` shard.
     Stage 3 gathers for each of `passes` forwards and backwards (micro-batches) of a step; the
     reduction runs once, after the last."""
@@ -201,6 +213,11 @@ def zero_traffic(
         hidden = k > (1 if units.rest else 0)
         if getattr(s, "compression", None):
             _encoded(costs, s.compression, units.params[k], S, n, prefetched=hidden)
+        elif exchanges and staged and n > 1:  # (calibrated as a kind of its own)
+            volume = native_volume("reduce_scatter", unit_bytes, n)
+            costs.add_comm(
+                "reduce_scatter", volume, prefetched=hidden, kind="shared_reduce_scatter"
+            )
         else:
             op = "all_to_all" if exchanges and n > 1 else "reduce_scatter"
             costs.add_comm(op, native_volume(op, unit_bytes, n), ranks=ranks, prefetched=hidden)
@@ -283,6 +300,7 @@ class Stage1Emulation:
         self.shard_grads: list = [None] * count
         self.in_flight: list[int] = []
         self.queued = False
+        self.staged_in: set[int] = set()  # units whose full gradient is in a staging buffer
 
     def _shard(self, i: int) -> int:
         return -(-self.numels[i] // self.n)
@@ -319,7 +337,9 @@ class Stage1Emulation:
 
     def _launch(self, i: int) -> None:
         earlier = list(self.in_flight)
-        if self.exchanges:
+        if i in self.staged_in:  # (summed in shared memory into a slice of its own)
+            self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
+        elif self.exchanges:
             self.received[i] = torch.empty(self._shard(i) * self.n, dtype=self.compute)
         else:
             self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
@@ -333,7 +353,7 @@ class Stage1Emulation:
         if self.gloo and not self.exchanges:  # (its reduce-scatter's copy of the input)
             torch.empty(self._shard(i) * self.n, dtype=self.compute)  # seen, then let go
         reduced = self.reduced[i]
-        if self.exchanges:  # the copies summed, beside them
+        if self.exchanges and i not in self.staged_in:  # the copies summed, beside them
             reduced = self._own_slice(i)
             self.received[i] = None
         if self.fp32_masters and reduced is not None:
@@ -342,6 +362,7 @@ class Stage1Emulation:
             reduced = torch.empty(self._shard(i), dtype=torch.float32)
         self._keep(i, reduced)
         self.grad_full[i] = self.reduced[i] = None
+        self.staged_in.discard(i)
         self.in_flight.remove(i)
 
     def _own_slice(self, i: int) -> torch.Tensor | None:
@@ -365,8 +386,13 @@ class Stage2Emulation(Stage1Emulation):
     launching a unit, completes the ones launched before it: their full buffers go, their
     slices become the shard's gradients."""
 
+    staged_slots = 0  # shared-memory buffers for full gradients (`StagedGradients`), lasting
+
     def _gradient_arrives(self, i: int) -> None:
-        if self.grad_full[i] is None:
+        if self.grad_full[i] is None and len(self.staged_in) < self.staged_slots:
+            self.staged_in.add(i)  # (in a buffer that outlives the step: nothing made)
+            self.grad_full[i] = torch.empty(0)
+        elif self.grad_full[i] is None:
             self.grad_full[i] = torch.zeros(self._shard(i) * self.n, dtype=self.compute)
 
     def _launched(self, i: int, earlier: list[int]) -> None:

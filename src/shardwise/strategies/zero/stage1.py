@@ -61,6 +61,7 @@ class ZeroStage1(DistributedModel):
 
     stage = 1
     keeps_full_grads = True  # the full gradient buffers persist between steps (stage 1 only)
+    staging = None  # stage 2's shared-memory buffers for full gradients (`StagedGradients`)
     shard_is_view = True  # the shard is a view of the compute buffer (not stage 3)
 
     def __init__(
@@ -169,6 +170,10 @@ class ZeroStage1(DistributedModel):
         if self.groups.shard_size == 1 and self.codec is None:
             unit.reduced = unit.grad_full  # (a slice of one: the whole, summed over itself)
             unit.handle = comm.Handle("reduce_scatter", None, None)  # done: no message
+            return
+        if self.staging is not None and self.staging.holds(unit.grad_full):
+            unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype)
+            unit.handle = self.staging.start(unit.grad_full, unit.reduced)
             return
         if self.exchanges_slices:  # (summed as it completes: `_sum_received`)
             unit.received = torch.empty_like(unit.grad_full)
@@ -430,6 +435,8 @@ class ZeroStage1(DistributedModel):
         self.backward.remove()
         if self.codec is not None:
             self.codec.close()
+        if self.staging is not None:
+            self.staging.close()
         for hook in self.hooks:
             hook.remove()
         if self.disk_step is not None:

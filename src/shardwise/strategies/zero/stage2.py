@@ -20,8 +20,51 @@ import contextlib
 import torch
 from torch import nn
 
+from shardwise.comm import shared_memory
 from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.units import FlatUnit
+
+
+def staging_buffers(stage: int, has_root: bool) -> int:
+    """How many full gradients backward keeps alive at once, in stage 2's order of
+    reductions: one reducing while the next fills, and in stage 3 a root unit's too (its
+    head's gradients come first in backward, its embeddings' last)."""
+    return 3 if stage == 3 and has_root else 2
+
+
+class StagedGradients:
+    """Buffers in shared memory, `count` of them, each the size of the largest unit, that
+    units take for their full gradient during backward, reduce-scattered where they lie
+    (`SharedMemoryReduceScatter`) instead of exchanged through gloo's loopback sockets. A unit
+    that finds none free (a model whose gradients come in an order of their own) makes its own
+    and exchanges it, as every rank does: what is free follows from what backward did, not
+    from timing. Communication buffers, made with the model and kept for the job (DeepSpeed's
+    reduce buckets are so too; `plan` counts them)."""
+
+    def __init__(self, units: list[FlatUnit], count: int, timeout) -> None:
+        self.scatter = shared_memory.SharedMemoryReduceScatter(timeout)
+        largest = max((u.full for u in units), key=torch.Tensor.numel)
+        made = [
+            self.scatter.new_buffer(largest.numel(), largest.dtype, largest.device)
+            for _ in range(count)
+        ]
+        # (all ranks agree: where one could not map its files, none are shared anywhere)
+        self.buffers = [b for b in made if self.scatter.placed(b)]
+
+    def take(self, full: torch.Tensor, busy: set[int]) -> torch.Tensor | None:
+        """A free buffer's first `full.numel()` elements, for a unit whose full buffer is
+        `full`; None where none is free (a buffer in use: its address in `busy`)."""
+        free = [b for b in self.buffers if b.data_ptr() not in busy and b.dtype == full.dtype]
+        return free[0][: full.numel()] if free else None
+
+    def holds(self, full: torch.Tensor | None) -> bool:
+        return full is not None and any(full.data_ptr() == b.data_ptr() for b in self.buffers)
+
+    def start(self, full: torch.Tensor, out: torch.Tensor):
+        return self.scatter.start_reduce_scatter(full, out)
+
+    def close(self) -> None:
+        self.scatter.close()
 
 
 class ZeroStage2(ZeroStage1):
@@ -29,14 +72,26 @@ class ZeroStage2(ZeroStage1):
     keeps_full_grads = False
 
     def prepare_units(self) -> None:
-        pass  # full gradient buffers are made on demand, one unit at a time
+        # Full gradient buffers are made on demand, one unit at a time: in shared memory where
+        # the units are sharded over the whole world (no mesh axis, no HSDP) of one host's CPU
+        # ranks (`StagedGradients`).
+        rt = self.runtime
+        whole_world = rt.group is None and self.groups.shard_size == rt.world_size
+        if self.exchanges_slices and whole_world and shared_memory.supported():
+            count = staging_buffers(self.stage, self.has_root_unit())
+            self.staging = StagedGradients(self.units, count, rt.timeout)
+
+    def has_root_unit(self) -> bool:
+        return False  # (stage 3's units can have one)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         unit = self.unit_of[p]
         if unit.grad_full is None and self.backward.enabled:
             # Made in this backward: every slot is written whole (a gradient, or zero where a
             # parameter got none: `_zero`), only the padding needs zeros.
-            unit.grad_full = torch.empty_like(unit.full, memory_format=torch.contiguous_format)
+            unit.grad_full = self._staged(unit)
+            if unit.grad_full is None:
+                unit.grad_full = torch.empty_like(unit.full, memory_format=torch.contiguous_format)
             unit.grad_full[sum(unit.numels) :].zero_()
             unit.fresh_grads = True
         elif unit.grad_full is None:  # no_sync(): the first of sums to come
@@ -54,9 +109,23 @@ class ZeroStage2(ZeroStage1):
         # now, so its full gradient goes while backward runs on (left to the end of backward,
         # every unit's would be alive at once, as much as stage 1 keeps).
         earlier = [i for i, u in enumerate(self.units) if u.handle is not None]
+        unit = self.units[index]
+        if self.staging is not None and not self.staging.holds(unit.grad_full):
+            staged = self._staged(unit)  # (a no_sync() sum: reduced where it lies, as any)
+            if staged is not None:
+                unit.grad_full = staged.copy_(unit.grad_full)
         super()._launch(index)
         for i in earlier:
             self._complete(i)
+
+    def _staged(self, unit: FlatUnit) -> torch.Tensor | None:
+        """A staging buffer for `unit`'s full gradient where one is free: not any other unit's
+        full gradient now. (Decided by what this rank's backward did, not by timing: every
+        rank takes the same one.)"""
+        if self.staging is None:
+            return None
+        busy = {u.grad_full.data_ptr() for u in self.units if u.grad_full is not None}
+        return self.staging.take(unit.full, busy)
 
     def release_full_grad(self, unit: FlatUnit) -> None:
         unit.grad_full = None  # reduced: only this rank's slice lives on, as the shard's grad

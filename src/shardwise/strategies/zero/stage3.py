@@ -165,7 +165,11 @@ class ZeroStage3(ZeroStage2):
         groups = [g for g in groups if g]
         return [self.rest, *groups] if self.rest else groups
 
+    def has_root_unit(self) -> bool:
+        return bool(self.rest)  # (the parameters no block holds: `unit_params`)
+
     def prepare_units(self) -> None:
+        super().prepare_units()
         self.grads_in: dict[FlatUnit, set[nn.Parameter]] = {}  # inside no_sync(): per unit
         offset = 1 if self.rest else 0
         module_names = {m: n for n, m in self.module.named_modules()}
