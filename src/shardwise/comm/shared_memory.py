@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import interrupt
-from shardwise.comm.accounting import native_volume, stats
+from shardwise.comm.accounting import native_volume
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
 from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_reduce
 
@@ -286,18 +286,17 @@ class SharedMemoryReduceScatter(SharedMemoryAllReduce):
                 f"shared-memory reduce-scatter: {tuple(full.shape)} is not a buffer it placed "
                 f"that {self.size} ranks divide into outputs of {tuple(out.shape)}"
             )
-        return Handle(self.op, self._thread.submit(self._scatter_in_background, full, out), None)
-
-    def _scatter_in_background(self, full: torch.Tensor, out: torch.Tensor) -> None:
-        with stats.background():
-            n, dtype = full.numel(), full.dtype
-            peers = self._peers[full.data_ptr()]
-            slots = [full if p is None else torch.from_numpy(p).view(dtype)[:n] for p in peers]
-            mine = [slot.tensor_split(self.size)[self.rank] for slot in slots]
-            volume = native_volume("reduce_scatter", n * full.element_size(), self.size)
-            call = partial(self._sum_slices, mine, out)
-            recorded = "reduce_scatter_shared"  # (the bench floor replays it so)
-            _issue("reduce_scatter", volume, call, False, self.group, full, recorded, True)
+        n, dtype = full.numel(), full.dtype
+        peers = self._peers[full.data_ptr()]
+        slots = [full if p is None else torch.from_numpy(p).view(dtype)[:n] for p in peers]
+        mine = [slot.tensor_split(self.size)[self.rank] for slot in slots]
+        volume = native_volume("reduce_scatter", n * full.element_size(), self.size)
+        # Recorded here, as it is issued, not on the thread that sums: its place among this
+        # rank's other calls is then the same on every rank (the bench floor replays a step's
+        # calls in their recorded order).
+        submit = partial(self._thread.submit, self._sum_slices, mine, out)
+        recorded = "reduce_scatter_shared"
+        return _issue("reduce_scatter", volume, submit, True, self.group, full, recorded)
 
     def _sum_slices(self, slices: list[torch.Tensor], out: torch.Tensor) -> None:
         self.arrivals.wait()  # every rank's buffer holds its contribution
