@@ -286,19 +286,19 @@ class SharedMemoryReduceScatter(SharedMemoryAllReduce):
                 f"shared-memory reduce-scatter: {tuple(full.shape)} is not a buffer it placed "
                 f"that {self.size} ranks divide into outputs of {tuple(out.shape)}"
             )
-        n, dtype = full.numel(), full.dtype
-        peers = self._peers[full.data_ptr()]
-        slots = [full if p is None else torch.from_numpy(p).view(dtype)[:n] for p in peers]
-        mine = [slot.tensor_split(self.size)[self.rank] for slot in slots]
-        volume = native_volume("reduce_scatter", n * full.element_size(), self.size)
+        volume = native_volume("reduce_scatter", full.numel() * full.element_size(), self.size)
         # Recorded here, as it is issued, not on the thread that sums: its place among this
         # rank's other calls is then the same on every rank (the bench floor replays a step's
         # calls in their recorded order).
-        submit = partial(self._thread.submit, self._sum_slices, mine, out)
+        submit = partial(self._thread.submit, self._sum_slices, full, out)
         recorded = "reduce_scatter_shared"
         return _issue("reduce_scatter", volume, submit, True, self.group, full, recorded)
 
-    def _sum_slices(self, slices: list[torch.Tensor], out: torch.Tensor) -> None:
+    def _sum_slices(self, full: torch.Tensor, out: torch.Tensor) -> None:
+        # (the peers' buffers as tensors only while summed: a peer's memory is not this rank's)
+        n, peers = full.numel(), self._peers[full.data_ptr()]
+        slots = [full if p is None else torch.from_numpy(p).view(full.dtype)[:n] for p in peers]
+        slices = [slot.tensor_split(self.size)[self.rank] for slot in slots]
         self.arrivals.wait()  # every rank's buffer holds its contribution
         torch.add(slices[0], slices[1], out=out)  # (rank order: the bits of the exchange's sum)
         for more in slices[2:]:

@@ -143,7 +143,8 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     # Over the whole world of one host's CPU ranks, stages 2/3 reduce their gradients in
     # shared memory, in staging buffers the size of the largest unit, made with the model.
     staged = emulation.exchanges and s.stage >= 2 and ranks is None and shared_memory.supported()
-    emulation.staged_slots = staging_buffers(s.stage, bool(units.rest)) if staged else 0
+    slots = staging_buffers(s.stage, bool(units.rest), len(units.shards))
+    emulation.staged_slots = slots if staged else 0
     largest = max(units.shards, default=0) * k * HALF.get(s.mixed_precision, FP32)
     staging = emulation.staged_slots * largest
     costs.peak = step_peak(

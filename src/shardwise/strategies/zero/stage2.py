@@ -25,11 +25,11 @@ from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.units import FlatUnit
 
 
-def staging_buffers(stage: int, has_root: bool) -> int:
-    """How many full gradients backward keeps alive at once, in stage 2's order of
+def staging_buffers(stage: int, has_root: bool, units: int) -> int:
+    """How many of `units` full gradients backward keeps alive at once, in stage 2's order of
     reductions: one reducing while the next fills, and in stage 3 a root unit's too (its
     head's gradients come first in backward, its embeddings' last)."""
-    return 3 if stage == 3 and has_root else 2
+    return min(units, 3 if stage == 3 and has_root else 2)
 
 
 class StagedGradients:
@@ -78,7 +78,7 @@ class ZeroStage2(ZeroStage1):
         rt = self.runtime
         whole_world = rt.group is None and self.groups.shard_size == rt.world_size
         if self.exchanges_slices and whole_world and shared_memory.supported():
-            count = staging_buffers(self.stage, self.has_root_unit())
+            count = staging_buffers(self.stage, self.has_root_unit(), len(self.units))
             self.staging = StagedGradients(self.units, count, rt.timeout)
 
     def has_root_unit(self) -> bool:
