@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import post_pairwise_gather
 from shardwise.comm.flight import KEEP, Call, recorder
-from shardwise.comm.shared_memory import SharedMemoryAllReduce, SharedMemoryReduceScatter
+from shardwise.comm.shared_memory import SharedMemoryReduceScatter
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,8 +47,11 @@ def calls_of(step: Callable[[], None]) -> list[Call]:
 def bare_collectives(calls: list[Call]) -> Callable[[], None]:
     """A step that issues the same collectives as `calls` straight on `torch.distributed`, on
     buffers made once, each waited for before the next (the world group: the benchmarks'
-    strategies span it)."""
-    issue = [_bare(call) for call in calls]
+    strategies span it). Sums through shared memory go through one group and thread for the
+    whole step, as a strategy's do."""
+    shared = any(call.op.endswith("_shared") for call in calls)  # (the same on every rank)
+    summing = SharedMemoryReduceScatter() if shared else None
+    issue = [_bare(call, summing) for call in calls]
 
     def step() -> None:
         for collective in issue:
@@ -57,21 +60,19 @@ def bare_collectives(calls: list[Call]) -> Callable[[], None]:
     return step
 
 
-def _bare(call: Call) -> Callable[[], None]:
+def _bare(call: Call, summing: SharedMemoryReduceScatter | None) -> Callable[[], None]:
     dtype = getattr(torch, call.dtype)
     tensor = torch.zeros(call.shape, dtype=dtype)
     world = dist.get_world_size()
     if call.op == "all_reduce":
         return lambda: dist.all_reduce(tensor)
     if call.op == "all_reduce_shared":  # (DDP's, where every rank is on one host's CPU)
-        summing = SharedMemoryAllReduce()
         shared = summing.new_buffer(tensor.numel(), dtype, tensor.device)
         return lambda: summing.start(shared).wait()
     if call.op == "reduce_scatter_shared":  # (ZeRO's, where every rank is on one host's CPU)
-        scatter = SharedMemoryReduceScatter()
-        staged = scatter.new_buffer(tensor.numel(), dtype, tensor.device)
+        staged = summing.new_buffer(tensor.numel(), dtype, tensor.device)
         out = torch.empty(tensor.numel() // world, dtype=dtype)
-        return lambda: scatter.start_reduce_scatter(staged, out).wait()
+        return lambda: summing.start_reduce_scatter(staged, out).wait()
     if call.op == "broadcast":
         return lambda: dist.broadcast(tensor, src=0)
     if call.op == "all_gather":  # (recorded: the gathered output)
