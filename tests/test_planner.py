@@ -152,8 +152,9 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     rates = json.loads(stored.read_text())
     assert started < rates["measured_at"] < time.time()  # when: its age is told with its use
     assert rates["flop_rate"] > 0 and 0 < rates["concurrency"] <= 2 and rates["sample_read_s"] > 0
-    # (and DDP's sum and ZeRO-2/3's through shared memory, both ranks being on this one host)
-    shared = {"shared_all_reduce", "shared_reduce_scatter"}
+    # (and DDP's sum, ZeRO-2/3's and ZeRO's gathers through shared memory, both ranks being
+    # on this one host)
+    shared = {"shared_all_reduce", "shared_reduce_scatter", "shared_all_gather"}
     one_host = shared if shared_memory.supported() else set()
     assert set(rates["collectives"]) == calibrate.KINDS | one_host
     # A small collective's wait after each burst of compute, the bursts longer and longer.

@@ -13,7 +13,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.comm import shared_memory
-from shardwise.comm.shared_memory import SharedMemoryAllReduce, SharedMemoryReduceScatter
+from shardwise.comm.shared_memory import SharedMemoryAllReduce, SharedMemoryCollectives
 from spawn import run
 
 pytestmark = pytest.mark.skipif(not shared_memory.supported(), reason="needs /dev/shm on x86-64")
@@ -118,7 +118,7 @@ def scatters_like_the_exchange():
     against every rank's inputs gathered and summed here in rank order (how ZeRO summed the
     exchanged slices before): the same bits. And what it refuses."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    scatter = SharedMemoryReduceScatter(timeout=timedelta(seconds=30))
+    scatter = SharedMemoryCollectives(timeout=timedelta(seconds=30))
     larger = {dtype: scatter.new_buffer(world * 100_003, dtype, CPU) for dtype in DTYPES}
     exact = True
     for dtype in DTYPES:
@@ -161,6 +161,52 @@ def test_a_reduce_scatter_sums_each_slice_as_the_exchange_did(world_size):
     for exact, refused in run(scatters_like_the_exchange, world_size):
         assert exact
         assert all("is not a buffer it placed" in e for e in refused), refused
+
+
+def gathers_like_gloo():
+    """All-gathers in shared memory against gloo's of the same shards: each dtype, sizes from
+    one element to a full slot, many in flight at once (the two slots taken in turn, each
+    reused while the gathers before it are still being waited for), an output that is already
+    written, and what it refuses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    collectives = SharedMemoryCollectives(timeout=timedelta(seconds=30))
+    collectives.reserve_gathers(4 * 100_003)
+    exact = True
+    dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
+    cases = [(dtype, numel) for dtype in dtypes for numel in (1, 7, 4097, 400_012 // 8)]
+    cases.append((torch.float32, 100_003))  # (a slot's whole)
+    started = []
+    for i, (dtype, numel) in enumerate(cases):
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        shard = (torch.randn(numel, generator=g) * 100).to(dtype)
+        output = torch.full((world * numel,), -1).to(dtype)
+        started.append((shard, output, collectives.start_all_gather(output, shard)))
+    for shard, output, handle in started:
+        handle.wait()
+        theirs = torch.empty_like(output)
+        dist.all_gather_into_tensor(theirs, shard)
+        exact &= torch.equal(output, theirs)
+    refused = []
+    for output, shard in (
+        (torch.empty(world * 4), torch.empty(4, dtype=torch.bfloat16)),  # dtypes differ
+        (torch.empty(world * 4 + 1), torch.empty(4)),  # not N shards long
+        (torch.empty(world * 100_004), torch.empty(100_004)),  # past a slot
+        (torch.empty(world * 8)[::2], torch.empty(4)),  # not contiguous
+    ):
+        try:
+            collectives.start_all_gather(output, shard)
+            refused.append("")
+        except ValueError as e:
+            refused.append(str(e))
+    collectives.close()
+    return exact, refused
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_all_gather_is_gloos_bits(world_size):
+    for exact, refused in run(gathers_like_gloo, world_size):
+        assert exact
+        assert all("does not hold" in e for e in refused), refused
 
 
 def plain_buffer_and_disagreement():

@@ -70,7 +70,7 @@ def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict
     import shardwise as sw
     import small_models
     from shardwise import comm
-    from shardwise.comm.shared_memory import SharedMemoryReduceScatter
+    from shardwise.comm.shared_memory import SharedMemoryCollectives
     from shardwise.plan.costs import CostJob
     from shardwise.plan.predictors import predict
     from shardwise.strategies.zero import ZeROConfig
@@ -105,11 +105,12 @@ def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict
 
     # (the gradients' reduction: a reduce-scatter, or where gloo's ranks share a host an
     # exchange of the slices, an all-to-all, or there in shared memory; the gathers there are
-    # direct messages. ZeRO takes its gather function as it is made: observed from before.)
+    # direct messages, or in shared memory.)
     names = ("all_gather_into_tensor", "all_gather_pairwise", "reduce_scatter_tensor")
-    names += ("all_to_all_single", "start_reduce_scatter")
-    places = [comm] * 4 + [SharedMemoryReduceScatter]
+    names += ("all_to_all_single", "start_reduce_scatter", "start_all_gather")
+    places = [comm] * 4 + [SharedMemoryCollectives] * 2
     ops = ("all_gather", "all_gather", "reduce_scatter", "all_to_all", "reduce_scatter")
+    ops += ("all_gather",)
     starts = [getattr(place, name) for place, name in zip(places, names, strict=True)]
     for place, name, start, op in zip(places, names, starts, ops, strict=True):
         setattr(place, name, observed(start, op))

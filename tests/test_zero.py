@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.bench.floor import calls_of
 from shardwise.comm import shared_memory
 from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from shardwise.observe.memory import model_state_bytes
@@ -127,10 +128,15 @@ def bytes_per_step():
         }
         x, y = _batch("gpt", 0, world)
         sw.comm.stats.end_step()
-        lm_loss(model(_local(x)), _local(y)).backward()
-        opt.step()
-        opt.zero_grad()
-        out[stage, keep_mb] = (sw.comm.stats.end_step().by_op, padded, root)
+
+        def step(model=model, opt=opt, x=x, y=y):
+            lm_loss(model(_local(x)), _local(y)).backward()
+            opt.step()
+            opt.zero_grad()
+
+        sent = {call.op for call in calls_of(step)}  # (how each went: the recorder's names)
+        out[stage, keep_mb] = (sw.comm.stats.end_step().by_op, padded, root, sent)
+        model.close()
     return out
 
 
@@ -138,7 +144,7 @@ def bytes_per_step():
 def test_comm_bytes_equal_the_zero_formulas(world_size):
     n = world_size
     for per_stage in run(bytes_per_step, world_size):
-        for (stage, keep_mb), (by_op, padded, root) in per_stage.items():
+        for (stage, keep_mb), (by_op, padded, root, sent) in per_stage.items():
             # Each unit's gradients reduce-scattered once, (n-1)/n of its bytes per rank; with
             # gloo's ranks on one host, stages 2/3 sum them where they lie in shared memory
             # (`StagedGradients`), stage 1 exchanges its slices (an all-to-all, faster there
@@ -167,6 +173,10 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
             volume = sum(g * 4 * (n - 1) * p // n for g, p in zip(gathers, padded, strict=True))
             assert by_op["all_gather"].bytes == volume
             assert by_op["all_gather"].calls == sum(gathers)
+            # (on one host, gathered through shared memory: no gather through gloo's sockets)
+            if shared_memory.supported():
+                reduced = "reduce_scatter_shared" if stage > 1 else "all_to_all"
+                assert sent == {reduced, "all_gather_shared"}, sent
 
 
 def test_the_default_keeps_the_last_unit_then_those_before_it_that_fit_the_default_budget():
@@ -232,7 +242,7 @@ def pairwise_gathers() -> dict:
     different sizes in flight at once on each half of the world, a gloo all-to-all on the same
     group between their issue and their wait; then one on the whole world, replayed bare as a
     bench floor replays a step's collectives."""
-    from shardwise.bench.floor import bare_collectives, calls_of
+    from shardwise.bench.floor import bare_collectives
 
     rank = dist.get_rank()
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank makes both)

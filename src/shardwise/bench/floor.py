@@ -19,6 +19,7 @@ step it bounds.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import post_pairwise_gather
 from shardwise.comm.flight import KEEP, Call, recorder
-from shardwise.comm.shared_memory import SharedMemoryReduceScatter
+from shardwise.comm.shared_memory import SharedMemoryCollectives
 
 # torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,7 +51,11 @@ def bare_collectives(calls: list[Call]) -> Callable[[], None]:
     strategies span it). Sums through shared memory go through one group and thread for the
     whole step, as a strategy's do."""
     shared = any(call.op.endswith("_shared") for call in calls)  # (the same on every rank)
-    summing = SharedMemoryReduceScatter() if shared else None
+    summing = SharedMemoryCollectives() if shared else None
+    world = dist.get_world_size()
+    gathered = [_nbytes(call) // world for call in calls if call.op == "all_gather_shared"]
+    if gathered:  # (slots for the largest shard, as a strategy makes them)
+        summing.reserve_gathers(max(gathered))
     issue = [_bare(call, summing) for call in calls]
 
     def step() -> None:
@@ -60,7 +65,7 @@ def bare_collectives(calls: list[Call]) -> Callable[[], None]:
     return step
 
 
-def _bare(call: Call, summing: SharedMemoryReduceScatter | None) -> Callable[[], None]:
+def _bare(call: Call, summing: SharedMemoryCollectives | None) -> Callable[[], None]:
     dtype = getattr(torch, call.dtype)
     tensor = torch.zeros(call.shape, dtype=dtype)
     world = dist.get_world_size()
@@ -73,6 +78,9 @@ def _bare(call: Call, summing: SharedMemoryReduceScatter | None) -> Callable[[],
         staged = summing.new_buffer(tensor.numel(), dtype, tensor.device)
         out = torch.empty(tensor.numel() // world, dtype=dtype)
         return lambda: summing.start_reduce_scatter(staged, out).wait()
+    if call.op == "all_gather_shared":  # (ZeRO's, where every rank is on one host's CPU)
+        shard = torch.zeros(tensor.numel() // world, dtype=dtype)
+        return lambda: summing.start_all_gather(tensor.view(-1), shard).wait()
     if call.op == "broadcast":
         return lambda: dist.broadcast(tensor, src=0)
     if call.op == "all_gather":  # (recorded: the gathered output)
@@ -90,6 +98,10 @@ def _bare(call: Call, summing: SharedMemoryReduceScatter | None) -> Callable[[],
     if call.op == "barrier":
         return dist.barrier
     raise ValueError(f"no bare replay of {call.describe()}: the floor covers collectives only")
+
+
+def _nbytes(call: Call) -> int:
+    return math.prod(call.shape) * getattr(torch, call.dtype).itemsize
 
 
 def floor_figures(times: dict[str, list[float]], key: str) -> dict:

@@ -43,6 +43,7 @@ from shardwise.comm.accounting import native_volume
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
 from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_reduce
 
+CPU = torch.device("cpu")
 SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
 LINE = 64  # bytes: a counter's file (a page apart from the others': no contention)
 SPIN_S = 0.001  # a waiter polls this long at full speed, then sleeps between polls,
@@ -90,7 +91,9 @@ class Arrivals:
         self.peers = {k: pid for k, pid in enumerate(pids) if k != rank}
         self.arrivals = 0
 
-    def wait(self) -> None:
+    def wait(self, what: str | None = None) -> None:
+        """`what`: the collective this arrival is for, as its errors name it (default: the
+        one given when made)."""
         self.arrivals += 1
         n, counters = self.arrivals, self.counters
         self.mine[0] = n
@@ -103,17 +106,17 @@ class Arrivals:
                 pause = min(PAUSE_S, max(2 * pause, 5e-5))
             if now - checked > CHECK_S:
                 checked = now
-                self._check(n, since, now - start)
+                self._check(n, since, now - start, what or self.what)
 
-    def _check(self, n: int, since: int, waited_s: float) -> None:
+    def _check(self, n: int, since: int, waited_s: float, what: str) -> None:
         missing = [k for k, c in enumerate(self.counters) if c[0] < n]
         ended = [k for k in missing if k in self.peers and process_ended(self.peers[k])]
         if ended:
-            raise RuntimeError(f"{self.what}: the process of rank(s) {ended} ended")
+            raise RuntimeError(f"{what}: the process of rank(s) {ended} ended")
         interrupt.raise_if_interrupted(since)
         if waited_s > self.timeout_s:
             raise RuntimeError(
-                f"{self.what}: rank(s) {missing} did not arrive within {self.timeout_s:.0f} s"
+                f"{what}: rank(s) {missing} did not arrive within {self.timeout_s:.0f} s"
             )
 
 
@@ -256,16 +259,38 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         self._peers.clear()
 
 
-class SharedMemoryReduceScatter(SharedMemoryAllReduce):
-    """Reduce-scatters buffers it placed (`new_buffer`, or a prefix of one that N ranks divide)
-    through shared memory, on its thread: between two arrivals, rank r adds slice r of every
-    rank's buffer, in rank order, into an output of its own. Each rank reads its slice of every
-    buffer once and writes none of them: a buffer can be filled again once the second arrival
-    has passed. (Its buffers, group and arrivals are the all-reduce's.) Gloo's exchange of the
-    slices, ZeRO's reduce-scatter on one host before, copies them through loopback sockets
-    first, on the cores that compute (`docs/benchmarks.md`, stop 54)."""
+class SharedMemoryCollectives(SharedMemoryAllReduce):
+    """ZeRO's collectives through shared memory, on the all-reduce's buffers, group, thread and
+    arrivals; where they came through gloo, each was a copy through loopback sockets on the
+    cores that compute (`docs/strategies.md`). Every rank issues the same calls in the same
+    order, and its thread runs them in that order.
+
+    reduce-scatter  of a buffer it placed (`new_buffer`, or a prefix of one that N ranks
+                    divide): between two arrivals, rank r adds slice r of every rank's buffer,
+                    in rank order, into an output of its own. Each rank reads its slice of every
+                    buffer once and writes none of them: a buffer can be filled again once the
+                    second arrival has passed.
+    all-gather      of any shard that fits its slots (`reserve_gathers`): a rank copies its
+                    shard into its slot, arrives, and copies every other rank's out of theirs
+                    into its place in the output. One arrival is enough with two slots taken in
+                    turn: before a rank fills a slot again, two gathers later, it has waited for
+                    every peer to arrive at the gather between, which a peer does only once it
+                    has copied out of that slot.
+    """
 
     op = "reduce_scatter"
+    SLOTS = 2
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        super().__init__(timeout)
+        self.slots: list[torch.Tensor] = []  # this rank's gather slots, bytes
+        self._gathers = 0  # gathers issued: the next takes slot `_gathers % SLOTS`
+
+    def reserve_gathers(self, nbytes: int) -> None:
+        """Make the gather slots, `nbytes` each (collective; none where shared memory cannot
+        be had, on every rank: gathers then go through gloo)."""
+        made = [self.new_buffer(nbytes, torch.uint8, CPU) for _ in range(self.SLOTS)]
+        self.slots = [slot for slot in made if slot.data_ptr() in self._peers]
 
     def placed(self, full: torch.Tensor) -> bool:
         """Whether `full` starts a buffer of `new_buffer`'s, within it, and N ranks divide it."""
@@ -299,8 +324,46 @@ class SharedMemoryReduceScatter(SharedMemoryAllReduce):
         n, peers = full.numel(), self._peers[full.data_ptr()]
         slots = [full if p is None else torch.from_numpy(p).view(full.dtype)[:n] for p in peers]
         slices = [slot.tensor_split(self.size)[self.rank] for slot in slots]
-        self.arrivals.wait()  # every rank's buffer holds its contribution
+        self.arrivals.wait("shared-memory reduce-scatter")  # every rank's buffer holds its part
         torch.add(slices[0], slices[1], out=out)  # (rank order: the bits of the exchange's sum)
         for more in slices[2:]:
             out.add_(more)
-        self.arrivals.wait()  # every rank has read its slice: the buffers are their owners' again
+        self.arrivals.wait("shared-memory reduce-scatter")  # every rank has read its slice
+
+    def gathers(self, output: torch.Tensor, shard: torch.Tensor) -> bool:
+        """Whether `start_all_gather` takes these: CPU tensors of one dtype, contiguous, the
+        output N shards long, a shard that fits a slot."""
+        return (
+            bool(self.slots)
+            and output.device.type == shard.device.type == "cpu"
+            and output.dtype == shard.dtype
+            and output.is_contiguous()
+            and shard.is_contiguous()
+            and output.numel() == shard.numel() * self.size
+            and shard.numel() * shard.element_size() <= self.slots[0].numel()
+        )
+
+    def start_all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Handle:
+        """`output` becomes every rank's `shard`, in rank order (`all_gather_into_tensor`'s
+        layout). `shard` must not change until the handle's wait."""
+        if not self.gathers(output, shard):
+            raise ValueError(
+                f"shared-memory all-gather: output {output.dtype} {tuple(output.shape)} does "
+                f"not hold {self.size} shards {shard.dtype} {tuple(shard.shape)} (contiguous, "
+                "on the CPU, each within a slot)"
+            )
+        slot, self._gathers = self.slots[self._gathers % self.SLOTS], self._gathers + 1
+        volume = native_volume("all_gather", output.numel() * output.element_size(), self.size)
+        submit = partial(self._thread.submit, self._gather, output, shard, slot)
+        recorded = "all_gather_shared"  # (recorded as issued: see `start_reduce_scatter`)
+        return _issue("all_gather", volume, submit, True, self.group, output, recorded)
+
+    def _gather(self, output: torch.Tensor, shard: torch.Tensor, slot: torch.Tensor) -> None:
+        nbytes = shard.numel() * shard.element_size()
+        mine = shard.reshape(-1).view(torch.uint8)
+        slot[:nbytes].copy_(mine)
+        self.arrivals.wait("shared-memory all-gather")  # every rank's slot holds its shard
+        places = output.view(self.size, -1)
+        for k, peer in enumerate(self._peers[slot.data_ptr()]):
+            source = mine if peer is None else torch.from_numpy(peer[:nbytes])
+            places[k].view(torch.uint8).copy_(source)

@@ -18,9 +18,9 @@ Rank 0 measures alone, then every rank at once, with the threads per rank traini
                      a ring's step; post: posting one isend or irecv, as pipeline stages do
                      while both compute; prefetched_all_reduce, _all_gather,
                      _reduce_scatter: what one started a burst earlier adds to its caller,
-                     as ZeRO's and DDP's buckets but the last; shared_all_reduce and
-                     shared_reduce_scatter, where every rank is on one host: DDP's sum and
-                     ZeRO-2/3's through shared memory, in their own buffers,
+                     as ZeRO's and DDP's buckets but the last; shared_all_reduce,
+                     shared_reduce_scatter and shared_all_gather, where every rank is on one
+                     host: DDP's sum, ZeRO-2/3's and ZeRO's gathers through shared memory,
                      `comm.shared_memory`): the mean seconds
                      of one call at payloads of 8 B to 4 MiB over --calls calls (100, or as
                      many as 1.5 s allow), each right after a burst of compute as in a
@@ -267,7 +267,7 @@ def worker(out: str, passes: int, calls: int, quick: bool = False) -> None:
         n = rt.world_size
         groups = {g: dist.new_subgroups(g)[0] for g in range(2, n) if n % g == 0}
         one_host = rt.num_nodes == 1 and shared_memory.supported()
-        summing = shared_memory.SharedMemoryReduceScatter(rt.timeout) if one_host else None
+        summing = shared_memory.SharedMemoryCollectives(rt.timeout) if one_host else None
         tables, waits = [], []
         for _ in range(passes):
             tables.append(measure.collective_rates(groups, calls, summing))

@@ -141,9 +141,9 @@ def collective_rates(
 ) -> dict[str, dict]:
     """One pass over every kind and payload, `calls` calls a point; `groups`: this rank's group
     of each smaller size that divides the world (a mesh's axes: tensor parallel's all-reduces
-    among t ranks), timed all groups at once. `summing`: a `SharedMemoryReduceScatter` where
-    every rank is on one host, timed as `shared_all_reduce` (DDP's default there) and
-    `shared_reduce_scatter` (ZeRO-2/3's)."""
+    among t ranks), timed all groups at once. `summing`: a `SharedMemoryCollectives` where
+    every rank is on one host, timed as `shared_all_reduce` (DDP's default there),
+    `shared_reduce_scatter` (ZeRO-2/3's) and `shared_all_gather` (ZeRO's)."""
     import torch.distributed as dist
 
     n = dist.get_world_size()
@@ -163,7 +163,9 @@ def collective_rates(
                 str(g): _collective(op, group, g, pace) for g, group in groups.items()
             }
     if summing is not None:
-        for op in ("shared_all_reduce", "shared_reduce_scatter"):
+        if not summing.slots:  # (collective: every rank has made the same ones)
+            summing.reserve_gathers(max(SIZES))
+        for op in ("shared_all_reduce", "shared_reduce_scatter", "shared_all_gather"):
             out[op] = _collective(op, None, n, pace, summing)
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         out[f"prefetched_{op}"] = _prefetched(op, None, n, pace)
@@ -267,11 +269,14 @@ def _collective(op: str, group, n: int, pace: _Pace, summing=None) -> dict:
     for size in SIZES:
         numel = max(n, size // 4 // n * n)  # (n divides it)
         full, part = torch.zeros(numel), torch.zeros(numel // n)
-        if op.startswith("shared_"):  # (in a buffer it placed: DDP's buckets, ZeRO's are)
-            full = summing.new_buffer(numel, torch.float32, torch.device("cpu"))
+        if op in ("shared_all_reduce", "shared_reduce_scatter"):  # (in a buffer it placed:
+            full = summing.new_buffer(numel, torch.float32, torch.device("cpu"))  # as ours are)
         run = {
             "shared_all_reduce": lambda full=full: summing.start(full).wait(),
             "shared_reduce_scatter": lambda full=full, part=part: summing.start_reduce_scatter(
+                full, part
+            ).wait(),
+            "shared_all_gather": lambda full=full, part=part: summing.start_all_gather(
                 full, part
             ).wait(),
             "all_reduce": lambda full=full: comm.all_reduce(full, group),

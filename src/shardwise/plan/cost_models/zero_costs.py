@@ -14,6 +14,7 @@ slice (S elements) among the N/K replicas: 2(N/K - 1)/(N/K) x S x bytes per unit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from shardwise.comm import shared_memory
 from shardwise.comm.accounting import native_volume
 from shardwise.comm.compressed_collectives import make_codec
 from shardwise.comm.compression import WireCodec, wire_nbytes
+from shardwise.comm.shared_memory import SharedMemoryCollectives
 from shardwise.plan.cost_models import CostModel
 from shardwise.plan.cost_models.ddp_costs import _powersgd_bytes, codec_state
 from shardwise.plan.costs import (
@@ -140,13 +142,17 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     emulation.kept = units.kept  # (stage 3)
     k = shard_size(job, s)
     ranks = k if k < job.world_size else None
-    # Over the whole world of one host's CPU ranks, stages 2/3 reduce their gradients in
-    # shared memory, in staging buffers the size of the largest unit, made with the model.
-    staged = emulation.exchanges and s.stage >= 2 and ranks is None and shared_memory.supported()
+    # Over the whole world of one host's CPU ranks, units are gathered through shared memory,
+    # each rank's slice through one of two slots the size of the largest; and stages 2/3
+    # reduce their gradients there (no codec), in staging buffers the size of the largest
+    # unit. All are made with the model.
+    compute = HALF.get(s.mixed_precision, FP32)
+    shared = job.shared_cores and k > 1 and ranks is None and shared_memory.supported()
+    staged = shared and emulation.exchanges and s.stage >= 2
     slots = staging_buffers(s.stage, bool(units.rest), len(units.shards))
     emulation.staged_slots = slots if staged else 0
-    largest = max(units.shards, default=0) * k * HALF.get(s.mixed_precision, FP32)
-    staging = emulation.staged_slots * largest
+    largest = max(units.shards, default=0) * compute
+    staging = (emulation.staged_slots * k + SharedMemoryCollectives.SLOTS * shared) * largest
     costs.peak = step_peak(
         job,
         memory,
@@ -163,9 +169,9 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         accumulated=full if s.stage >= 2 else None,
     )
     zero_traffic(
-        costs, units, k, s, job.accumulate, ranks, exchanges=job.shared_cores, staged=staged
+        costs, units, k, s, job.accumulate, ranks, job.shared_cores, staged, shared_gathers=shared
     )
-    replicas, compute = job.world_size // k, HALF.get(s.mixed_precision, FP32)
+    replicas = job.world_size // k
     for S in units.shards:  # HSDP: each reduced slice averaged across the replicas
         volume = native_volume("all_reduce", S * compute, replicas)
         costs.add_comm("all_reduce", volume, ranks=replicas)
@@ -196,11 +202,13 @@ def zero_traffic(
     ranks=None,
     exchanges: bool = False,
     staged: bool = False,
+    shared_gathers: bool = False,
 ) -> None:
     """Each unit's reduce-scatter (or its codec's messages; `exchanges`, gloo on one host:
     an all-to-all of its slices, `ZeroStage1.exchanges_slices`, or where also `staged`, a
-    reduce-scatter in shared memory, `StagedGradients`) and all-gathers, and which
-    of them a unit's compute hides, among `ranks` ranks (None: every rank) of which `n` shard.
+    reduce-scatter in shared memory, `StagedGradients`) and all-gathers (`shared_gathers`:
+    in shared memory), and which of them a unit's compute hides, among `ranks` ranks (None:
+    every rank) of which `n` shard.
     Stage 3 gathers for each of `passes` forwards and backwards (micro-batches) of a step; the
     reduction runs once, after the last."""
     stage, compute = s.stage, HALF.get(s.mixed_precision, FP32)
@@ -223,10 +231,13 @@ def zero_traffic(
             op = "all_to_all" if exchanges and n > 1 else "reduce_scatter"
             costs.add_comm(op, native_volume(op, unit_bytes, n), ranks=ranks, prefetched=hidden)
         volume = native_volume("all_gather", unit_bytes, n)
+        gather = partial(costs.add_comm, "all_gather", ranks=ranks)
+        if shared_gathers:
+            gather = partial(gather, kind="shared_all_gather")
         if stage < 3 or (k == 0 and units.rest):
             # (stage 3's rest, gathered before forward, stays gathered through backward)
             gathers = passes if stage == 3 else 1  # (stages 1-2: once, after the step)
-            costs.add_comm("all_gather", gathers * volume, calls=gathers, ranks=ranks)
+            gather(gathers * volume, calls=gathers)
             continue
         # Stage 3 gathers each other unit twice a pass (once where it is kept gathered from
         # forward to backward). A unit's gather starts in the hook of the unit before it
@@ -237,8 +248,8 @@ def zero_traffic(
         first_forward, first_backward = k == (1 if units.rest else 0), k == len(shards) - 1
         exposed = passes * (first_forward + (first_backward and not kept))
         hidden = (1 if kept else 2) * passes - exposed
-        costs.add_comm("all_gather", exposed * volume, calls=exposed, ranks=ranks)
-        costs.add_comm("all_gather", hidden * volume, calls=hidden, ranks=ranks, prefetched=True)
+        gather(exposed * volume, calls=exposed)
+        gather(hidden * volume, calls=hidden, prefetched=True)
 
 
 def _encoded(costs: Costs, spec: str, params: list, S: int, n: int, prefetched: bool) -> None:

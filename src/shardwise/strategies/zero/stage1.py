@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm import shared_memory
 from shardwise.comm.compressed_collectives import CompressedReduceScatter, make_codec
+from shardwise.comm.shared_memory import SharedMemoryCollectives
 from shardwise.distributed.runtime import Runtime
 from shardwise.distributed.shard_groups import ShardGroups, whole
 from shardwise.nn.meta_init import ParameterSource
@@ -87,8 +89,10 @@ class ZeroStage1(DistributedModel):
         one_host_cpu = shares_cores(runtime.device, runtime.num_nodes)
         self.exchanges_slices = one_host_cpu and self.groups.shard_size > 1 and compression is None
         # There, too, units are all-gathered by direct messages (`comm.all_gather_pairwise`: the
-        # same bytes; gloo's own all-gather of 24 MB took 14.5 ms there, the messages 10.1).
-        self.all_gather = comm.all_gather_pairwise if one_host_cpu else comm.all_gather_into_tensor
+        # same bytes; gloo's own all-gather of 24 MB took 14.5 ms there, the messages 10.1), or
+        # in shared memory where they are sharded over the whole world (`shared`, below).
+        self.gathers_by_messages = one_host_cpu
+        self.shared: SharedMemoryCollectives | None = None
         self.disk_step: DiskOffloadedStep | None = None
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
@@ -102,6 +106,15 @@ class ZeroStage1(DistributedModel):
         ]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.shards = [masters.make_shard(u, view=self.shard_is_view) for u in self.units]
+        n = self.groups.shard_size
+        whole_world = runtime.group is None and n == runtime.world_size > 1
+        if one_host_cpu and whole_world and shared_memory.supported():
+            # Every rank a process of this host's CPU: units gathered (and stages 2/3's
+            # gradients reduced) through shared memory, no byte through a socket. The gather
+            # slots hold the largest unit's slice in the compute dtype (what the ranks gather).
+            self.shared = SharedMemoryCollectives(runtime.timeout)
+            largest = max(u.shard_numel for u in self.units)
+            self.shared.reserve_gathers(largest * masters.compute_dtype.itemsize)
         for u in self.units:
             u.initial = u.master_init = None  # in the shards now
         # Gradients become ready roughly in reverse forward order: reduce units in that order.
@@ -137,6 +150,25 @@ class ZeroStage1(DistributedModel):
     def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
         """Which parameters share a unit: buckets by size, in reverse registration order."""
         return assign_buckets(params, bucket_bytes)
+
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        group: comm.ProcessGroup | None,
+        async_op: bool = False,
+    ) -> comm.Handle:
+        """A unit's all-gather (`output` from every rank's `shard`): in shared memory where it
+        can (`shared`), by direct messages where gloo's ranks share a host, else the
+        backend's. (The same choice on every rank: it depends on sizes and placement alone.)"""
+        if self.shared is not None and self.shared.gathers(output, shard):
+            handle = self.shared.start_all_gather(output, shard)
+            if not async_op:
+                handle.wait()
+            return handle
+        if self.gathers_by_messages:
+            return comm.all_gather_pairwise(output, shard, group, async_op=async_op)
+        return comm.all_gather_into_tensor(output, shard, group, async_op=async_op)
 
     def backward_buckets(self, order: list[int]) -> list[list[nn.Parameter]]:
         """The parameters whose gradients backward reduces, unit by unit in `order`."""
@@ -435,8 +467,8 @@ class ZeroStage1(DistributedModel):
         self.backward.remove()
         if self.codec is not None:
             self.codec.close()
-        if self.staging is not None:
-            self.staging.close()
+        if self.shared is not None:
+            self.shared.close()
         for hook in self.hooks:
             hook.remove()
         if self.disk_step is not None:

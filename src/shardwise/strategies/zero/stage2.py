@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from shardwise.comm import shared_memory
+from shardwise.comm.shared_memory import SharedMemoryCollectives
 from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.units import FlatUnit
 
@@ -35,21 +35,20 @@ def staging_buffers(stage: int, has_root: bool, units: int) -> int:
 class StagedGradients:
     """Buffers in shared memory, `count` of them, each the size of the largest unit, that
     units take for their full gradient during backward, reduce-scattered where they lie
-    (`SharedMemoryReduceScatter`) instead of exchanged through gloo's loopback sockets. A unit
+    (`SharedMemoryCollectives`) instead of exchanged through gloo's loopback sockets. A unit
     that finds none free (a model whose gradients come in an order of their own) makes its own
     and exchanges it, as every rank does: what is free follows from what backward did, not
     from timing. Communication buffers, made with the model and kept for the job (DeepSpeed's
     reduce buckets are so too; `plan` counts them)."""
 
-    def __init__(self, units: list[FlatUnit], count: int, timeout) -> None:
-        self.scatter = shared_memory.SharedMemoryReduceScatter(timeout)
+    def __init__(self, shared: SharedMemoryCollectives, units: list[FlatUnit], count: int) -> None:
+        self.scatter = shared
         largest = max((u.full for u in units), key=torch.Tensor.numel)
         made = [
-            self.scatter.new_buffer(largest.numel(), largest.dtype, largest.device)
-            for _ in range(count)
+            shared.new_buffer(largest.numel(), largest.dtype, largest.device) for _ in range(count)
         ]
         # (all ranks agree: where one could not map its files, none are shared anywhere)
-        self.buffers = [b for b in made if self.scatter.placed(b)]
+        self.buffers = [b for b in made if shared.placed(b)]
 
     def take(self, full: torch.Tensor, busy: set[int]) -> torch.Tensor | None:
         """A free buffer's first `full.numel()` elements, for a unit whose full buffer is
@@ -63,9 +62,6 @@ class StagedGradients:
     def start(self, full: torch.Tensor, out: torch.Tensor):
         return self.scatter.start_reduce_scatter(full, out)
 
-    def close(self) -> None:
-        self.scatter.close()
-
 
 class ZeroStage2(ZeroStage1):
     stage = 2
@@ -74,12 +70,10 @@ class ZeroStage2(ZeroStage1):
     def prepare_units(self) -> None:
         # Full gradient buffers are made on demand, one unit at a time: in shared memory where
         # the units are sharded over the whole world (no mesh axis, no HSDP) of one host's CPU
-        # ranks (`StagedGradients`).
-        rt = self.runtime
-        whole_world = rt.group is None and self.groups.shard_size == rt.world_size
-        if self.exchanges_slices and whole_world and shared_memory.supported():
+        # ranks (`shared`) and no codec encodes them (`StagedGradients`).
+        if self.exchanges_slices and self.shared is not None:
             count = staging_buffers(self.stage, self.has_root_unit(), len(self.units))
-            self.staging = StagedGradients(self.units, count, rt.timeout)
+            self.staging = StagedGradients(self.shared, self.units, count)
 
     def has_root_unit(self) -> bool:
         return False  # (stage 3's units can have one)
