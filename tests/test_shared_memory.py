@@ -186,6 +186,15 @@ def gathers_like_gloo():
         theirs = torch.empty_like(output)
         dist.all_gather_into_tensor(theirs, shard)
         exact &= torch.equal(output, theirs)
+    # In place: the shard is this rank's place in the output (ZeRO-1/2's updated slices).
+    output = torch.full((world * 1001,), -1.0)
+    place = output[rank * 1001 : (rank + 1) * 1001]
+    place.copy_(torch.arange(1001) + 10_000 * rank)
+    collectives.start_all_gather(output, place).wait()
+    exact &= torch.equal(
+        output,
+        torch.arange(1001).repeat(world) + 10_000 * torch.arange(world).repeat_interleave(1001),
+    )
     refused = []
     for output, shard in (
         (torch.empty(world * 4), torch.empty(4, dtype=torch.bfloat16)),  # dtypes differ

@@ -345,7 +345,8 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
 
     def start_all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Handle:
         """`output` becomes every rank's `shard`, in rank order (`all_gather_into_tensor`'s
-        layout). `shard` must not change until the handle's wait."""
+        layout). `shard` must not change until the handle's wait; it may be this rank's place
+        in `output`."""
         if not self.gathers(output, shard):
             raise ValueError(
                 f"shared-memory all-gather: output {output.dtype} {tuple(output.shape)} does "
@@ -365,5 +366,7 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         self.arrivals.wait("shared-memory all-gather")  # every rank's slot holds its shard
         places = output.view(self.size, -1)
         for k, peer in enumerate(self._peers[slot.data_ptr()]):
+            if places[k].data_ptr() == shard.data_ptr():
+                continue  # (the shard is this rank's place in the output already)
             source = mine if peer is None else torch.from_numpy(peer[:nbytes])
             places[k].view(torch.uint8).copy_(source)

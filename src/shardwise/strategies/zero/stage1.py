@@ -335,11 +335,25 @@ class ZeroStage1(DistributedModel):
                     u.full.copy_(s.detach())
             return
         handles = [
-            self.all_gather(u.full, self._compute_copy(s), self.groups.shard, async_op=True)
+            self.all_gather(u.full, self._gathered(u, s), self.groups.shard, async_op=True)
             for u, s in zip(self.units, self.shards, strict=True)
         ]
         for h in handles:
             h.wait()
+
+    def _gathered(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        """What the ranks all-gather of `shard`: the shard itself where it is this rank's slice
+        of the compute buffer and shared memory gathers it (it is copied into a slot first),
+        else its compute copy (gloo's messages would read the buffer they receive into)."""
+        own = unit.own(unit.full)
+        if (
+            self.shared is not None
+            and shard.dtype == own.dtype
+            and shard.data_ptr() == own.data_ptr()
+            and self.shared.gathers(unit.full, own)
+        ):
+            return own
+        return self._compute_copy(shard)
 
     def _compute_copy(self, shard: torch.Tensor) -> torch.Tensor:
         """What the ranks all-gather: the master slice in the compute dtype."""
