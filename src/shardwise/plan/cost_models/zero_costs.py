@@ -420,7 +420,8 @@ class Stage2Emulation(Stage1Emulation):
 
 class Stage3Emulation(Stage2Emulation):
     """Stage 3 also gathers a unit's parameters (S x N, and the slice's compute copy until the
-    gather is waited for) before its forward, with the next unit's, frees them after it,
+    gather is waited for) before its forward, with the next unit's (every kept unit's as the
+    forward begins), frees them after it,
     gathers them again (with the previous unit's) when its output's gradient arrives, and
     frees them once its launch has completed the earlier unit; parameters outside every unit
     (unit 0) are gathered for the whole forward and backward."""
@@ -438,12 +439,19 @@ class Stage3Emulation(Stage2Emulation):
         handles = []
         if offset:
             handles.append(self.model.register_forward_pre_hook(lambda *_: self._gather(0, 1)))
+        if self.kept:  # (every kept unit's gather started as a forward with backward begins)
+            handles.append(self.model.register_forward_pre_hook(self._gather_kept))
         for i, name in enumerate(self.unit_modules, start=offset):
             handles += [
                 modules[name].register_forward_pre_hook(lambda *_, i=i: self._gather(i, 1)),
                 modules[name].register_forward_hook(lambda _m, _a, out, i=i: self._after(i, out)),
             ]
         return handles
+
+    def _gather_kept(self, *_) -> None:
+        if torch.is_grad_enabled():
+            for i in (0, *sorted(self.kept)):
+                self._start_gather(i)
 
     def _start_gather(self, i: int) -> None:
         if 0 <= i < len(self.units) and self.full[i] is None:

@@ -5,7 +5,8 @@ child with parameters: `stage3_units`) is one unit. Its full parameters exist on
 compute: all-gathered just before its forward, and freed once its gradient is reduce-scattered;
 in between, unless kept (below), freed right after its forward and gathered again when the
 gradient of its output arrives in backward. The next unit's gather is started before waiting
-on this one's (prefetch), so communication overlaps compute. Memory with fp32 Adam between
+on this one's (prefetch), so communication overlaps compute; kept units' gathers are all
+started as the forward begins. Memory with fp32 Adam between
 steps: 16P/N; during a step, that plus the kept units and one or two gathered ones.
 Communication: two all-gathers (one for a kept unit) and one reduce-scatter per step, 1.5x
 what DDP sends when no unit is kept, DDP's volume when all are.
