@@ -86,7 +86,7 @@ def _train(strategy, k: int, build=_mlp, batches=_mlp_batch, loss_fn=F.cross_ent
     return state, sent, scale
 
 
-# ZeRO-2/3's gradients on one host's CPU: summed where they lie in shared memory.
+# ZeRO's gradients on one host's CPU: summed where they lie in shared memory.
 REDUCE_SCATTER = "reduce_scatter" if shared_memory.supported() else "all_to_all"
 STRATEGIES = {
     "ddp": lambda: sw.DDP(),
@@ -150,9 +150,9 @@ def test_accumulated_steps_equal_one_process_on_the_global_batch_and_send_no_mor
                     gathers = name.startswith("zero3") and op == "all_gather"
                     assert b[op] == (2 * a[op] if gathers else a[op]), (name, op, a[op], b[op])
             # the reduction is there at all (half of 427 fp32 per rank, at least): DDP's
-            # all-reduce, ZeRO-1's exchange of slices, ZeRO-2/3's reduce-scatter in shared
-            # memory (gloo's ranks share one host's CPU)
-            reduction = {"ddp": "all_reduce", "zero1": "all_to_all"}.get(name, REDUCE_SCATTER)
+            # all-reduce, ZeRO's reduce-scatter in shared memory (gloo's ranks share one
+            # host's CPU)
+            reduction = {"ddp": "all_reduce"}.get(name, REDUCE_SCATTER)
             assert twice[0][reduction] >= 427 * 4 // 2
         # fp16 compute with loss scaling: as near the fp32 reference as without accumulating
         # (its rounding, not the accumulation, sets the distance), and no step overflowed.

@@ -146,10 +146,8 @@ def test_frozen_parameters_cost_no_communication_or_optimizer_state():
                 sent = r["bytes"]["all_reduce"]
                 assert sent == pytest.approx(native_volume("all_reduce", grads, n), rel=0.01)
             else:  # reduce-scattered, padded to a multiple of n per unit (gloo's ranks sharing
-                # a host: stage 1 as an exchange of the slices, an all-to-all of the same bytes;
-                # stages 2/3 summed where they lie in shared memory)
-                staged = name != "zero1" and shared_memory.supported()
-                op = "reduce_scatter" if staged else "all_to_all"
+                # a host: summed where they lie in shared memory)
+                op = "reduce_scatter" if shared_memory.supported() else "all_to_all"
                 sent = r["bytes"][op]
                 assert sent == pytest.approx(native_volume(op, grads, n), rel=0.01)
             # AdamW: two fp32 moments per trainable parameter (sharded over n under ZeRO), and a

@@ -137,6 +137,14 @@ def scatters_like_the_exchange():
                 for more in slices[2:]:
                     expected += more
                 exact &= torch.equal(out, expected) and torch.equal(staged, mine)
+                # Into its own slice of the buffer (ZeRO-1's): its part first, then the rest's.
+                own = staged[rank * per_rank : (rank + 1) * per_rank]
+                scatter.start_reduce_scatter(staged, own).wait()
+                in_place = slices[rank].clone()
+                for k in range(world):
+                    if k != rank:
+                        in_place += slices[k]
+                exact &= torch.equal(own, in_place)
     refused = []
     for full, out in (
         (torch.zeros(world * 4), torch.empty(4)),  # not placed by it

@@ -146,11 +146,10 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
     for per_stage in run(bytes_per_step, world_size):
         for (stage, keep_mb), (by_op, padded, root, sent) in per_stage.items():
             # Each unit's gradients reduce-scattered once, (n-1)/n of its bytes per rank; with
-            # gloo's ranks on one host, stages 2/3 sum them where they lie in shared memory
-            # (`StagedGradients`), stage 1 exchanges its slices (an all-to-all, faster there
-            # than gloo's reduce-scatter), each rank summing the copies of its own ...
-            staged = stage > 1 and shared_memory.supported()
-            scatter = "reduce_scatter" if staged else "all_to_all"
+            # gloo's ranks on one host, summed where they lie in shared memory (stages 2/3 in
+            # `StagedGradients`, stage 1 in the full buffers it keeps), else exchanged (an
+            # all-to-all of the slices, faster there than gloo's reduce-scatter) ...
+            scatter = "reduce_scatter" if shared_memory.supported() else "all_to_all"
             assert set(by_op) == {scatter, "all_gather"}
             assert by_op[scatter].bytes == sum(4 * (n - 1) * p // n for p in padded)
             assert by_op[scatter].calls == len(padded)
@@ -175,8 +174,7 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
             assert by_op["all_gather"].calls == sum(gathers)
             # (on one host, gathered through shared memory: no gather through gloo's sockets)
             if shared_memory.supported():
-                reduced = "reduce_scatter_shared" if stage > 1 else "all_to_all"
-                assert sent == {reduced, "all_gather_shared"}, sent
+                assert sent == {"reduce_scatter_shared", "all_gather_shared"}, sent
 
 
 def test_the_default_keeps_the_last_unit_then_those_before_it_that_fit_the_default_budget():

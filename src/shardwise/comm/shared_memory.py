@@ -306,8 +306,10 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         )
 
     def start_reduce_scatter(self, full: torch.Tensor, out: torch.Tensor) -> Handle:
-        """`out` (this rank's slice of `full`'s size, a tensor of its own) becomes the sum of
-        that slice over every rank's `full`."""
+        """`out` (this rank's slice of `full`'s size: a tensor of its own, or that slice of
+        `full` itself, which no peer reads) becomes the sum of that slice over every rank's
+        `full`: in rank order, or into `full`'s own slice this rank's part first, then the
+        others' in rank order."""
         if not self.placed(full) or out.numel() * self.size != full.numel():
             raise ValueError(
                 f"shared-memory reduce-scatter: {tuple(full.shape)} is not a buffer it placed "
@@ -327,9 +329,14 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         slots = [full if p is None else torch.from_numpy(p).view(full.dtype)[:n] for p in peers]
         slices = [slot.tensor_split(self.size)[self.rank] for slot in slots]
         self.arrivals.wait("shared-memory reduce-scatter")  # every rank's buffer holds its part
-        torch.add(slices[0], slices[1], out=out)  # (rank order: the bits of the exchange's sum)
-        for more in slices[2:]:
-            out.add_(more)
+        if out.data_ptr() == slices[self.rank].data_ptr():  # (`full`'s own slice: this rank's
+            for k, more in enumerate(slices):  # part first, then the others' in rank order)
+                if k != self.rank:
+                    out.add_(more)
+        else:
+            torch.add(slices[0], slices[1], out=out)  # (rank order: the exchange's bits)
+            for more in slices[2:]:
+                out.add_(more)
         self.arrivals.wait("shared-memory reduce-scatter")  # every rank has read its slice
 
     def gathers(self, output: torch.Tensor, shard: torch.Tensor) -> bool:

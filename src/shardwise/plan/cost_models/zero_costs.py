@@ -143,14 +143,16 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     k = shard_size(job, s)
     ranks = k if k < job.world_size else None
     # Over the whole world of one host's CPU ranks, units are gathered through shared memory,
-    # each rank's slice through one of two slots the size of the largest; and stages 2/3
-    # reduce their gradients there (no codec), in staging buffers the size of the largest
-    # unit. All are made with the model.
+    # each rank's slice through one of two slots the size of the largest; and gradients are
+    # reduced there (no codec): stage 1's in the full buffers it keeps, stages 2/3's in
+    # staging buffers the size of the largest unit. All are made with the model.
     compute = HALF.get(s.mixed_precision, FP32)
     shared = job.shared_cores and k > 1 and ranks is None and shared_memory.supported()
-    staged = shared and emulation.exchanges and s.stage >= 2
+    staged = shared and emulation.exchanges
     slots = staging_buffers(s.stage, bool(units.rest), len(units.shards))
-    emulation.staged_slots = slots if staged else 0
+    emulation.staged_slots = slots if staged and s.stage >= 2 else 0
+    emulation.in_place = staged and s.stage == 1
+    fp32_masters = s.mixed_precision is not None or s.offload is not None
     largest = max(units.shards, default=0) * compute
     staging = (emulation.staged_slots * k + SharedMemoryCollectives.SLOTS * shared) * largest
     costs.peak = step_peak(
@@ -162,8 +164,11 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
         made_grads=memory["grads"] - (full if s.stage == 1 else 0),
         dtype=DTYPES.get(s.mixed_precision),
         emulation=emulation,
-        # Stages 1 and 2 gather every unit after the step, from compute copies of the slices.
-        after_step=0 if s.stage == 3 else sum(units.shards) * HALF.get(s.mixed_precision, FP32),
+        # Stages 1 and 2 gather every unit after the step, from compute copies of the slices
+        # (in shared memory without fp32 masters: from the slices where they lie).
+        after_step=0
+        if s.stage == 3 or (shared and not fp32_masters)
+        else sum(units.shards) * compute,
         buffers=codec_state(s.compression, [p.shape for u in units.params for p in u]) + staging,
         # Under accumulation stages 2 and 3 keep every unit's full gradient (no_sync).
         accumulated=full if s.stage >= 2 else None,
@@ -283,7 +288,11 @@ class Stage1Emulation:
     copy of the whole buffer. Exchanged instead (`exchanges`: an all-to-all of the slices, gloo
     on one host), a unit's launch makes the buffer that receives every rank's copy of the
     slice (S x N), and its completion their sum (stage 1: into its full buffer's own slice).
+    Reduced in shared memory (`in_place`, stage 1 where the whole world is one host's CPU
+    ranks), a unit makes nothing: its slice is summed into its full buffer's own.
     """
+
+    in_place = False
 
     def __init__(
         self,
@@ -351,6 +360,8 @@ class Stage1Emulation:
         earlier = list(self.in_flight)
         if i in self.staged_in:  # (summed in shared memory into a slice of its own)
             self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
+        elif self.in_place:  # (stage 1: into its own slice of the full buffer, a view)
+            self.reduced[i] = None
         elif self.exchanges:
             self.received[i] = torch.empty(self._shard(i) * self.n, dtype=self.compute)
         else:
@@ -365,7 +376,7 @@ class Stage1Emulation:
         if self.gloo and not self.exchanges:  # (its reduce-scatter's copy of the input)
             torch.empty(self._shard(i) * self.n, dtype=self.compute)  # seen, then let go
         reduced = self.reduced[i]
-        if self.exchanges and i not in self.staged_in:  # the copies summed, beside them
+        if self.exchanges and i not in self.staged_in and not self.in_place:  # the copies summed
             reduced = self._own_slice(i)
             self.received[i] = None
         if self.fp32_masters and reduced is not None:

@@ -63,7 +63,6 @@ class ZeroStage1(DistributedModel):
 
     stage = 1
     keeps_full_grads = True  # the full gradient buffers persist between steps (stage 1 only)
-    staging = None  # stage 2's shared-memory buffers for full gradients (`StagedGradients`)
     shard_is_view = True  # the shard is a view of the compute buffer (not stage 3)
 
     def __init__(
@@ -85,7 +84,8 @@ class ZeroStage1(DistributedModel):
         # slices (an all-to-all: every rank receives each rank's copy of the slice it owns,
         # the bytes of a reduce-scatter) and their sum here: gloo's own reduce-scatter of 12 MB
         # took 13.7 ms there, its all-reduce 9.4, the exchange and sum 5.2 (world 2; world 4:
-        # 27.6, 20.9 and 12.3; docs/strategies.md). A codec sends its own encoding.
+        # 27.6, 20.9 and 12.3; docs/strategies.md); over the whole world, summed where they
+        # lie in shared memory instead (`shared`, below). A codec sends its own encoding.
         one_host_cpu = shares_cores(runtime.device, runtime.num_nodes)
         self.exchanges_slices = one_host_cpu and self.groups.shard_size > 1 and compression is None
         # There, too, units are all-gathered by direct messages (`comm.all_gather_pairwise`: the
@@ -175,8 +175,15 @@ class ZeroStage1(DistributedModel):
         return [self.units[i].params for i in order]
 
     def prepare_units(self) -> None:
+        # Kept for the job: in shared memory where the units are sharded over the whole world
+        # of one host's CPU ranks and no codec encodes them, each reduced where it lies into
+        # its own slice (`_launch`).
+        in_shared_memory = self.exchanges_slices and self.shared is not None
         for u in self.units:
-            u.grad_full = torch.zeros_like(u.full)
+            if in_shared_memory:
+                u.grad_full = self.shared.new_buffer(u.full.numel(), u.full.dtype, u.full.device)
+            else:
+                u.grad_full = torch.zeros_like(u.full)
 
     # ---- gradients: fill the unit's full gradient buffer, reduce-scatter it, keep our slice
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -203,9 +210,15 @@ class ZeroStage1(DistributedModel):
             unit.reduced = unit.grad_full  # (a slice of one: the whole, summed over itself)
             unit.handle = comm.Handle("reduce_scatter", None, None)  # done: no message
             return
-        if self.staging is not None and self.staging.holds(unit.grad_full):
-            unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype)
-            unit.handle = self.staging.start(unit.grad_full, unit.reduced)
+        if self.shared is not None and self.shared.placed(unit.grad_full):
+            # Summed where it lies in shared memory: stage 1 into its own slice of the buffer
+            # it keeps (whose values no peer reads), stages 2/3 into a slice of their own (the
+            # staging buffer is another unit's next).
+            if self.keeps_full_grads:
+                unit.reduced = unit.own(unit.grad_full)
+            else:
+                unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype)
+            unit.handle = self.shared.start_reduce_scatter(unit.grad_full, unit.reduced)
             return
         if self.exchanges_slices:  # (summed as it completes: `_sum_received`)
             unit.received = torch.empty_like(unit.grad_full)

@@ -42,7 +42,6 @@ class StagedGradients:
     reduce buckets are so too; `plan` counts them)."""
 
     def __init__(self, shared: SharedMemoryCollectives, units: list[FlatUnit], count: int) -> None:
-        self.scatter = shared
         largest = max((u.full for u in units), key=torch.Tensor.numel)
         made = [
             shared.new_buffer(largest.numel(), largest.dtype, largest.device) for _ in range(count)
@@ -59,13 +58,11 @@ class StagedGradients:
     def holds(self, full: torch.Tensor | None) -> bool:
         return full is not None and any(full.data_ptr() == b.data_ptr() for b in self.buffers)
 
-    def start(self, full: torch.Tensor, out: torch.Tensor):
-        return self.scatter.start_reduce_scatter(full, out)
-
 
 class ZeroStage2(ZeroStage1):
     stage = 2
     keeps_full_grads = False
+    staging: StagedGradients | None = None  # shared-memory buffers for full gradients
 
     def prepare_units(self) -> None:
         # Full gradient buffers are made on demand, one unit at a time: in shared memory where
