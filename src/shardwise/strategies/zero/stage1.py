@@ -109,7 +109,7 @@ class ZeroStage1(DistributedModel):
         n = self.groups.shard_size
         whole_world = runtime.group is None and n == runtime.world_size > 1
         if one_host_cpu and whole_world and shared_memory.supported():
-            # Every rank a process of this host's CPU: units gathered (and stages 2/3's
+            # Every rank a process of this host's CPU: units gathered (and, without a codec,
             # gradients reduced) through shared memory, no byte through a socket. The gather
             # slots hold the largest unit's slice in the compute dtype (what the ranks gather).
             self.shared = SharedMemoryCollectives(runtime.timeout)
