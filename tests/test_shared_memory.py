@@ -113,6 +113,18 @@ def test_a_mean_is_the_shared_sum_divided_by_the_group(world_size):
         assert "did not place" in refused
 
 
+def _refusals(start, *cases: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+    """What `start` says to each pair of tensors it should refuse ("" where it did not)."""
+    refused = []
+    for a, b in cases:
+        try:
+            start(a, b)
+            refused.append("")
+        except ValueError as e:
+            refused.append(str(e))
+    return refused
+
+
 def scatters_like_the_exchange():
     """Reduce-scatters in shared memory, of whole buffers and of prefixes of a larger one,
     against every rank's inputs gathered and summed here in rank order (how ZeRO summed the
@@ -145,18 +157,13 @@ def scatters_like_the_exchange():
                     if k != rank:
                         in_place += slices[k]
                 exact &= torch.equal(own, in_place)
-    refused = []
-    for full, out in (
+    refused = _refusals(
+        scatter.start_reduce_scatter,
         (torch.zeros(world * 4), torch.empty(4)),  # not placed by it
         (larger[torch.float32][: world * 4 + 1], torch.empty(4)),  # not divided by the world
         (larger[torch.float32][1 : world * 4 + 1], torch.empty(4)),  # not a buffer's start
         (larger[torch.float32][: world * 4], torch.empty(5)),  # an output of the wrong size
-    ):
-        try:
-            scatter.start_reduce_scatter(full, out)
-            refused.append("")
-        except ValueError as e:
-            refused.append(str(e))
+    )
     scatter.close()
     return exact, refused
 
@@ -203,18 +210,13 @@ def gathers_like_gloo():
         output,
         torch.arange(1001).repeat(world) + 10_000 * torch.arange(world).repeat_interleave(1001),
     )
-    refused = []
-    for output, shard in (
+    refused = _refusals(
+        collectives.start_all_gather,
         (torch.empty(world * 4), torch.empty(4, dtype=torch.bfloat16)),  # dtypes differ
         (torch.empty(world * 4 + 1), torch.empty(4)),  # not N shards long
         (torch.empty(world * 100_004), torch.empty(100_004)),  # past a slot
         (torch.empty(world * 8)[::2], torch.empty(4)),  # not contiguous
-    ):
-        try:
-            collectives.start_all_gather(output, shard)
-            refused.append("")
-        except ValueError as e:
-            refused.append(str(e))
+    )
     collectives.close()
     return exact, refused
 
