@@ -227,7 +227,7 @@ def zero_traffic(
         hidden = k > (1 if units.rest else 0)
         if getattr(s, "compression", None):
             _encoded(costs, s.compression, units.params[k], S, n, prefetched=hidden)
-        elif exchanges and staged and n > 1:  # (calibrated as a kind of its own)
+        elif staged:  # (calibrated as a kind of its own)
             volume = native_volume("reduce_scatter", unit_bytes, n)
             costs.add_comm(
                 "reduce_scatter", volume, prefetched=hidden, kind="shared_reduce_scatter"

@@ -359,12 +359,8 @@ class ZeroStage1(DistributedModel):
         of the compute buffer and shared memory gathers it (it is copied into a slot first),
         else its compute copy (gloo's messages would read the buffer they receive into)."""
         own = unit.own(unit.full)
-        if (
-            self.shared is not None
-            and shard.dtype == own.dtype
-            and shard.data_ptr() == own.data_ptr()
-            and self.shared.gathers(unit.full, own)
-        ):
+        is_own = shard.data_ptr() == own.data_ptr()  # (a view of it: no fp32 masters)
+        if is_own and self.shared is not None and self.shared.gathers(unit.full, own):
             return own
         return self._compute_copy(shard)
 
