@@ -74,8 +74,9 @@ def test_sums_equal_gloos_and_no_file_is_left_behind(world_size):
 
 
 def means_are_sums_divided():
-    """start_mean: the shared sum divided by the group's size, bit for bit; and which buffers
-    it can average as it sums (none in fp16, whose undivided sums can overflow)."""
+    """start_mean: the shared sum divided by the group's size, bit for bit, on the thread or on
+    the caller's (`start_last`); and which buffers it can average as it sums (none in fp16,
+    whose undivided sums can overflow)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     summing = SharedMemoryAllReduce(timeout=timedelta(seconds=30))
     exact = True
@@ -89,6 +90,17 @@ def means_are_sums_divided():
             summing.start(summed).wait()
             summing.start_mean(averaged).wait()
             exact &= torch.equal(averaged, summed / world)
+            # Run on this thread (a step's last): behind a sum still on the thread.
+            again, last = (
+                summing.new_buffer(numel, dtype, CPU),
+                summing.new_buffer(numel, dtype, CPU),
+            )
+            again.copy_(mine)
+            last.copy_(mine)
+            ahead = summing.start(again)
+            summing.start_last(last, mean=True).wait()
+            ahead.wait()
+            exact &= torch.equal(again, summed) and torch.equal(last, averaged)
     can = [
         summing.sums_to_mean(summing.new_buffer(8, dtype, CPU))
         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64)
@@ -150,8 +162,9 @@ def scatters_like_the_exchange():
                     expected += more
                 exact &= torch.equal(out, expected) and torch.equal(staged, mine)
                 # Into its own slice of the buffer (ZeRO-1's): its part first, then the rest's.
+                # (on this thread: `here`)
                 own = staged[rank * per_rank : (rank + 1) * per_rank]
-                scatter.start_reduce_scatter(staged, own).wait()
+                scatter.start_reduce_scatter(staged, own, here=True).wait()
                 in_place = slices[rank].clone()
                 for k in range(world):
                     if k != rank:
@@ -181,8 +194,8 @@ def test_a_reduce_scatter_sums_each_slice_as_the_exchange_did(world_size):
 def gathers_like_gloo():
     """All-gathers in shared memory against gloo's of the same shards: each dtype, sizes from
     one element to a full slot, many in flight at once (the two slots taken in turn, each
-    reused while the gathers before it are still being waited for), an output that is already
-    written, and what it refuses."""
+    reused while the gathers before it are still being waited for; some run on the caller's
+    thread, `here`), an output that is already written, and what it refuses."""
     rank, world = dist.get_rank(), dist.get_world_size()
     collectives = SharedMemoryCollectives(timeout=timedelta(seconds=30))
     collectives.reserve_gathers(4 * 100_003)
@@ -195,7 +208,8 @@ def gathers_like_gloo():
         g = torch.Generator().manual_seed(1000 * rank + i)
         shard = (torch.randn(numel, generator=g) * 100).to(dtype)
         output = torch.full((world * numel,), -1).to(dtype)
-        started.append((shard, output, collectives.start_all_gather(output, shard)))
+        here = i % 3 == 2  # (some on this thread, behind those still on the thread)
+        started.append((shard, output, collectives.start_all_gather(output, shard, here)))
     for shard, output, handle in started:
         handle.wait()
         theirs = torch.empty_like(output)

@@ -48,6 +48,12 @@ class AllReduceAlgorithm:
         """As `start`, the sum divided by the group's size (only where `sums_to_mean`)."""
         raise NotImplementedError(f"{type(self).__name__} does not divide as it sums")
 
+    def start_last(self, buffer: torch.Tensor, mean: bool = False) -> Handle:
+        """`start` (`start_mean` where `mean`) for a step's last reduction, which its caller
+        waits for next with nothing to compute between: an algorithm that runs on a thread of
+        its own runs this one on the caller's (`ThreadedAllReduce`)."""
+        return self.start_mean(buffer) if mean else self.start(buffer)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -76,13 +82,20 @@ class CommThread:
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Future | None = None  # (the thread runs its calls in order)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable, *args) -> Future:
         future: Future = Future()
         self._calls.put((future, fn, args))
+        self._last = future
         return future
+
+    def finish(self) -> None:
+        """Wait until every call submitted so far has run (raising the last one's error)."""
+        if self._last is not None:
+            self._last.result()
 
     def _work(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -115,6 +128,19 @@ class ThreadedAllReduce(AllReduceAlgorithm):
 
     def start(self, buffer: torch.Tensor) -> Handle:
         return Handle(self.op, self._thread.submit(self._run_in_background, buffer), None)
+
+    def start_last(self, buffer: torch.Tensor, mean: bool = False) -> Handle:
+        # Run here, after the thread's earlier calls (every rank issues in one order): handed to
+        # the thread and back, the bench MLP's one all-reduce a step cost DDP 0.8 ms more (2
+        # ranks on 2 cores, five interleaved rounds of 30 steps).
+        self._check_mean(buffer, mean)
+        self._thread.finish()
+        self._run(buffer, *((True,) if mean else ()))
+        return Handle(self.op, None, None)
+
+    def _check_mean(self, buffer: torch.Tensor, mean: bool) -> None:
+        if mean:
+            raise NotImplementedError(f"{type(self).__name__} does not divide as it sums")
 
     def close(self) -> None:
         self._thread.shutdown()

@@ -20,7 +20,8 @@ How it works, top to bottom:
    compute on one host's CPU, the buckets live in shared memory and are summed there
    (`comm.shared_memory`): gloo's loopback sockets cost 4x the time.
 4. At the end of backward an autograd callback launches any remaining bucket and waits for all,
-   so gradients are averaged by the time `loss.backward()` returns.
+   so gradients are averaged by the time `loss.backward()` returns. The last bucket's
+   all-reduce, waited for at once, runs on the training thread (`start_last`).
 """
 
 from __future__ import annotations
@@ -214,10 +215,15 @@ class GradientReducer:
         bucket = self.buckets[index]
         # Weigh (divide by the world, for equal batches) before summing, as torch DDP does, so
         # fp16 sums do not overflow: what was not weighed as it moved in.
-        if self._weighs(bucket):
+        weighs = self._weighs(bucket)
+        if weighs:
             self.weighing.weigh_rest(bucket.params, bucket.buffer, self.view_of.__getitem__)
+        # (else equal shares: the all-reduce divides as it sums, no pass of ours)
+        if self.backward.launching_last:
+            bucket.handle = self.all_reduce.start_last(bucket.buffer, mean=not weighs)
+        elif weighs:
             bucket.handle = self.all_reduce.start(bucket.buffer)
-        else:  # (equal shares: the all-reduce divides as it sums, no pass of ours)
+        else:
             bucket.handle = self.all_reduce.start_mean(bucket.buffer)
 
     def _wait(self) -> None:

@@ -117,6 +117,12 @@ class BucketedBackward:
         while self.next_launch < len(self.sizes) and self.pending[self.next_launch] == 0:
             self._launch_next()
 
+    @property
+    def launching_last(self) -> bool:
+        """Whether the launch in progress is this backward's last: backward has made every
+        parameter's gradient (what runs on makes none), and the wait for all comes next."""
+        return self.next_launch == len(self.sizes) - 1
+
     def _launch_next(self) -> None:
         self.callbacks.launch(self.next_launch)
         self.next_launch += 1

@@ -162,10 +162,7 @@ class ZeroStage1(DistributedModel):
         can (`shared`), by direct messages where gloo's ranks share a host, else the
         backend's. (The same choice on every rank: it depends on sizes and placement alone.)"""
         if self.shared is not None and self.shared.gathers(output, shard):
-            handle = self.shared.start_all_gather(output, shard)
-            if not async_op:
-                handle.wait()
-            return handle
+            return self.shared.start_all_gather(output, shard, here=not async_op)
         if self.gathers_by_messages:
             return comm.all_gather_pairwise(output, shard, group, async_op=async_op)
         return comm.all_gather_into_tensor(output, shard, group, async_op=async_op)
@@ -218,7 +215,8 @@ class ZeroStage1(DistributedModel):
                 unit.reduced = unit.own(unit.grad_full)
             else:
                 unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype)
-            unit.handle = self.shared.start_reduce_scatter(unit.grad_full, unit.reduced)
+            here = self.backward.launching_last  # (waited for next: summed on this thread)
+            unit.handle = self.shared.start_reduce_scatter(unit.grad_full, unit.reduced, here)
             return
         if self.exchanges_slices:  # (summed as it completes: `_sum_received`)
             unit.received = torch.empty_like(unit.grad_full)
@@ -347,8 +345,12 @@ class ZeroStage1(DistributedModel):
                 if s.data_ptr() != u.full.data_ptr():  # (not a view of it: fp32 masters)
                     u.full.copy_(s.detach())
             return
+        # Through shared memory each is gathered on this thread, one after the other: it
+        # waits for all of them next, with nothing to compute meanwhile.
         handles = [
-            self.all_gather(u.full, self._gathered(u, s), self.groups.shard, async_op=True)
+            self.all_gather(
+                u.full, self._gathered(u, s), self.groups.shard, async_op=self.shared is None
+            )
             for u, s in zip(self.units, self.shards, strict=True)
         ]
         for h in handles:
