@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from shardwise.comm.accounting import stats
 from shardwise.comm.collectives import Handle, ProcessGroup, all_reduce
@@ -111,6 +112,14 @@ class CommThread:
         self._thread.join()
 
 
+def as_on_its_thread(fn: Callable, *args):
+    """`fn(*args)` on the calling thread, but seen as on a communication thread: by no
+    dispatch mode of the caller's (each sees its own thread's operators only). `PeakMeter`
+    would count a peer's buffer, mapped as a tensor while summed, as this rank's memory."""
+    with _disable_current_modes():
+        return fn(*args)
+
+
 class ThreadedAllReduce(AllReduceAlgorithm):
     """Runs a blocking all-reduce function on a dedicated thread and process group."""
 
@@ -135,7 +144,7 @@ class ThreadedAllReduce(AllReduceAlgorithm):
         # ranks on 2 cores, five interleaved rounds of 30 steps).
         self._check_mean(buffer, mean)
         self._thread.finish()
-        self._run(buffer, *((True,) if mean else ()))
+        as_on_its_thread(self._run, buffer, *((True,) if mean else ()))
         return Handle(self.op, None, None)
 
     def _check_mean(self, buffer: torch.Tensor, mean: bool) -> None:

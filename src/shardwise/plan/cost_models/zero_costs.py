@@ -149,11 +149,12 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     compute = HALF.get(s.mixed_precision, FP32)
     shared = job.shared_cores and k > 1 and ranks is None and shared_memory.supported()
     staged = shared and emulation.exchanges
-    slots = staging_buffers(s.stage, bool(units.rest), len(units.shards))
-    emulation.staged_slots = slots if staged and s.stage >= 2 else 0
-    emulation.in_place = staged and s.stage == 1
     fp32_masters = s.mixed_precision is not None or s.offload is not None
     largest = max(units.shards, default=0) * compute
+    budget = int(s.bucket_mb * 2**20)
+    slots = staging_buffers(s.stage, bool(units.rest), len(units.shards), largest * k, budget)
+    emulation.staged_slots = slots if staged and s.stage >= 2 else 0
+    emulation.in_place = staged and s.stage == 1
     staging = (emulation.staged_slots * k + SharedMemoryCollectives.SLOTS * shared) * largest
     costs.peak = step_peak(
         job,
@@ -228,9 +229,15 @@ def zero_traffic(
         if getattr(s, "compression", None):
             _encoded(costs, s.compression, units.params[k], S, n, prefetched=hidden)
         elif staged:  # (calibrated as a kind of its own)
+            # Stage 1's reductions overlap backward as any; stages 2/3's wait, staged, for
+            # the buffers to run out or backward to end, and run then, one after the other
+            # (`ZeroStage2._flush`).
             volume = native_volume("reduce_scatter", unit_bytes, n)
             costs.add_comm(
-                "reduce_scatter", volume, prefetched=hidden, kind="shared_reduce_scatter"
+                "reduce_scatter",
+                volume,
+                prefetched=hidden and stage == 1,
+                kind="shared_reduce_scatter",
             )
         else:
             op = "all_to_all" if exchanges and n > 1 else "reduce_scatter"
@@ -358,9 +365,7 @@ class Stage1Emulation:
 
     def _launch(self, i: int) -> None:
         earlier = list(self.in_flight)
-        if i in self.staged_in:  # (summed in shared memory into a slice of its own)
-            self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
-        elif self.in_place:  # (stage 1: into its own slice of the full buffer, a view)
+        if self.in_place:  # (stage 1: into its own slice of the full buffer, a view)
             self.reduced[i] = None
         elif self.exchanges:
             self.received[i] = torch.empty(self._shard(i) * self.n, dtype=self.compute)
@@ -392,6 +397,9 @@ class Stage1Emulation:
         """Stage 1 keeps its full gradient buffers: the summed slice is written into one."""
         return None
 
+    def _flush(self) -> None:
+        """Stage 1 defers no reduction."""
+
     def _keep(self, i: int, reduced: torch.Tensor | None) -> None:
         if self.fp32_masters:  # (otherwise the slice is a view of its full buffer)
             self.shard_grads[i] = reduced
@@ -400,6 +408,7 @@ class Stage1Emulation:
         while self.next_launch < len(self.units):
             self._launch(self.order[self.next_launch])
             self.next_launch += 1
+        self._flush()
         for i in list(self.in_flight):
             self._complete(i)
 
@@ -407,16 +416,39 @@ class Stage1Emulation:
 class Stage2Emulation(Stage1Emulation):
     """Stage 2 makes each unit's full gradient buffer (S x N) at its first gradient and,
     launching a unit, completes the ones launched before it: their full buffers go, their
-    slices become the shard's gradients."""
+    slices become the shard's gradients. A unit staged in shared memory is reduced later,
+    with the others staged, when a unit finds every staging buffer taken or backward ends
+    (`ZeroStage2._flush`)."""
 
     staged_slots = 0  # shared-memory buffers for full gradients (`StagedGradients`), lasting
 
+    def _reset(self) -> None:
+        super()._reset()
+        self.deferred: list[int] = []
+
     def _gradient_arrives(self, i: int) -> None:
+        if self.grad_full[i] is None and len(self.staged_in) == self.staged_slots:
+            self._flush()  # (frees the deferred units' staging buffers, if any)
         if self.grad_full[i] is None and len(self.staged_in) < self.staged_slots:
             self.staged_in.add(i)  # (in a buffer that outlives the step: nothing made)
             self.grad_full[i] = torch.empty(0)
         elif self.grad_full[i] is None:
             self.grad_full[i] = torch.zeros(self._shard(i) * self.n, dtype=self.compute)
+
+    def _launch(self, i: int) -> None:
+        if i in self.staged_in:
+            self.deferred.append(i)
+            self._launched(i, [])
+            return
+        super()._launch(i)
+
+    def _flush(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for i in deferred:  # (each summed into a slice of its own)
+            self.reduced[i] = torch.empty(self._shard(i), dtype=self.compute)
+            self.in_flight.append(i)
+        for i in deferred:
+            self._complete(i)
 
     def _launched(self, i: int, earlier: list[int]) -> None:
         for j in earlier:

@@ -59,7 +59,9 @@ class ZeRO(Strategy):
     """Options for ZeRO.
 
     stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) sharded over the ranks.
-    bucket_mb: stages 1/2: size of the flat units gradients are reduce-scattered in.
+    bucket_mb: stages 1/2: size of the flat units gradients are reduce-scattered in; stages 2/3
+        where every rank is on one host's CPU, also how much the gradient staging buffers in
+        shared memory may hold (`stage2.staging_buffers`).
     mixed_precision: None (fp32), 'bf16' or 'fp16' compute and communication, with fp32 master
         weights in the sharded optimizer; 'fp16' adds dynamic loss scaling.
     offload: None, 'cpu' (master weights, their gradients and optimizer state in host memory
@@ -226,7 +228,12 @@ class ZeROConfig(StrategySection):
     stage: Literal[1, 2, 3] = Field(
         1, description="1: optimizer state, 2: + gradients, 3: + parameters sharded"
     )
-    bucket_mb: float = Field(25.0, gt=0, description="stages 1/2: flat unit size in MiB")
+    bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        description="stages 1/2: flat unit size in MiB; stages 2/3 on one host's CPU, also the "
+        "gradient staging buffers' budget",
+    )
     mixed_precision: Literal["bf16", "fp16"] | None = Field(
         None, description="compute dtype over fp32 master weights; fp16 adds loss scaling"
     )

@@ -78,6 +78,7 @@ class ZeroStage1(DistributedModel):
     ) -> None:
         super().__init__(module, runtime)
         self.masters, self.offload_dir = masters, offload_dir
+        self.bucket_bytes = bucket_bytes
         self.groups = groups or whole(runtime)  # whom the units are sharded over
         shard_over = (self.groups.shard_rank, self.groups.shard_size)
         # Where gloo's ranks share one host, a unit is reduce-scattered as an exchange of its
@@ -198,6 +199,12 @@ class ZeroStage1(DistributedModel):
         self.weighing.zeroed(p)
 
     def _launch(self, index: int) -> None:
+        # (the backward's last reduction, waited for next: run on this thread)
+        self._reduce(index, here=self.backward.launching_last)
+
+    def _reduce(self, index: int, here: bool) -> None:
+        """Start reducing unit `index`'s full gradient into this rank's slice (`here`: through
+        shared memory, on this thread, done when this returns)."""
         unit = self.units[index]
         # The mean, before summing (fp16-safe): what was not weighed as it moved in.
         self.weighing.weigh_rest(
@@ -215,7 +222,6 @@ class ZeroStage1(DistributedModel):
                 unit.reduced = unit.own(unit.grad_full)
             else:
                 unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype)
-            here = self.backward.launching_last  # (waited for next: summed on this thread)
             unit.handle = self.shared.start_reduce_scatter(unit.grad_full, unit.reduced, here)
             return
         if self.exchanges_slices:  # (summed as it completes: `_sum_received`)

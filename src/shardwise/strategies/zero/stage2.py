@@ -1,7 +1,9 @@
 """ZeRO stage 2: stage 1, with the gradients sharded too.
 
 A unit's full gradient exists only from its first parameter's gradient until its reduce-scatter
-has run, during backward; afterwards a rank keeps only the averaged slice it owns. Memory with
+has run, during backward; afterwards a rank keeps only the averaged slice it owns. (Where every
+rank is on one host's CPU, full gradients wait in staging buffers in shared memory, at most
+`bucket_mb` of them or two units', and are reduced together: `ZeroStage2._flush`.) Memory with
 fp32 Adam: 4P parameters + (4P gradients + 8P optimizer state) / N.
 
 Gradient accumulation over K micro-batches can go two ways. Outside `no_sync()` every backward
@@ -25,11 +27,15 @@ from shardwise.strategies.zero.stage1 import ZeroStage1
 from shardwise.strategies.zero.units import FlatUnit
 
 
-def staging_buffers(stage: int, has_root: bool, units: int) -> int:
-    """How many of `units` full gradients backward keeps alive at once, in stage 2's order of
-    reductions: one reducing while the next fills, and in stage 3 a root unit's too (its
-    head's gradients come first in backward, its embeddings' last)."""
-    return min(units, 3 if stage == 3 and has_root else 2)
+def staging_buffers(
+    stage: int, has_root: bool, units: int, largest_bytes: int, budget_bytes: int
+) -> int:
+    """How many full-gradient staging buffers, each the largest unit's size, stages 2/3 make
+    (`StagedGradients`): as many as `budget_bytes` (ZeRO's `bucket_mb`) holds, at least two
+    (one unit reducing while the next fills; three in stage 3 with a root unit, whose head's
+    gradients come first in backward and its embeddings' last), no more than there are units."""
+    least = 3 if stage == 3 and has_root else 2
+    return min(units, max(least, budget_bytes // max(1, largest_bytes)))
 
 
 class StagedGradients:
@@ -69,8 +75,12 @@ class ZeroStage2(ZeroStage1):
         # the units are sharded over the whole world (no mesh axis, no HSDP) of one host's CPU
         # ranks (`shared`) and no codec encodes them (`StagedGradients`).
         if self.exchanges_slices and self.shared is not None:
-            count = staging_buffers(self.stage, self.has_root_unit(), len(self.units))
+            largest = max(u.full.numel() * u.full.element_size() for u in self.units)
+            count = staging_buffers(
+                self.stage, self.has_root_unit(), len(self.units), largest, self.bucket_bytes
+            )
             self.staging = StagedGradients(self.shared, self.units, count)
+        self.deferred: list[int] = []  # staged units whose reduction waits for `_flush`
 
     def has_root_unit(self) -> bool:
         return False  # (stage 3's units can have one)
@@ -96,32 +106,63 @@ class ZeroStage2(ZeroStage1):
         p.grad = None  # the parameter's gradient is not kept beyond this hook
 
     def _launch(self, index: int) -> None:
-        # At most two reductions in flight: the one launched before this one is waited for
-        # now, so its full gradient goes while backward runs on (left to the end of backward,
-        # every unit's would be alive at once, as much as stage 1 keeps).
-        earlier = [i for i, u in enumerate(self.units) if u.handle is not None]
         unit = self.units[index]
         if self.staging is not None and not self.staging.holds(unit.grad_full):
             staged = self._staged(unit)  # (a no_sync() sum: reduced where it lies, as any)
             if staged is not None:
                 unit.grad_full = staged.copy_(unit.grad_full)
+        if self.staging is not None and self.staging.holds(unit.grad_full):
+            self.deferred.append(index)  # (reduced with the others staged: `_flush`)
+            return
+        # At most two reductions in flight: the one launched before this one is waited for
+        # now, so its full gradient goes while backward runs on (left to the end of backward,
+        # every unit's would be alive at once, as much as stage 1 keeps).
+        earlier = [i for i, u in enumerate(self.units) if u.handle is not None]
         super()._launch(index)
         for i in earlier:
             self._complete(i)
 
     def _staged(self, unit: FlatUnit) -> torch.Tensor | None:
-        """A staging buffer for `unit`'s full gradient where one is free: not any other unit's
-        full gradient now. (Decided by what this rank's backward did, not by timing: every
-        rank takes the same one.)"""
+        """A staging buffer for `unit`'s full gradient: a free one (not any other unit's full
+        gradient now), or, where every one holds a deferred unit's, one freed by reducing
+        those (`_flush`). Decided by what this rank's backward did, not by timing: every rank
+        takes the same one."""
         if self.staging is None:
             return None
-        busy = {u.grad_full.data_ptr() for u in self.units if u.grad_full is not None}
-        return self.staging.take(unit.full, busy)
+        staged = self.staging.take(unit.full, self._busy())
+        if staged is None and self.deferred:
+            self._flush()
+            staged = self.staging.take(unit.full, self._busy())
+        return staged
+
+    def _busy(self) -> set[int]:
+        return {u.grad_full.data_ptr() for u in self.units if u.grad_full is not None}
+
+    def _flush(self) -> None:
+        """Reduce the deferred units, one after the other on this thread, and hand over their
+        slices: their staging buffers are free again.
+
+        A staged unit's reduction waits until the staging buffers run out or backward ends.
+        Reduced as each unit completed, on the communication thread, the ranks met once per
+        unit, each time the faster one waiting for the slower, and the thread took the cores
+        that compute (overlap buys nothing where they are the same): the bench GPT's ZeRO-3
+        step (five units) took 2-5 ms longer so, the MLP's (three) 1-4 ms (2 ranks on 2
+        cores, interleaved rounds). Now the ranks meet once for all of them."""
+        deferred, self.deferred = self.deferred, []
+        for i in deferred:
+            self._reduce(i, here=True)
+        for i in deferred:
+            self._complete(i)
+
+    def _finish(self) -> None:
+        self._flush()
+        super()._finish()
 
     def release_full_grad(self, unit: FlatUnit) -> None:
         unit.grad_full = None  # reduced: only this rank's slice lives on, as the shard's grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.deferred.clear()  # (a backward that raised never reached `_flush`)
         for unit, shard in zip(self.units, self.shards, strict=True):
             unit.grad_full = None  # (what no_sync() accumulated, where it was discarded)
             shard.grad = None
