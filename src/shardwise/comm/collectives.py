@@ -180,6 +180,12 @@ def _issue(
         thread = recorder.begin_wait(recorded, start)
         try:
             work = call()
+        except PeerLost:
+            raise
+        except RuntimeError as e:  # (failed as a backend's wait fails: `_wait`)
+            if not interrupt.active():
+                raise
+            raise PeerLost(str(e).splitlines()[0]) from e
         finally:
             recorder.end_wait(thread)
     else:
