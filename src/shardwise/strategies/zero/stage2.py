@@ -146,7 +146,7 @@ class ZeroStage2(ZeroStage1):
         Reduced as each unit completed, on the communication thread, the ranks met once per
         unit, each time the faster one waiting for the slower, and the thread took the cores
         that compute (overlap buys nothing where they are the same): the bench GPT's ZeRO-3
-        step (five units) took 2-5 ms longer so, the MLP's (three) 1-4 ms (2 ranks on 2
+        step (five units) took 2-7 ms longer so, the MLP's (three) 1-4 ms (2 ranks on 2
         cores, interleaved rounds). Now the ranks meet once for all of them."""
         deferred, self.deferred = self.deferred, []
         for i in deferred:
