@@ -328,7 +328,7 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         """Run `call` (collective `op`) on the thread, or `here`: on the calling thread once the
         thread's earlier calls are done (every rank issues in one order), for a caller that
         would wait for it next. A hand-off to the thread and back costs more than it overlaps
-        then: 0.8 ms a step for DDP's one all-reduce (`ThreadedAllReduce.start_last`).
+        then: up to 1.8 ms a step for DDP's one all-reduce (`ThreadedAllReduce.start_last`).
         Recorded as issued, not on the thread: its place among this rank's other calls is
         then the same on every rank (the bench floor replays a step's calls in their recorded
         order)."""
