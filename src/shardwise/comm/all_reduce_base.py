@@ -112,14 +112,6 @@ class CommThread:
         self._thread.join()
 
 
-def as_on_its_thread(fn: Callable, *args):
-    """`fn(*args)` on the calling thread, but seen as on a communication thread: by no
-    dispatch mode of the caller's (each sees its own thread's operators only). `PeakMeter`
-    would count a peer's buffer, mapped as a tensor while summed, as this rank's memory."""
-    with _disable_current_modes():
-        return fn(*args)
-
-
 class ThreadedAllReduce(AllReduceAlgorithm):
     """Runs a blocking all-reduce function on a dedicated thread and process group."""
 
@@ -143,9 +135,17 @@ class ThreadedAllReduce(AllReduceAlgorithm):
         # the thread and back, the bench MLP's one all-reduce a step cost DDP 0.0-1.8 ms more
         # (median 1.3; 2 ranks on 2 cores, five interleaved rounds of 30 steps).
         self._check_mean(buffer, mean)
-        self._thread.finish()
-        as_on_its_thread(self._run, buffer, *((True,) if mean else ()))
+        self._here(self._run, buffer, *((True,) if mean else ()))
         return Handle(self.op, None, None)
+
+    def _here(self, fn: Callable, *args):
+        """`fn(*args)` on the calling thread, once the thread's earlier calls are done (every
+        rank issues in one order), and seen as on the thread: by no dispatch mode of the
+        caller's (each sees its own thread's operators only; `PeakMeter` would count a peer's
+        buffer, mapped as a tensor while summed, as this rank's memory)."""
+        self._thread.finish()
+        with _disable_current_modes():
+            return fn(*args)
 
     def _check_mean(self, buffer: torch.Tensor, mean: bool) -> None:
         if mean:

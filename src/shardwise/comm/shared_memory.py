@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from shardwise.comm import interrupt
 from shardwise.comm.accounting import native_volume
-from shardwise.comm.all_reduce_base import ThreadedAllReduce, as_on_its_thread
+from shardwise.comm.all_reduce_base import ThreadedAllReduce
 from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_reduce
 
 CPU = torch.device("cpu")
@@ -334,8 +334,7 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         order)."""
         recorded = f"{op}_shared"
         if here:
-            self._thread.finish()
-            here_call = partial(as_on_its_thread, call)
+            here_call = partial(self._here, call)
             return _issue(op, volume, here_call, False, self.group, tensor, recorded, blocking=True)
         submit = partial(self._thread.submit, call)
         return _issue(op, volume, submit, True, self.group, tensor, recorded)

@@ -3,8 +3,9 @@
 A unit's full gradient exists only from its first parameter's gradient until its reduce-scatter
 has run, during backward; afterwards a rank keeps only the averaged slice it owns. (Where every
 rank is on one host's CPU, full gradients wait in staging buffers in shared memory, at most
-`bucket_mb` of them or two units', and are reduced together: `ZeroStage2._flush`.) Memory with
-fp32 Adam: 4P parameters + (4P gradients + 8P optimizer state) / N.
+`bucket_mb` of them or two units' (three with a stage-3 root), and are reduced together:
+`ZeroStage2._flush`.) Memory with fp32 Adam: 4P parameters + (4P gradients + 8P optimizer
+state) / N.
 
 Gradient accumulation over K micro-batches can go two ways. Outside `no_sync()` every backward
 reduce-scatters and the averaged slices add up in the shards: K times the communication, but
