@@ -97,12 +97,12 @@ class CommStats:
         if threading.get_ident() in self._background:
             wait_s = 0.0  # a background thread's blocking does not stall training
         with self._lock:
-            totals = self._totals(op)
+            totals = self._step.get(op) or self._totals(op)
             totals.calls += calls
-            totals.bytes += int(nbytes)
+            totals.bytes += nbytes
             totals.wait_s += wait_s
         if self.listener is not None and wait_s > 0:
-            self.listener(op, int(nbytes), wait_s)
+            self.listener(op, nbytes, wait_s)
 
     def add_waited(self, op: str, in_flight_s: float, blocked_s: float) -> None:
         """An asynchronous `op` waited for: in flight `in_flight_s` before the wait (the most it
@@ -123,13 +123,13 @@ class CommStats:
         if threading.get_ident() in self._background:
             wait_s = in_flight_s = 0.0  # a background thread's blocking does not stall training
         with self._lock:
-            totals = self._totals(op)
+            totals = self._step.get(op) or self._totals(op)
             totals.calls += 1
-            totals.bytes += int(nbytes)
+            totals.bytes += nbytes
             totals.wait_s += wait_s
             totals.overlap_s += in_flight_s
         if self.listener is not None and wait_s > 0:
-            self.listener(op, int(nbytes), wait_s)
+            self.listener(op, nbytes, wait_s)
 
     @contextlib.contextmanager
     def background(self) -> Iterator[None]:

@@ -115,6 +115,7 @@ def _site() -> tuple[CodeType, int] | None:
     return None
 
 
+_P2P_OPS = frozenset(("send", "recv", "p2p"))  # recorded under P2P, whatever their group
 _SIGNATURES: dict[tuple, bytes] = {}  # (op, shape, dtype) -> the CRC of the call's signature
 
 
@@ -159,16 +160,21 @@ class FlightRecorder:
     def issue(
         self, op: str, group: dist.ProcessGroup | None, tensor: torch.Tensor | None = None
     ) -> Call:
-        if group is not None and id(group) in self._unwatched:
-            name = UNWATCHED
+        if op in _P2P_OPS:
+            name = UNWATCHED if group is not None and id(group) in self._unwatched else P2P
+        elif group is None:
+            name = "world"
         else:
-            name = P2P if op in ("send", "recv", "p2p") else self.group_name(group)
+            name = UNWATCHED if id(group) in self._unwatched else self.group_name(group)
         seq = self.seq.get(name, 0) + 1
-        shape = tensor.shape if tensor is not None else ()  # (a torch.Size is a tuple)
-        dtype = tensor.dtype if tensor is not None else None
-        call = Call(op, name, seq, shape, "-" if dtype is None else dtype, _site())
         self.seq[name] = seq
-        self.hash[name] = zlib.crc32(_signature_crc(op, shape, dtype), self.hash.get(name, 0))
+        if tensor is None:
+            shape, dtype = (), None
+        else:
+            shape, dtype = tensor.shape, tensor.dtype  # (a torch.Size is a tuple)
+        crc = _SIGNATURES.get((op, shape, dtype)) or _signature_crc(op, shape, dtype)
+        self.hash[name] = zlib.crc32(crc, self.hash.get(name, 0))
+        call = Call(op, name, seq, shape, "-" if dtype is None else dtype, _site())
         self.history.append(call)
         if self.check_call is not None and name not in (P2P, UNWATCHED):
             self.check_call(call, group)
