@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -240,6 +241,55 @@ def test_an_all_gather_is_gloos_bits(world_size):
     for exact, refused in run(gathers_like_gloo, world_size):
         assert exact
         assert all("does not hold" in e for e in refused), refused
+
+
+def reads_each_shard_where_it_lies():
+    """Gathers of shards that live in shared memory (ZeRO-3's), read where each rank's lies,
+    against gloo's all-gather of the same values, over rounds in which every rank rewrites its
+    shards and the last rank does so late (it sleeps first): after a meeting, every rank reads
+    every rank's newest values. Several gathers after one meeting, some on the caller's thread
+    (`here`), of shards made into parameters (other tensor objects on the same memory, as
+    ZeRO-3's are); and what it refuses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    collectives = SharedMemoryCollectives(timeout=timedelta(seconds=30))
+    sizes = (1, 7, 4097, 100_003)
+    shards = [nn.Parameter(collectives.new_buffer(n, torch.float32, CPU)) for n in sizes]
+    placed = all(collectives.resident(torch.empty(world * s.numel()), s) for s in shards)
+    exact = True
+    for round_ in range(4):
+        if rank == world - 1:
+            time.sleep(0.2)  # (a stale shard would be read, were the meeting not waited for)
+        with torch.no_grad():
+            for i, shard in enumerate(shards):
+                shard.copy_(torch.arange(shard.numel()) + 1000 * rank + 100_000 * round_ + i)
+        meeting = collectives.start_meeting(here=round_ % 2 == 1)
+        started = []
+        for i, shard in enumerate(shards):
+            output = torch.full((world * shard.numel(),), -1.0)
+            handle = collectives.start_gather_resident(output, shard.detach(), here=i % 2 == 0)
+            started.append((shard, output, handle))
+        meeting.wait()
+        for shard, output, handle in started:
+            handle.wait()
+            theirs = torch.empty_like(output)  # (also: no rank rewrites before all have read)
+            dist.all_gather_into_tensor(theirs, shard.detach())
+            exact &= torch.equal(output, theirs)
+    refused = _refusals(
+        collectives.start_gather_resident,
+        (torch.empty(world * 4), torch.zeros(4)),  # a shard it did not place
+        (torch.empty(world * 7 + 1), shards[1].detach()),  # not N shards long
+        (torch.empty(world * 7, dtype=torch.bfloat16), shards[1].detach()),  # dtypes differ
+        (torch.empty(world * 4), shards[2].detach()[:4]),  # a part of a placed buffer
+    )
+    collectives.close()
+    return placed, exact, refused
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_shard_in_shared_memory_is_read_where_it_lies_once_the_ranks_have_met(world_size):
+    for placed, exact, refused in run(reads_each_shard_where_it_lies, world_size):
+        assert placed and exact
+        assert all("is not a buffer it placed" in e for e in refused), refused
 
 
 def plain_buffer_and_disagreement():

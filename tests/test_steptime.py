@@ -105,12 +105,13 @@ def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict
 
     # (the gradients' reduction: a reduce-scatter, or where gloo's ranks share a host an
     # exchange of the slices, an all-to-all, or there in shared memory; the gathers there are
-    # direct messages, or in shared memory.)
+    # direct messages, or in shared memory: through slots, or from shards that live there.)
     names = ("all_gather_into_tensor", "all_gather_pairwise", "reduce_scatter_tensor")
     names += ("all_to_all_single", "start_reduce_scatter", "start_all_gather")
-    places = [comm] * 4 + [SharedMemoryCollectives] * 2
+    names += ("start_gather_resident",)  # (stage 3's shards, read where they lie)
+    places = [comm] * 4 + [SharedMemoryCollectives] * 3
     ops = ("all_gather", "all_gather", "reduce_scatter", "all_to_all", "reduce_scatter")
-    ops += ("all_gather",)
+    ops += ("all_gather", "all_gather")
     starts = [getattr(place, name) for place, name in zip(places, names, strict=True)]
     for place, name, start, op in zip(places, names, starts, ops, strict=True):
         setattr(place, name, observed(start, op))

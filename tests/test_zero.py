@@ -150,7 +150,12 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
             # `StagedGradients`, stage 1 in the full buffers it keeps), else exchanged (an
             # all-to-all of the slices, faster there than gloo's reduce-scatter) ...
             scatter = "reduce_scatter" if shared_memory.supported() else "all_to_all"
-            assert set(by_op) == {scatter, "all_gather"}
+            # (stage 3 on one host: its ranks meet once a forward before reading each other's
+            # shards where they lie, a barrier of no bytes)
+            met = stage == 3 and shared_memory.supported()
+            assert set(by_op) == {scatter, "all_gather"} | ({"barrier"} if met else set())
+            if met:
+                assert (by_op["barrier"].calls, by_op["barrier"].bytes) == (1, 0)
             assert by_op[scatter].bytes == sum(4 * (n - 1) * p // n for p in padded)
             assert by_op[scatter].calls == len(padded)
             # ... and all-gathers of its parameters: once after the step (stages 1/2), or
@@ -173,7 +178,9 @@ def test_comm_bytes_equal_the_zero_formulas(world_size):
             assert by_op["all_gather"].bytes == volume
             assert by_op["all_gather"].calls == sum(gathers)
             # (on one host, gathered through shared memory: no gather through gloo's sockets)
-            if shared_memory.supported():
+            if met:  # (stage 3's shards live there: read where each rank's lies)
+                assert sent == {"reduce_scatter_shared", "all_gather_resident", "barrier_shared"}
+            elif shared_memory.supported():
                 assert sent == {"reduce_scatter_shared", "all_gather_shared"}, sent
 
 

@@ -50,7 +50,8 @@ def bare_collectives(calls: list[Call]) -> Callable[[], None]:
     buffers made once, each waited for before the next (the world group: the benchmarks'
     strategies span it). Sums through shared memory go through one group and thread for the
     whole step, as a strategy's do."""
-    shared = any(call.op.endswith("_shared") for call in calls)  # (the same on every rank)
+    # (the same on every rank)
+    shared = any(call.op.endswith(("_shared", "_resident")) for call in calls)
     summing = SharedMemoryCollectives() if shared else None
     world = dist.get_world_size()
     gathered = [_nbytes(call) // world for call in calls if call.op == "all_gather_shared"]
@@ -81,6 +82,11 @@ def _bare(call: Call, summing: SharedMemoryCollectives | None) -> Callable[[], N
     if call.op == "all_gather_shared":  # (ZeRO's, where every rank is on one host's CPU)
         shard = torch.zeros(tensor.numel() // world, dtype=dtype)
         return lambda: summing.start_all_gather(tensor.view(-1), shard).wait()
+    if call.op == "all_gather_resident":  # (ZeRO-3's shards, where they lie in shared memory)
+        shard = summing.new_buffer(tensor.numel() // world, dtype, tensor.device)
+        return lambda: summing.start_gather_resident(tensor.view(-1), shard).wait()
+    if call.op == "barrier_shared":  # (ZeRO-3's meeting before its gathers read the shards)
+        return lambda: summing.start_meeting().wait()
     if call.op == "broadcast":
         return lambda: dist.broadcast(tensor, src=0)
     if call.op == "all_gather":  # (recorded: the gathered output)

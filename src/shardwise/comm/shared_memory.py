@@ -203,10 +203,12 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         mapped = self._map_shared(str(index), numel * dtype.itemsize)
         if mapped is None:
             return torch.zeros(numel, dtype=dtype, device=device)
-        mine = torch.from_numpy(mapped[self.rank]).view(dtype)
-        mapped[self.rank] = None
+        array, mapped[self.rank] = mapped[self.rank], None
+        mine = torch.from_numpy(array).view(dtype)
         self._peers[mine.data_ptr()] = mapped
-        weakref.finalize(mine, self._peers.pop, mine.data_ptr(), None)
+        # Forgotten with the memory (the array lives as long as any tensor on its storage does),
+        # not with this tensor: a parameter made of it is another tensor object.
+        weakref.finalize(array, self._peers.pop, mine.data_ptr(), None)
         return mine
 
     def _peers_of(self, buffer: torch.Tensor) -> list[np.ndarray | None] | None:
@@ -324,15 +326,23 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         call = partial(self._sum_slices, full, out)
         return self._post("reduce_scatter", volume, call, full, here)
 
-    def _post(self, op: str, volume: int, call: partial, tensor: torch.Tensor, here: bool):
+    def _post(
+        self,
+        op: str,
+        volume: int,
+        call: partial,
+        tensor: torch.Tensor | None,
+        here: bool,
+        recorded: str | None = None,
+    ):
         """Run `call` (collective `op`) on the thread, or `here`: on the calling thread once the
         thread's earlier calls are done (every rank issues in one order), for a caller that
         would wait for it next. A hand-off to the thread and back costs more than it overlaps
         then: up to 1.8 ms a step for DDP's one all-reduce (`ThreadedAllReduce.start_last`).
         Recorded as issued, not on the thread: its place among this rank's other calls is
         then the same on every rank (the bench floor replays a step's calls in their recorded
-        order)."""
-        recorded = f"{op}_shared"
+        order). `recorded`: its name there (default: `op`, then "_shared")."""
+        recorded = recorded or f"{op}_shared"
         if here:
             here_call = partial(self._here, call)
             return _issue(op, volume, here_call, False, self.group, tensor, recorded, blocking=True)
@@ -396,3 +406,44 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
                 continue  # (the shard is this rank's place in the output already)
             source = mine if peer is None else torch.from_numpy(peer[:nbytes])
             places[k].view(torch.uint8).copy_(source)
+
+    # ---- shards that live in shared memory: read where they lie
+    def resident(self, output: torch.Tensor, shard: torch.Tensor) -> bool:
+        """Whether `start_gather_resident` takes these: `shard` a whole buffer of `new_buffer`'s
+        (so every rank's lies in shared memory), `output` N of them, of its dtype."""
+        return (
+            self._peers_of(shard) is not None
+            and output.dtype == shard.dtype
+            and output.device.type == "cpu"
+            and output.is_contiguous()
+            and output.numel() == shard.numel() * self.size
+        )
+
+    def start_meeting(self, here: bool = False) -> Handle:
+        """Every rank arrives, and none goes on before: whatever a rank wrote into its buffers
+        before arriving is what the others read after (`start_gather_resident`)."""
+        call = partial(self.arrivals.wait, "shared-memory meeting")
+        return self._post("barrier", 0, call, None, here, recorded="barrier_shared")
+
+    def start_gather_resident(
+        self, output: torch.Tensor, shard: torch.Tensor, here: bool = False
+    ) -> Handle:
+        """`output` becomes every rank's `shard`, in rank order, copied from where each lies: no
+        slot to fill first, and no rank waits for another. Only the caller knows when a shard
+        changes: between a change and a peer's gather of it, the ranks meet (`start_meeting`).
+        ZeRO-3 meets once a forward, where it gathered once a unit (its shards change only in
+        the optimizer's step, which no rank begins before every rank's backward is reduced)."""
+        if not self.resident(output, shard):
+            raise ValueError(
+                f"shared-memory gather: {tuple(shard.shape)} {shard.dtype} is not a buffer it "
+                f"placed, or output {output.dtype} {tuple(output.shape)} does not hold "
+                f"{self.size} of them"
+            )
+        volume = native_volume("all_gather", output.numel() * output.element_size(), self.size)
+        call = partial(self._gather_resident, output, shard)
+        return self._post("all_gather", volume, call, output, here, "all_gather_resident")
+
+    def _gather_resident(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        places = output.view(self.size, -1)
+        for k, peer in enumerate(self._peers[shard.data_ptr()]):
+            places[k].copy_(shard if peer is None else torch.from_numpy(peer).view(shard.dtype))

@@ -143,9 +143,10 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     k = shard_size(job, s)
     ranks = k if k < job.world_size else None
     # Over the whole world of one host's CPU ranks, units are gathered through shared memory,
-    # each rank's slice through one of two slots the size of the largest; and gradients are
-    # reduced there (no codec): stage 1's in the full buffers it keeps, stages 2/3's in
-    # staging buffers the size of the largest unit. All are made with the model.
+    # each rank's slice through one of two slots the size of the largest (stage 3: from the
+    # shards where they lie); and gradients are reduced there (no codec): stage 1's in the
+    # full buffers it keeps, stages 2/3's in staging buffers the size of the largest unit. All
+    # are made with the model.
     compute = HALF.get(s.mixed_precision, FP32)
     shared = job.shared_cores and k > 1 and ranks is None and shared_memory.supported()
     staged = shared and emulation.exchanges
@@ -155,7 +156,9 @@ def zero_costs(job: CostJob, s: StrategySection) -> Costs:
     slots = staging_buffers(s.stage, bool(units.rest), len(units.shards), largest * k, budget)
     emulation.staged_slots = slots if staged and s.stage >= 2 else 0
     emulation.in_place = staged and s.stage == 1
-    staging = (emulation.staged_slots * k + SharedMemoryCollectives.SLOTS * shared) * largest
+    # (stage 3's shards, without fp32 masters, live in shared memory: gathered from there)
+    slotted = shared and not (s.stage == 3 and not fp32_masters)
+    staging = (emulation.staged_slots * k + SharedMemoryCollectives.SLOTS * slotted) * largest
     costs.peak = step_peak(
         job,
         memory,

@@ -12,11 +12,15 @@ gradients overflowed on any rank is skipped while the scale backs off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from shardwise.nn.mixed_precision import LossScaler, compute_dtype, install_casts
 from shardwise.strategies.zero.units import FlatUnit
+
+Place = Callable[[int, torch.dtype, torch.device], torch.Tensor]  # a buffer's maker
 
 
 class ShardViews:
@@ -25,10 +29,16 @@ class ShardViews:
     def __init__(self, dtype: torch.dtype) -> None:
         self.compute_dtype = dtype
 
-    def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
+    def make_shard(self, unit: FlatUnit, view: bool, place: Place | None = None) -> nn.Parameter:
+        """`place`: what makes the zeroed buffer a shard that is no view is copied into (its
+        numel, dtype, device), where not any tensor (stage 3's, in shared memory)."""
         own = unit.own_values()
-        # (values read from a source are this rank's alone already: no copy)
-        return nn.Parameter(own if view or unit.initial is not None else own.clone())
+        # (values read from a source are this rank's alone already, and placed: no copy)
+        if view or unit.initial is not None:
+            return nn.Parameter(own)
+        if place is None:
+            return nn.Parameter(own.clone())
+        return nn.Parameter(place(own.numel(), own.dtype, own.device).copy_(own))
 
     def take_grad(self, unit: FlatUnit, shard: nn.Parameter, keep_full: bool) -> None:
         """The reduced slice becomes the shard's gradient."""
@@ -69,7 +79,8 @@ class FP32Masters:
         self.device = device
         self.scaler = LossScaler(scaler_device) if mixed_precision == "fp16" else None
 
-    def make_shard(self, unit: FlatUnit, view: bool) -> nn.Parameter:
+    def make_shard(self, unit: FlatUnit, view: bool, place: Place | None = None) -> nn.Parameter:
+        # (never placed: a master is not what the ranks gather)
         if self.mixed:
             master = unit.master_init
         else:  # (values read from a source are this rank's alone already: no copy)

@@ -54,7 +54,7 @@ from shardwise.strategies.grad_buckets import (
     shares_cores,
 )
 from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
-from shardwise.strategies.zero.masters import FP32Masters, ShardViews
+from shardwise.strategies.zero.masters import FP32Masters, Place, ShardViews
 from shardwise.strategies.zero.units import FlatUnit
 
 
@@ -95,6 +95,13 @@ class ZeroStage1(DistributedModel):
         self.gathers_by_messages = one_host_cpu
         self.shared: SharedMemoryCollectives | None = None
         self.disk_step: DiskOffloadedStep | None = None
+        n = self.groups.shard_size
+        whole_world = runtime.group is None and n == runtime.world_size > 1
+        if one_host_cpu and whole_world and shared_memory.supported():
+            # Every rank a process of this host's CPU: units gathered (and, without a codec,
+            # gradients reduced) through shared memory, no byte through a socket.
+            self.shared = SharedMemoryCollectives(runtime.timeout)
+        place = self.place_shards()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.units = [
@@ -102,18 +109,21 @@ class ZeroStage1(DistributedModel):
                 *(params, *shard_over, masters.compute_dtype, self.groups.shard),
                 all_gather=self.all_gather,
                 source=None if source is None else (source, [self.names[p] for p in params]),
+                place=place,
             )
             for params in self.unit_params([p for _, p in named], bucket_bytes)
         ]
         self.unit_of = {p: u for u in self.units for p in u.params}
-        self.shards = [masters.make_shard(u, view=self.shard_is_view) for u in self.units]
-        n = self.groups.shard_size
-        whole_world = runtime.group is None and n == runtime.world_size > 1
-        if one_host_cpu and whole_world and shared_memory.supported():
-            # Every rank a process of this host's CPU: units gathered (and, without a codec,
-            # gradients reduced) through shared memory, no byte through a socket. The gather
-            # slots hold the largest unit's slice in the compute dtype (what the ranks gather).
-            self.shared = SharedMemoryCollectives(runtime.timeout)
+        self.shards = [masters.make_shard(u, self.shard_is_view, place) for u in self.units]
+        # (stage 3's shards where `place` made them: gathered from there, in no slot)
+        self.resident_shards = (
+            place is not None
+            and self.shared is not None
+            and all(map(self.shared.resident, [u.full for u in self.units], self.shards))
+        )
+        if self.shared is not None and not self.resident_shards:
+            # The gather slots hold the largest unit's slice in the compute dtype (what the
+            # ranks gather).
             largest = max(u.shard_numel for u in self.units)
             self.shared.reserve_gathers(largest * masters.compute_dtype.itemsize)
         for u in self.units:
@@ -148,6 +158,10 @@ class ZeroStage1(DistributedModel):
             codec.describe(key, shapes)
         return codec
 
+    def place_shards(self) -> Place | None:
+        """Where the shards are made, where not as any tensor (stage 3: `ZeroStage3`)."""
+        return None
+
     def unit_params(self, params: list[nn.Parameter], bucket_bytes: int) -> list[list]:
         """Which parameters share a unit: buckets by size, in reverse registration order."""
         return assign_buckets(params, bucket_bytes)
@@ -162,6 +176,8 @@ class ZeroStage1(DistributedModel):
         """A unit's all-gather (`output` from every rank's `shard`): in shared memory where it
         can (`shared`), by direct messages where gloo's ranks share a host, else the
         backend's. (The same choice on every rank: it depends on sizes and placement alone.)"""
+        if self.shared is not None and self.shared.resident(output, shard):  # (stage 3's)
+            return self.shared.start_gather_resident(output, shard, here=not async_op)
         if self.shared is not None and self.shared.gathers(output, shard):
             return self.shared.start_all_gather(output, shard, here=not async_op)
         if self.gathers_by_messages:

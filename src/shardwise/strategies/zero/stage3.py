@@ -39,7 +39,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from shardwise import comm
 from shardwise.strategies.zero.freed import disown, own
+from shardwise.strategies.zero.masters import Place, ShardViews
 from shardwise.strategies.zero.stage2 import ZeroStage2
 from shardwise.strategies.zero.units import FlatUnit
 
@@ -172,6 +174,10 @@ class ZeroStage3(ZeroStage2):
     def prepare_units(self) -> None:
         super().prepare_units()
         self.grads_in: dict[FlatUnit, set[nn.Parameter]] = {}  # inside no_sync(): per unit
+        self.meeting: comm.Handle | None = None  # the ranks' meeting before this forward's reads
+        self.met = False  # (in this forward)
+        if self.resident_shards:  # (first of the model's own hooks: before any gather)
+            self.hooks.append(self.module.register_forward_pre_hook(self._shards_may_differ))
         offset = 1 if self.rest else 0
         module_names = {m: n for n, m in self.module.named_modules()}
         unit_names = ["(root)"] * offset + [module_names[m] for m in self.unit_modules]
@@ -197,6 +203,21 @@ class ZeroStage3(ZeroStage2):
         for u in self.units:
             u.free()
 
+    def place_shards(self) -> Place | None:
+        """Where units are gathered through shared memory and the ranks gather the shards as
+        they are (no fp32 masters, whose compute copy they gather instead), each shard is made
+        there: a rank's gather then reads every peer's where it lies, with no slot to fill and
+        no wait, once the ranks have met after their last steps (`_shards_may_differ`). The
+        bench GPT's forward met five times a step (a gather a unit), and now meets once."""
+        if self.shared is None or not isinstance(self.masters, ShardViews):
+            return None
+        return self.shared.new_buffer
+
+    def _shards_may_differ(self, *_) -> None:
+        """A forward begins: the ranks' shards may have changed since they last met (a step, a
+        load), so its first gather has them meet first."""
+        self.met = False
+
     def _gather(self, i: int, direction: int = 1) -> None:
         """Unit `i` gathered, the next one's gather (in `direction`) started first."""
         self._start_gather(i)
@@ -204,6 +225,12 @@ class ZeroStage3(ZeroStage2):
         if 0 <= nxt < len(self.units):
             self._start_gather(nxt)
         self.units[i].wait_gather()
+        self._wait_meeting()
+
+    def _wait_meeting(self) -> None:
+        if self.meeting is not None:  # (done: a gather behind it on the thread is)
+            self.meeting.wait()
+            self.meeting = None
 
     def _gather_kept(self, *_) -> None:
         """As a forward with backward to come begins: every kept unit's gather started, in
@@ -225,6 +252,9 @@ class ZeroStage3(ZeroStage2):
         # of the full buffer here, unlike stages 1/2); else its compute copy. (A shard group of
         # one: the shard is the whole, cast into the full buffer directly.)
         shard = self.shards[i]
+        if self.resident_shards and not self.met:
+            self._wait_meeting()  # (a forward's whose gathers were never waited for)
+            self.meeting, self.met = self.shared.start_meeting(), True
         ready = shard.dtype == unit.full.dtype and shard.device == unit.full.device
         one = self.groups.shard_size == 1
         unit.start_gather(shard if ready or one else self._compute_copy(shard))
@@ -263,6 +293,7 @@ class ZeroStage3(ZeroStage2):
             unit.wait_gather()
             if unit.is_gathered():
                 unit.free()
+        self._wait_meeting()
 
     def take_full_params(self, unit: FlatUnit, full: torch.Tensor) -> None:
         pass  # the shard is the only copy: nothing else to update

@@ -30,11 +30,13 @@ class FlatUnit:
         group: comm.ProcessGroup | None,
         all_gather: Callable[..., comm.Handle],
         source: tuple[ParameterSource, list[str]] | None = None,
+        place: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
     ) -> None:
         """`source`: (where the values are, the parameters' names) for parameters that hold
         no values yet (`nn/meta_init.py`): only this rank's slice is read, and the full buffer
         starts freed (stage 3). `all_gather`: the collective that gathers the full buffer from
-        the slices (`ZeroStage1.all_gather`)."""
+        the slices (`ZeroStage1.all_gather`). `place`: what makes the zeroed buffer that slice
+        is read into (its numel, dtype, device), where not any tensor."""
         assert len({p.dtype for p in params}) == 1, "a unit holds one dtype"
         self.params, self.rank, self.world_size, self.group = params, rank, world_size, group
         self.all_gather = all_gather
@@ -57,7 +59,8 @@ class FlatUnit:
                 dtype
             )  # the compute copy (the same tensor without mixed precision)
         else:
-            self.initial = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=device)
+            make = place or (lambda n, dtype, device: torch.zeros(n, dtype=dtype, device=device))
+            self.initial = make(self.shard_numel, params[0].dtype, device)
             start = rank * self.shard_numel
             for offset, values in read_range(*source, self.numels, start, start + self.shard_numel):
                 self.initial[offset : offset + values.numel()].copy_(values)
