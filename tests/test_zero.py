@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.bench.floor import calls_of
+from shardwise.bench.floor import bare_collectives, calls_of
 from shardwise.comm import shared_memory
 from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from shardwise.observe.memory import model_state_bytes
@@ -134,8 +134,10 @@ def bytes_per_step():
             opt.step()
             opt.zero_grad()
 
-        sent = {call.op for call in calls_of(step)}  # (how each went: the recorder's names)
+        calls = calls_of(step)
+        sent = {call.op for call in calls}  # (how each went: the recorder's names)
         out[stage, keep_mb] = (sw.comm.stats.end_step().by_op, padded, root, sent)
+        bare_collectives(calls)()  # (what a bench's floor replays: every call it recorded)
         model.close()
     return out
 
@@ -247,8 +249,6 @@ def pairwise_gathers() -> dict:
     different sizes in flight at once on each half of the world, a gloo all-to-all on the same
     group between their issue and their wait; then one on the whole world, replayed bare as a
     bench floor replays a step's collectives."""
-    from shardwise.bench.floor import bare_collectives
-
     rank = dist.get_rank()
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank makes both)
     group = halves[rank // 2]

@@ -67,7 +67,11 @@ def bare_collectives(calls: list[Call]) -> Callable[[], None]:
 
 
 def _bare(call: Call, summing: SharedMemoryCollectives | None) -> Callable[[], None]:
-    dtype = getattr(torch, call.dtype)
+    if call.op == "barrier":
+        return dist.barrier
+    if call.op == "barrier_shared":  # (ZeRO-3's meeting before its gathers read the shards)
+        return lambda: summing.start_meeting().wait()
+    dtype = getattr(torch, call.dtype)  # (a call with a tensor, from here on)
     tensor = torch.zeros(call.shape, dtype=dtype)
     world = dist.get_world_size()
     if call.op == "all_reduce":
@@ -85,8 +89,6 @@ def _bare(call: Call, summing: SharedMemoryCollectives | None) -> Callable[[], N
     if call.op == "all_gather_resident":  # (ZeRO-3's shards, where they lie in shared memory)
         shard = summing.new_buffer(tensor.numel() // world, dtype, tensor.device)
         return lambda: summing.start_gather_resident(tensor.view(-1), shard).wait()
-    if call.op == "barrier_shared":  # (ZeRO-3's meeting before its gathers read the shards)
-        return lambda: summing.start_meeting().wait()
     if call.op == "broadcast":
         return lambda: dist.broadcast(tensor, src=0)
     if call.op == "all_gather":  # (recorded: the gathered output)
@@ -101,8 +103,6 @@ def _bare(call: Call, summing: SharedMemoryCollectives | None) -> Callable[[], N
     if call.op == "all_to_all":
         received = torch.empty_like(tensor)
         return lambda: dist.all_to_all_single(received, tensor)
-    if call.op == "barrier":
-        return dist.barrier
     raise ValueError(f"no bare replay of {call.describe()}: the floor covers collectives only")
 
 
