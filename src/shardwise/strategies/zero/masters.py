@@ -12,15 +12,11 @@ gradients overflowed on any rank is skipped while the scale backs off.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from shardwise.nn.mixed_precision import LossScaler, compute_dtype, install_casts
-from shardwise.strategies.zero.units import FlatUnit
-
-Place = Callable[[int, torch.dtype, torch.device], torch.Tensor]  # a buffer's maker
+from shardwise.strategies.zero.units import FlatUnit, Place
 
 
 class ShardViews:

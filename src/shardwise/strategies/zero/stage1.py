@@ -54,8 +54,8 @@ from shardwise.strategies.grad_buckets import (
     shares_cores,
 )
 from shardwise.strategies.offload import DiskOffloadedStep, DiskStore
-from shardwise.strategies.zero.masters import FP32Masters, Place, ShardViews
-from shardwise.strategies.zero.units import FlatUnit
+from shardwise.strategies.zero.masters import FP32Masters, ShardViews
+from shardwise.strategies.zero.units import FlatUnit, Place
 
 
 class ZeroStage1(DistributedModel):

@@ -41,9 +41,9 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise import comm
 from shardwise.strategies.zero.freed import disown, own
-from shardwise.strategies.zero.masters import Place, ShardViews
+from shardwise.strategies.zero.masters import ShardViews
 from shardwise.strategies.zero.stage2 import ZeroStage2
-from shardwise.strategies.zero.units import FlatUnit
+from shardwise.strategies.zero.units import FlatUnit, Place
 
 # A module with under 1/SMALL_UNIT of the largest unit's trainable parameters is no unit of its
 # own: its parameters join the root unit, gathered for the whole step (FSDP's size-based

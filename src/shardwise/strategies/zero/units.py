@@ -17,6 +17,8 @@ from shardwise.comm.flat import flatten
 from shardwise.nn.meta_init import ParameterSource, read_range
 from shardwise.strategies.zero.freed import mark_freed, mark_gathered
 
+Place = Callable[[int, torch.dtype, torch.device], torch.Tensor]  # a zeroed buffer's maker
+
 
 class FlatUnit:
     """Some parameters flattened into one padded buffer; this rank owns one equal slice of it."""
@@ -30,7 +32,7 @@ class FlatUnit:
         group: comm.ProcessGroup | None,
         all_gather: Callable[..., comm.Handle],
         source: tuple[ParameterSource, list[str]] | None = None,
-        place: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+        place: Place | None = None,
     ) -> None:
         """`source`: (where the values are, the parameters' names) for parameters that hold
         no values yet (`nn/meta_init.py`): only this rank's slice is read, and the full buffer
