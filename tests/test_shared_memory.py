@@ -126,6 +126,34 @@ def test_a_mean_is_the_shared_sum_divided_by_the_group(world_size):
         assert "did not place" in refused
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_mean_divides_with_the_bits_of_a_division_for_every_world_size(dtype):
+    from shardwise.comm.mean import divide_, divide_into
+
+    g = torch.Generator().manual_seed(0)
+    tiny = torch.finfo(dtype).tiny
+    values = torch.cat(
+        [
+            torch.randn(100_000, generator=g) * 1e3,
+            torch.rand(1000, generator=g) * tiny * 4,  # subnormals, once divided
+            torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), tiny]),
+        ]
+    ).to(dtype)
+    for n in range(1, 9):
+        want = values / n
+        got = values.clone()
+        divide_(got, n)
+        into = torch.empty_like(values)
+        divide_into(values, n, into)
+        for have in (got, into):  # (NaN at the same places, every other bit equal)
+            assert torch.equal(have.isnan(), want.isnan()), n
+            assert torch.equal(_bits(have.nan_to_num(0.0)), _bits(want.nan_to_num(0.0))), n
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
 def _refusals(start, *cases: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
     """What `start` says to each pair of tensors it should refuse ("" where it did not)."""
     refused = []

@@ -42,6 +42,7 @@ from shardwise.comm import interrupt
 from shardwise.comm.accounting import native_volume
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
 from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_reduce
+from shardwise.comm.mean import divide_
 
 CPU = torch.device("cpu")
 SHARED_MEMORY = Path("/dev/shm")  # (Linux's memory-backed file system)
@@ -256,7 +257,7 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             for chunk in theirs:
                 block.add_(chunk[start : start + step])
             if mean:  # (the rounding of dividing the sum, as NCCL's AVG)
-                block.div_(self.size)
+                divide_(block, self.size)
             for chunk in theirs:  # (its contribution, read above and by no one else)
                 chunk[start : start + step].copy_(block)
         self.arrivals.wait()  # every chunk is in every buffer: each rank's own again

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.mean import divide_, divide_into
 from shardwise.distributed.runtime import Runtime
 
 
@@ -79,7 +80,7 @@ class BatchShare:
         if weight is None and self.runtime.world_size == 1:
             return  # (dividing by one: the same bits, a pass over the gradients saved)
         if weight is None:
-            grad.div_(self.runtime.world_size)  # equal after all: the same rounding as ever
+            divide_(grad, self.runtime.world_size)  # equal after all: the same rounding as ever
         else:
             grad.mul_(weight)
 
@@ -90,7 +91,7 @@ class BatchShare:
         if weight is None and self.runtime.world_size == 1:
             out.copy_(grad)
         elif weight is None:
-            torch.div(grad, self.runtime.world_size, out=out)
+            divide_into(grad, self.runtime.world_size, out)
         else:
             torch.mul(grad, weight, out=out)
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.flat import flatten, unflatten
+from shardwise.comm.mean import divide_
 from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import DistributedModel, Strategy
 from shardwise.strategies.ddp import broadcast_module_state
@@ -54,7 +55,7 @@ def average_params(
     if weight is None:
         mean = local.clone()
         comm.all_reduce(mean, group=runtime.group)
-        mean.div_(runtime.world_size)
+        divide_(mean, runtime.world_size)
     else:
         packed = torch.cat([local * weight, local.new_tensor([weight])])
         comm.all_reduce(packed, group=runtime.group)
@@ -66,7 +67,7 @@ def average_grads(model: nn.Module, runtime: Runtime) -> None:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = flatten(grads)
     comm.all_reduce(flat, group=runtime.group)
-    flat.div_(runtime.world_size)
+    divide_(flat, runtime.world_size)
     for g, value in zip(grads, unflatten(flat, grads), strict=True):
         g.copy_(value)
 
@@ -105,7 +106,7 @@ class RelaxedModel(DistributedModel):
         for value in state.values():
             if value.is_floating_point():
                 comm.all_reduce(value, group=self.runtime.group)
-                value.div_(self.runtime.world_size)
+                divide_(value, self.runtime.world_size)
         return state
 
 
