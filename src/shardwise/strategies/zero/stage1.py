@@ -176,7 +176,9 @@ class ZeroStage1(DistributedModel):
         """A unit's all-gather (`output` from every rank's `shard`): in shared memory where it
         can (`shared`), by direct messages where gloo's ranks share a host, else the
         backend's. (The same choice on every rank: it depends on sizes and placement alone.)"""
-        if self.shared is not None and self.shared.resident(output, shard):  # (stage 3's)
+        # (stage 3's shards, read where they lie: only where every shard lies there, which is
+        # where stage 3 has the ranks meet before reading them)
+        if self.resident_shards and self.shared.resident(output, shard):
             return self.shared.start_gather_resident(output, shard, here=not async_op)
         if self.shared is not None and self.shared.gathers(output, shard):
             return self.shared.start_all_gather(output, shard, here=not async_op)
