@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -318,6 +319,68 @@ def test_a_shard_in_shared_memory_is_read_where_it_lies_once_the_ranks_have_met(
     for placed, exact, refused in run(reads_each_shard_where_it_lies, world_size):
         assert placed and exact
         assert all("is not a buffer it placed" in e for e in refused), refused
+
+
+def sums_what_each_rank_has_written():
+    """Each round one rank (the late one) writes its buffer a piece at a time, in a shuffled
+    order of spans that cross blocks, telling each (`written`), then starts; the others start
+    at once. Their sum must wait for what the late rank has not written (which stays as it
+    was), and may take what it has: before the late rank starts, the blocks it wrote whole
+    hold the sum."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    summing = SharedMemoryAllReduce(timeout=timedelta(seconds=30))
+    block = shared_memory.SUM_BLOCK_BYTES // 4
+    numel = 5 * block + 123
+    shared = summing.new_buffer(numel, torch.float32, CPU)
+    cuts = [0, 700, block + 5, 2 * block, 3 * block + 17, 4 * block]
+    spans = list(itertools.pairwise(cuts))
+    exact, untouched, summed_early = True, True, True
+    for late in range(world):
+        mean = late % 2 == 1
+        g = torch.Generator().manual_seed(10 * late + rank)
+        mine = torch.randn(numel, generator=g)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        expected = every[0] + every[1]  # (the sum in rank order, as every rank makes it)
+        for more in every[2:]:
+            expected += more
+        if mean:
+            expected /= world
+        if rank != late:
+            shared.copy_(mine)
+        dist.barrier()
+        if rank == late:
+            shared.zero_()
+            order = [spans[i] for i in torch.randperm(len(spans), generator=g).tolist()]
+            written = torch.zeros(numel, dtype=torch.bool)
+            for a, b in order:
+                shared[a:b] = mine[a:b]
+                time.sleep(0.02)  # (the others have started: what is not written stays so)
+                written[a:b] = True
+                untouched &= not shared[~written].any().item()
+                summing.written(shared, a, b)
+            # Blocks 0-3 are written whole, the last two not yet: the others sum the four.
+            deadline = time.monotonic() + 20
+            while not torch.equal(shared[: 4 * block], expected[: 4 * block]):
+                if time.monotonic() > deadline:
+                    summed_early = False
+                    break
+                time.sleep(0.01)
+            untouched &= not shared[4 * block :].any().item()
+            shared[4 * block :] = mine[4 * block :]
+        handle = summing.start_last(shared, mean=True) if mean else summing.start(shared)
+        handle.wait()
+        exact &= torch.equal(shared, expected)
+    summing.close()
+    return exact, untouched, summed_early
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_done_early_sum_what_the_others_have_written_and_only_that(world_size):
+    for exact, untouched, summed_early in run(sums_what_each_rank_has_written, world_size):
+        assert exact
+        assert untouched
+        assert summed_early
 
 
 def plain_buffer_and_disagreement():

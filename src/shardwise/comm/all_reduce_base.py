@@ -36,6 +36,12 @@ class AllReduceAlgorithm:
     def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
         """`buffer` holds tensors of `shapes`, in order."""
 
+    def written(self, buffer: torch.Tensor, start: int, stop: int) -> None:
+        """Elements [start, stop) of `buffer` (one of `new_buffer`'s) hold their part of its
+        next reduction, and nothing changes them before it: an algorithm may begin there before
+        the whole buffer is started (`SharedMemoryAllReduce`: a rank done early sums what its
+        peers have made already)."""
+
     def start(self, buffer: torch.Tensor) -> Handle:
         raise NotImplementedError
 

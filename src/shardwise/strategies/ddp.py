@@ -169,6 +169,12 @@ class GradientReducer:
 
     def _index_slots(self) -> None:
         self.view_of = {p: v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
+        self.span_of: dict[nn.Parameter, tuple[Bucket, int, int]] = {}
+        for b in self.buckets:
+            start = 0
+            for p in b.params:
+                self.span_of[p] = (b, start, start + p.numel())
+                start += p.numel()
 
     def _weighs(self, bucket: Bucket) -> bool:
         """Whether `bucket`'s gradients are weighed before its all-reduce, which otherwise
@@ -179,15 +185,19 @@ class GradientReducer:
         if self.arrival is not None:
             self.arrival.append(p)
         view, grad = self.view_of[p], p.grad
-        weigh = self.backward.enabled and self._weighs(self.buckets[self.backward.bucket_of[p]])
+        bucket, start, stop = self.span_of[p]
+        weigh = self.backward.enabled and self._weighs(bucket)
         if grad.data_ptr() == view.data_ptr():
             if p in self.written_in_slot:  # a fresh gradient its Linear layer wrote in place
                 self.written_in_slot.discard(p)
                 self.weighing.weigh_in_place(p, view, weigh)
-            return  # else accumulated in place (no_sync, or zero_grad(set_to_none=False))
-        self.written_in_slot.discard(p)  # (summed with another use's: a fresh tensor)
-        self.weighing.move_in(p, view, weigh)  # a fresh gradient
-        p.grad = view
+            # else accumulated in place (no_sync, or zero_grad(set_to_none=False))
+        else:
+            self.written_in_slot.discard(p)  # (summed with another use's: a fresh tensor)
+            self.weighing.move_in(p, view, weigh)  # a fresh gradient
+            p.grad = view
+        if self.backward.enabled and not weigh:  # (final: nothing weighs it at the launch)
+            self.all_reduce.written(bucket.buffer, start, stop)
 
     def claim_slot(self, weight: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
         """`weight`'s bucket slot, for its Linear layer to write the fresh gradient into
