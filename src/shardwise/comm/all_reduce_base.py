@@ -99,6 +99,10 @@ class CommThread:
         self._last = future
         return future
 
+    def running_here(self) -> bool:
+        """Whether the caller is this thread."""
+        return threading.current_thread() is self._thread
+
     def finish(self) -> None:
         """Wait until every call submitted so far has run (raising the last one's error)."""
         if self._last is not None:

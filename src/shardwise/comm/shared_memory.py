@@ -59,7 +59,11 @@ LINE = 64  # bytes: a counter's file (a page apart from the others': no contenti
 # 2.4-4.1 ms in DDP and 0.9-4.2 in ZeRO-3 (three A/B runs each, 30-60 interleaved steps; the
 # MLP's: no difference): its rank's core went to polling while the other rank computed.
 FIRST_PAUSE_S, PAUSE_S = 5e-5, 0.001
-WRITTEN_PAUSE_S = 1e-4  # (see `Progress`)
+# A rank that waits on its own thread for blocks its peers have yet to write (`_claim`) polls
+# at least this often: its core has nothing else to do, and a peer that finds nothing left to
+# claim waits for it to arrive. On the communication thread it pauses as an arrival does,
+# leaving the core to the training thread's backward.
+WRITTEN_PAUSE_S = 1e-4
 CHECK_S = 0.05  # and every this long asks whether a missing peer's process ended
 MEAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # A rank sums, divides and hands on its chunk this many bytes at a time, each block's passes
@@ -396,7 +400,8 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             share = max(1, (end - k) // (2 * self.size))
             ready = progress.ready_run(b, share, n)
             if not ready:  # (what no rank can sum yet: none holds it meanwhile)
-                self.arrivals.until(partial(progress.unwritten, b, n), longest=WRITTEN_PAUSE_S)
+                pause = PAUSE_S if self._thread.running_here() else WRITTEN_PAUSE_S
+                self.arrivals.until(partial(progress.unwritten, b, n), longest=pause)
                 continue
             while True:  # (held for a read and a write: spin, not sleep, for it)
                 try:
