@@ -222,3 +222,47 @@ def test_only_weights_of_min_bytes_or_more_write_into_their_slot():
     assert torch.equal(model(x), large(small(x)))
     linears.remove()
     assert "forward" not in vars(large)
+
+
+def _odd_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 601), nn.Tanh(), nn.Linear(601, 3))
+
+
+def _odd_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4 * world, 1024, generator=g), torch.randint(0, 3, (4 * world,), generator=g)
+
+
+def odd_sizes_training():
+    """DDP on a model whose 2.46 MB weight follows gradients of 3, 1803 and 601 floats in its
+    bucket: where each gradient lies after backward, and the weights after three steps."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, opt = sw.prepare(_odd_model(), sw.DDP(), optimizer=torch.optim.SGD, lr=0.1, momentum=0.9)
+    first, _, last = model.module
+    for step in range(3):
+        x, y = _odd_batch(step, world)
+        F.cross_entropy(model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
+        at = {
+            "large": first.weight.grad.data_ptr(),
+            "small": [last.bias.grad.data_ptr(), last.weight.grad.data_ptr()],
+        }
+        opt.step()
+        opt.zero_grad()
+    return sw.full_state_dict(model), at
+
+
+def test_a_large_gradient_starts_on_a_cache_line_and_small_ones_stay_packed():
+    reference = _odd_model()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = _odd_batch(step, 2)
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for state, at in run(odd_sizes_training, 2):
+        assert at["large"] % 64 == 0  # (packed, it would start 9,628 bytes in: 28 past a line)
+        bias, weight = at["small"]
+        assert weight == bias + 3 * 4  # the bias's 3 floats, then the weight: no gap
+        worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+        assert worst <= 1e-6
