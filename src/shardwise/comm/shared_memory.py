@@ -10,9 +10,10 @@ buffer lives in a shared-memory file that every rank of the group maps, cut into
    (`Progress`): all of them when it starts the all-reduce, or earlier, block by block, as its
    strategy says they are written (`written`: DDP, as each gradient lands in its bucket);
 2. each rank claims blocks that every rank has stamped, a few at a time, until none is left;
-   for each it adds every rank's block, in rank order, into its own (and divides the sum by the
+   for each it adds every rank's block, in rank order, into rank 0's (and divides the sum by the
    group's size there, for `start_mean`: DDP's equal shares then need no pass of their own over
-   the gradients), then writes the sum over every other rank's block, which it alone read.
+   the gradients), then copies the sum over every other rank's block; the claim makes the
+   block, in every buffer, its alone to read and write.
    Each block's passes run while it is in cache. A rank that finished its backward first sums
    the gradients its peers made already while they compute the rest: on the bench MLP, the
    slowest rank's own part of the all-reduce fell from 2.6 ms where both ranks started
@@ -165,14 +166,6 @@ class Progress:
         self.sizes[-1] = numel - block * (self.blocks - 1)
         self.remaining = self.sizes.copy()  # (of this rank's blocks, for the next all-reduce)
         self.begun = 0  # all-reduces of the buffer begun
-        self._blocks: list[tuple[torch.Tensor, ...]] | None = None
-
-    def blocks_of(self, slots: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-        """Every rank's buffer (`slots`, in rank order) cut into blocks: made once, as a view
-        costs a microsecond (0.2 ms for the bench MLP's 2 x 89 at every all-reduce)."""
-        if self._blocks is None or self._blocks[0][0].dtype != slots[0].dtype:
-            self._blocks = [slot.split(self.block) for slot in slots]
-        return self._blocks
 
     @staticmethod
     def tail_bytes(numel: int, block: int) -> int:
@@ -265,7 +258,6 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             what = f"shared-memory {self.op.replace('_', '-')}"
             self.arrivals = Arrivals(counters, self.rank, pids.tolist(), timeout_s, what)
         self._lock = self._open_lock() if self.arrivals is not None else None
-        self._sums: torch.Tensor | None = None
 
     def _open_lock(self) -> int:
         """A file every rank of the group holds open, to lock (`Progress`'s claims)."""
@@ -365,26 +357,21 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         if self.size == 1:
             return  # (a sum over one rank is its own buffer; a mean divides it by one)
         first, end = (n - 1) * progress.blocks, n * progress.blocks
-        blocks = progress.blocks_of(slots)  # blocks[k][b]: rank k's block b
-        r = self.rank
+        step = progress.block
         while claimed := self._claim(progress, first, end, n):
             for b in range(*claimed):
-                each = [rank_blocks[b] for rank_blocks in blocks]
-                # The sum in rank order, whoever makes it (the bits of every run alike): into
-                # this rank's own block where that order allows (a + b is b + a), else aside.
-                if r < 2:
-                    summed = each[r]
-                    summed.add_(each[1 - r])
-                else:
-                    summed = self._scratch(each[0])
-                    torch.add(each[0], each[1], out=summed)
-                for more in each[2:]:
+                # (cut as claimed, and let go: a peer's memory held as a tensor between calls
+                # would count as this rank's, to `PeakMeter`'s scan of what is alive)
+                each = [slot[b * step : (b + 1) * step] for slot in slots]
+                # The sum in rank order, whoever makes it (the bits of every run alike), made in
+                # rank 0's block: the claim makes it this rank's to write, in every buffer.
+                summed = each[0]
+                for more in each[1:]:
                     summed.add_(more)
                 if mean:  # (the rounding of dividing the sum, as NCCL's AVG)
                     divide_(summed, self.size)
-                for k, block in enumerate(each):
-                    if k != r or r >= 2:
-                        block.copy_(summed)
+                for block in each[1:]:
+                    block.copy_(summed)
         self.arrivals.wait()  # every block is in every buffer: each rank's own again
 
     def _claim(self, progress: Progress, first: int, end: int, n: int) -> tuple[int, int] | None:
@@ -417,13 +404,6 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
             return b, b + ready
         return None
-
-    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """Where a rank past the first two makes a block's sum, then copies it to all."""
-        sums = self._sums
-        if sums is None or sums.numel() < like.numel() or sums.dtype != like.dtype:
-            self._sums = torch.empty(like.numel(), dtype=like.dtype)
-        return self._sums[: like.numel()]
 
     def close(self) -> None:
         super().close()
