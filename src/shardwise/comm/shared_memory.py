@@ -155,7 +155,9 @@ class Progress:
     its backward early sums the gradients its peers made already while they compute the rest
     (the blocks are claimed in the buffer's order, which DDP's buckets make backward's).
     The blocks' claims are counted in rank 0's file, under a lock (`flock`) every rank holds
-    for one read and write of the count: x86-64 has no atomic increment from Python."""
+    for one read and write of the count: x86-64 has no atomic increment from Python. The lock
+    keeps other processes out, not this rank's other threads: a rank runs its all-reduces one
+    at a time (its communication thread in order, and `start_last` after it)."""
 
     def __init__(self, tails: list[np.ndarray], rank: int, numel: int, block: int) -> None:
         self.block, self.blocks = block, -(-numel // block)
@@ -375,12 +377,12 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         self.arrivals.wait()  # every block is in every buffer: each rank's own again
 
     def _claim(self, progress: Progress, first: int, end: int, n: int) -> tuple[int, int] | None:
-        """The next blocks for this rank to sum in all-reduce `n` of `progress`'s buffer,
-        [start, stop) (its blocks are numbered `first` to `end` over the buffer's all-reduces):
-        only blocks every rank has written, so a rank never holds a claim it must wait on
-        while another could sum; None once every block is claimed. A claim takes a share of
-        what is left (half of an even share; one block at least): few turns of the lock, and
-        the ranks still finish together."""
+        """The next blocks of all-reduce `n` of `progress`'s buffer for this rank to sum,
+        (b, stop) (the claims count blocks over the buffer's all-reduces: this one's are
+        `first` to `end`): only blocks every rank has written, so a rank never holds a claim
+        it must wait on while another could sum; None once every block is claimed. A claim
+        takes a share of what is left (half of an even share; one block at least): few turns
+        of the lock, and the ranks still finish together."""
         claims = progress.claims
         while (k := int(claims[0])) < end:
             b = k - first
