@@ -49,27 +49,42 @@ class BatchShare:
         self.runtime = runtime
         self.local: int | None = None
         self.total: int | None = None
+        # Whether every rank's share is 1/replicas. Every rank must agree: one that weighs its
+        # gradient and one that leaves it to the all-reduce's mean (`uneven_weight`) would sum
+        # different things. A rank's own count cannot tell: with 1, 2 and 3 samples of 6, the
+        # second's share is 1/3.
+        self.even = False
         self._count: torch.Tensor | None = None
         self._handle: comm.Handle | None = None
 
     def declare(self, samples: int, total: int | None = None) -> None:
         """This rank's samples for the next synchronised backward, and the group's (None: sum
-        them over the group now, asynchronously). Every rank of the group must declare."""
+        them over the group now, asynchronously). Every rank of the group must declare. Where
+        the total is given, the shares count as uneven on every rank (each weighed by its
+        own), as nothing tells a rank the others' counts."""
         if not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         if total is not None and (not isinstance(total, int) or total < max(samples, 1)):
             raise ValueError(f"total samples must be an int >= samples ({samples}), got {total!r}")
         self.local, self.total = samples, total
-        if total is None and self.runtime.world_size > 1:
-            self._count = torch.tensor([samples], dtype=torch.float64, device=self.runtime.device)
+        world = self.runtime.world_size
+        if total is None and world > 1:
+            # The counts and their squares, summed: equal shares if and only if the sum of
+            # squares is N * (N/W)^2, i.e. W * squares == N^2 (exact in float64 up to 2^26).
+            count = [samples, samples * samples]
+            self._count = torch.tensor(count, dtype=torch.float64, device=self.runtime.device)
             self._handle = comm.all_reduce(self._count, group=self.runtime.group, async_op=True)
         elif total is None:
-            self.total = samples
+            self.total, self.even = samples, True
+        else:
+            self.even = world == 1 and samples == total
 
     def _resolve(self) -> None:
         if self._handle is not None:
             self._handle.wait()
-            self.total = int(self._count.item())
+            total, squares = self._count.tolist()
+            self.total = int(total)
+            self.even = self.runtime.world_size * squares == total * total
             self._handle = self._count = None
         if self.total == 0:
             raise ValueError("no rank declared any samples for this step")
@@ -96,18 +111,18 @@ class BatchShare:
             torch.mul(grad, weight, out=out)
 
     def uneven_weight(self) -> float | None:
-        """samples / total when this rank's share is not 1/replicas; else None."""
+        """samples / total unless every rank's share is 1/replicas (or none declared); else
+        None. The same answer on every rank."""
         if self.local is None:
             return None
         self._resolve()
-        if self.local * self.runtime.world_size == self.total:
-            return None
-        return self.local / self.total
+        return None if self.even else self.local / self.total
 
     def done(self) -> None:
         """The synchronised backward finished: the next one needs its own declaration."""
         self._resolve()
         self.local = self.total = None
+        self.even = False
 
 
 class WeighedOnArrival:
