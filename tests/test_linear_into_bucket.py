@@ -261,8 +261,9 @@ def test_a_large_gradient_starts_on_a_cache_line_and_small_ones_stay_packed():
         opt.step()
         opt.zero_grad()
     for state, at in run(odd_sizes_training, 2):
-        assert at["large"] % 64 == 0  # (packed, it would start 9,628 bytes in: 28 past a line)
-        bias, weight = at["small"]
+        bias, weight = at["small"]  # (the bucket starts with the last layer's bias)
+        # 2,407 floats before it: packed, it would start 9,628 bytes in (28 past a line)
+        assert at["large"] - bias == 2416 * 4 and at["large"] % 64 == 0
         assert weight == bias + 3 * 4  # the bias's 3 floats, then the weight: no gap
         worst = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
         assert worst <= 1e-6

@@ -332,7 +332,7 @@ def sums_what_each_rank_has_written():
     block = shared_memory.SUM_BLOCK_BYTES // 4
     numel = 5 * block + 123
     shared = summing.new_buffer(numel, torch.float32, CPU)
-    cuts = [0, 700, block + 5, 2 * block, 3 * block + 17, 4 * block]
+    cuts = [0, 700, block + 5, 2 * block + 17, 4 * block + 9]  # (one span across four blocks)
     spans = list(itertools.pairwise(cuts))
     exact, untouched, summed_early = True, True, True
     for late in range(world):
@@ -366,8 +366,12 @@ def sums_what_each_rank_has_written():
                     summed_early = False
                     break
                 time.sleep(0.01)
-            untouched &= not shared[4 * block :].any().item()
-            shared[4 * block :] = mine[4 * block :]
+            untouched &= torch.equal(
+                shared[4 * block : 4 * block + 9], mine[4 * block : 4 * block + 9]
+            )
+            untouched &= not shared[4 * block + 9 :].any().item()
+            shared[4 * block + 9 :] = mine[4 * block + 9 :]
+            summing.written(shared, 4 * block + 9, numel)  # (to the ragged end)
         handle = summing.start_last(shared, mean=True) if mean else summing.start(shared)
         handle.wait()
         exact &= torch.equal(shared, expected)

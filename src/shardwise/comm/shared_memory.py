@@ -21,8 +21,9 @@ buffer lives in a shared-memory file that every rank of the group maps, cut into
 3. (barrier) every buffer holds the whole sum, and no rank touches another's buffer until the
    next all-reduce (the next gradients are written into a rank's own only).
 
-Each rank reads and writes about twice its buffer, whatever the group's size; no byte crosses a
-socket. The barriers are counters in shared memory too (`Arrivals`): gloo's barrier took
+The ranks read and write about twice their buffers between them, whatever the group's size
+(the rank that claims more blocks doing more of it); no byte crosses a socket. The barriers
+are counters in shared memory too (`Arrivals`): gloo's barrier took
 0.4-1.5 ms after a step's compute, for what a counter tells in microseconds. A wait that outlasts
 the group's timeout, or the job's membership (`interrupt`), fails instead of hanging. A file is
 unlinked as soon as every rank has mapped it: none outlives the job, however it ends. Only sums
@@ -67,12 +68,12 @@ FIRST_PAUSE_S, PAUSE_S = 5e-5, 0.001
 WRITTEN_PAUSE_S = 1e-4
 CHECK_S = 0.05  # and every this long asks whether a missing peer's process ended
 MEAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# A rank sums, divides and hands on its chunk this many bytes at a time, each block's passes
-# while it is in the core's cache: in a pass of their own, the division and the copy to the
-# peers read the whole chunk again from memory. In DDP's step, 2 ranks on 2 cores (100 steps,
-# medians): the MLP's 11.6 MB chunk took 3.7-4.0 ms whole, 2.9-3.2 ms by 256 KiB (128 KiB 3.2,
-# 64 KiB 3.7: the calls add up; 1 MiB 3.6-3.8: past the cache); the GPT's 6.5 MB 2.3-2.5 ms
-# whole, 1.8-1.9 ms by 256 KiB.
+# A block, stamped, claimed, summed, divided and handed on whole, each of its passes while it
+# is in the core's cache: in a pass of their own, the division and the copy to the peers read
+# the whole buffer again from memory. In DDP's step, 2 ranks on 2 cores (100 steps, medians,
+# each rank summing a fixed half then): the MLP's 11.6 MB half took 3.7-4.0 ms whole, 2.9-3.2
+# ms by 256 KiB (128 KiB 3.2, 64 KiB 3.7: the calls add up; 1 MiB 3.6-3.8: past the cache);
+# the GPT's 6.5 MB 2.3-2.5 ms whole, 1.8-1.9 ms by 256 KiB.
 SUM_BLOCK_BYTES = 2**18
 
 
@@ -186,6 +187,11 @@ class Progress:
             self.remaining[b] -= min(stop, (b + 1) * self.block) - max(start, b * self.block)
             if self.remaining[b] == 0:
                 self.mine[b] = nxt
+            elif self.remaining[b] < 0:  # (a peer may have summed what it holds already)
+                raise RuntimeError(
+                    f"shared-memory all-reduce: elements {start}-{stop} written twice before "
+                    "their all-reduce (a backward that raised, then another?)"
+                )
 
     def begin(self) -> int:
         """This rank's whole buffer is written: the number of the all-reduce now begun."""
@@ -260,6 +266,10 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             what = f"shared-memory {self.op.replace('_', '-')}"
             self.arrivals = Arrivals(counters, self.rank, pids.tolist(), timeout_s, what)
         self._lock = self._open_lock() if self.arrivals is not None else None
+        # (closed by `close`, or with this object where nobody calls it)
+        self._close_lock = (
+            None if self._lock is None else weakref.finalize(self, os.close, self._lock)
+        )
 
     def _open_lock(self) -> int:
         """A file every rank of the group holds open, to lock (`Progress`'s claims)."""
@@ -411,9 +421,8 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         super().close()
         self._peers.clear()
         self._progress.clear()
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        if self._close_lock is not None:
+            self._close_lock()
 
 
 class SharedMemoryCollectives(SharedMemoryAllReduce):
