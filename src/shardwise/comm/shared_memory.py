@@ -32,13 +32,14 @@ of plain numbers cross between processes.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
 import secrets
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -402,20 +403,27 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
                 pause = PAUSE_S if self._thread.running_here() else WRITTEN_PAUSE_S
                 self.arrivals.until(partial(progress.unwritten, b, n), longest=pause)
                 continue
-            while True:  # (held for a read and a write: spin, not sleep, for it)
-                try:
-                    fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    time.sleep(0)
-            try:
+            with self._claims_locked():
                 if claims[0] != k:
                     continue  # (another rank claimed these first)
                 claims[0] = k + ready
-            finally:
-                fcntl.flock(self._lock, fcntl.LOCK_UN)
             return b, b + ready
         return None
+
+    @contextlib.contextmanager
+    def _claims_locked(self) -> Iterator[None]:
+        """The claim lock held: for a read and a write of the count, so a waiter spins (yields
+        its core) rather than sleeps for it."""
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
 
     def close(self) -> None:
         super().close()
