@@ -2,13 +2,15 @@
 
 Every collective a strategy issues goes through `shardwise.comm` (accounting, the flight
 recorder, the wait's timer): the layer must cost next to nothing beside the collective. Each
-rank issues `--calls` all-reduces of one float, in rounds that alternate ours (flight recorder
-and accounting on, as in training) and the bare call, and the same for an asynchronous
-all-reduce waited through its handle. Per call, in microseconds: ours, bare, and the difference
-(the median over rounds of each round's difference: the two ran side by side). A collective's
-own time jitters by more than the layer costs, so the layer is also timed alone: the same calls
-with the backend's all-reduce replaced by one that returns a finished work at once (the
-difference to that stub called bare is then all ours).
+rank issues `--calls` all-reduces of one float, in rounds that alternate three ways of making
+the same call: ours (flight recorder and accounting on, as in training), torch's
+(`dist.all_reduce`, the bare call) and the process group's own method, which both wrap (`comm/
+direct.py`: ours calls it without torch's wrapper); and the same for an asynchronous all-reduce
+waited through its handle. Per call, in microseconds: each way's median over rounds, and ours
+less each of the others (the median over rounds of each round's difference: they ran side by
+side). A collective's own time jitters by more than the layer costs, so the layers are also
+timed alone: the same calls with the process group's all-reduce replaced by one that returns a
+finished work at once (the differences are then all the wrappers').
 
 Run: shardwise bench calls --world-size 2
 """
@@ -27,7 +29,8 @@ import shardwise as sw
 from shardwise import comm
 from shardwise.bench.common import emit
 
-ROUNDS = 100  # rounds per variant pair (short ones: a drift in load hits both alike)
+ROUNDS = 100  # rounds per variant trio (short ones: a drift in load hits all alike)
+WAYS = ("ours", "torch", "process group")
 
 
 def _timed(call, n: int) -> float:
@@ -41,14 +44,20 @@ def _timed(call, n: int) -> float:
     return elapsed.item()
 
 
-def variants(x: torch.Tensor) -> dict[str, tuple]:
-    """(ours, bare) per kind of call."""
+def variants(x: torch.Tensor) -> dict[str, dict[str, object]]:
+    """The ways of making each kind of call (`WAYS`)."""
+    group, options = dist.GroupMember.WORLD, dist.AllreduceOptions()
     return {
-        "all_reduce": (lambda: comm.all_reduce(x), lambda: dist.all_reduce(x)),
-        "all_reduce async + wait": (
-            lambda: comm.all_reduce(x, async_op=True).wait(),
-            lambda: dist.all_reduce(x, async_op=True).wait(),
-        ),
+        "all_reduce": {
+            "ours": lambda: comm.all_reduce(x),
+            "torch": lambda: dist.all_reduce(x),
+            "process group": lambda: group.allreduce([x], options).wait(),
+        },
+        "all_reduce async + wait": {
+            "ours": lambda: comm.all_reduce(x, async_op=True).wait(),
+            "torch": lambda: dist.all_reduce(x, async_op=True).wait(),
+            "process group": lambda: group.allreduce([x], options).wait(),
+        },
     }
 
 
@@ -57,22 +66,25 @@ class _Finished:
         return True
 
 
-def layer_alone(x: torch.Tensor, calls: int) -> dict[str, float]:
-    """Microseconds per call of our layer over the bare call, the backend's all-reduce stubbed
-    (best of 5 timings of `calls` calls: no collective jitters there)."""
-    real, finished = dist.all_reduce, _Finished()
-    dist.all_reduce = lambda *args, **kwargs: finished
+def layers_alone(x: torch.Tensor, calls: int) -> dict[str, dict[str, float]]:
+    """Microseconds per call of our layer over torch's wrapper and over the process group's
+    call, that call stubbed (best of 5 timings of `calls` calls: no collective jitters there)."""
+    real, finished = dist.ProcessGroup.allreduce, _Finished()
+    dist.ProcessGroup.allreduce = lambda *args, **kwargs: finished
     try:
         figures = {}
-        for kind, (ours, bare) in variants(x).items():
+        for kind, ways in variants(x).items():
             best = {
-                name: min(timeit.repeat(call, number=calls, repeat=5)) / calls * 1e6
-                for name, call in (("ours", ours), ("bare", bare))
+                way: min(timeit.repeat(call, number=calls, repeat=5)) / calls * 1e6
+                for way, call in ways.items()
             }
-            figures[kind] = best["ours"] - best["bare"]
+            figures[kind] = {
+                "over_torch_us": best["ours"] - best["torch"],
+                "over_process_group_us": best["ours"] - best["process group"],
+            }
         return figures
     finally:
-        dist.all_reduce = real
+        dist.ProcessGroup.allreduce = real
 
 
 def main() -> None:
@@ -85,30 +97,36 @@ def main() -> None:
     x = torch.zeros(1)
     per_round = max(1, args.steps // args.reps)
     result = {"bench": "calls", "world_size": rt.world_size, "calls": per_round * args.reps}
-    for kind, (ours, bare) in variants(x).items():
-        _timed(ours, 200), _timed(bare, 200)  # warm-up
-        rounds: dict[str, list[float]] = {"ours": [], "bare": []}
+    for kind, ways in variants(x).items():
+        for call in ways.values():
+            _timed(call, 200)  # warm-up
+        rounds: dict[str, list[float]] = {way: [] for way in WAYS}
         for r in range(args.reps):
-            pair = [("ours", ours), ("bare", bare)]
-            for name, call in pair if r % 2 == 0 else pair[::-1]:
-                rounds[name].append(_timed(call, per_round))
-        diffs = [a - b for a, b in zip(rounds["ours"], rounds["bare"], strict=True)]
-        result[kind] = {
-            "ours_us": statistics.median(rounds["ours"]),
-            "bare_us": statistics.median(rounds["bare"]),
-            "overhead_us": statistics.median(diffs),
-        }
-    result["layer_alone_us"] = layer_alone(x, args.steps)
+            order = WAYS[r % 3 :] + WAYS[: r % 3]  # (each way first, second and last alike)
+            for way in order if r % 2 == 0 else order[::-1]:
+                rounds[way].append(_timed(ways[way], per_round))
+        figures = {f"{way.replace(' ', '_')}_us": statistics.median(rounds[way]) for way in WAYS}
+        for other in WAYS[1:]:
+            diffs = [a - b for a, b in zip(rounds["ours"], rounds[other], strict=True)]
+            figures[f"over_{other.replace(' ', '_')}_us"] = statistics.median(diffs)
+        result[kind] = figures
+    result["layer_alone_us"] = layers_alone(x, args.steps)
     if rt.is_main:
         print(
-            "shardwise: the layer alone (backend stubbed): "
-            + ", ".join(f"{k} {v:.2f} us" for k, v in result["layer_alone_us"].items())
+            "shardwise: the layer alone (the process group's call stubbed), ours over torch's "
+            "wrapper / over the process group's call: "
+            + ", ".join(
+                f"{kind} {v['over_torch_us']:+.2f} / {v['over_process_group_us']:+.2f} us"
+                for kind, v in result["layer_alone_us"].items()
+            )
         )
         for kind in variants(x):
             v = result[kind]
             print(
-                f"shardwise: {kind}: ours {v['ours_us']:.1f} us/call, bare {v['bare_us']:.1f}: "
-                f"overhead {v['overhead_us']:+.1f} us per call ({result['calls']:,} calls each)"
+                f"shardwise: {kind}: ours {v['ours_us']:.1f} us/call, torch {v['torch_us']:.1f}, "
+                f"process group {v['process_group_us']:.1f}: ours over torch "
+                f"{v['over_torch_us']:+.1f} us, over the process group "
+                f"{v['over_process_group_us']:+.1f} us per call ({result['calls']:,} calls each)"
             )
         emit(result, args.out)
     sw.shutdown()

@@ -27,12 +27,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.collectives import post_pairwise_gather
+from shardwise.comm.direct import torch_all_gather_flat, torch_reduce_scatter_flat
 from shardwise.comm.flight import KEEP, Call, recorder
 from shardwise.comm.shared_memory import SharedMemoryCollectives
-
-# torch 2.13 renamed the flat-tensor collectives; the older names still work on older releases.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def calls_of(step: Callable[[], None]) -> list[Call]:
@@ -93,13 +90,13 @@ def _bare(call: Call, summing: SharedMemoryCollectives | None) -> Callable[[], N
         return lambda: dist.broadcast(tensor, src=0)
     if call.op == "all_gather":  # (recorded: the gathered output)
         shard = torch.zeros(tensor.numel() // world, dtype=dtype)
-        return lambda: _all_gather_flat(tensor.view(-1), shard)
+        return lambda: torch_all_gather_flat(tensor.view(-1), shard)
     if call.op == "all_gather_pairwise":  # (ZeRO's, where gloo's ranks share one host)
         shard = torch.zeros(tensor.numel() // world, dtype=dtype)
         return lambda: post_pairwise_gather(tensor, shard).wait()
     if call.op == "reduce_scatter":  # (recorded: the full input)
         shard = torch.zeros(tensor.numel() // world, dtype=dtype)
-        return lambda: _reduce_scatter_flat(shard, tensor.view(-1))
+        return lambda: torch_reduce_scatter_flat(shard, tensor.view(-1))
     if call.op == "all_to_all":
         received = torch.empty_like(tensor)
         return lambda: dist.all_to_all_single(received, tensor)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import interrupt
+from shardwise.comm import direct, interrupt
 from shardwise.comm.accounting import native_volume, stats
 from shardwise.comm.flight import Call, recorder
 from shardwise.comm.interrupt import PeerLost
@@ -72,11 +72,6 @@ def _wait_in_thread(work: dist.Work, done: threading.Event, failed: list) -> Non
     except BaseException as e:  # (handed to the waiting thread)
         failed.append(e)
     done.set()
-
-
-# torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Handle:
@@ -148,7 +143,13 @@ def group_size(group: ProcessGroup | TraceGroup | None = None) -> int:
     if isinstance(group, TraceGroup):
         return group.size
     # (the group's own size, not `dist.get_world_size`'s lookups: on every collective's path)
-    return (dist.GroupMember.WORLD if group is None else group).size()
+    try:
+        return (dist.GroupMember.WORLD if group is None else group).size()
+    except AttributeError:  # (torch's stand-in for a group this rank is not in is a number)
+        raise ValueError(
+            "a collective over a group this rank is not a member of (torch would skip it; "
+            "every rank that calls one of ours must be in its group)"
+        ) from None
 
 
 def group_rank(group: ProcessGroup | TraceGroup | None = None) -> int:
@@ -227,7 +228,7 @@ def all_reduce(
     return _issue(
         "all_reduce",
         volume,
-        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        lambda: direct.all_reduce(tensor, op, group),
         async_op,
         group,
         tensor,
@@ -277,7 +278,7 @@ def all_gather_into_tensor(
     return _issue(
         "all_gather",
         volume,
-        lambda: _all_gather_flat(output, shard, group=group, async_op=True),
+        lambda: direct.all_gather_flat(output, shard, group),
         async_op,
         group,
         output,
@@ -363,7 +364,7 @@ def reduce_scatter_tensor(
     return _issue(
         "reduce_scatter",
         volume,
-        lambda: _reduce_scatter_flat(shard, full, group=group, async_op=True),
+        lambda: direct.reduce_scatter_flat(shard, full, group),
         async_op,
         group,
         full,

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from shardwise.comm import interrupt
 from shardwise.comm.accounting import native_volume
 from shardwise.comm.all_reduce_base import ThreadedAllReduce
-from shardwise.comm.collectives import Handle, _all_gather_flat, _issue, all_reduce
+from shardwise.comm.collectives import Handle, _issue, all_reduce
+from shardwise.comm.direct import torch_all_gather_flat
 from shardwise.comm.mean import divide_
 
 CPU = torch.device("cpu")
@@ -261,7 +262,7 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         counters = self._map_shared("arrivals", LINE)
         if counters is not None:
             pids = torch.zeros(self.size, dtype=torch.int64)
-            _all_gather_flat(pids, torch.tensor([os.getpid()]), group=self.group)
+            torch_all_gather_flat(pids, torch.tensor([os.getpid()]), group=self.group)
             timeout_s = (timeout or timedelta(minutes=30)).total_seconds()
             counters = [c.view(np.int64) for c in counters]
             what = f"shared-memory {self.op.replace('_', '-')}"
