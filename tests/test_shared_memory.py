@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from datetime import timedelta
@@ -432,16 +433,31 @@ def test_a_rank_that_never_arrives_fails_the_wait_instead_of_hanging():
     assert "rank(s) [1] did not arrive within 1 s" in errors[0]
 
 
-def ddp_default_trains_in_shared_memory():
+class _Abort(Exception):
+    """Raised by a hook inside backward."""
+
+
+def ddp_default_trains_in_shared_memory(algorithm):
     """sw.DDP() on CPU ranks of one host: its gradients live in shared memory (the kernel's
-    map of this process says so), and training matches one process on the global batch."""
+    map of this process says so), and training matches one process on the global batch, a
+    backward that raised half way on every rank (then `zero_grad`) taken back; the same with
+    gloo's all-reduce."""
     world, rank = dist.get_world_size(), dist.get_rank()
+
+    aborting = []
+
+    def abort_in_backward(module, inputs, output):  # (after the last layer's gradients)
+        if aborting:
+            output.register_hook(lambda grad: (_ for _ in ()).throw(_Abort()))
 
     def model() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(13, 31), nn.Tanh(), nn.Linear(31, 5))
 
-    ours, opt = sw.prepare(model(), sw.DDP(), lr=1e-2)
+    mine = model()
+    mine[1].register_forward_hook(abort_in_backward)
+    # (a bucket a parameter or so: the last layer's launch before the hook raises)
+    ours, opt = sw.prepare(mine, sw.DDP(bucket_mb=0.0005, algorithm=algorithm), lr=1e-2)
     reference = model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(6):
@@ -450,7 +466,20 @@ def ddp_default_trains_in_shared_memory():
             torch.randn(4 * world, 13, generator=g),
             torch.randint(0, 5, (4 * world,), generator=g),
         )
-        F.cross_entropy(ours(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+        mine_x, mine_y = x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
+        if step in (1, 3):
+            aborting.append(True)
+            with contextlib.suppress(_Abort):
+                F.cross_entropy(ours(mine_x), mine_y).backward()
+            aborting.clear()
+            if step == 3:  # another backward before zero_grad: partial gradients, refused
+                try:
+                    F.cross_entropy(ours(mine_x), mine_y).backward()
+                    refused = ""
+                except RuntimeError as e:
+                    refused = str(e)
+            opt.zero_grad()
+        F.cross_entropy(ours(mine_x), mine_y).backward()
         grads_shared = all(_holds(_mapped_shared_files(), p.grad) for p in ours.parameters())
         opt.step()
         opt.zero_grad()
@@ -459,13 +488,15 @@ def ddp_default_trains_in_shared_memory():
         ref_opt.zero_grad()
     state = sw.full_state_dict(ours)
     diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
-    return grads_shared, diff
+    return grads_shared, diff, refused
 
 
-def test_ddp_on_one_host_sums_in_shared_memory_and_trains_exactly():
-    for grads_shared, diff in run(ddp_default_trains_in_shared_memory, 2):
-        assert grads_shared
+@pytest.mark.parametrize("algorithm", [None, "native"])
+def test_ddp_on_one_host_sums_in_shared_memory_and_trains_exactly(algorithm):
+    for grads_shared, diff, refused in run(ddp_default_trains_in_shared_memory, 2, algorithm):
+        assert grads_shared == (algorithm is None)
         assert diff <= 1e-6
+        assert "zero_grad() was not called" in refused
 
 
 def test_a_peer_process_that_ended_is_told_apart_from_a_live_one():

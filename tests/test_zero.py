@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,18 +48,40 @@ def _loss(kind: str):
     return F.cross_entropy if kind == "mlp" else lm_loss
 
 
+class _Abort(Exception):
+    """Raised by a hook inside backward."""
+
+
+def _abort_midway(model: nn.Module, aborting: list) -> nn.Module:
+    """`model`, its backward raising (while `aborting`) once the gradients past its first
+    hidden layer or block are made: some reductions launched, the others not."""
+    middle = model.blocks[0] if hasattr(model, "blocks") else model[1]
+
+    def hook(module, inputs, output):
+        if aborting:
+            output.register_hook(lambda grad: (_ for _ in ()).throw(_Abort()))
+
+    middle.register_forward_hook(hook)
+    return model
+
+
 def train_three_ways(kind: str, stage: int, clip: float | None, keep_mb: float = 0.0):
-    """ZeRO, our DDP and a single-process reference on the same global batches."""
+    """ZeRO, our DDP and a single-process reference on the same global batches; twice a
+    backward of ZeRO's and DDP's raises half way on every rank, and is taken back (zero_grad)
+    before the step's own."""
     world, loss_fn = dist.get_world_size(), _loss(kind)
+    aborting: list[bool] = []
     # Adam divides by sqrt(v): near-zero gradients amplify rounding, so the transformer gets the
     # smaller learning rate it would train with anyway.
     lr = 1e-2 if kind == "mlp" else 1e-3
     reference = _model(kind)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     zero, zero_opt = sw.prepare(
-        _model(kind), sw.ZeRO(stage=stage, bucket_mb=0.0005, keep_gathered_mb=keep_mb), lr=lr
+        _abort_midway(_model(kind), aborting),
+        sw.ZeRO(stage=stage, bucket_mb=0.0005, keep_gathered_mb=keep_mb),
+        lr=lr,
     )
-    ddp, ddp_opt = sw.prepare(_model(kind), sw.DDP(), lr=lr)
+    ddp, ddp_opt = sw.prepare(_abort_midway(_model(kind), aborting), sw.DDP(), lr=lr)
     for step in range(STEPS):
         x, y = _batch(kind, step, world)
         loss_fn(reference(x), y).backward()
@@ -66,6 +90,12 @@ def train_three_ways(kind: str, stage: int, clip: float | None, keep_mb: float =
         ref_opt.step()
         ref_opt.zero_grad()
         for model, opt in ((zero, zero_opt), (ddp, ddp_opt)):
+            if step in (3, 8):
+                aborting.append(True)
+                with contextlib.suppress(_Abort):
+                    loss_fn(model(_local(x)), _local(y)).backward()
+                aborting.clear()
+                opt.zero_grad()
             loss_fn(model(_local(x)), _local(y)).backward()
             if keep_mb and model is zero:  # a forward whose backward never comes (a metric):
                 model(_local(x))  # the units it leaves gathered must not outlive the step

@@ -192,8 +192,13 @@ class Progress:
             elif self.remaining[b] < 0:  # (a peer may have summed what it holds already)
                 raise RuntimeError(
                     f"shared-memory all-reduce: elements {start}-{stop} written twice before "
-                    "their all-reduce (a backward that raised, then another?)"
+                    "their all-reduce"
                 )
+
+    def forget(self) -> None:
+        """Nothing is written for the next all-reduce after all (`forget_written`)."""
+        self.mine[:] = self.begun
+        self.remaining[:] = self.sizes
 
     def begin(self) -> int:
         """This rank's whole buffer is written: the number of the all-reduce now begun."""
@@ -352,6 +357,11 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         progress = self._progress.get(buffer.data_ptr())
         if progress is not None:
             progress.written(start, stop)
+
+    def forget_written(self, buffer: torch.Tensor) -> None:
+        progress = self._progress.get(buffer.data_ptr())
+        if progress is not None:
+            progress.forget()
 
     def _run(self, buffer: torch.Tensor, mean: bool = False) -> None:
         peers = self._peers_of(buffer)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -289,6 +289,8 @@ class GradientReducer:
         """
         self.weighing.clear()  # (a backward that raised never reached `_wait`)
         self.written_in_slot.clear()
+        if self.backward.abandon():
+            self._take_back_abandoned()
         if self.alone:  # (no buckets: as a plain module)
             clear_grads(self.params, set_to_none)
             return
@@ -297,6 +299,18 @@ class GradientReducer:
                 bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 p.grad = None if set_to_none else view
+
+    def _take_back_abandoned(self) -> None:
+        """What a backward that raised left behind (on every rank: the same hook or loss raised
+        on each), undone for the next: the all-reduces it launched are waited for, so none
+        still reads a bucket the next backward writes, and what it wrote is forgotten."""
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            self.all_reduce.forget_written(bucket.buffer)
+        if self.arrival is not None:  # (the first backward's order: the next one's, whole)
+            self.arrival.clear()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.backward.paused()
@@ -319,6 +333,10 @@ class DataParallelModel(DistributedModel):
         super().__init__(module, runtime)
         self.reducer = reducer
         self.linears = linears
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.reducer.backward.check_ended()
+        return self.module(*args, **kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""

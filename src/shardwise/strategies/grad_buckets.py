@@ -117,6 +117,27 @@ class BucketedBackward:
         while self.next_launch < len(self.sizes) and self.pending[self.next_launch] == 0:
             self._launch_next()
 
+    def check_ended(self) -> None:
+        """Refuse a forward that follows a backward that raised, with no `abandon` between: its
+        gradients are partial, and the next backward would add to them. (In the forward, as
+        torch's DDP refuses it: a backward's hooks cannot tell another backward from one that
+        recomputes a checkpointed region within it.)"""
+        if self._in_backward:
+            raise RuntimeError(
+                "a backward raised before its end, and zero_grad() was not called since: its "
+                "gradients are partial (call zero_grad() on every rank before the next forward)"
+            )
+
+    def abandon(self) -> bool:
+        """Forget a backward that raised before its end (its launches and counts); whether one
+        had. (Autograd runs no callback of a backward that raised: `_end_of_backward` never
+        came.)"""
+        if not self._in_backward:
+            return False
+        self._in_backward = False
+        self._reset()
+        return True
+
     @property
     def launching_last(self) -> bool:
         """Whether the launch in progress is this backward's last: backward has made every

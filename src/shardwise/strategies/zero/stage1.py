@@ -148,6 +148,10 @@ class ZeroStage1(DistributedModel):
         self.prepare_units()
         self.hooks += masters.install(module)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.backward.check_ended()
+        return self.module(*args, **kwargs)
+
     def _codec(self, spec: str) -> CompressedReduceScatter:
         """The codec's reduce-scatter, told each unit's tensors (PowerSGD compresses each
         matrix; the padding is one more, uncompressed, vector)."""
@@ -298,6 +302,8 @@ class ZeroStage1(DistributedModel):
         """Stage 1 keeps the unit's full gradient buffer (the parameters' .grad live in it)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.backward.abandon():
+            self._take_back_abandoned()
         self.weighing.clear()  # (a backward that raised never reached `_finish`)
         for unit, shard in zip(self.units, self.shards, strict=True):
             shard.grad = None
@@ -305,6 +311,15 @@ class ZeroStage1(DistributedModel):
                 unit.grad_full.zero_()
             for p in unit.params:
                 p.grad = None if set_to_none else unit.slot(unit.grad_full, p)
+
+    def _take_back_abandoned(self) -> None:
+        """What a backward that raised left behind (on every rank: the same hook or loss raised
+        on each), undone for the next: the reductions it launched are waited for, so none
+        still reads a buffer the next backward writes, and their slices dropped."""
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.wait()
+            unit.handle = unit.reduced = unit.received = None
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""

@@ -163,6 +163,8 @@ class ZeroStage2(ZeroStage1):
         unit.grad_full = None  # reduced: only this rank's slice lives on, as the shard's grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.backward.abandon():
+            self._take_back_abandoned()
         self.deferred.clear()  # (a backward that raised never reached `_flush`)
         for unit, shard in zip(self.units, self.shards, strict=True):
             unit.grad_full = None  # (what no_sync() accumulated, where it was discarded)
