@@ -5,10 +5,15 @@ not in refused in a line."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import torch
 import torch.distributed as dist
 
 from shardwise import comm
+from shardwise.comm.accounting import CommStats
+from shardwise.comm.flight import Call
 from spawn import run
 
 
@@ -24,6 +29,7 @@ def collectives_as_by_hand():
     rank, world = dist.get_rank(), dist.get_world_size()
     inputs = [_input(k, 7) for k in range(world)]
     failures = []
+    comm.stats.end_step()  # (what starting the job sent is not counted below)
 
     def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
         if not torch.equal(got, expected):
@@ -61,6 +67,18 @@ def collectives_as_by_hand():
     summed = sum(_input(k, 3 * world) for k in range(world))
     check("reduce_scatter", mine, summed[3 * rank : 3 * rank + 3])
 
+    # Counted as made: calls by op, and the bytes a rank sends by the textbook algorithms'.
+    counted = comm.stats.end_step().by_op
+    made = {"all_reduce": 8, "all_gather": 1, "reduce_scatter": 1}
+    for op, calls in made.items():
+        if counted[op].calls != calls:
+            failures.append(f"rank {rank}: {op}: {counted[op].calls} calls counted, {calls} made")
+    # 2(n-1)/n of each payload: six of 7 float32 (four reductions, the subclass, the parameter),
+    # two of 5 eight-byte numbers (int64, complex64)
+    sent = 6 * (2 * (world - 1) * 28 // world) + 2 * (2 * (world - 1) * 40 // world)
+    if counted["all_reduce"].bytes != sent:
+        failures.append(f"rank {rank}: all_reduce bytes {counted['all_reduce'].bytes} != {sent}")
+
     # A group of ranks 0 and 1: rank 2 is not a member, and its call is refused in a line.
     pair = dist.new_group([0, 1])
     x = inputs[rank].clone()
@@ -79,3 +97,28 @@ def collectives_as_by_hand():
 def test_collectives_sum_gather_and_scatter_as_by_hand_whoever_takes_the_call():
     for failures in run(collectives_as_by_hand, 3):
         assert failures == []
+
+
+def test_the_accounting_stays_bounded_and_exact_when_no_step_ever_ends():
+    stats = CommStats()
+    for k in range(3 * CommStats.FOLD_EVERY):
+        stats.record("all_reduce", k, 0.001)
+        stats.record_waited("all_gather", 2, 0.5, 0.25)
+    assert len(stats._notes) <= CommStats.FOLD_EVERY
+    step = stats.end_step()
+    n = 3 * CommStats.FOLD_EVERY
+    assert step.by_op["all_reduce"].calls == n
+    assert step.by_op["all_reduce"].bytes == n * (n - 1) // 2
+    assert step.by_op["all_gather"].bytes == 2 * n
+    assert abs(step.by_op["all_gather"].overlap_s - 0.25 * n) < 1e-6
+    assert stats.end_step().calls == 0
+
+
+def test_a_recorded_call_reads_copies_and_pickles_as_made():
+    call = Call("all_reduce", "0,2", 7, torch.Size([3, 4]), torch.float32, "train.py:12 (step)")
+    assert (call.op, call.group, call.seq, call.shape) == ("all_reduce", "0,2", 7, (3, 4))
+    assert call.dtype == "float32"
+    assert call.describe() == "all_reduce #7 (group 0,2, 3x4 float32) at train.py:12 (step)"
+    for again in (copy.copy(call), copy.deepcopy(call), pickle.loads(pickle.dumps(call))):
+        assert type(again) is Call and again == call
+    assert call != Call("all_reduce", "0,2", 8, (3, 4), torch.float32, "train.py:12 (step)")

@@ -2,15 +2,20 @@
 
 Every collective a strategy issues goes through `shardwise.comm` (accounting, the flight
 recorder, the wait's timer): the layer must cost next to nothing beside the collective. Each
-rank issues `--calls` all-reduces of one float, in rounds that alternate three ways of making
-the same call: ours (flight recorder and accounting on, as in training), torch's
-(`dist.all_reduce`, the bare call) and the process group's own method, which both wrap (`comm/
-direct.py`: ours calls it without torch's wrapper); and the same for an asynchronous all-reduce
-waited through its handle. Per call, in microseconds: each way's median over rounds, and ours
-less each of the others (the median over rounds of each round's difference: they ran side by
-side). A collective's own time jitters by more than the layer costs, so the layers are also
-timed alone: the same calls with the process group's all-reduce replaced by one that returns a
-finished work at once (the differences are then all the wrappers').
+rank issues `--steps` all-reduces of one float each way, `--reps` times (the median of the
+repetitions): ours (flight recorder and accounting on,
+as in training), torch's (`dist.all_reduce`, the bare call) and the process group's own method,
+which both wrap (`comm/direct.py`: ours calls it without torch's wrapper); and the same for an
+asynchronous all-reduce waited through its handle. The ways take turns call by call (each of
+the six orders of the three in turn), each call timed on its own: a drift in the machine's
+load, or a call that stalls, then hits every way alike, and the median call of each way is
+what it costs (rounds of 100 calls a way, timed whole, differed by 20 us run to run: a few
+calls of milliseconds decide a round's mean). Per call, in microseconds, the slowest rank's
+median: each way's, and ours less each other's. A collective's own time jitters by more than
+a layer costs, so the layers are also timed alone: the same calls with the process group's
+all-reduce replaced by one that returns a finished work at once (the differences are then all
+the wrappers'). End to end, each costs several times what it costs alone: on 2 cores, code run
+right after a wait runs from cold caches.
 
 Run: shardwise bench calls --world-size 2
 """
@@ -18,6 +23,7 @@ Run: shardwise bench calls --world-size 2
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 import timeit
@@ -29,19 +35,8 @@ import shardwise as sw
 from shardwise import comm
 from shardwise.bench.common import emit
 
-ROUNDS = 100  # rounds per variant trio (short ones: a drift in load hits all alike)
 WAYS = ("ours", "torch", "process group")
-
-
-def _timed(call, n: int) -> float:
-    """Microseconds per call of `call`, `n` calls, on the slowest rank."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    elapsed = torch.tensor([(time.perf_counter() - t0) / n * 1e6])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+ORDERS = list(itertools.permutations(WAYS))
 
 
 def variants(x: torch.Tensor) -> dict[str, dict[str, object]]:
@@ -87,28 +82,43 @@ def layers_alone(x: torch.Tensor, calls: int) -> dict[str, dict[str, float]]:
         dist.ProcessGroup.allreduce = real
 
 
+def per_call_medians(ways: dict[str, object], calls: int) -> dict[str, float]:
+    """Microseconds of each way's median call, the ways taking turns call by call; the
+    slowest rank's."""
+    durations: dict[str, list[float]] = {way: [] for way in WAYS}
+    clock = time.perf_counter
+    for way in WAYS:  # (warm-up)
+        for _ in range(200):
+            ways[way]()
+    dist.barrier()
+    for i in range(calls):
+        for way in ORDERS[i % len(ORDERS)]:
+            t0 = clock()
+            ways[way]()
+            durations[way].append(clock() - t0)
+    medians = torch.tensor([statistics.median(durations[way]) * 1e6 for way in WAYS])
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(WAYS, medians.tolist(), strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="shardwise bench calls")
-    parser.add_argument("--steps", type=int, default=10_000, help="calls per variant")
-    parser.add_argument("--reps", type=int, default=ROUNDS, help="rounds")
+    parser.add_argument("--steps", type=int, default=10_000, help="calls of each way")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions")
     parser.add_argument("--out")
     args = parser.parse_args()
     rt = sw.init()
     x = torch.zeros(1)
-    per_round = max(1, args.steps // args.reps)
-    result = {"bench": "calls", "world_size": rt.world_size, "calls": per_round * args.reps}
+    result = {"bench": "calls", "world_size": rt.world_size, "calls": args.steps}
     for kind, ways in variants(x).items():
-        for call in ways.values():
-            _timed(call, 200)  # warm-up
-        rounds: dict[str, list[float]] = {way: [] for way in WAYS}
-        for r in range(args.reps):
-            order = WAYS[r % 3 :] + WAYS[: r % 3]  # (each way first, second and last alike)
-            for way in order if r % 2 == 0 else order[::-1]:
-                rounds[way].append(_timed(ways[way], per_round))
-        figures = {f"{way.replace(' ', '_')}_us": statistics.median(rounds[way]) for way in WAYS}
+        reps = [per_call_medians(ways, args.steps) for _ in range(args.reps)]
+        figures = {
+            f"{way.replace(' ', '_')}_us": statistics.median(r[way] for r in reps) for way in WAYS
+        }
         for other in WAYS[1:]:
-            diffs = [a - b for a, b in zip(rounds["ours"], rounds[other], strict=True)]
-            figures[f"over_{other.replace(' ', '_')}_us"] = statistics.median(diffs)
+            by_rep = [r["ours"] - r[other] for r in reps]
+            figures[f"over_{other.replace(' ', '_')}_us"] = statistics.median(by_rep)
+            figures[f"over_{other.replace(' ', '_')}_us_by_rep"] = by_rep
         result[kind] = figures
     result["layer_alone_us"] = layers_alone(x, args.steps)
     if rt.is_main:
@@ -126,7 +136,10 @@ def main() -> None:
                 f"shardwise: {kind}: ours {v['ours_us']:.1f} us/call, torch {v['torch_us']:.1f}, "
                 f"process group {v['process_group_us']:.1f}: ours over torch "
                 f"{v['over_torch_us']:+.1f} us, over the process group "
-                f"{v['over_process_group_us']:+.1f} us per call ({result['calls']:,} calls each)"
+                f"{v['over_process_group_us']:+.1f} us per call (medians of {result['calls']:,} "
+                f"calls each way; over torch by repetition: "
+                + " ".join(f"{d:+.1f}" for d in v["over_torch_us_by_rep"])
+                + ")"
             )
         emit(result, args.out)
     sw.shutdown()

@@ -20,7 +20,7 @@ DEFAULTS = {
     "balance": (60, 5),
     "packing": (2, 4),
     "overhead": (150, 4),
-    "calls": (10_000, 100),  # (calls per variant, rounds)
+    "calls": (10_000, 3),  # (calls each way, repetitions)
 }
 
 

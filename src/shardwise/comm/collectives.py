@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -97,12 +98,24 @@ class Handle:
         self._counted = counted
 
     def wait(self) -> None:
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return
         # From the issue to this wait the operation could progress while the caller computed:
         # that long, at most, it overlapped compute.
         start = time.perf_counter()
-        _wait_recorded(self._pending, self._call, start)
+        if self._call is None:
+            _wait(pending)
+        else:  # `_wait_recorded`, inline (as in `_issue`)
+            thread = threading.get_ident()
+            recorder.waiting[thread] = (self._call, start)  # (`recorder.begin_wait`)
+            try:
+                if interrupt.waits_interrupted or isinstance(pending, Future):
+                    _wait(pending)
+                else:
+                    pending.wait()
+            finally:
+                recorder.waiting.pop(thread, None)
         self._pending = None
         blocked, in_flight = time.perf_counter() - start, start - self._issued
         if self._counted is None:
@@ -162,6 +175,19 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.nbytes
 
 
+# The bytes a native collective sends (`native_volume`), by (op, payload bytes, group): on the
+# path of every collective, a dictionary's lookup rather than two Python calls (each 2-4 us end
+# to end on 2 cores, its code cold after the previous call's wait).
+_VOLUMES: dict[tuple[str, int, ProcessGroup | TraceGroup | None], int] = {}
+
+
+def _learn_volume(op: str, nbytes: int, group: ProcessGroup | TraceGroup | None) -> int:
+    if len(_VOLUMES) > 4096:  # (payloads that vary call to call: keep it bounded)
+        _VOLUMES.clear()
+    volume = _VOLUMES[op, nbytes, group] = native_volume(op, nbytes, group_size(group))
+    return volume
+
+
 def _issue(
     op: str,
     nbytes: int,
@@ -197,7 +223,14 @@ def _issue(
     if async_op:  # counted as it is waited for
         issued = time.perf_counter()
         return Handle(op, work, recorded, issued, (nbytes, issued - start))
-    _wait_recorded(work, recorded, start)
+    # `_wait_recorded`, inline: on 2 cores a Python call on this path costs 2-4 us end to end
+    # (its code runs cold after the wait), and the peers wait on the path.
+    thread = threading.get_ident()
+    recorder.waiting[thread] = (recorded, start)  # (`recorder.begin_wait`)
+    try:
+        _wait(work) if interrupt.waits_interrupted else work.wait()
+    finally:
+        recorder.waiting.pop(thread, None)
     stats.record(op, nbytes, time.perf_counter() - start)
     return _DONE
 
@@ -224,11 +257,13 @@ def all_reduce(
     async_op: bool = False,
 ) -> Handle:
     """In-place all-reduce with the backend's native algorithm."""
-    volume = native_volume("all_reduce", _nbytes(tensor), group_size(group))
+    volume = _VOLUMES.get(("all_reduce", tensor.nbytes, group))
+    if volume is None:
+        volume = _learn_volume("all_reduce", tensor.nbytes, group)
     return _issue(
         "all_reduce",
         volume,
-        lambda: direct.all_reduce(tensor, op, group),
+        partial(direct.all_reduce, tensor, op, group),  # (no frame of its own: a C call)
         async_op,
         group,
         tensor,
@@ -274,11 +309,13 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> Handle:
     """Gather every rank's equal-sized `shard` into `output` (group-rank order)."""
-    volume = native_volume("all_gather", _nbytes(output), group_size(group))
+    volume = _VOLUMES.get(("all_gather", output.nbytes, group))
+    if volume is None:
+        volume = _learn_volume("all_gather", output.nbytes, group)
     return _issue(
         "all_gather",
         volume,
-        lambda: direct.all_gather_flat(output, shard, group),
+        partial(direct.all_gather_flat, output, shard, group),
         async_op,
         group,
         output,
@@ -341,7 +378,9 @@ def all_gather_pairwise(
             f"{output.device} does not hold {group_size(group)} shards {shard.dtype} "
             f"{tuple(shard.shape)} on {shard.device} (contiguous, same dtype and device)"
         )
-    volume = native_volume("all_gather", _nbytes(output), group_size(group))
+    volume = _VOLUMES.get(("all_gather", output.nbytes, group))
+    if volume is None:
+        volume = _learn_volume("all_gather", output.nbytes, group)
     return _issue(
         "all_gather",
         volume,
@@ -360,11 +399,13 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Handle:
     """Sum `full` over ranks and keep this rank's equal-sized slice in `shard`."""
-    volume = native_volume("reduce_scatter", _nbytes(full), group_size(group))
+    volume = _VOLUMES.get(("reduce_scatter", full.nbytes, group))
+    if volume is None:
+        volume = _learn_volume("reduce_scatter", full.nbytes, group)
     return _issue(
         "reduce_scatter",
         volume,
-        lambda: direct.reduce_scatter_flat(shard, full, group),
+        partial(direct.reduce_scatter_flat, shard, full, group),
         async_op,
         group,
         full,

@@ -17,6 +17,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from operator import itemgetter
 from pathlib import Path
 from types import CodeType
 
@@ -36,35 +37,44 @@ def collective_groups(counts: dict[str, int]) -> dict[str, int]:
     return {g: n for g, n in counts.items() if g not in (P2P, UNWATCHED)}
 
 
-class Call:
-    """One collective as this rank issued it. Issuing is on every collective's path, so it
-    records raw values (the dtype, the caller's code and line) and formats them only when read."""
+class Call(tuple):
+    """One collective as this rank issued it: (op, group, seq, shape, dtype, site). Issuing is on
+    every collective's path, so it records raw values (the dtype, the caller's code and line) in
+    a tuple made without Python code (`_make_call`), and formats them only when read."""
 
-    __slots__ = ("_dtype", "_site", "group", "op", "seq", "shape")
+    __slots__ = ()
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         op: str,
         group: str,  # "world", or the group's global ranks ("0,2")
         seq: int,  # this call's number in its group (1 = the group's first)
         shape: tuple[int, ...],
         dtype: str | torch.dtype,
         site: str | tuple[CodeType, int] | None,  # file:line (function) of the caller
-    ) -> None:
-        self.op, self.group, self.seq, self.shape = op, group, seq, shape
-        self._dtype, self._site = dtype, site
+    ) -> Call:
+        return tuple.__new__(cls, (op, group, seq, shape, dtype, site))
+
+    def __getnewargs__(self) -> tuple:  # (a copy or pickle makes it as `__new__` takes it)
+        return tuple(self)
+
+    op = property(itemgetter(0))
+    group = property(itemgetter(1))
+    seq = property(itemgetter(2))
+    shape = property(itemgetter(3))
 
     @property
     def dtype(self) -> str:
-        return _dtype_name(self._dtype)
+        return _dtype_name(self[4])
 
     @property
     def site(self) -> str:
-        if isinstance(self._site, str):
-            return self._site
-        if self._site is None:
+        site = self[5]
+        if isinstance(site, str):
+            return site
+        if site is None:
             return "?"
-        code, line = self._site
+        code, line = site
         return f"{Path(code.co_filename).name}:{line} ({code.co_name})"
 
     def describe(self) -> str:
@@ -82,10 +92,16 @@ class Call:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Call) and self.to_json() == other.to_json()
 
-    __hash__ = None  # (mutable in principle: as a dict, never a key)
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # (compared by what it describes, as a dict, never a key)
 
     def __repr__(self) -> str:
         return f"Call({self.describe()})"
+
+
+_make_call = tuple.__new__  # Call's fields, in order, with no Python frame: `_make_call(Call, t)`
 
 
 def _dtype_name(dtype: str | torch.dtype | None) -> str:
@@ -99,20 +115,6 @@ def _signature(op: str, shape: tuple[int, ...], dtype: str) -> str:
 
 
 _INSIDE: dict[CodeType, bool] = {}  # code object -> whether it is shardwise.comm's own
-
-
-def _site() -> tuple[CodeType, int] | None:
-    """The first frame outside `shardwise.comm`: its code and line (formatted when read)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        inside = _INSIDE.get(code)
-        if inside is None:
-            inside = _INSIDE[code] = code.co_filename.startswith(COMM_DIR)
-        if not inside:
-            return code, frame.f_lineno
-        frame = frame.f_back
-    return None
 
 
 _P2P_OPS = frozenset(("send", "recv", "p2p"))  # recorded under P2P, whatever their group
@@ -174,7 +176,19 @@ class FlightRecorder:
             shape, dtype = tensor.shape, tensor.dtype  # (a torch.Size is a tuple)
         crc = _SIGNATURES.get((op, shape, dtype)) or _signature_crc(op, shape, dtype)
         self.hash[name] = zlib.crc32(crc, self.hash.get(name, 0))
-        call = Call(op, name, seq, shape, "-" if dtype is None else dtype, _site())
+        # The call site: the first frame outside `shardwise.comm` (`_site`, inline: a Python
+        # call on this path costs 2-4 us end to end on 2 cores, its code cold after a wait).
+        frame, site = sys._getframe(2), None
+        while frame is not None:
+            code = frame.f_code
+            inside = _INSIDE.get(code)
+            if inside is None:
+                inside = _INSIDE[code] = code.co_filename.startswith(COMM_DIR)
+            if not inside:
+                site = (code, frame.f_lineno)
+                break
+            frame = frame.f_back
+        call = _make_call(Call, (op, name, seq, shape, "-" if dtype is None else dtype, site))
         self.history.append(call)
         if self.check_call is not None and name not in (P2P, UNWATCHED):
             self.check_call(call, group)

@@ -21,14 +21,17 @@ class PeerLost(RuntimeError):
 
 _check: Callable[[], str | None] | None = None
 _membership = 0  # how many memberships the job had before the present one
+# Whether waits are interrupted (`active()`), read as a module attribute where a call's path
+# cannot afford a function call (`collectives._issue`).
+waits_interrupted = False
 
 
 def interrupt_waits_with(check: Callable[[], str | None] | None) -> None:
     """From now on, a wait that lasts asks `check()` every `POLL_S`: a reason (not None) ends
     it with `PeerLost(reason)`, and a backend error in any wait is a `PeerLost` too. None (the
     default): waits block until the backend returns (or its own timeout)."""
-    global _check
-    _check = check
+    global _check, waits_interrupted
+    _check, waits_interrupted = check, check is not None
 
 
 def active() -> bool:
