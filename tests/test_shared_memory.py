@@ -467,11 +467,13 @@ def ddp_default_trains_in_shared_memory(algorithm):
             torch.randint(0, 5, (4 * world,), generator=g),
         )
         mine_x, mine_y = x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
-        if step in (1, 3):
+        if step in (1, 3):  # (on other data: what it wrote must not be summed)
             aborting.append(True)
             with contextlib.suppress(_Abort):
-                F.cross_entropy(ours(mine_x), mine_y).backward()
+                F.cross_entropy(ours(3 * mine_x.flip(0)), mine_y).backward()
             aborting.clear()
+            with torch.no_grad():  # (an evaluation starts no backward: it may run)
+                ours(mine_x)
             if step == 3:  # another backward before zero_grad: partial gradients, refused
                 try:
                     F.cross_entropy(ours(mine_x), mine_y).backward()
@@ -497,6 +499,54 @@ def test_ddp_on_one_host_sums_in_shared_memory_and_trains_exactly(algorithm):
         assert grads_shared == (algorithm is None)
         assert diff <= 1e-6
         assert "zero_grad() was not called" in refused
+
+
+def takes_back_in_step():
+    """A backward raises on both ranks after the last layer's gradient (many blocks, written
+    and stamped) landed in a bucket it never launched; rank 1 takes it back late. Rank 0's next
+    all-reduce must not sum what rank 1 wrote in the backward that raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    aborting = []
+
+    def abort_in_backward(module, inputs, output):
+        if aborting:
+            output.register_hook(lambda grad: (_ for _ in ()).throw(_Abort()))
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 40_000))
+
+    mine = model()
+    mine[1].register_forward_hook(abort_in_backward)
+    # One bucket: the last layer's 2.6 MB gradient and the first layer's, made after the hook.
+    ours, opt = sw.prepare(mine, sw.DDP(bucket_mb=8), optimizer=torch.optim.SGD, lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(4 * world, 16, generator=g),
+        torch.randint(0, 40_000, (4 * world,), generator=g),
+    )
+    mine_x, mine_y = x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
+    aborting.append(True)
+    with contextlib.suppress(_Abort):
+        F.cross_entropy(ours(-mine_x), mine_y.flip(0)).backward()
+    aborting.clear()
+    if rank == 1:
+        time.sleep(0.5)  # (rank 0 meanwhile at its next backward's all-reduce)
+    opt.zero_grad()
+    F.cross_entropy(ours(mine_x), mine_y).backward()
+    opt.step()
+    reference = model()
+    F.cross_entropy(reference(x), y).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.5 * p.grad
+    state = sw.full_state_dict(ours)
+    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+def test_a_backward_taken_back_late_on_one_rank_is_not_summed_by_another():
+    for diff in run(takes_back_in_step, 2):
+        assert diff <= 1e-6
 
 
 def test_a_peer_process_that_ended_is_told_apart_from_a_live_one():

@@ -90,13 +90,19 @@ def train_three_ways(kind: str, stage: int, clip: float | None, keep_mb: float =
         ref_opt.step()
         ref_opt.zero_grad()
         for model, opt in ((zero, zero_opt), (ddp, ddp_opt)):
-            if step in (3, 8):
+            if step in (3, 8):  # (on other data: what it made must not count)
                 aborting.append(True)
                 with contextlib.suppress(_Abort):
-                    loss_fn(model(_local(x)), _local(y)).backward()
+                    loss_fn(model(_local(x).flip(0)), _local(y)).backward()
                 aborting.clear()
                 opt.zero_grad()
-            loss_fn(model(_local(x)), _local(y)).backward()
+            if step == 8:  # the step's batch in two halves, the first's gradients kept local
+                half = BATCH // 2
+                with model.no_sync():
+                    (loss_fn(model(_local(x)[:half]), _local(y)[:half]) / 2).backward()
+                (loss_fn(model(_local(x)[half:]), _local(y)[half:]) / 2).backward()
+            else:
+                loss_fn(model(_local(x)), _local(y)).backward()
             if keep_mb and model is zero:  # a forward whose backward never comes (a metric):
                 model(_local(x))  # the units it leaves gathered must not outlive the step
             if clip:

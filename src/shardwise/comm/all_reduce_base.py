@@ -42,10 +42,10 @@ class AllReduceAlgorithm:
         the whole buffer is started (`SharedMemoryAllReduce`: a rank done early sums what its
         peers have made already)."""
 
-    def forget_written(self, buffer: torch.Tensor) -> None:
-        """What `written` said of `buffer` since its last reduction began no longer holds (a
-        backward that raised wrote it; the next writes it again). Every rank forgets alike,
-        with no reduction of the buffer in flight."""
+    def forget_written(self, buffers: list[torch.Tensor]) -> None:
+        """What `written` said of `buffers` since their last reductions began no longer holds
+        (a backward that raised wrote them; the next writes them again). Collective: every rank
+        forgets alike, with no reduction in flight, and none reduces again before all have."""
 
     def start(self, buffer: torch.Tensor) -> Handle:
         raise NotImplementedError

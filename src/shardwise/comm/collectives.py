@@ -181,6 +181,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
 _VOLUMES: dict[tuple[str, int, ProcessGroup | TraceGroup | None], int] = {}
 
 
+def forget_volumes() -> None:
+    """The groups changed (a new world, after a re-form; none, after shutdown): `None` may name
+    another world now, and a group left behind must not be held here."""
+    _VOLUMES.clear()
+
+
 def _learn_volume(op: str, nbytes: int, group: ProcessGroup | TraceGroup | None) -> int:
     if len(_VOLUMES) > 4096:  # (payloads that vary call to call: keep it bounded)
         _VOLUMES.clear()

@@ -11,7 +11,7 @@ wrapper only what it must handle:
 
 - a tensor that overrides torch functions (a subclass; what tracing hands us): the wrapper
   dispatches it;
-- a complex tensor: the wrapper reduces it as its real view;
+- a complex tensor: the wrapper handles it (reduces its real view, where it does);
 - a reduction other than the plain ones (a pre-multiplied sum).
 
 Each returns the backend's `Work`, as the wrapper's `async_op=True` does. (Unlike the wrapper's,

@@ -358,10 +358,15 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         if progress is not None:
             progress.written(start, stop)
 
-    def forget_written(self, buffer: torch.Tensor) -> None:
-        progress = self._progress.get(buffer.data_ptr())
-        if progress is not None:
-            progress.forget()
+    def forget_written(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            progress = self._progress.get(buffer.data_ptr())
+            if progress is not None:
+                progress.forget()
+        # A rank that forgot first, then began the buffer's next all-reduce, would find a peer's
+        # stamps from the backward that raised and sum what that peer wrote then.
+        if self.arrivals is not None:
+            self.arrivals.wait()
 
     def _run(self, buffer: torch.Tensor, mean: bool = False) -> None:
         peers = self._peers_of(buffer)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import jobstore
+from shardwise.comm.collectives import forget_volumes
 from shardwise.distributed import leaving
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -193,6 +194,7 @@ def reform(epoch: int, rank: int, world_size: int) -> Runtime:
     _runtime = dataclasses.replace(
         _runtime, rank=rank, world_size=world_size, local_world_size=world_size
     )
+    forget_volumes()  # (a collective over the world sends by the new world's size)
     return _runtime
 
 
@@ -276,6 +278,7 @@ def shutdown() -> None:
         if not _failed:  # (a failed rank's peers are not in a barrier to meet it there)
             _quiesce()
         dist.destroy_process_group()
+    forget_volumes()
     if _client is not None:
         _client.close()
     _runtime = _store = _client = None

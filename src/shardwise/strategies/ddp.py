@@ -308,7 +308,7 @@ class GradientReducer:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
-            self.all_reduce.forget_written(bucket.buffer)
+        self.all_reduce.forget_written([b.buffer for b in self.buckets])
         if self.arrival is not None:  # (the first backward's order: the next one's, whole)
             self.arrival.clear()
 

@@ -121,8 +121,9 @@ class BucketedBackward:
         """Refuse a forward that follows a backward that raised, with no `abandon` between: its
         gradients are partial, and the next backward would add to them. (In the forward, as
         torch's DDP refuses it: a backward's hooks cannot tell another backward from one that
-        recomputes a checkpointed region within it.)"""
-        if self._in_backward:
+        recomputes a checkpointed region within it.) A forward without autograd (evaluation)
+        starts no backward: it may run."""
+        if self._in_backward and torch.is_grad_enabled():
             raise RuntimeError(
                 "a backward raised before its end, and zero_grad() was not called since: its "
                 "gradients are partial (call zero_grad() on every rank before the next forward)"
@@ -149,15 +150,15 @@ class BucketedBackward:
         self.next_launch += 1
 
     def _end_of_backward(self) -> None:
-        self._in_backward = False
         unused = [p for p in self.bucket_of if p not in self.ready]
         if unused and not self.find_unused_parameters:
+            # (a backward that raised, like any other: `abandon` takes back what it launched)
             names = ", ".join(self.names[p] for p in unused[:8])
-            self._reset()
             raise RuntimeError(
                 f"{len(unused)} parameter(s) received no gradient in this backward pass "
                 f"({names}); pass find_unused_parameters=True if that is intended"
             )
+        self._in_backward = False
         for p in unused:  # an unused parameter contributes a zero gradient, as in torch DDP
             self.callbacks.zero_unused(p)
         while self.next_launch < len(self.sizes):

@@ -165,7 +165,8 @@ class ZeroStage2(ZeroStage1):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.backward.abandon():
             self._take_back_abandoned()
-        self.deferred.clear()  # (a backward that raised never reached `_flush`)
+        self.weighing.clear()  # (a backward that raised never reached `_finish`)
+        self.deferred.clear()  # (nor `_flush`)
         for unit, shard in zip(self.units, self.shards, strict=True):
             unit.grad_full = None  # (what no_sync() accumulated, where it was discarded)
             shard.grad = None

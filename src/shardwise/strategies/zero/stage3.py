@@ -286,6 +286,16 @@ class ZeroStage3(ZeroStage2):
             del self.grads_in[unit]
             unit.free()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.grads_in.clear()  # (what a no_sync() backward that raised left counted)
+
+    def _take_back_abandoned(self) -> None:
+        super()._take_back_abandoned()
+        for unit in self.units:  # (the gathers it started ahead: none reads a shard after this)
+            unit.wait_gather()
+        self._wait_meeting()
+
     def gather_parameters(self) -> None:
         """Gathered on demand, unit by unit, in the next forward. A unit still gathered (kept
         after a forward whose backward never came) holds the old values: it goes."""
