@@ -437,6 +437,19 @@ class _Abort(Exception):
     """Raised by a hook inside backward."""
 
 
+def _raising_midway(model: nn.Sequential) -> tuple[nn.Sequential, list]:
+    """`model`, and a list: while it holds anything, a backward through `model` raises once the
+    gradients past its second module (the last layer's) are made."""
+    aborting: list = []
+
+    def hook(module, inputs, output):
+        if aborting:
+            output.register_hook(lambda grad: (_ for _ in ()).throw(_Abort()))
+
+    model[1].register_forward_hook(hook)
+    return model, aborting
+
+
 def ddp_default_trains_in_shared_memory(algorithm):
     """sw.DDP() on CPU ranks of one host: its gradients live in shared memory (the kernel's
     map of this process says so), and training matches one process on the global batch, a
@@ -444,18 +457,11 @@ def ddp_default_trains_in_shared_memory(algorithm):
     gloo's all-reduce."""
     world, rank = dist.get_world_size(), dist.get_rank()
 
-    aborting = []
-
-    def abort_in_backward(module, inputs, output):  # (after the last layer's gradients)
-        if aborting:
-            output.register_hook(lambda grad: (_ for _ in ()).throw(_Abort()))
-
     def model() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(13, 31), nn.Tanh(), nn.Linear(31, 5))
 
-    mine = model()
-    mine[1].register_forward_hook(abort_in_backward)
+    mine, aborting = _raising_midway(model())
     # (a bucket a parameter or so: the last layer's launch before the hook raises)
     ours, opt = sw.prepare(mine, sw.DDP(bucket_mb=0.0005, algorithm=algorithm), lr=1e-2)
     reference = model()
@@ -506,18 +512,12 @@ def takes_back_in_step():
     and stamped) landed in a bucket it never launched; rank 1 takes it back late. Rank 0's next
     all-reduce must not sum what rank 1 wrote in the backward that raised."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    aborting = []
-
-    def abort_in_backward(module, inputs, output):
-        if aborting:
-            output.register_hook(lambda grad: (_ for _ in ()).throw(_Abort()))
 
     def model() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 40_000))
 
-    mine = model()
-    mine[1].register_forward_hook(abort_in_backward)
+    mine, aborting = _raising_midway(model())
     # One bucket: the last layer's 2.6 MB gradient and the first layer's, made after the hook.
     ours, opt = sw.prepare(mine, sw.DDP(bucket_mb=8), optimizer=torch.optim.SGD, lr=0.5)
     g = torch.Generator().manual_seed(0)
