@@ -530,8 +530,13 @@ def takes_back_in_step():
     with contextlib.suppress(_Abort):
         F.cross_entropy(ours(-mine_x), mine_y.flip(0)).backward()
     aborting.clear()
+    # What the test is about: the bucket was never launched, and its blocks that the last
+    # layer's gradient filled are stamped for the next all-reduce.
+    bucket = ours.reducer.buckets[0]
+    progress = ours.reducer.all_reduce._progress[bucket.buffer.data_ptr()]
+    stale = bucket.handle is None and progress.begun == 0 and int((progress.mine == 1).sum())
     if rank == 1:
-        time.sleep(0.5)  # (rank 0 meanwhile at its next backward's all-reduce)
+        time.sleep(0.5)  # (without the ranks' meeting, rank 0 would sum its blocks meanwhile)
     opt.zero_grad()
     F.cross_entropy(ours(mine_x), mine_y).backward()
     opt.step()
@@ -541,11 +546,13 @@ def takes_back_in_step():
         for p in reference.parameters():
             p -= 0.5 * p.grad
     state = sw.full_state_dict(ours)
-    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return stale, diff
 
 
 def test_a_backward_taken_back_late_on_one_rank_is_not_summed_by_another():
-    for diff in run(takes_back_in_step, 2):
+    for stale_blocks, diff in run(takes_back_in_step, 2):
+        assert stale_blocks >= 8  # (of the 2.6 MB gradient's ten 256 KiB blocks)
         assert diff <= 1e-6
 
 

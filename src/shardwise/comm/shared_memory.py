@@ -364,9 +364,12 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
             if progress is not None:
                 progress.forget()
         # A rank that forgot first, then began the buffer's next all-reduce, would find a peer's
-        # stamps from the backward that raised and sum what that peer wrote then.
+        # stamps from the backward that raised and sum what that peer wrote then: the ranks
+        # meet, after the thread's calls, as a collective of its own (the watchdog names a rank
+        # that never comes).
         if self.arrivals is not None:
-            self.arrivals.wait()
+            meet = partial(self._here, self.arrivals.wait, "shared-memory take-back")
+            _issue("barrier", 0, meet, False, self.group, None, "barrier_shared", blocking=True)
 
     def _run(self, buffer: torch.Tensor, mean: bool = False) -> None:
         peers = self._peers_of(buffer)

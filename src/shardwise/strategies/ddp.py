@@ -289,8 +289,9 @@ class GradientReducer:
         """
         self.weighing.clear()  # (a backward that raised never reached `_wait`)
         self.written_in_slot.clear()
-        if self.backward.abandon():
+        if self.backward.unfinished:  # (a backward that raised)
             self._take_back_abandoned()
+            self.backward.abandon()
         if self.alone:  # (no buckets: as a plain module)
             clear_grads(self.params, set_to_none)
             return

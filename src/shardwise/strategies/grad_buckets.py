@@ -129,15 +129,17 @@ class BucketedBackward:
                 "gradients are partial (call zero_grad() on every rank before the next forward)"
             )
 
-    def abandon(self) -> bool:
-        """Forget a backward that raised before its end (its launches and counts); whether one
-        had. (Autograd runs no callback of a backward that raised: `_end_of_backward` never
-        came.)"""
-        if not self._in_backward:
-            return False
+    @property
+    def unfinished(self) -> bool:
+        """Whether a backward began and never ended: it raised (autograd runs no callback of a
+        backward that raised, so `_end_of_backward` never came)."""
+        return self._in_backward
+
+    def abandon(self) -> None:
+        """Forget a backward that raised before its end: its launches and counts (what it
+        launched taken back first, by the caller)."""
         self._in_backward = False
         self._reset()
-        return True
 
     @property
     def launching_last(self) -> bool:
