@@ -104,18 +104,7 @@ class Handle:
         # From the issue to this wait the operation could progress while the caller computed:
         # that long, at most, it overlapped compute.
         start = time.perf_counter()
-        if self._call is None:
-            _wait(pending)
-        else:  # `_wait_recorded`, inline (as in `_issue`)
-            thread = threading.get_ident()
-            recorder.waiting[thread] = (self._call, start)  # (`recorder.begin_wait`)
-            try:
-                if interrupt.waits_interrupted or isinstance(pending, Future):
-                    _wait(pending)
-                else:
-                    pending.wait()
-            finally:
-                recorder.waiting.pop(thread, None)
+        _wait_recorded(pending, self._call, start)
         self._pending = None
         blocked, in_flight = time.perf_counter() - start, start - self._issued
         if self._counted is None:
@@ -131,15 +120,22 @@ _DONE = Handle("done", None, None, 0.0)  # what a call that has finished returns
 def _wait_recorded(
     pending: dist.Work | Future, call: Call | None, since: float | None = None
 ) -> None:
-    """`_wait`, with the flight recorder told which call this thread waits in (from `since`)."""
+    """`_wait`, with the flight recorder told which call this thread waits in (from `since`).
+    On every collective's path: flat (`recorder.begin_wait`, `end_wait` and `_wait`'s own test,
+    inline), since on 2 cores a Python call there costs 2-4 us end to end, its code run cold
+    after the wait."""
     if call is None:
         _wait(pending)
         return
-    thread = recorder.begin_wait(call, since)
+    thread, waiting = threading.get_ident(), recorder.waiting
+    waiting[thread] = (call, time.perf_counter() if since is None else since)
     try:
-        _wait(pending)
+        if interrupt.waits_interrupted or isinstance(pending, Future):
+            _wait(pending)
+        else:
+            pending.wait()
     finally:
-        recorder.end_wait(thread)
+        waiting.pop(thread, None)
 
 
 @dataclass(frozen=True)
@@ -196,7 +192,7 @@ def _learn_volume(op: str, nbytes: int, group: ProcessGroup | TraceGroup | None)
 
 def _issue(
     op: str,
-    nbytes: int,
+    nbytes: int | None,
     call,
     async_op: bool,
     group: ProcessGroup | None = None,
@@ -207,9 +203,15 @@ def _issue(
     """Run a backend call, count it (as `op`), and either wait (timing the wait) or hand back
     a Handle. `recorded_as`: the flight recorder's name for how it was sent, where not `op`.
     `blocking`: the call itself is the wait (a collective of ours that returns when done),
-    marked as waited in from its issue, so the watchdog names a rank that never arrives."""
+    marked as waited in from its issue, so the watchdog names a rank that never arrives.
+    `nbytes` None: the native volume of `op` over `tensor` (a group this rank is not in is
+    refused there, before the call)."""
     if isinstance(group, TraceGroup):
         return Handle(op, None, None)
+    if nbytes is None:  # (the native volume of `op` over `tensor`: `_VOLUMES`)
+        nbytes = _VOLUMES.get((op, tensor.nbytes, group))
+        if nbytes is None:
+            nbytes = _learn_volume(op, tensor.nbytes, group)
     start = time.perf_counter()
     if blocking or recorder.check_call is not None:
         # Recorded before it runs: the watchdog must know what a blocking call waits in, and
@@ -229,14 +231,7 @@ def _issue(
     if async_op:  # counted as it is waited for
         issued = time.perf_counter()
         return Handle(op, work, recorded, issued, (nbytes, issued - start))
-    # `_wait_recorded`, inline: on 2 cores a Python call on this path costs 2-4 us end to end
-    # (its code runs cold after the wait), and the peers wait on the path.
-    thread = threading.get_ident()
-    recorder.waiting[thread] = (recorded, start)  # (`recorder.begin_wait`)
-    try:
-        _wait(work) if interrupt.waits_interrupted else work.wait()
-    finally:
-        recorder.waiting.pop(thread, None)
+    _wait_recorded(work, recorded, start)
     stats.record(op, nbytes, time.perf_counter() - start)
     return _DONE
 
@@ -263,12 +258,9 @@ def all_reduce(
     async_op: bool = False,
 ) -> Handle:
     """In-place all-reduce with the backend's native algorithm."""
-    volume = _VOLUMES.get(("all_reduce", tensor.nbytes, group))
-    if volume is None:
-        volume = _learn_volume("all_reduce", tensor.nbytes, group)
     return _issue(
         "all_reduce",
-        volume,
+        None,
         partial(direct.all_reduce, tensor, op, group),  # (no frame of its own: a C call)
         async_op,
         group,
@@ -315,12 +307,9 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> Handle:
     """Gather every rank's equal-sized `shard` into `output` (group-rank order)."""
-    volume = _VOLUMES.get(("all_gather", output.nbytes, group))
-    if volume is None:
-        volume = _learn_volume("all_gather", output.nbytes, group)
     return _issue(
         "all_gather",
-        volume,
+        None,
         partial(direct.all_gather_flat, output, shard, group),
         async_op,
         group,
@@ -384,12 +373,9 @@ def all_gather_pairwise(
             f"{output.device} does not hold {group_size(group)} shards {shard.dtype} "
             f"{tuple(shard.shape)} on {shard.device} (contiguous, same dtype and device)"
         )
-    volume = _VOLUMES.get(("all_gather", output.nbytes, group))
-    if volume is None:
-        volume = _learn_volume("all_gather", output.nbytes, group)
     return _issue(
         "all_gather",
-        volume,
+        None,
         lambda: post_pairwise_gather(output, shard, group),
         async_op,
         group,
@@ -405,12 +391,9 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Handle:
     """Sum `full` over ranks and keep this rank's equal-sized slice in `shard`."""
-    volume = _VOLUMES.get(("reduce_scatter", full.nbytes, group))
-    if volume is None:
-        volume = _learn_volume("reduce_scatter", full.nbytes, group)
     return _issue(
         "reduce_scatter",
-        volume,
+        None,
         partial(direct.reduce_scatter_flat, shard, full, group),
         async_op,
         group,

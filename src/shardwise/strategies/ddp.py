@@ -289,9 +289,7 @@ class GradientReducer:
         """
         self.weighing.clear()  # (a backward that raised never reached `_wait`)
         self.written_in_slot.clear()
-        if self.backward.unfinished:  # (a backward that raised)
-            self._take_back_abandoned()
-            self.backward.abandon()
+        self.backward.take_back(self._take_back_abandoned)  # (a backward that raised)
         if self.alone:  # (no buckets: as a plain module)
             clear_grads(self.params, set_to_none)
             return

@@ -118,7 +118,7 @@ class BucketedBackward:
             self._launch_next()
 
     def check_ended(self) -> None:
-        """Refuse a forward that follows a backward that raised, with no `abandon` between: its
+        """Refuse a forward that follows a backward that raised, with no `take_back` between: its
         gradients are partial, and the next backward would add to them. (In the forward, as
         torch's DDP refuses it: a backward's hooks cannot tell another backward from one that
         recomputes a checkpointed region within it.) A forward without autograd (evaluation)
@@ -129,17 +129,14 @@ class BucketedBackward:
                 "gradients are partial (call zero_grad() on every rank before the next forward)"
             )
 
-    @property
-    def unfinished(self) -> bool:
-        """Whether a backward began and never ended: it raised (autograd runs no callback of a
-        backward that raised, so `_end_of_backward` never came)."""
-        return self._in_backward
-
-    def abandon(self) -> None:
-        """Forget a backward that raised before its end: its launches and counts (what it
-        launched taken back first, by the caller)."""
-        self._in_backward = False
-        self._reset()
+    def take_back(self, undo: Callable[[], None]) -> None:
+        """Where a backward began and never ended (it raised: autograd runs no callback of a
+        backward that raised, so `_end_of_backward` never came), `undo()` what it launched,
+        then forget it: its launches and counts. (`zero_grad` asks, on every rank.)"""
+        if self._in_backward:
+            undo()
+            self._in_backward = False
+            self._reset()
 
     @property
     def launching_last(self) -> bool:
@@ -154,7 +151,7 @@ class BucketedBackward:
     def _end_of_backward(self) -> None:
         unused = [p for p in self.bucket_of if p not in self.ready]
         if unused and not self.find_unused_parameters:
-            # (a backward that raised, like any other: `abandon` takes back what it launched)
+            # (a backward that raised, like any other: `take_back` undoes what it launched)
             names = ", ".join(self.names[p] for p in unused[:8])
             raise RuntimeError(
                 f"{len(unused)} parameter(s) received no gradient in this backward pass "

@@ -302,9 +302,7 @@ class ZeroStage1(DistributedModel):
         """Stage 1 keeps the unit's full gradient buffer (the parameters' .grad live in it)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.backward.unfinished:  # (a backward that raised)
-            self._take_back_abandoned()
-            self.backward.abandon()
+        self.backward.take_back(self._take_back_abandoned)  # (a backward that raised)
         self.weighing.clear()  # (a backward that raised never reached `_finish`)
         for unit, shard in zip(self.units, self.shards, strict=True):
             shard.grad = None

@@ -163,9 +163,7 @@ class ZeroStage2(ZeroStage1):
         unit.grad_full = None  # reduced: only this rank's slice lives on, as the shard's grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.backward.unfinished:  # (a backward that raised)
-            self._take_back_abandoned()
-            self.backward.abandon()
+        self.backward.take_back(self._take_back_abandoned)  # (a backward that raised)
         self.weighing.clear()  # (a backward that raised never reached `_finish`)
         self.deferred.clear()  # (nor `_flush`)
         for unit, shard in zip(self.units, self.shards, strict=True):
