@@ -117,12 +117,18 @@ def test_dynamic_balance_follows_the_slow_rank_and_stays_exact(tmp_path):
     # the batch size (caches), SyncBatchNorm's meetings in the forward cost time that does not
     # scale with the batch, and the slow fault's per-sample cost is fitted from timings on 2
     # shared cores, so they land within some 35% of it, run to run.
-    # (medians over the windows that end before the change and at the job's end: one step's
-    # share moves with the shared cores' load, and five steps' median once went from 0.22-0.25
-    # to 0.29 in CI)
+    # (medians over two windows of each speed: one window's share is one measurement, which
+    # moves with the shared cores' load: five steps' median once went from 0.22-0.25 to 0.29 in
+    # CI, and the 2x window alone set a ratio of 0.818 once, against 0.58-0.63 in reruns. The
+    # window that begins at CHANGE has its shares from the 2x window before it: a rebalance
+    # reads the window just ended.)
+    assert (CHANGE - 1) % EVERY == 0  # (CHANGE begins a window)
     shares = {
         factor: statistics.median(_slow_share(lines, range(first, last + 1)))
-        for first, last, factor in ((3 * EVERY + 1, CHANGE - 1, 2), (CHANGE + 3 * EVERY, STEPS, 4))
+        for first, last, factor in (
+            (3 * EVERY + 1, CHANGE + EVERY - 1, 2),
+            (CHANGE + 3 * EVERY, STEPS, 4),
+        )
     }
     assert shares[2] < 0.45 and shares[4] < 0.8 * shares[2], shares
     first_window = _slow_share(lines, range(1, EVERY + 1))
