@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -52,7 +53,9 @@ def _ratio(value: float | None) -> str:
 
 
 def by_rep_lines(results: list[dict]) -> list[str]:
-    """Each repetition's ratios, one line per figure: every list `*_by_rep` of the results."""
+    """Each repetition's ratios, one line per figure: every list `*_by_rep` of the results,
+    with its median (what a bound on "the median of the repetitions" reads: the table's ratio
+    is the ratio of the median steps, another figure)."""
     lines = []
     for result in results:
         for key, value in result.items():
@@ -61,7 +64,8 @@ def by_rep_lines(results: list[dict]) -> list[str]:
                 figures = {f"{key} {k}": v for k, v in value.items() if k.endswith("_by_rep")}
             for name, ratios in figures.items():
                 listed = " ".join(f"{r:.3f}" for r in ratios)
-                lines.append(f"{result['model']}: {name.removesuffix('_by_rep')}: {listed}")
+                median = f" (median {statistics.median(ratios):.3f})" if ratios else ""
+                lines.append(f"{result['model']}: {name.removesuffix('_by_rep')}: {listed}{median}")
     return lines
 
 
