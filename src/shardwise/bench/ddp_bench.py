@@ -66,7 +66,7 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
     result["ours"].update(floor_figures(times, "ours"))
     result["ratio_step_time_ours_over_torch"] = step_times["ours"] / step_times["torch"]
     result["ratio_ours_over_torch_by_rep"] = by_rep(times, "ours", "torch")
-    # (what no implementation that computes the same step beats: its bound, repetition by repetition)
+    # (the bound no implementation of the same step beats, repetition by repetition)
     result["ratio_compute_over_torch_by_rep"] = by_rep(times, "compute", "torch")
     sw.DDP().close(ours)
     return result

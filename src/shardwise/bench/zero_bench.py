@@ -188,7 +188,7 @@ def bench_model(name: str, steps: int, reps: int) -> dict:
             result[key].update(floor_figures(times, key))
     result["ratio_zero3_over_fsdp2"] = step_times["zero3"] / step_times["fsdp2"]
     result["ratio_zero3_over_fsdp2_by_rep"] = by_rep(times, "zero3", "fsdp2")
-    # (what no implementation that computes the same step beats: its bound, repetition by repetition)
+    # (the bound no implementation of the same step beats, repetition by repetition)
     result["ratio_compute_over_fsdp2_by_rep"] = by_rep(times, "compute", "fsdp2")
     # The same policy on both sides: every unit kept (our default here), or none.
     result["ratio_zero3_over_fsdp2-keep"] = step_times["zero3"] / step_times["fsdp2-keep"]

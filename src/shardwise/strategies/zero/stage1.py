@@ -204,6 +204,7 @@ class ZeroStage1(DistributedModel):
                 u.grad_full = self.shared.new_buffer(u.full.numel(), u.full.dtype, u.full.device)
             else:
                 u.grad_full = torch.zeros_like(u.full)
+            u.keep_slots(u.grad_full)
 
     # ---- gradients: fill the unit's full gradient buffer, reduce-scatter it, keep our slice
     def _on_grad(self, p: nn.Parameter) -> None:

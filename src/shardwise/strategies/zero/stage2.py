@@ -55,6 +55,10 @@ class StagedGradients:
         ]
         # (all ranks agree: where one could not map its files, none are shared anywhere)
         self.buffers = [b for b in made if shared.placed(b)]
+        for unit in units:  # (any unit may take any buffer: its slots in each, made once)
+            for b in self.buffers:
+                if b.dtype == unit.full.dtype:
+                    unit.keep_slots(b[: unit.full.numel()])
 
     def take(self, full: torch.Tensor, busy: set[int]) -> torch.Tensor | None:
         """A free buffer's first `full.numel()` elements, for a unit whose full buffer is

@@ -71,6 +71,9 @@ class FlatUnit:
         self.bind_views()
         if source is not None:
             self.full.untyped_storage().resize_(0)  # (untouched: it cost no memory) gathered later
+        # Each parameter's slot in a buffer that lives as long as the unit (`keep_slots`), by
+        # the buffer's address: made once, not sliced from it in every gradient's hook.
+        self._kept_slots: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
         self.grad_full: torch.Tensor | None = None
         self.fresh_grads = False  # stage 2: grad_full made in this backward (not a no_sync sum)
         self.reduced: torch.Tensor | None = None
@@ -92,8 +95,21 @@ class FlatUnit:
 
     def slot(self, buffer: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         """`p`'s place in a unit-sized buffer."""
+        kept = self._kept_slots.get(buffer.data_ptr())
+        if kept is not None:
+            return kept[p]
         offset = self.offset_of[p]
         return buffer[offset : offset + p.numel()].view(p.shape)
+
+    def keep_slots(self, buffer: torch.Tensor) -> None:
+        """Make every parameter's slot in `buffer` (unit-sized, kept as long as this unit:
+        the views hold it) once, for `slot`. On every gradient's hook, slicing the slot from
+        the buffer cost 25 us of the bench GPT's ZeRO-3 hook (1.3 ms a step, 53 hooks), its
+        code cold after each layer's backward."""
+        self._kept_slots[buffer.data_ptr()] = {
+            p: buffer[offset : offset + p.numel()].view(p.shape)
+            for p, offset in self.offset_of.items()
+        }
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """One tensor per parameter (any device/dtype) -> a padded unit-sized flat buffer."""
