@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -406,6 +407,26 @@ def plain_buffer_and_disagreement():
     summing.close()
     without.close()
     return plain.tolist() == [expected] * 7, buffer.tolist() == [expected] * 7, in_shared_memory
+
+
+def test_a_block_is_stamped_once_its_every_element_is_written_and_not_twice():
+    """`Progress.written`, in one process: a block of 4 elements of a 10-element buffer (blocks
+    of 4, 4 and 2) is stamped with the next all-reduce's number once all its elements are in,
+    however the writes cut it; an element written twice before its all-reduce is refused."""
+    tails = [np.zeros(shared_memory.Progress.tail_bytes(10, 4), np.uint8) for _ in range(2)]
+    progress = shared_memory.Progress(tails, rank=1, numel=10, block=4)
+    stamps = tails[1][:24].view(np.int64)  # (this rank's: 3 blocks)
+    progress.written(0, 3)
+    assert stamps.tolist() == [0, 0, 0]
+    progress.written(3, 9)  # (block 0's last element, block 1 whole, block 2's first)
+    assert stamps.tolist() == [1, 1, 0]
+    progress.written(9, 10)
+    assert stamps.tolist() == [1, 1, 1] and tails[0][:24].view(np.int64).tolist() == [0, 0, 0]
+    assert progress.begin() == 1  # (all-reduce 1 begins: the next writes are for the 2nd)
+    progress.written(4, 8)
+    assert stamps.tolist() == [1, 2, 1]
+    with pytest.raises(RuntimeError, match="written twice"):
+        progress.written(5, 6)
 
 
 def test_buffers_outside_shared_memory_are_summed_by_gloo():
