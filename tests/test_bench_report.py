@@ -15,7 +15,8 @@ def test_each_figure_by_repetition_is_listed_with_its_median():
         }
     ]
     assert by_rep_lines(results) == [
-        # (sorted: 0.941 0.943 0.945 0.946 0.972; an even count: the mean of the middle two)
+        # (sorted: 0.941 0.943 0.945 0.946 0.972: the middle one)
         "gpt: ratio_ours_over_torch: 0.943 0.972 0.946 0.941 0.945 (median 0.945)",
+        # (an even count: the mean of the middle two)
         "gpt: ours over_floor_unoverlapped: 1.020 0.980 (median 1.000)",
     ]

@@ -28,6 +28,7 @@ def test_a_parameters_slot_is_its_place_in_the_buffer_kept_or_not():
             assert torch.equal(buffer[start : start + p.numel()], torch.full((p.numel(),), i + 1.0))
         start += p.numel()
     assert torch.equal(kept, other) and kept[start:].eq(0).all()  # (the padding untouched)
-    # A buffer made after, wherever it lies, is sliced: never another buffer's kept slots.
-    later = torch.ones_like(unit.full)
-    assert unit.slot(later, params[1]).data_ptr() == later[15:].data_ptr()
+    # The kept buffer's slots are made once and handed out as they are; any other's are sliced
+    # anew each time.
+    assert unit.slot(kept, params[1]) is unit.slot(kept, params[1])
+    assert unit.slot(other, params[1]) is not unit.slot(other, params[1])

@@ -427,6 +427,13 @@ def test_a_block_is_stamped_once_its_every_element_is_written_and_not_twice():
     assert stamps.tolist() == [1, 2, 1]
     with pytest.raises(RuntimeError, match="written twice"):
         progress.written(5, 6)
+    progress.forget()  # (nothing written for all-reduce 2 after all: every count whole again)
+    assert stamps.tolist() == [1, 1, 1]
+    progress.written(2, 6)  # (two neighbouring blocks, neither whole)
+    assert stamps.tolist() == [1, 1, 1]
+    progress.written(0, 2)
+    progress.written(6, 10)
+    assert stamps.tolist() == [2, 2, 2]
 
 
 def test_buffers_outside_shared_memory_are_summed_by_gloo():
