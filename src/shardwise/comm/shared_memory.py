@@ -189,12 +189,10 @@ class Progress:
             remaining[first + 1 : last] = [0] * (last - first - 1)
             self.mine[first + 1 : last] = nxt
         for b in (first,) if first == last else (first, last):
-            left = remaining[b] = remaining[b] - (
-                min(stop, (b + 1) * block) - max(start, b * block)
-            )
-            if left == 0:
+            remaining[b] -= min(stop, (b + 1) * block) - max(start, b * block)
+            if remaining[b] == 0:
                 self.mine[b] = nxt
-            elif left < 0:  # (a peer may have summed what it holds already)
+            elif remaining[b] < 0:  # (a peer may have summed what it holds already)
                 raise RuntimeError(
                     f"shared-memory all-reduce: elements {start}-{stop} written twice before "
                     "their all-reduce"
