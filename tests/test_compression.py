@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import shardwise as sw
 from shardwise.comm.compressed_collectives import make_codec
@@ -245,3 +248,60 @@ def test_ideal_powersgd_reduction_of_the_benchmark_models():
     # head still shrinks more than 2x, so it is compressed too) plus 4,106 bias values.
     sent = (2048 + 784) * 4 + (2048 + 2048) * 4 + (10 + 2048) * 4 + 2048 + 2048 + 10
     assert ideal_powersgd_ratio(MLP([784, 2048, 2048, 10])) == pytest.approx(5_824_522 / sent)
+
+
+class _Abort(Exception):
+    """Raised by a hook inside backward."""
+
+
+def trains_as_if_the_raised_backwards_never_ran(strategies: list):
+    """Each strategy trains the same model twice on the same batches: once as is, once with a
+    backward that raises on every rank after the last layer's gradients were reduced through
+    the codec (residuals kept, random numbers drawn, reductions counted), then `zero_grad`.
+    Both must end the same, bit for bit, the codec's state too."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def trained(strategy, abort_at: tuple[int, ...]):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(13, 31), nn.Tanh(), nn.Linear(31, 5))
+        aborting: list = []
+
+        def raise_in_backward(module, inputs, output):  # (once the last layer's grads are made)
+            if aborting:
+                output.register_hook(lambda grad: (_ for _ in ()).throw(_Abort()))
+
+        module[1].register_forward_hook(raise_in_backward)
+        model, opt = sw.prepare(module, strategy, lr=1e-2)
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4 * world, 13, generator=g)[rank * 4 : (rank + 1) * 4]
+            y = torch.randint(0, 5, (4 * world,), generator=g)[rank * 4 : (rank + 1) * 4]
+            if step in abort_at:  # (on other data: nothing of it may remain)
+                aborting.append(True)
+                with contextlib.suppress(_Abort):
+                    F.cross_entropy(model(3 * x.flip(0)), y).backward()
+                aborting.clear()
+                opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        state = {**sw.full_state_dict(model), **model.extra_state()}
+        model.close()
+        return state
+
+    diffs = []
+    for strategy in strategies:
+        plain, taken_back = trained(strategy, ()), trained(strategy, (1, 3))
+        assert plain.keys() == taken_back.keys()
+        diffs.append(max((plain[k] - taken_back[k]).abs().max().item() for k in plain))
+    return diffs
+
+
+def test_a_backward_that_raised_leaves_nothing_in_the_codec():
+    strategies = [  # (buckets and units of a parameter or so: some reduced before the raise)
+        sw.DDP(bucket_mb=0.0005, compression="randomk:0.3"),
+        sw.DDP(bucket_mb=0.0005, compression="powersgd:2"),
+        sw.ZeRO(stage=2, bucket_mb=0.0005, compression="topk:0.3:2"),
+    ]
+    for diffs in run(trains_as_if_the_raised_backwards_never_ran, 2, strategies):
+        assert diffs == [0.0, 0.0, 0.0]

@@ -412,7 +412,8 @@ def plain_buffer_and_disagreement():
 def test_a_block_is_stamped_once_its_every_element_is_written_and_not_twice():
     """`Progress.written`, in one process: a block of 4 elements of a 10-element buffer (blocks
     of 4, 4 and 2) is stamped with the next all-reduce's number once all its elements are in,
-    however the writes cut it; an element written twice before its all-reduce is refused."""
+    however the writes cut it; an element written twice before its all-reduce is refused,
+    whichever of a write's blocks it lies in."""
     tails = [np.zeros(shared_memory.Progress.tail_bytes(10, 4), np.uint8) for _ in range(2)]
     progress = shared_memory.Progress(tails, rank=1, numel=10, block=4)
     stamps = tails[1][:24].view(np.int64)  # (this rank's: 3 blocks)
@@ -434,6 +435,14 @@ def test_a_block_is_stamped_once_its_every_element_is_written_and_not_twice():
     progress.written(0, 2)
     progress.written(6, 10)
     assert stamps.tolist() == [2, 2, 2]
+    assert progress.begin() == 2
+    progress.written(5, 6)
+    with pytest.raises(RuntimeError, match="written twice"):  # (block 1 in the write's middle)
+        progress.written(0, 10)
+    assert stamps.tolist() == [2, 2, 2]  # (refused before any count or stamp moved)
+    progress.written(0, 5)
+    progress.written(6, 10)
+    assert stamps.tolist() == [3, 3, 3]
 
 
 def test_buffers_outside_shared_memory_are_summed_by_gloo():

@@ -44,8 +44,14 @@ class AllReduceAlgorithm:
 
     def forget_written(self, buffers: list[torch.Tensor]) -> None:
         """What `written` said of `buffers` since their last reductions began no longer holds
-        (a backward that raised wrote them; the next writes them again). Collective: every rank
-        forgets alike, with no reduction in flight, and none reduces again before all have."""
+        (a backward that raised wrote them; the next writes them again), and an algorithm that
+        keeps state returns to it as of the last `commit` (that backward's reductions are
+        discarded). Collective: every rank forgets alike, with no reduction in flight, and none
+        reduces again before all have."""
+
+    def commit(self) -> None:
+        """The reductions started so far are kept: each has been waited for, and the backward
+        that started them ended (`forget_written` takes back only what comes after)."""
 
     def start(self, buffer: torch.Tensor) -> Handle:
         raise NotImplementedError

@@ -76,6 +76,7 @@ class CompressedAllReduce(ThreadedAllReduce):
         self.op = f"compressed_{codec.name}"
         self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
         self.index: dict[int, int] = {}  # a buffer's address -> its index (the codec's key)
+        codec.commit()
 
     def describe(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
         # A bucket's buffer lives as long as the model: its address finds its index.
@@ -86,11 +87,18 @@ class CompressedAllReduce(ThreadedAllReduce):
         key = self.index.setdefault(buffer.data_ptr(), len(self.index))
         self.codec.reduce(buffer, self.group, key=key)
 
+    def commit(self) -> None:
+        self.codec.commit()
+
+    def forget_written(self, buffers: list[torch.Tensor]) -> None:
+        self.codec.roll_back()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.codec.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.codec.load_state_dict(state)
+        self.codec.commit()
 
 
 class CompressedReduceScatter:
@@ -103,15 +111,27 @@ class CompressedReduceScatter:
         self.op = f"compressed_{codec.name}"
         self.group = dist.new_group(timeout=timeout)  # collective: all ranks create it together
         self._thread = CommThread("shardwise-codec")
+        codec.commit()
 
     def describe(self, key: int, shapes: list[torch.Size]) -> None:
         self.codec.describe(key, shapes)
+
+    def commit(self) -> None:
+        """The reductions started so far are kept: every one has been waited for, and the
+        backward that started them ended."""
+        self.codec.commit()
+
+    def roll_back(self) -> None:
+        """Back to the last `commit`: a backward that raised started the reductions since (each
+        waited for already), and its gradients are discarded."""
+        self.codec.roll_back()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.codec.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.codec.load_state_dict(state)
+        self.codec.commit()
 
     def start(self, full: torch.Tensor, shard: torch.Tensor, key: int) -> Handle:
         """Begin writing into `shard` this rank's slice of the sum of every rank's `full`."""

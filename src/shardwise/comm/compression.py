@@ -54,6 +54,9 @@ class Codec(ABC):
         self.residuals: dict[int, torch.Tensor] = {}
         self.generator: torch.Generator | None = None  # codecs that draw random numbers
         self.calls: dict[int, int] = {}  # reductions of each buffer so far (`count_call`)
+        # The state `roll_back` returns to: whoever runs the codec commits it once made, and
+        # after each backward whose reductions it keeps.
+        self._committed: dict[str, torch.Tensor] | None = None
 
     @abstractmethod
     def reduce(self, buffer: torch.Tensor, group: ProcessGroup | None, key: int) -> None:
@@ -86,6 +89,19 @@ class Codec(ABC):
         }
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
+
+    def commit(self) -> None:
+        """The reductions so far are kept (their backward ended): `roll_back` returns here.
+        References, no copies: a reduction replaces a buffer's state, never changes it."""
+        self._committed = self.state_dict()
+
+    def roll_back(self) -> None:
+        """Back to the state of the last `commit`: the reductions a backward that raised sent
+        are discarded with its gradients, and what they left unsent must not be sent later
+        (error feedback), nor their draws or counts shape the next ones."""
+        if self._committed is None:
+            raise RuntimeError(f"{self.name} codec rolled back with no commit before")
+        self.load_state_dict(self._committed)
 
     def count_call(self, key: int) -> int:
         """Count a reduction of buffer `key`; the reductions of it before this one."""

@@ -185,7 +185,12 @@ class Progress:
             return
         block, remaining = self.block, self.remaining
         first, last, nxt = start // block, (stop - 1) // block, self.begun + 1
-        if last > first + 1:  # (the blocks in between, whole)
+        if last > first + 1:  # (the blocks in between, whole, and none of them written before)
+            if remaining[first + 1 : last] != self.sizes[first + 1 : last]:
+                raise RuntimeError(
+                    f"shared-memory all-reduce: elements {start}-{stop} written twice before "
+                    "their all-reduce"
+                )
             remaining[first + 1 : last] = [0] * (last - first - 1)
             self.mine[first + 1 : last] = nxt
         for b in (first,) if first == last else (first, last):

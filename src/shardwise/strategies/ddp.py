@@ -259,6 +259,7 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle = None
+        self.all_reduce.commit()  # (a codec's state: the next backward that raises returns here)
         self.weighing.clear()
         self.share.done()
         if self.arrival is not None:

@@ -264,6 +264,8 @@ class ZeroStage1(DistributedModel):
     def _finish(self) -> None:
         for i in range(len(self.units)):
             self._complete(i)
+        if self.codec is not None:  # (its state: the next backward that raises returns here)
+            self.codec.commit()
         self.weighing.clear()
         self.batch_share.done()
 
@@ -320,6 +322,8 @@ class ZeroStage1(DistributedModel):
             if unit.handle is not None:
                 unit.handle.wait()
             unit.handle = unit.reduced = unit.received = None
+        if self.codec is not None:  # (what its reductions left unsent goes with them)
+            self.codec.roll_back()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""
