@@ -8,6 +8,7 @@ and backward allocate and hold, seen by a dispatch mode that watches every opera
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
 from shardwise.config import ConfigError, load_config
@@ -41,6 +43,8 @@ def _batch(step: int):
 def _strategy(name: str) -> sw.Strategy:
     return {
         "ddp": sw.DDP(),
+        "ddp-buckets": sw.DDP(bucket_mb=0.01),  # (a bucket a block or so)
+        "zero2": sw.ZeRO(stage=2, bucket_mb=0.01),
         "zero3": sw.ZeRO(stage=3, keep_gathered_mb=0),  # (units gathered again to recompute)
         "pipeline": sw.Pipeline(stages=2, microbatches=4, schedule="1f1b"),
     }[name]
@@ -128,3 +132,87 @@ def test_every_strategy_takes_it_from_the_config():
         assert recomputed == [f"blocks.{i}.mlp" for i in range(4)], strategy
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         load_config("digits", ["strategy.activation_checkpointing=3"])
+
+
+def _reentrant(gpt: TinyGPT) -> TinyGPT:
+    """`gpt` with the user's own reentrant checkpoints (torch's `use_reentrant=True`, which runs
+    each region's backward as a backward of its own, nested in the outer one): each block and
+    the head (whose gradient backward makes first: inside a nested backward)."""
+    for module in [*gpt.blocks, gpt.head]:
+        module.forward = partial(checkpoint, module.forward, use_reentrant=True)
+    return gpt
+
+
+class _AllInOneCheckpoint(torch.nn.Module):
+    """Every parameter used inside one reentrant checkpoint, and one not used at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.unused = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.body, x.requires_grad_(), use_reentrant=True)
+
+
+def _train_reentrant(name: str) -> tuple[float, str, float]:
+    """Trained with each block and the head in reentrant checkpoints, against the same without;
+    a backward whose gradients all come from one nested backward, a parameter unused: the
+    step's error, and (DDP, with leave for unused parameters) its step against one process."""
+    states = []
+    for wrap in (lambda m: m, _reentrant):
+        model, opt = sw.prepare(wrap(_gpt()), _strategy(name), lr=1e-3)
+        replicas, index = sw.data_shard(model)
+        share = BATCH // replicas
+        for step in range(STEPS):
+            x, y = (t[index * share : (index + 1) * share] for t in _batch(step))
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        states.append(sw.full_state_dict(model))
+        model.close()
+    diff = max((states[0][k] - states[1][k]).abs().max().item() for k in states[0])
+    # Every gradient of ours made in one nested backward, one parameter with none: the end of
+    # that backward is the step's. Without leave for unused parameters, the usual error there.
+    model, opt = sw.prepare(_AllInOneCheckpoint(), _strategy(name), lr=1e-3)
+    model(torch.randn(4, 8)).square().mean().backward()
+    try:
+        opt.step()
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    model.close()
+    # With leave (DDP's find_unused_parameters), a zero gradient for it: one process's step.
+    rank = torch.distributed.get_rank()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    model, opt = sw.prepare(
+        _AllInOneCheckpoint(),
+        sw.DDP(bucket_mb=0.01, find_unused_parameters=True),
+        optimizer=torch.optim.SGD,
+        lr=0.5,
+    )
+    model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+    opt.step()
+    reference = _AllInOneCheckpoint()
+    reference(x).square().mean().backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.5 * (p.grad if p.grad is not None else 0)
+    state = sw.full_state_dict(model)
+    unused_diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    model.close()
+    return diff, refused, unused_diff
+
+
+@pytest.mark.parametrize("name", ["ddp-buckets", "zero2", "zero3"])
+def test_the_users_reentrant_checkpoints_train_the_same(name):
+    """A reentrant checkpoint's nested backward ends before the outer one has made every
+    gradient: the strategy's reductions wait for the outer one (they ended at the first nested
+    end: "parameter(s) received no gradient"). Where the outer one makes none of ours after a
+    nested end that left a parameter without, the step ends that backward: a zero gradient for
+    it where unused parameters have leave, else the usual error."""
+    for diff, refused, unused_diff in run(_train_reentrant, 2, name):
+        assert diff <= 1e-6
+        assert "2 parameter(s) received no gradient in this backward pass (unused." in refused
+        assert unused_diff <= 1e-6

@@ -117,7 +117,8 @@ class DistributedModel(nn.Module):
 
     # ---- gradients ---------------------------------------------------------------------------
     def local_grads(self) -> list[torch.Tensor]:
-        """The gradients this rank holds (all of them, or its shard)."""
+        """The gradients this rank holds (all of them, or its shard), reduced."""
+        self.settle_gradients()
         return [p.grad for p in self.module.parameters() if p.grad is not None]
 
     def grad_square_sum(self) -> torch.Tensor:
@@ -154,6 +155,10 @@ class DistributedModel(nn.Module):
         pieces' squares add up over ranks (`optim.layerwise`). This default: each a whole
         parameter, the same on every rank that holds it."""
         return ParameterNorms.whole(self.optimizer_params())
+
+    def settle_gradients(self) -> None:
+        """Finish what the last backward left to reduce, before its gradients are read (the
+        step, `local_grads`): where a reentrant checkpoint hid its end (`grad_buckets`)."""
 
     def before_step(self) -> bool:
         """Runs before the optimizer steps; False skips the step (fp16 overflow)."""
@@ -287,6 +292,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
     def step(self, closure: Callable | None = None) -> Any:
+        self.model.settle_gradients()
         if not self.model.before_step():
             return None
         loss = self.model.step_optimizer(self.inner, closure) if self.inner else None

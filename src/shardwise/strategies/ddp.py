@@ -338,6 +338,9 @@ class DataParallelModel(DistributedModel):
         self.reducer.backward.check_ended()
         return self.module(*args, **kwargs)
 
+    def settle_gradients(self) -> None:
+        self.reducer.backward.end_deferred()
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""
         return self.reducer.no_sync()

@@ -6,6 +6,13 @@ a complete bucket is launched (`launch`, asynchronous) as soon as every earlier 
 so all ranks issue their collectives in the same order even if gradients arrive in another.
 At the end of backward an autograd callback launches what is left and calls `finish`, which
 waits, so reduced gradients are ready when `loss.backward()` returns.
+
+A reentrant activation checkpoint (`torch.utils.checkpoint(..., use_reentrant=True)`) runs its
+region's backward as a backward of its own, nested in the outer one: the gradients of the
+region's parameters are made there, and a callback queued from their hooks runs when the nested
+backward ends, before the outer one has made the rest. So the end is asked of the first hook of
+each backward, nested or not, and a nested backward's end is the end only where every parameter
+has its gradient (torch's DDP likewise ends once every bucket is ready).
 """
 
 from __future__ import annotations
@@ -93,6 +100,11 @@ class BucketedBackward:
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.bucket_of
         ]
         self._in_backward = False
+        # The backwards (autograd's graph tasks: the outer one, reentrant checkpoints' nested
+        # in it) that will call `_end_of_graph_task` as they end, and whether one nested ended
+        # with parameters still waiting for their gradient (`check_ended` names them).
+        self._ends_asked: set[int] = set()
+        self._nested_ended_early = False
 
     def rebucket(self, buckets: list[list[nn.Parameter]]) -> None:
         """The same parameters, cut into other buckets (between backward passes)."""
@@ -104,14 +116,19 @@ class BucketedBackward:
         self.pending = list(self.sizes)
         self.next_launch = 0
         self.ready: set[nn.Parameter] = set()
+        self._ends_asked = set()
+        self._nested_ended_early = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.callbacks.on_grad(p)
         if not self.enabled:
             return
-        if not self._in_backward:
+        task = torch._C._current_graph_task_id()
+        if task not in self._ends_asked:  # (this backward's first hook, or a nested one's)
+            self._ends_asked.add(task)
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
+        self._nested_ended_early = False  # (the outer backward went on making ours)
         self.ready.add(p)
         self.pending[self.bucket_of[p]] -= 1
         while self.next_launch < len(self.sizes) and self.pending[self.next_launch] == 0:
@@ -123,11 +140,21 @@ class BucketedBackward:
         torch's DDP refuses it: a backward's hooks cannot tell another backward from one that
         recomputes a checkpointed region within it.) A forward without autograd (evaluation)
         starts no backward: it may run."""
+        self.end_deferred()
         if self._in_backward and torch.is_grad_enabled():
             raise RuntimeError(
                 "a backward raised before its end, and zero_grad() was not called since: its "
                 "gradients are partial (call zero_grad() on every rank before the next forward)"
             )
+
+    def end_deferred(self) -> None:
+        """End a backward whose end could not be told within it: its last gradients of ours
+        were made in a reentrant checkpoint's nested backward, some parameters still had none,
+        and the outer backward made none after (they are unused: zero where
+        `find_unused_parameters`, else the usual error). Called by what reads the gradients
+        next: the step, clipping, the next forward."""
+        if self._in_backward and self._nested_ended_early:
+            self._end_of_backward()
 
     def take_back(self, undo: Callable[[], None]) -> None:
         """Where a backward began and never ended (it raised: autograd runs no callback of a
@@ -147,6 +174,17 @@ class BucketedBackward:
     def _launch_next(self) -> None:
         self.callbacks.launch(self.next_launch)
         self.next_launch += 1
+
+    def _end_of_graph_task(self) -> None:
+        """A backward this object's hooks ran in has ended: the outer one (autograd evaluates
+        no node meanwhile), or one nested in it, which ends ours where every parameter has its
+        gradient (the rest of the outer backward makes none of ours then)."""
+        if not self._in_backward:
+            return  # (ended already: at a nested backward's end, or it raised)
+        if len(self.ready) < len(self.bucket_of) and torch._C._current_autograd_node() is not None:
+            self._nested_ended_early = True  # (the outer backward's hooks make the rest)
+            return
+        self._end_of_backward()
 
     def _end_of_backward(self) -> None:
         unused = [p for p in self.bucket_of if p not in self.ready]

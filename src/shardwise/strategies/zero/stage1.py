@@ -371,6 +371,9 @@ class ZeroStage1(DistributedModel):
 
         return ParameterNorms(pieces, params, over_shards, device=device, join=over_shards)
 
+    def settle_gradients(self) -> None:
+        self.backward.end_deferred()
+
     def before_step(self) -> bool:
         return self.masters.step_allowed(self.grad_shards())
 
@@ -416,6 +419,7 @@ class ZeroStage1(DistributedModel):
 
     # ---- gradients' norm and the state
     def local_grads(self) -> list[torch.Tensor]:
+        self.settle_gradients()
         return self.grad_shards()
 
     def grad_square_sum(self) -> torch.Tensor:
