@@ -87,6 +87,14 @@ def test_layerwise_optimizers_are_refused_on_a_parameter_server():
         ("name=.hidden", "config error: name: should be a plain name"),
         ("train.steps=[1", "config error: --set train.steps: '[1' is not a YAML value (expected"),
         ("optim.lr=a: b: c", "config error: --set optim.lr: 'a: b: c' is not a YAML value"),
+        ("model.channels=[0, 4]", "config error: model.channels.0 = 0: Input should be greater"),
+        ("prune.pattern=2:4", "prune.pattern: YAML read an unquoted N:M as the number 124"),
+        ("data.dataset=digits", "data.path is read by dataset 'text' or 'verses' only"),
+        (
+            "data.stages=[{at: 5}, {at: 9, tokens: genesis_kjv.txt, path: genesis_kjv.txt}]",
+            "data.stages[1]: data.path is read by dataset 'text' or 'verses' only, and this "
+            "data is 'tokens'",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_allowed(override, expected):
@@ -108,6 +116,27 @@ def test_yaml_file_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(str(bad))
     assert "not valid YAML" in str(err.value) and "\n" not in str(err.value)
+    twice = tmp_path / "twice.yaml"  # (the second `train:` would replace the first in silence)
+    twice.write_text("train: {steps: 5}\noptim: {lr: 0.1}\ntrain: {seed: 3}\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml is not valid YAML: key 'train' given "):
+        load_config(str(twice))
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin.yaml is not UTF-8 text \(invalid"):
+        load_config(str(latin))
+
+
+def test_a_strategy_named_on_the_command_line_keeps_the_options_given_beside_it(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("strategy: {name: zero, stage: 3, bucket_mb: 4}\n")
+    for sets in (
+        ["strategy.stage=2", "strategy.name=zero"],
+        ["strategy.name=zero", "strategy.stage=2"],
+    ):
+        assert load_config("digits", sets).strategy.stage == 2
+        assert load_config(str(job), sets).strategy.bucket_mb == 4  # (the same strategy: kept)
+    # Another strategy: the file's options were the old one's (ZeRO's stage is no DDP option).
+    assert load_config(str(job), ["strategy.name=ddp"]).strategy.name == "ddp"
 
 
 def test_ps_relays_are_checked_before_launch():

@@ -18,7 +18,7 @@ from harness import finish, run_cli, start_cli, train_args
 from shardwise.checkpoint.reshardable import read_full_state
 from shardwise.checkpoint.run_checkpoint import SHARDED, RunCheckpointError, complete
 from shardwise.config import ConfigError, load_config
-from shardwise.data import ledger
+from shardwise.data import datasets, ledger
 from shardwise.data.sharded_loader import loader
 from shardwise.jobs import build_splits
 from shardwise.nn.models import TinyGPT
@@ -137,6 +137,22 @@ def test_a_data_stage_changes_the_sequence_length_and_bad_stages_are_one_line():
         with pytest.raises(ConfigError, match=words) as err:
             load_config("digits", sets)
         assert "\n" not in str(err.value)
+
+
+def test_a_text_stage_reads_its_characters_with_the_runs_vocabulary(tmp_path):
+    """A character model's ids are places in its run's vocabulary: a stage's own file, which
+    holds fewer characters, keeps them; one with a character the model never had is refused."""
+    base = (Path(datasets.__file__).parent / "genesis_kjv.txt").read_text(encoding="utf-8")
+    later = tmp_path / "later.txt"
+    later.write_text("and God saw the light, that it was good. " * 8, encoding="utf-8")
+    cfg = load_config("tiny_gpt", [f"data.stages=[{{at: 3, path: {later}, seq_len: 16}}]"])
+    window, _ = stage_loader(cfg, cfg.data.stages[0], (1, 0)).dataset[0]
+    vocab = sorted(set(base))
+    assert "".join(vocab[i] for i in window.tolist()) == later.read_text()[:16]
+    (tmp_path / "new.txt").write_text("and God saw the \u00e9t\u00e9 " * 8, encoding="utf-8")
+    stage = cfg.data.stages[0].model_copy(update={"path": str(tmp_path / "new.txt")})
+    with pytest.raises(ValueError, match=r"1 character\(s\) \('\u00e9'\) are not in the"):
+        stage_loader(cfg, stage, (1, 0))
 
 
 def test_a_mixture_stage_draws_each_source_by_its_weight(tmp_path):

@@ -192,6 +192,13 @@ class Config(Section):
             raise ValueError("data.stages are for split data (data.mode split), not a work queue")
         if self.data.balance == "dynamic" or self.data.augment_repeats > 1:
             raise ValueError("data.stages: not with dynamic balance or repeated augmentation yet")
+        for i, stage in enumerate(self.data.stages):  # (each stage's data whole, before a run)
+            try:
+                stage.data(self.data)
+                stage.parts(self.data)
+            except ValidationError as e:
+                problem = e.errors()[0]["msg"].removeprefix("Value error, ")
+                raise ValueError(f"data.stages[{i}]: {problem}") from None
         return self
 
     @model_validator(mode="after")
@@ -349,16 +356,40 @@ def load_config(name_or_path: str | None = None, overrides: list[str] = ()) -> C
     """Read, override and validate; raises `ConfigError` with a one-line message."""
     path = find_config(name_or_path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config error: {path} is not valid YAML: {e}".splitlines()[0]) from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config error: {path} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config error: {path} must hold a mapping at the top level")
-    for key, value in parse_overrides(list(overrides)):
-        if key == "strategy.name" and value != (raw.get("strategy") or {}).get("name"):
-            raw["strategy"] = {}  # another strategy: the file's options were for the old one
+    parsed = parse_overrides(list(overrides))
+    # Another strategy named: the file's options were for the old one. First, so that the
+    # options given beside it on the command line, before it or after, are the new one's.
+    names = [value for key, value in parsed if key == "strategy.name"]
+    if names and names[-1] != (raw.get("strategy") or {}).get("name"):
+        raw["strategy"] = {}
+    for key, value in parsed:
         _set_dotted(raw, key, value)
     return validate(raw)
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (where the last would win
+    in silence: `train:` twice loses the first one's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (line {key_node.start_mark.line + 1})"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def validate(raw: dict[str, Any]) -> Config:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from shardwise import user_code
 from shardwise.strategies.section import Section
@@ -220,6 +220,12 @@ class DataConfig(Section):
             raise ValueError("eval_tokens needs tokens (the training corpus)")
         if self.dataset in ("text", "verses") and self.path is None:
             raise ValueError(f"dataset {self.dataset!r} needs data.path")
+        if self.path is not None and self.dataset not in ("text", "verses"):
+            source = self.dataset or ("tokens" if self.tokens else "factory")
+            raise ValueError(
+                f"data.path is read by dataset 'text' or 'verses' only, and this data is "
+                f"{source!r} (set data.dataset)"
+            )
         if self.packing != "none" and self.dataset != "verses":
             raise ValueError(f"packing {self.packing!r} needs dataset 'verses'")
         starts = [stage.at for stage in self.stages]
@@ -262,7 +268,9 @@ class ModelConfig(Section):
         "'labels' are its target and the model gets the other entries",
     )
     hidden: list[int] = Field([128, 128], description="mlp: hidden layer widths")
-    channels: tuple[int, int] = Field((16, 32), description="cnn: channels of the two conv blocks")
+    channels: tuple[PositiveInt, PositiveInt] = Field(
+        (16, 32), description="cnn: channels of the two conv blocks"
+    )
     d_model: int = Field(256, ge=8, description="gpt: embedding width")
     n_layer: int = Field(4, ge=1, description="gpt: transformer blocks")
     n_head: int = Field(4, ge=1, description="gpt: attention heads (must divide d_model)")
@@ -379,6 +387,13 @@ class PruneConfig(Section):
     start: int = Field(0, ge=0, description="the step pruning starts at")
     end: int = Field(0, ge=0, description="the step it reaches sparsity at (cubic in between)")
     every: int = Field(1, ge=1, description="steps between prunings while it rises")
+
+    @field_validator("pattern", mode="before")
+    @classmethod
+    def _pattern_quoted(cls, pattern: Any) -> Any:
+        if isinstance(pattern, int):  # (YAML 1.1 reads 2:4 unquoted as 2 x 60 + 4)
+            raise ValueError(f"YAML read an unquoted N:M as the number {pattern}: quote it ('2:4')")
+        return pattern
 
 
 class StartConfig(Section):

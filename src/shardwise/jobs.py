@@ -95,10 +95,11 @@ def _as_tensor(item: tuple[Any, Any]) -> tuple[Any, torch.Tensor]:
     return item[0], torch.as_tensor(item[1])  # (a class label may be a plain int)
 
 
-def build_splits(cfg: Config) -> datasets.Splits:
+def build_splits(cfg: Config, run_text: str | None = None) -> datasets.Splits:
     """The data `data` names, split into training and test data; the training data augmented
-    where `data.augment` says."""
-    splits = _splits(cfg)
+    where `data.augment` says. `run_text`: a character model's text, where `data` is a later
+    stage's (`run_text_of`)."""
+    splits = _splits(cfg, run_text)
     data = cfg.data
     if data.augment is None:
         return splits
@@ -108,7 +109,14 @@ def build_splits(cfg: Config) -> datasets.Splits:
     return dataclasses.replace(splits, train=train)
 
 
-def _splits(cfg: Config) -> datasets.Splits:
+def run_text_of(data: DataConfig) -> str | None:
+    """The text whose characters a run's character model reads (its data.path's), or None."""
+    if data.dataset in ("text", "verses"):
+        return resolve_data_path(data.path).read_text(encoding="utf-8")
+    return None
+
+
+def _splits(cfg: Config, run_text: str | None) -> datasets.Splits:
     data = cfg.data
     if data.factory is not None:
         return _user_splits(data)
@@ -126,8 +134,9 @@ def _splits(cfg: Config) -> datasets.Splits:
         return datasets.digits(data.test_fraction, seed=cfg.train.seed)
     path = resolve_data_path(data.path)
     if data.dataset == "verses":
-        return datasets.verses(path, data.seq_len, data.test_fraction, data.packing, cfg.train.seed)
-    return datasets.text(path, data.seq_len, data.test_fraction)
+        seed = cfg.train.seed
+        return datasets.verses(path, data.seq_len, data.test_fraction, data.packing, seed, run_text)
+    return datasets.text(path, data.seq_len, data.test_fraction, run_text)
 
 
 def _user_splits(data: DataConfig) -> datasets.Splits:

@@ -15,7 +15,7 @@ from shardwise.data.queue_loader import QueueLoader
 from shardwise.data.sharded_loader import ShardedLoader, loader
 from shardwise.distributed import runtime
 from shardwise.job_sections import DataStage
-from shardwise.jobs import Job, build_splits
+from shardwise.jobs import Job, build_splits, run_text_of
 
 
 def make_loader(
@@ -44,14 +44,16 @@ def stage_loader(
     """The loader of a `data.stages` stage: its data (the split made as the run's own is,
     with train.seed; a mixture of its parts' training data) in its own order (its seed),
     from a fresh epoch; `global_replicas` as `make_loader`'s."""
+    run_text = run_text_of(cfg.data)  # (a character model reads the run's characters' ids)
     if stage.mixture:
         parts = [
-            build_splits(cfg.model_copy(update={"data": d})).train for d in stage.parts(cfg.data)
+            build_splits(cfg.model_copy(update={"data": d}), run_text).train
+            for d in stage.parts(cfg.data)
         ]
         weights = [part.weight for part in stage.mixture]
         train = Mixture(parts, weights, seed=cfg.train.seed if stage.seed is None else stage.seed)
     else:
-        train = build_splits(cfg.model_copy(update={"data": stage.data(cfg.data)})).train
+        train = build_splits(cfg.model_copy(update={"data": stage.data(cfg.data)}), run_text).train
     seed = cfg.train.seed if stage.seed is None else stage.seed
     sizes = batch_sizes(cfg, shard[0], global_replicas)
     return loader(train, sizes, shuffle=True, seed=seed, shard=shard)

@@ -73,10 +73,27 @@ class CharSequences(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def text(path: Path, seq_len: int = 128, test_fraction: float = 0.1) -> Splits:
-    """A character-level language-modelling dataset: the last `test_fraction` is held out."""
+def _characters(path: Path, content: str, run_text: str | None) -> list[str]:
+    """The vocabulary of a character model: `content`'s characters, or where the run's model
+    was made for another text (`run_text`: a later stage's file), that one's, which must hold
+    every character of `content` (ids are places in the vocabulary: another file's would
+    mean other characters to the same model)."""
+    vocab = sorted(set(content if run_text is None else run_text))
+    if run_text is not None and (new := set(content) - set(vocab)):
+        raise ValueError(
+            f"{path}: {len(new)} character(s) ({''.join(sorted(new))[:20]!r}) are not in the "
+            "vocabulary of the run's data.path, which its model was made for"
+        )
+    return vocab
+
+
+def text(
+    path: Path, seq_len: int = 128, test_fraction: float = 0.1, run_text: str | None = None
+) -> Splits:
+    """A character-level language-modelling dataset: the last `test_fraction` is held out.
+    `run_text`: the text whose characters are the vocabulary (a stage's, the run's own)."""
     content = Path(path).read_text(encoding="utf-8")
-    vocab = sorted(set(content))
+    vocab = _characters(path, content, run_text)
     index = {ch: i for i, ch in enumerate(vocab)}
     tokens = torch.tensor([index[ch] for ch in content], dtype=torch.long)
     split = int(len(tokens) * (1 - test_fraction))
@@ -87,15 +104,21 @@ def text(path: Path, seq_len: int = 128, test_fraction: float = 0.1) -> Splits:
 
 
 def verses(
-    path: Path, seq_len: int = 256, test_fraction: float = 0.1, packing: str = "none", seed: int = 0
+    path: Path,
+    seq_len: int = 256,
+    test_fraction: float = 0.1,
+    packing: str = "none",
+    seed: int = 0,
+    run_text: str | None = None,
 ) -> Splits:
     """The text's lines as documents of varying length (`datasets.packing`): the vocabulary is
     its characters plus a start-of-document token. The last `test_fraction` of the lines is held
-    out, one document per row; with `packing` 'pack' the training rows are packed."""
+    out, one document per row; with `packing` 'pack' the training rows are packed. `run_text`:
+    as `text`'s."""
     if packing not in ("none", "pack"):
         raise ValueError(f"packing must be 'none' or 'pack', got {packing!r}")
     content = Path(path).read_text(encoding="utf-8")
-    vocab = sorted(set(content))
+    vocab = _characters(path, content, run_text)
     index = {ch: i for i, ch in enumerate(vocab)}
     bos = len(vocab)
     lines = content.splitlines()
