@@ -95,6 +95,7 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
             "run directory TMP/locked is not writable",
             marks=pytest.mark.skipif(ROOT_USER, reason="root writes there anyway"),
         ),
+        (["--run-dir", ""], "--run-dir: an empty path (give a directory, or leave --run-dir"),
         (["--resume"], "--resume: which run directory? (--resume RUN_DIR)"),
         (["--resume", "TMP/nope"], "--resume: no run directory TMP/nope"),
         (
@@ -109,6 +110,7 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
         "run-dir-under-file",
         "run-dir-uncreatable",
         "run-dir-unwritable",
+        "run-dir-empty",
         "resume-which",
         "resume-nothing",
         "resume-no-config",

@@ -188,6 +188,15 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):
     assert found.step == int(previous.name.removeprefix(run_checkpoint.PREFIX))
     assert f"checkpoint file corrupt (checksum): {shard}" in capsys.readouterr().out
     assert run_checkpoint.newest(tmp_path / "run", 2, "zero-2") is None  # another strategy
+    # A new job is refused that directory: its saves would be pruned as older than the run's.
+    refused = _finish(_train(tmp_path / "run"), code=2)
+    assert "holds another run's checkpoints (the newest step-000000060)" in refused
+    # Resumed from the one before, the run keeps its next save and drops the one it left
+    # behind, which a restart would resume from (pruned by step, the new save went instead).
+    sets = ("train.steps=55", "train.checkpoint_every=5", "train.keep_checkpoints=1")
+    resumed = _finish(_train(tmp_path / "run", *sets, extra=["--resume", str(tmp_path / "run")]))
+    assert f"resumed from {previous} (step 50)" in resumed
+    assert [p.name for p in run_checkpoint.complete(root)] == ["step-000000055"]
 
 
 # Batch sizes such that the resumed part crosses the end of the first epoch.

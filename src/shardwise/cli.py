@@ -93,6 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _quiet_torch_elastic()
     run_dir, resume = args.run_dir, args.resume is not None
+    if run_dir == "":  # (not "none given": the default would write runs/ here)
+        raise ConfigError("--run-dir: an empty path (give a directory, or leave --run-dir out)")
     if resume:
         if not args.resume:
             raise ConfigError("--resume: which run directory? (--resume RUN_DIR)")

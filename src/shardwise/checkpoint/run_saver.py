@@ -183,7 +183,13 @@ class Saver:
         shutil.rmtree(final, ignore_errors=True)  # (a checkpoint of this step from a dead attempt)
         os.replace(tmp, final)
         fsync_path(self.root)
-        for old in complete(self.root)[: -self.keep]:
+        # This save stays, and the `keep` - 1 before it. A checkpoint of a later step belongs to
+        # a past the run left (it resumed from an earlier one, that one being unreadable or
+        # named): kept, it would be what a restart or the next --resume continues.
+        others = [p for p in complete(self.root) if p != final]
+        later = [p for p in others if p.name > final.name]  # (zero-padded: by step)
+        earlier = [p for p in others if p.name < final.name]
+        for old in later + earlier[: max(0, len(earlier) - (self.keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 

@@ -55,6 +55,8 @@ def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False
     ps = isinstance(cfg.strategy, PSConfig)
     if resume and not ps:
         check_resume(cfg, Path(run_dir))
+    elif run_dir is not None and not ps:
+        refuse_other_runs_checkpoints(Path(run_dir))
     run_dir = new_run_dir(cfg, run_dir)
     print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
     # A resume's ranks write config.yaml once their checkpoint is loaded: until then nothing in
@@ -99,6 +101,19 @@ def _write(path: Path, text: str) -> None:
         path.write_text(text)
     except OSError as e:
         raise ConfigError(f"cannot write {path}: {os_reason(e)}") from None
+
+
+def refuse_other_runs_checkpoints(run_dir: Path) -> None:
+    """A new job does not train into a run directory that holds another run's checkpoints:
+    its own saves would be pruned as older than them, and a restart (`launch.max_restarts`
+    resumes) or a later --resume would continue the other run. A one-line `ConfigError`."""
+    from shardwise.checkpoint import run_checkpoint
+
+    if found := run_checkpoint.complete(run_dir / "checkpoints"):
+        raise ConfigError(
+            f"--run-dir {run_dir} holds another run's checkpoints (the newest {found[-1].name}):"
+            f" --resume {run_dir} continues it; a new job needs another --run-dir"
+        )
 
 
 def check_resume(cfg: Config, run_dir: Path) -> None:
