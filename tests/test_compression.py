@@ -119,6 +119,24 @@ def test_topk_warm_up_densities_fall_exponentially_and_resume():
         ps_codec("topk:0.01:10")  # a server and an asynchronous worker count apart
 
 
+def test_a_codec_refuses_another_codecs_state():
+    """A checkpoint's codec state is its codec's: another's residuals, or PowerSGD factors of
+    another rank (which crashed the next reduction), are refused in a line."""
+    saved = make_codec("powersgd:2")
+    saved.qs[0] = [torch.ones(5, 2)]
+    state = saved.state_dict()
+    same = make_codec("powersgd:2")
+    same.load_state_dict(state)
+    assert torch.equal(same.qs[0][0], saved.qs[0][0])
+    for other in ("powersgd:4", "topk:0.1"):
+        with pytest.raises(
+            ValueError,
+            match=rf"made by compression 'powersgd:2', and this job's "
+            rf"is '{other}': resume with the compression it was saved with",
+        ):
+            make_codec(other).load_state_dict(state)
+
+
 def ddp_with(compression: str | None):
     world = dist.get_world_size()
     torch.manual_seed(0)

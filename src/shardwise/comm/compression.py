@@ -73,14 +73,24 @@ class Codec(ABC):
         """Buffer `key` holds tensors of `shapes` (PowerSGD compresses each matrix)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything the next reduction depends on: residuals and the random generator."""
-        state = {f"residual.{k}": v for k, v in self.residuals.items()}
+        """Everything the next reduction depends on: residuals and the random generator; and
+        the codec's spec, which `load_state_dict` checks (another codec's state, a PowerSGD of
+        another rank's factors, is not this one's)."""
+        state = {"spec": torch.tensor(list(self.spec.encode()), dtype=torch.uint8)}
+        state.update({f"residual.{k}": v for k, v in self.residuals.items()})
         state.update({f"calls.{k}": torch.tensor(n) for k, n in self.calls.items()})
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if "spec" in state:  # (checkpoints before it was recorded: taken as they are)
+            saved = bytes(state["spec"].tolist()).decode("utf-8", errors="replace")
+            if saved != self.spec:
+                raise ValueError(
+                    f"the checkpoint's codec state was made by compression {saved!r}, and this "
+                    f"job's is {self.spec!r}: resume with the compression it was saved with"
+                )
         self.residuals = {
             int(k.split(".")[1]): v.clone() for k, v in state.items() if k.startswith("residual.")
         }
