@@ -320,6 +320,68 @@ def test_a_run_checkpoint_of_another_job_is_one_line_before_a_resume_and_at_load
         assert why in message and "\n" not in message and len(message) < 500
 
 
+def _top(tree: dict, key: str) -> list:
+    """The [key, node] pair of `key` in a rank file's top mapping."""
+    return next(pair for pair in tree["dict"] if pair[0] == key)
+
+
+EDITED_RANK_FILES = {
+    "a node that is a list": (
+        lambda t: _top(t, "data").__setitem__(1, [1, 2]),
+        "malformed node: a list, not one kind and its value",
+    ),
+    "numpy's position past a C long": (
+        lambda t: _top(t, "rng")[1]["dict"][2][1]["list"][2].__setitem__("value", 2**70),
+        "OverflowError",
+    ),
+    "no random state": (
+        lambda t: t.__setitem__("dict", [p for p in t["dict"] if p[0] != "rng"]),
+        "its rank state has no 'rng'",
+    ),
+    "not safetensors": (None, "SafetensorError"),
+}
+
+
+@pytest.mark.parametrize("case", EDITED_RANK_FILES)
+def test_a_rank_file_edited_with_its_checksum_is_one_line_and_leaves_the_model(tmp_path, case):
+    """Files edited and their checksums with them (what a checksum cannot tell): the load is
+    refused in one line before the model, its optimizer or a random generator changes."""
+    model, opt, schedule = _for_run(4)
+    _train(model, opt, 1)
+    run_saver.Saver(tmp_path, runtime.current(), keep=1, sync=True).save(
+        model, opt, schedule, 1, data={}
+    )
+    newest = run_checkpoint.complete(tmp_path / "checkpoints")[-1]
+    edit, why = EDITED_RANK_FILES[case]
+    name = "rank0.safetensors" if edit is None else "rank0.json"
+    if edit is None:
+        (newest / name).write_bytes(b"\xff" * 64)
+    else:
+        tree = json.loads((newest / name).read_text())
+        edit(tree)
+        (newest / name).write_text(json.dumps(tree))
+    _edit_manifest(newest, lambda m: m["sha256"].__setitem__(name, sha256_file(newest / name)))
+    found = run_checkpoint.resumable(tmp_path, 1, None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    generator = torch.get_rng_state()
+    with pytest.raises(run_checkpoint.RunCheckpointError) as info:
+        run_checkpoint.load(found, model, opt, schedule)
+    assert why in str(info.value) and "\n" not in str(info.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert torch.equal(generator, torch.get_rng_state())
+
+
+def test_a_manifest_nested_past_parsing_is_skipped_in_a_line(tmp_path, capsys):
+    model, opt, schedule = _for_run(4)
+    saver = run_saver.Saver(tmp_path, runtime.current(), keep=2, sync=True)
+    for step in (1, 2):
+        saver.save(model, opt, schedule, step, data={})
+    newest, previous = run_checkpoint.complete(tmp_path / "checkpoints")[-2:][::-1]
+    (newest / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert run_checkpoint.newest(tmp_path, 1, None).directory == previous
+    assert f"{newest}/manifest.json: malformed (nested too deep)" in capsys.readouterr().out
+
+
 # ---- strict JSON ---------------------------------------------------------------------------------
 def _strict(text: str):
     def refuse(constant):

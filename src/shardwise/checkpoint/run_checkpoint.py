@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from shardwise.checkpoint import state_tree
@@ -43,6 +44,7 @@ from shardwise.strategies.base import DistributedModel
 
 FORMAT = "shardwise-run-checkpoint-v2"
 PREFIX = "step-"
+MAX_WORLD = 2**20  # (ranks a manifest may name: each a file name listed)
 SHARDED = "sharded"  # the subdirectory with the reshardable part, in reshardable.py's format
 
 
@@ -96,13 +98,39 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    python, numpy = _generator_states(state)
     torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    random.setstate(python)
+    np.random.set_state(numpy)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _generator_states(state: dict[str, Any]) -> tuple[tuple, tuple]:
+    """Python's and numpy's generator states as their `setstate` takes them, each tried on a
+    generator of its own first: a malformed one raises before any generator (or, called by
+    `check_rank_state`, anything else) changes."""
+    version, internal, gauss = state["python"]
+    python = (version, tuple(internal), gauss)
+    random.Random().setstate(python)
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    numpy = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+    np.random.RandomState().set_state(numpy)
+    torch.Generator().set_state(state["torch"])
+    return python, numpy
+
+
+def check_rank_state(state: Any, scheduler) -> None:
+    """What a rank's saved state must hold, checked before anything is restored from it (a
+    refused checkpoint leaves the model as it was, where the model's and optimizer's own
+    loads do not refuse it)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"its rank state is a {type(state).__name__}, not a mapping")
+    needed = ["model", "optimizer", "rng", "step", "data"] + (["scheduler"] if scheduler else [])
+    if missing := [key for key in needed if key not in state]:
+        raise ValueError(f"its rank state has no {missing[0]!r}")
+    _generator_states(state["rng"])
+    int(state["step"])
 
 
 def remove_partial(run_dir: Path) -> None:
@@ -147,10 +175,14 @@ def check(
         reshardable = manifest["reshardable"]
     except (ValueError, KeyError, TypeError) as e:
         raise RunCheckpointError(f"{path}: malformed ({e})") from None
+    except RecursionError:  # (JSON nested deeper than Python parses)
+        raise RunCheckpointError(f"{path}: malformed (nested too deep)") from None
     if manifest.get("format") != FORMAT or not isinstance(files, dict):
         raise RunCheckpointError(f"{path}: not a run checkpoint")
     if not all(isinstance(v, int) and v >= 0 for v in (step, saved_world)):
         raise RunCheckpointError(f"{path}: step and world_size must be whole numbers")
+    if saved_world > MAX_WORLD:  # (its file names are listed next, one per rank)
+        raise RunCheckpointError(f"{path}: world_size {saved_world} is past {MAX_WORLD}")
     expected = {f"rank{r}.{ext}" for r in range(saved_world) for ext in ("safetensors", "json")}
     if set(files) != expected:
         raise RunCheckpointError(f"{path}: lists {sorted(files)}, expected {sorted(expected)}")
@@ -226,7 +258,17 @@ def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[st
     older than the job record in its manifest) is a `RunCheckpointError`, in one line."""
     try:
         return _load(found, model, optimizer, scheduler)
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+    except (
+        RuntimeError,
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+        SafetensorError,  # (edited files whose checksums were edited to match)
+    ) as e:
         # torch's messages list every missing key over several lines: one, cut short
         named = isinstance(e, (RuntimeError, ValueError))  # (a KeyError's is only the key)
         message = " ".join((str(e) if named else f"{type(e).__name__}: {e}").split())
@@ -252,6 +294,7 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
     rank = model.runtime.rank
     if found.world_size == model.runtime.world_size:
         state = _rank_state(found.directory, rank)
+        check_rank_state(state, scheduler)
         model.load_state_dict(state["model"])
         _load_optimizer(optimizer, state["optimizer"])
         if scheduler is not None:
@@ -259,6 +302,7 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
         set_rng_state(state["rng"])
         return {"step": int(state["step"]), "data": state["data"]}
     state = _rank_state(found.directory, min(rank, found.world_size - 1))
+    check_rank_state(state, scheduler)
     params, states, _ = read_full_state(found.directory / SHARDED)
     model.load_full_state(optimizer, params, states)
     if scheduler is not None:

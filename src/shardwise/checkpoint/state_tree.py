@@ -27,6 +27,8 @@ def split(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 def join(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of `split` (`ValueError` for a tree it did not write)."""
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ValueError(f"malformed node: a {type(node).__name__}, not one kind and its value")
     ((kind, value),) = node.items()
     if kind == "tensor":
         return tensors[value]
