@@ -109,3 +109,44 @@ def test_corrupt_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "ckpt" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no manifest"):
         read_full_state(tmp_path / "ckpt")
+
+
+def local_sgd_counter(save: bool, checkpoint: str, run_dir: str):
+    """LocalSGD's step count (its warm-up and averaging period follow it): saved after five
+    steps, or what each way of loading restores on this number of ranks; and the rate after
+    five steps of a cosine schedule of a base rate scaled by the ranks (`optim.scale_lr`)."""
+    strategy, world = sw.LocalSGD(period=3, warmup_steps=2), dist.get_world_size()
+    model, opt = sw.prepare(_model(), strategy, lr=1e-2 * world)
+    schedule = sw.lr_scheduler(opt, "cosine", total_steps=20)
+    if save:
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 13, generator=g), torch.randint(0, 5, (4,), generator=g)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+        sw.save_checkpoint(model, opt, checkpoint, step=5)
+        saver = sw.Checkpointer(run_dir, model, opt, schedule, asynchronous=False)
+        saver.save(5)
+        saver.close()
+        return model.steps
+    sw.load_checkpoint(model, opt, checkpoint)
+    loaded = model.steps
+    model, opt = sw.prepare(_model(), strategy, lr=1e-2 * world)
+    schedule = sw.lr_scheduler(opt, "cosine", total_steps=20)
+    resumer = sw.Checkpointer(run_dir, model, opt, schedule, asynchronous=False)
+    assert resumer.resume()[0] == 5
+    resumer.close()
+    return loaded, model.steps, opt.param_groups[0]["lr"] / (1e-2 * world)
+
+
+def test_a_resume_on_another_number_of_ranks_keeps_what_every_rank_held_alike(tmp_path):
+    """Strategy state shared by every rank (a counter, the loss scale) is restored on another
+    number of ranks too (it started over: LocalSGD warmed up again, averaging late); the
+    schedule goes on from its step, from this job's base rate (it kept the saved world's)."""
+    where = (str(tmp_path / "ckpt"), str(tmp_path / "run"))
+    assert run(local_sgd_counter, 2, True, *where) == [5, 5]
+    ((loaded, resumed, rate),) = run(local_sgd_counter, 1, False, *where)
+    assert (loaded, resumed) == (5, 5)
+    assert rate == pytest.approx(sw.Schedule("cosine", total_steps=20)(5), rel=1e-12)

@@ -351,10 +351,18 @@ def _load_strategy_state(model: DistributedModel, directory: Path) -> None:
     if files and same:
         name = f"extra{rt.rank}.safetensors"
         model.load_extra_state(_verified(directory / name, files[name]))
-    elif files and rt.is_main:
+        return
+    if files and manifest.strategy == model.checkpoint_name():  # (on another number of ranks)
+        shared = model.shared_extra_state(
+            _verified(directory / "extra0.safetensors", files["extra0.safetensors"])
+        )
+        if shared:  # (counters, the loss scale: every rank's alike)
+            model.load_extra_state(shared)
+    if files and rt.is_main:
         print(
             f"shardwise: {directory}: strategy state of {manifest.strategy} on "
-            f"{manifest.world_size} ranks not restored here (it starts afresh)",
+            f"{manifest.world_size} ranks not restored here but for what every rank held "
+            "alike (the rest starts afresh)",
             flush=True,
         )
 

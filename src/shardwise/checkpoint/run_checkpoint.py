@@ -40,7 +40,7 @@ from shardwise.checkpoint.reshardable import (
     read_manifest,
     sha256_file,
 )
-from shardwise.strategies.base import DistributedModel
+from shardwise.strategies.base import EXTRA, DistributedModel, unprefixed
 
 FORMAT = "shardwise-run-checkpoint-v2"
 PREFIX = "step-"
@@ -305,6 +305,10 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
     check_rank_state(state, scheduler)
     params, states, _ = read_full_state(found.directory / SHARDED)
     model.load_full_state(optimizer, params, states)
+    # What every rank of the saved run held alike (counters, the loss scale), from the rank
+    # state read: the rest of a strategy's state was one rank's own, and starts afresh.
+    if shared := model.shared_extra_state(unprefixed(EXTRA, state["model"])):
+        model.load_extra_state(shared)
     if scheduler is not None:
         load_schedule(scheduler, optimizer, state["scheduler"])
     if rank < found.world_size:
@@ -316,8 +320,16 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
 
 def load_schedule(scheduler, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """The schedule's state, and its current rate in the optimizer's groups (where they were
-    not restored with it: state resharded to another world)."""
+    not restored with it: state resharded to another world). Its position is the saved one's,
+    its base rates this job's: on another number of ranks, `optim.scale_lr` makes them for
+    another global batch (every rate so far scales with its base: torch's schedules'
+    multiply it)."""
+    base_lrs = list(scheduler.base_lrs)
     scheduler.load_state_dict(state)
+    saved_lrs = scheduler.base_lrs
+    ratios = [new / old if old else 1.0 for new, old in zip(base_lrs, saved_lrs, strict=True)]
+    scheduler.base_lrs = base_lrs
+    scheduler._last_lr = [lr * r for lr, r in zip(scheduler.get_last_lr(), ratios, strict=True)]
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
 

@@ -182,7 +182,13 @@ class DistributedModel(nn.Module):
         return {}
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of `extra_state`."""
+        """Inverse of `extra_state` (a part of it: `shared_extra_state`'s)."""
+
+    def shared_extra_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Of a rank's `extra_state`, what every rank holds alike (counters, the loss scale):
+        what a resume on another number of ranks restores. The rest (a codec's residuals) is
+        one rank's own, and starts afresh there."""
+        return {}
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's training state: what it holds of the model, plus `extra_state` under

@@ -207,6 +207,9 @@ class MeshModel(DistributedModel):
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         self.data.load_extra_state(state)
 
+    def shared_extra_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.data.shared_extra_state(state)
+
     def checkpoint_shard(self, optimizer: torch.optim.Optimizer):
         """The reshardable checkpoint of the unsplit model, one unit per parameter (the
         layout of a single process's): gathered onto rank 0, which alone writes it."""

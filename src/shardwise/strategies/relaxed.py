@@ -100,6 +100,9 @@ class RelaxedModel(DistributedModel):
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         self.steps = int(state["steps"])
 
+    def shared_extra_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"steps": state["steps"]}  # (every rank counts the same steps)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The average of the replicas (they differ between synchronisations)."""
         state = super().full_state_dict()
@@ -247,6 +250,10 @@ class AdaptiveSyncModel(RelaxedModel):
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         super().load_extra_state(state)
         self.anchor = state["anchor"].to(self.runtime.device, copy=True)
+
+    def shared_extra_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # (the replicas agreed at the anchor: the parameters of the last averaging)
+        return {**super().shared_extra_state(state), "anchor": state["anchor"]}
 
 
 @dataclass(frozen=True)

@@ -457,6 +457,9 @@ class ZeroStage1(DistributedModel):
         if self.codec is not None:
             self.codec.load_state_dict(unprefixed("comm.", state))
 
+    def shared_extra_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in state.items() if not k.startswith("comm.")}  # (the loss scale)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's shards (fp32 masters where kept), the buffers and frozen parameters, the
         loss scale."""
