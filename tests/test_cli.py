@@ -96,6 +96,19 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
             marks=pytest.mark.skipif(ROOT_USER, reason="root writes there anyway"),
         ),
         (["--run-dir", ""], "--run-dir: an empty path (give a directory, or leave --run-dir"),
+        # What only a started rank found (the run directory made, then three lines, exit 1):
+        (
+            ["--set", "data.rank_weights=[1, 2, 3]"],
+            "config error: data.rank_weights has 3 weights for 2 data-parallel ranks",
+        ),
+        (
+            ["--set", "strategy.name=zero", "--set", "strategy.shard_group=3"],
+            "config error: strategy: shard_group=3 must divide the world size 2",
+        ),
+        (
+            ["--set", "strategy.name=mesh", "--set", "strategy.tp=3"],
+            "config error: strategy: mesh tp=3 x pp=1 does not divide the world size 2",
+        ),
         (["--resume"], "--resume: which run directory? (--resume RUN_DIR)"),
         (["--resume", "TMP/nope"], "--resume: no run directory TMP/nope"),
         (
@@ -111,6 +124,9 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
         "run-dir-uncreatable",
         "run-dir-unwritable",
         "run-dir-empty",
+        "rank-weights-world",
+        "shard-group-world",
+        "mesh-world",
         "resume-which",
         "resume-nothing",
         "resume-no-config",

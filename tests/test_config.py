@@ -34,8 +34,12 @@ def test_augmentation_that_does_not_fit_is_one_line():
 
 
 def test_distillation_where_it_cannot_work_is_one_line():
-    teacher = "distill.teacher=teachers:big"
+    teacher = "distill.teacher=torch.nn:Identity"  # (a function that imports: checked)
     for sets, words in [
+        (["distill.teacher=teachers:big"], "no module named 'teachers' in the working directory"),
+        (["data.augment=noisy:flip"], "data.augment: noisy:flip: no module named 'noisy'"),
+        (["strategy.name=ps", "strategy.timeout_s=0.5"], "timeout_s 0.5 must exceed heartbeat"),
+        (["train.delay_s=[0.1, -1]"], "train.delay_s.1 = -1: Input should be greater than or"),
         ([teacher, "strategy.name=tp"], "needs a data-parallel strategy"),
         ([teacher, "data.dataset=verses", "data.path=genesis_kjv.txt"], "per-token"),
         ([teacher, "distill.alpha=2"], "less than or equal to 1"),

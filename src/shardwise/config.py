@@ -15,6 +15,7 @@ from typing import Annotated, Any, Union
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from shardwise import user_code
 from shardwise.job_sections import (
     PACKAGE_DATA,
     DataConfig,
@@ -246,6 +247,11 @@ class Config(Section):
             raise ValueError(
                 f"data.augment {data.augment!r}: 'shift' or module:function (x, generator) -> x"
             )
+        if data.augment not in (None, "shift"):
+            try:
+                user_code.load(data.augment)  # (it imports: before any rank starts)
+            except ValueError as e:
+                raise ValueError(f"data.augment: {e}") from None
         if data.augment is not None and (data.mode == "queue" or self.strategy.name == "ps"):
             raise ValueError(
                 "data.augment needs the ordered loader, which gives it the epoch: not data.mode "

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeFloat, PositiveInt, field_validator, model_validator
 
 from shardwise import user_code
 from shardwise.strategies.section import Section
@@ -355,6 +355,8 @@ class DistillConfig(Section):
         "it is frozen); the student is the config's model"
     )
     args: dict[str, Any] = Field({}, description="keyword arguments of distill.teacher")
+
+    _teacher_imports = field_validator("teacher")(_importable)
     temperature: float = Field(2.0, gt=0, description="softens both outputs: softmax(z / T)")
     alpha: float = Field(
         0.5, ge=0, le=1, description="weight of the teacher's term, T^2 KL; 1 - alpha: the labels'"
@@ -446,7 +448,7 @@ class TrainConfig(Section):
         "and merge them, clocks synchronised, into RUN_DIR/trace.json (Perfetto, chrome://tracing)",
     )
 
-    delay_s: list[float] = Field(
+    delay_s: list[NonNegativeFloat] = Field(
         [],
         description="artificial seconds added to every step of data-parallel rank i "
         "(parameter server: worker i), to emulate stragglers",

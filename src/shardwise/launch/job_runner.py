@@ -32,6 +32,16 @@ def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
             f"config error: strategy {cfg.strategy.name!r} needs {needed} ranks, "
             f"but launch.nproc is {cfg.launch.nproc}"
         )
+    try:  # (what a rank would find only once started: the run directory made, then failed)
+        cfg.strategy.check_world(cfg.launch.nproc)
+    except ValueError as e:
+        raise ConfigError(f"config error: strategy: {e}") from None
+    weights, replicas = cfg.data.rank_weights, cfg.strategy.data_parallel_ranks(cfg.launch.nproc)
+    if weights is not None and len(weights) != replicas:
+        raise ConfigError(
+            f"config error: data.rank_weights has {len(weights)} weights for {replicas} "
+            f"data-parallel ranks"
+        )
     return cfg
 
 

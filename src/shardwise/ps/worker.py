@@ -562,6 +562,10 @@ class PSConfig(StrategySection):
 
     @model_validator(mode="after")
     def _relays_fit(self) -> PSConfig:
+        if self.timeout_s <= self.heartbeat_s:  # (every live worker would be declared dead)
+            raise ValueError(
+                f"ps timeout_s {self.timeout_s} must exceed heartbeat_s {self.heartbeat_s}"
+            )
         if self.relays and self.mode == "ssp":
             raise ValueError("ps relays work with mode sync or async, not ssp")
         if self.relays > self.workers:
@@ -589,6 +593,9 @@ class PSConfig(StrategySection):
 
     def ranks_needed(self) -> int | None:
         return self.servers * self.replicas + self.relays + self.workers
+
+    def data_parallel_ranks(self, world_size: int) -> int:
+        return self.workers
 
     def describe(self) -> str:
         relays = f"{self.relays} relays, " if self.relays else ""

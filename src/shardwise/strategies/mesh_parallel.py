@@ -372,6 +372,15 @@ class MeshConfig(StrategySection):
     def ranks_needed(self) -> int | None:
         return None if self.dp is None else self.dp * self.tp * self.pp
 
+    def check_world(self, world_size: int) -> None:
+        if world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"mesh tp={self.tp} x pp={self.pp} does not divide the world size {world_size}"
+            )
+
+    def data_parallel_ranks(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
     def describe(self) -> str:
         sizes = f"dp={self.dp or 'rest'} x tp={self.tp} x pp={self.pp}"
         offload = self.offload and f"offload {self.offload}"

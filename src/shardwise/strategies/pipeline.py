@@ -483,5 +483,8 @@ class PPConfig(StrategySection):
     def ranks_needed(self) -> int | None:
         return self.stages
 
+    def data_parallel_ranks(self, world_size: int) -> int:
+        return 1  # (the stages pass one batch's micro-batches along)
+
     def describe(self) -> str:
         return f"pipeline ({self.schedule}, {self.microbatches} micro-batches)"

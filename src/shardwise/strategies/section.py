@@ -41,6 +41,14 @@ class StrategySection(Section):
         """The world size the options fix, where they fix one (model parallel, PS roles)."""
         return None
 
+    def check_world(self, world_size: int) -> None:
+        """A `ValueError` where the options cannot run on `world_size` ranks: before any rank
+        starts (`ranks_needed` is checked beside it)."""
+
+    def data_parallel_ranks(self, world_size: int) -> int:
+        """The ranks of `world_size` that each take a slice of the global batch."""
+        return world_size
+
     def describe(self) -> str:
         """A few words for the summary table."""
         return self.name

@@ -358,6 +358,9 @@ class TPConfig(StrategySection):
     def ranks_needed(self) -> int | None:
         return self.size
 
+    def data_parallel_ranks(self, world_size: int) -> int:
+        return 1  # (every rank holds a slice of the one model, on the same batch)
+
     def describe(self) -> str:
         return "tensor parallel"
 

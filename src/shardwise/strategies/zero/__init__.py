@@ -271,6 +271,9 @@ class ZeROConfig(StrategySection):
             raise ValueError(f"keep_gathered_mb applies to stage 3, not stage {self.stage}")
         return self
 
+    def check_world(self, world_size: int) -> None:
+        check_shard_size(self.shard_group, world_size)
+
     def build(self, world_size: int, run_dir: Path) -> ZeRO:
         check_shard_size(self.shard_group, world_size)
         offload_dir = self.offload_dir or str(run_dir)
