@@ -181,3 +181,11 @@ def test_a_parameter_server_job_refuses_rollback_in_one_line():
     with pytest.raises(ConfigError) as err:
         load_config("digits", ["strategy.name=ps", "train.nonfinite=rollback"])
     assert "'rollback' is for data-parallel runs" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_test_fraction_that_holds_out_nothing_is_one_line():
+    from shardwise.jobs import build_splits
+
+    with pytest.raises(ValueError, match=r"data\.test_fraction 0\.0001 holds out no evaluation"):
+        build_splits(load_config("digits", ["data.test_fraction=0.0001"]))
+    assert len(build_splits(load_config("digits", ["data.test_fraction=0.001"])).test) == 1

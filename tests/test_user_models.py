@@ -314,6 +314,11 @@ def test_token_windows_read_the_file_mapped_and_resume_at_the_exact_sample(tmp_p
     (tmp_path / "odd.bin").write_bytes(b"\0" * 7)
     with pytest.raises(ValueError, match="7 bytes is not a whole number of uint16 tokens"):
         open_tokens(tmp_path / "odd.bin", "uint16")
+    # Ids of another tokenizer's: a line naming the file and the id, not an embedding's error.
+    small = token_splits(tmp_path / "train.bin", "uint16", 10, 0.2, vocab_size=300).train
+    assert torch.equal(small[3][0], torch.arange(30, 40) * 7)  # (all below 300)
+    with pytest.raises(ValueError, match=r"train.bin: token id 301 \(window 4\) is not within"):
+        small[4]
 
     # The data position: a loader saved after 5 steps and a fresh one loaded from it go on with
     # the very windows the uninterrupted one reads (over the end of the epoch too).

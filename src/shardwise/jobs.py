@@ -120,6 +120,17 @@ def _splits(cfg: Config, run_text: str | None) -> datasets.Splits:
     data = cfg.data
     if data.factory is not None:
         return _user_splits(data)
+    splits = _builtin_splits(cfg, run_text)
+    if len(splits.test) == 0:  # (evaluated, it reports NaN: a run that looks fine)
+        raise ValueError(
+            f"data.test_fraction {data.test_fraction} holds out no evaluation sample of this "
+            "data: give a larger one"
+        )
+    return splits
+
+
+def _builtin_splits(cfg: Config, run_text: str | None) -> datasets.Splits:
+    data = cfg.data
     if data.tokens is not None:
         hf = cfg.model.hf_config is not None or cfg.model.hf_pretrained is not None
         as_dicts = data.windows == "dicts" or (data.windows == "auto" and hf)

@@ -37,7 +37,9 @@ def open_tokens(path: Path | str, dtype: str) -> np.memmap:
 
 class TokenWindows(Dataset):
     """Windows of `seq_len` tokens of `tokens[start:stop]` (a memmap: nothing is copied but
-    the windows read), each with its next-token targets."""
+    the windows read), each with its next-token targets. `vocab_size` (0: unknown): each
+    window's ids are checked to lie below it as it is read (a file of another tokenizer's ids
+    would index past the model's embedding)."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class TokenWindows(Dataset):
         start: int = 0,
         stop: int | None = None,
         as_dicts: bool = False,
+        vocab_size: int = 0,
     ) -> None:
         stop = len(tokens) if stop is None else stop
         if stop - start < seq_len + 1:
@@ -53,7 +56,7 @@ class TokenWindows(Dataset):
                 f"{stop - start} tokens hold no window of seq_len {seq_len} (and its target)"
             )
         self.tokens, self.seq_len, self.start, self.stop = tokens, seq_len, start, stop
-        self.as_dicts = as_dicts
+        self.as_dicts, self.vocab_size = as_dicts, vocab_size
 
     def __len__(self) -> int:
         # Each window needs one token past its end (the last target).
@@ -64,6 +67,12 @@ class TokenWindows(Dataset):
             raise IndexError(f"window {i} of {len(self)}")
         begin = self.start + i * self.seq_len
         window = torch.from_numpy(self.tokens[begin : begin + self.seq_len + 1].astype(np.int64))
+        if self.vocab_size and not 0 <= int(window.min()) <= int(window.max()) < self.vocab_size:
+            bad = window[(window < 0) | (window >= self.vocab_size)][0]
+            raise ValueError(
+                f"{getattr(self.tokens, 'filename', 'the token file')}: token id {int(bad)} "
+                f"(window {i}) is not within data.vocab_size {self.vocab_size}"
+            )
         x, y = window[:-1], window[1:]
         if self.as_dicts:
             return {"input_ids": x, "labels": x.clone()}
@@ -83,10 +92,12 @@ def token_splits(
     `test_fraction` of `path`. `vocab_size` is what the model is told (0: unknown)."""
     tokens = open_tokens(path, dtype)
     if eval_path is not None:
-        train = TokenWindows(tokens, seq_len, as_dicts=as_dicts)
-        test = TokenWindows(open_tokens(eval_path, dtype), seq_len, as_dicts=as_dicts)
+        train = TokenWindows(tokens, seq_len, as_dicts=as_dicts, vocab_size=vocab_size)
+        test = TokenWindows(
+            open_tokens(eval_path, dtype), seq_len, as_dicts=as_dicts, vocab_size=vocab_size
+        )
     else:
         split = int(len(tokens) * (1 - test_fraction))
-        train = TokenWindows(tokens, seq_len, 0, split, as_dicts)
-        test = TokenWindows(tokens, seq_len, split, len(tokens), as_dicts)
+        train = TokenWindows(tokens, seq_len, 0, split, as_dicts, vocab_size)
+        test = TokenWindows(tokens, seq_len, split, len(tokens), as_dicts, vocab_size)
     return Splits(train, test, vocab_size, seq_len)
