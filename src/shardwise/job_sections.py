@@ -106,8 +106,10 @@ class DataConfig(Section):
         None,
         description="a built-in dataset, the default where no factory or tokens is given: "
         "'digits': scikit-learn's 8x8 handwritten digits; 'text': a file, in windows of "
-        "seq_len characters; 'verses': a file cut into documents of varying length, one per "
-        "line (for the character GPT)",
+        "seq_len characters (training windows start every seq_len / 2 characters, so each "
+        "character is trained on about twice an epoch; evaluation windows do not overlap); "
+        "'verses': a file cut into documents of varying length, one per line (for the "
+        "character GPT)",
     )
     factory: str | None = Field(
         None,
