@@ -389,12 +389,13 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} given twice (line {key_node.start_mark.line + 1})"
                 )
-            seen.add(key)
+            if key is not None:  # (a key of keys: none in a config)
+                seen.add(key)
         return super().construct_mapping(node, deep)
 
 
