@@ -92,7 +92,10 @@ def test_layerwise_optimizers_are_refused_on_a_parameter_server():
         ("train.steps=[1", "config error: --set train.steps: '[1' is not a YAML value (expected"),
         ("optim.lr=a: b: c", "config error: --set optim.lr: 'a: b: c' is not a YAML value"),
         ("model.channels=[0, 4]", "config error: model.channels.0 = 0: Input should be greater"),
-        ("prune.pattern=2:4", "prune.pattern: YAML read an unquoted N:M as the number 124"),
+        (
+            "prune.pattern=2:4",
+            "prune.pattern: YAML read an unquoted 2:4 as the number 124: quote it",
+        ),
         ("data.dataset=digits", "data.path is read by dataset 'text' or 'verses' only"),
         (
             "data.stages=[{at: 5}, {at: 9, tokens: genesis_kjv.txt, path: genesis_kjv.txt}]",

@@ -156,7 +156,23 @@ class _AllInOneCheckpoint(torch.nn.Module):
         return checkpoint(self.body, x.requires_grad_(), use_reentrant=True)
 
 
-def _train_reentrant(name: str) -> tuple[float, str, float]:
+class _TiedAcrossACheckpoint(torch.nn.Module):
+    """An embedding whose weight is also the head's, the head in a reentrant checkpoint: the
+    weight's gradient is accumulated twice in one backward (the nested one's, the outer's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(10, 8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        head = partial(torch.nn.functional.linear, weight=self.embed)
+        return checkpoint(
+            head, torch.nn.functional.embedding(tokens, self.embed), use_reentrant=True
+        )
+
+
+def _train_reentrant(name: str) -> tuple[float, list[str], float]:
     """Trained with each block and the head in reentrant checkpoints, against the same without;
     a backward whose gradients all come from one nested backward, a parameter unused: the
     step's error, and (DDP, with leave for unused parameters) its step against one process."""
@@ -177,11 +193,21 @@ def _train_reentrant(name: str) -> tuple[float, str, float]:
     # that backward is the step's. Without leave for unused parameters, the usual error there.
     model, opt = sw.prepare(_AllInOneCheckpoint(), _strategy(name), lr=1e-3)
     model(torch.randn(4, 8)).square().mean().backward()
+    refused = []
+    for go_on in (lambda: model(torch.randn(4, 8)), opt.step):  # (a forward cannot tell)
+        try:
+            go_on()
+            refused.append("")
+        except RuntimeError as e:
+            refused.append(str(e))
+    model.close()
+    # A parameter whose gradient a nested backward and the outer one both accumulate.
+    model, opt = sw.prepare(_TiedAcrossACheckpoint(), _strategy(name), lr=1e-3)
     try:
-        opt.step()
-        refused = ""
+        model(torch.arange(6).view(2, 3)).square().mean().backward()
+        refused.append("")
     except RuntimeError as e:
-        refused = str(e)
+        refused.append(str(e))
     model.close()
     # With leave (DDP's find_unused_parameters), a zero gradient for it: one process's step.
     rank = torch.distributed.get_rank()
@@ -212,7 +238,9 @@ def test_the_users_reentrant_checkpoints_train_the_same(name):
     end: "parameter(s) received no gradient"). Where the outer one makes none of ours after a
     nested end that left a parameter without, the step ends that backward: a zero gradient for
     it where unused parameters have leave, else the usual error."""
-    for diff, refused, unused_diff in run(_train_reentrant, 2, name):
+    for diff, (forward, step, tied), unused_diff in run(_train_reentrant, 2, name):
         assert diff <= 1e-6
-        assert "2 parameter(s) received no gradient in this backward pass (unused." in refused
+        assert "the last backward's end was not told (2 parameter(s) without a gradient" in forward
+        assert "2 parameter(s) received no gradient in this backward pass (unused." in step
+        assert "embed received its gradient twice in one backward: it is used both" in tied
         assert unused_diff <= 1e-6

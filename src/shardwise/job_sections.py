@@ -357,8 +357,6 @@ class DistillConfig(Section):
         "it is frozen); the student is the config's model"
     )
     args: dict[str, Any] = Field({}, description="keyword arguments of distill.teacher")
-
-    _teacher_imports = field_validator("teacher")(_importable)
     temperature: float = Field(2.0, gt=0, description="softens both outputs: softmax(z / T)")
     alpha: float = Field(
         0.5, ge=0, le=1, description="weight of the teacher's term, T^2 KL; 1 - alpha: the labels'"
@@ -375,6 +373,8 @@ class DistillConfig(Section):
     top_k: int | None = Field(
         None, ge=1, description="cache: the logits kept per sample (default: all of them)"
     )
+
+    _teacher_imports = field_validator("teacher")(_importable)
 
 
 class PruneConfig(Section):
@@ -395,8 +395,9 @@ class PruneConfig(Section):
     @field_validator("pattern", mode="before")
     @classmethod
     def _pattern_quoted(cls, pattern: Any) -> Any:
-        if isinstance(pattern, int):  # (YAML 1.1 reads 2:4 unquoted as 2 x 60 + 4)
-            raise ValueError(f"YAML read an unquoted N:M as the number {pattern}: quote it ('2:4')")
+        if isinstance(pattern, int) and pattern > 60 and pattern % 60:  # (YAML 1.1: 2:4 is 124)
+            n, m = divmod(pattern, 60)
+            raise ValueError(f"YAML read an unquoted {n}:{m} as the number {pattern}: quote it")
         return pattern
 
 

@@ -352,6 +352,7 @@ def _load_strategy_state(model: DistributedModel, directory: Path) -> None:
         name = f"extra{rt.rank}.safetensors"
         model.load_extra_state(_verified(directory / name, files[name]))
         return
+    shared = {}
     if files and manifest.strategy == model.checkpoint_name():  # (on another number of ranks)
         shared = model.shared_extra_state(
             _verified(directory / "extra0.safetensors", files["extra0.safetensors"])
@@ -359,10 +360,10 @@ def _load_strategy_state(model: DistributedModel, directory: Path) -> None:
         if shared:  # (counters, the loss scale: every rank's alike)
             model.load_extra_state(shared)
     if files and rt.is_main:
+        kept = " but for what every rank held alike" if shared else ""
         print(
             f"shardwise: {directory}: strategy state of {manifest.strategy} on "
-            f"{manifest.world_size} ranks not restored here but for what every rank held "
-            "alike (the rest starts afresh)",
+            f"{manifest.world_size} ranks not restored here{kept} (the rest starts afresh)",
             flush=True,
         )
 

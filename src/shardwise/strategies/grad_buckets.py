@@ -102,9 +102,13 @@ class BucketedBackward:
         self._in_backward = False
         # The backwards (autograd's graph tasks: the outer one, reentrant checkpoints' nested
         # in it) that will call `_end_of_graph_task` as they end, and whether one nested ended
-        # with parameters still waiting for their gradient (`check_ended` names them).
+        # with parameters still waiting for their gradient (`end_deferred` ends it then).
         self._ends_asked: set[int] = set()
         self._nested_ended_early = False
+        # Whether the last backward was ended by a nested one's end (every parameter had its
+        # gradient), the outer one running on: until the next forward, a gradient of ours
+        # is one accumulated twice in it (a weight used inside and outside a checkpoint).
+        self._ended_in_nested = False
 
     def rebucket(self, buckets: list[list[nn.Parameter]]) -> None:
         """The same parameters, cut into other buckets (between backward passes)."""
@@ -120,6 +124,13 @@ class BucketedBackward:
         self._nested_ended_early = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if (p in self.ready or self._ended_in_nested) and self.enabled:
+            raise RuntimeError(
+                f"{self.names[p]} received its gradient twice in one backward: it is used "
+                "both inside and outside a reentrant activation checkpoint (use "
+                "torch.utils.checkpoint(..., use_reentrant=False)), or a backward runs again "
+                "after one that raised (call zero_grad() on every rank first)"
+            )
         self.callbacks.on_grad(p)
         if not self.enabled:
             return
@@ -140,7 +151,16 @@ class BucketedBackward:
         torch's DDP refuses it: a backward's hooks cannot tell another backward from one that
         recomputes a checkpointed region within it.) A forward without autograd (evaluation)
         starts no backward: it may run."""
-        self.end_deferred()
+        self._ended_in_nested = False  # (the next backward is another one)
+        if self._in_backward and torch.is_grad_enabled() and self._nested_ended_early:
+            unused = [self.names[p] for p in self.bucket_of if p not in self.ready]
+            raise RuntimeError(
+                f"the last backward's end was not told ({len(unused)} parameter(s) without a "
+                f"gradient: {', '.join(unused[:4])}): its last gradients of ours came from a "
+                "reentrant checkpoint's nested backward and the outer one made none after (the "
+                "step ends it), or it raised; call zero_grad() on every rank before the next "
+                "forward, or step first"
+            )
         if self._in_backward and torch.is_grad_enabled():
             raise RuntimeError(
                 "a backward raised before its end, and zero_grad() was not called since: its "
@@ -152,7 +172,8 @@ class BucketedBackward:
         were made in a reentrant checkpoint's nested backward, some parameters still had none,
         and the outer backward made none after (they are unused: zero where
         `find_unused_parameters`, else the usual error). Called by what reads the gradients
-        next: the step, clipping, the next forward."""
+        next: the step, clipping, the check of their finiteness. (Not the next forward, which
+        cannot tell it from a backward that raised after the nested one: `check_ended`.)"""
         if self._in_backward and self._nested_ended_early:
             self._end_of_backward()
 
@@ -181,10 +202,12 @@ class BucketedBackward:
         gradient (the rest of the outer backward makes none of ours then)."""
         if not self._in_backward:
             return  # (ended already: at a nested backward's end, or it raised)
-        if len(self.ready) < len(self.bucket_of) and torch._C._current_autograd_node() is not None:
+        nested = torch._C._current_autograd_node() is not None
+        if len(self.ready) < len(self.bucket_of) and nested:
             self._nested_ended_early = True  # (the outer backward's hooks make the rest)
             return
         self._end_of_backward()
+        self._ended_in_nested = nested
 
     def _end_of_backward(self) -> None:
         unused = [p for p in self.bucket_of if p not in self.ready]

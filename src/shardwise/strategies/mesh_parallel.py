@@ -131,6 +131,7 @@ class MeshModel(DistributedModel):
         of what it holds that no other rank counts (a DDP replica's at dp 0 only, a replicated
         weight's at tp 0 only, a weight tied across stages at its first holder), then one
         all-reduce over the mesh."""
+        self.data.settle_gradients()  # (`grad_pieces` reads them: reduced first)
         squares = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
         for p, grad in grad_pieces(self.data):
             if self._counted_here(p):
