@@ -38,21 +38,34 @@ def _describe(dataset: Dataset, index: int) -> tuple[int | None, int, int]:
     return None, sum(lengths), sum(n * n for n in lengths)
 
 
-def skew_report(dataset: Dataset, parts: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Per-rank figures of one epoch's `parts`, and how far apart the ranks are."""
+def skew_report(
+    dataset: Dataset, parts: Sequence[Sequence[int]], most: int | None = None
+) -> dict[str, Any]:
+    """Per-rank figures of one epoch's `parts`, and how far apart the ranks are. `most`: read
+    at most this many samples of each part, evenly spaced (a user's dataset may take long to
+    read whole: the ranks wait for the report), and scale its tokens and cost to the part's
+    size: estimates then, each rank's `read` says of how many."""
     ranks = []
     overall: Counter[int] = Counter()
     for part in parts:
+        read = part if most is None or len(part) <= most else _evenly(part, most)
         labels: Counter[int] = Counter()
         tokens = attention = 0
-        for i in part:
+        for i in read:
             label, n, cost = _describe(dataset, i)
             tokens, attention = tokens + n, attention + cost
             if label is not None:
                 labels[label] += 1
+        scale = len(part) / len(read) if read else 1
         overall.update(labels)
         ranks.append(
-            {"samples": len(part), "tokens": tokens, "attention_cost": attention, "labels": labels}
+            {
+                "samples": len(part),
+                "read": len(read),
+                "tokens": round(tokens * scale),
+                "attention_cost": round(attention * scale),
+                "labels": labels,
+            }
         )
     total = sum(overall.values())
     for rank in ranks:
@@ -73,9 +86,19 @@ def skew_report(dataset: Dataset, parts: Sequence[Sequence[int]]) -> dict[str, A
     }
 
 
+def _evenly(part: Sequence[int], most: int) -> list[int]:
+    return [part[k * len(part) // most] for k in range(most)]
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A few lines for the terminal."""
-    lines = ["data per rank (epoch 0): samples, tokens, attention cost, label mix vs all (TV)"]
+    read = sum(r.get("read", r["samples"]) for r in report["ranks"])
+    total = sum(r["samples"] for r in report["ranks"])
+    estimated = f" (from {read:,} of the {total:,} samples)" if read < total else ""
+    lines = [
+        "data per rank (epoch 0): samples, tokens, attention cost, label mix vs all (TV)"
+        + estimated
+    ]
     for r, rank in enumerate(report["ranks"]):
         lines.append(
             f"  rank {r}: {rank['samples']:>7,} {rank['tokens']:>10,} "
