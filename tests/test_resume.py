@@ -10,6 +10,7 @@ without touching the run directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -26,6 +27,7 @@ from shardwise.data import ledger
 from shardwise.jobs import build_job
 
 STEPS = 60
+RUNS = ("straight", "stopped")
 
 
 def _train(run_dir: Path, *sets: str, env: dict | None = None, extra=(), nproc: int = 2):
@@ -111,6 +113,9 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_pat
     assert f"(step {step})" in _finish(resumed)
     _finish(straight)
     _same_end(tmp_path / "straight", tmp_path / "stopped")
+    # Per step of its own: the resumed process ran fewer (it was halved over all the run's).
+    summaries = [json.loads((tmp_path / r / "summary.json").read_text()) for r in RUNS]
+    assert summaries[0]["comm_bytes_per_step"] == summaries[1]["comm_bytes_per_step"] > 0
 
 
 def _workers(run: Path) -> dict[int, int]:

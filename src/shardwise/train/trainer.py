@@ -250,7 +250,8 @@ class Trainer:
         timed_steps = measured.step_times
         skip = WARMUP_STEPS_EXCLUDED if len(timed_steps) > WARMUP_STEPS_EXCLUDED else 0
         timed = timed_steps[skip:] or [float("nan")]
-        per_step = train_comm.bytes / cfg.train.steps
+        # (over the steps this process ran: a resumed run's are fewer, a rolled-back one's more)
+        per_step = train_comm.bytes / max(1, len(timed_steps))
         return {
             "name": cfg.name,
             "strategy": cfg.strategy.describe(),
