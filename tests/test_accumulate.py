@@ -196,6 +196,16 @@ def test_one_process_accumulates_by_hand_with_sw_no_sync():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
         torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=1e-6)
     assert math.isclose(loss.item(), F.cross_entropy(whole(x), y).item(), abs_tol=1e-6)
+    # A micro-batch of padding alone weighs nothing: a finite loss, the other piece's gradient.
+    padded = y.clone()
+    padded[:5] = -100
+    count = lambda t: int((t != -100).sum())  # noqa: E731
+    again, alone = _mlp(), _mlp()
+    loss = sw.train_step(again, x, padded, F.cross_entropy, samples=count, accumulate=2)
+    F.cross_entropy(alone(x[5:]), padded[5:]).backward()
+    assert math.isclose(loss.item(), F.cross_entropy(alone(x[5:]), padded[5:]).item(), abs_tol=1e-6)
+    for p, q in zip(again.parameters(), alone.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
 
 
 def test_bad_accumulation_is_one_line():

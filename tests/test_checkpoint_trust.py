@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from shardwise.checkpoint import run_checkpoint, run_saver
 from shardwise.checkpoint.reshardable import CheckpointError, read_full_state, sha256_file
 from shardwise.distributed import runtime
 from shardwise.nn.models import MLP
-from shardwise.observe.run_output import MetricsFile, write_summary
+from shardwise.observe.run_output import MetricsFile, strict_json, write_summary
 
 
 @pytest.fixture(autouse=True)
@@ -416,6 +417,11 @@ def test_metrics_lines_are_strict_and_read_back_with_nulls(tmp_path):
     for step, loss in ((1, 0.5), (2, math.nan), (3, math.inf)):
         metrics.write({"step": step, "loss": loss})
     metrics.close()
+    # (0-dim tensors and numpy numbers, as a loop hands them: numbers, not a TypeError)
+    assert _strict(strict_json({"grad_norm": torch.tensor(2.0), "n": np.int64(3)})) == {
+        "grad_norm": 2.0,
+        "n": 3,
+    }
     with path.open("a") as f:
         f.write('{"step": 4, "lo')  # a line a crash cut short
     rows = [_strict(line) for line in path.read_text().splitlines()[:3]]

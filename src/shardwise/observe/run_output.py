@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -81,6 +83,8 @@ def strict_json(record: dict[str, Any], **dumps_kwargs: Any) -> str:
 
 
 def _finite(value: Any, path: str, replaced: dict[str, str]) -> Any:
+    if isinstance(value, (torch.Tensor, np.generic)) and value.ndim == 0:
+        value = value.item()  # (a 0-dim tensor or numpy number: `clip_grad_norm_`'s norm)
     if isinstance(value, float) and not math.isfinite(value):
         replaced[path] = str(value)  # "nan", "inf" or "-inf"
         return None

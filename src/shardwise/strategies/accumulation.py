@@ -73,6 +73,8 @@ def accumulated_step(
             model.declare_batch(whole, total)
         with contextlib.nullcontext() if last else local_gradients(model):
             part = loss_of(model(x), y) * (n / whole)
+            if n == 0:  # (a mean over no token is NaN: a piece of padding weighs nothing)
+                part = part.nan_to_num(0.0, 0.0, 0.0)
             part.backward()
         losses.append(part.detach())
     return sum(losses)
