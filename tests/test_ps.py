@@ -241,13 +241,22 @@ def test_ssp_never_lets_a_worker_run_more_than_s_clocks_ahead():
     assert lead == staleness  # the fast workers did run ahead as far as allowed
 
 
-def _mismatch_run():
-    strategy = sw.ParameterServer(servers=1, mode="async")
+def _mismatch_run(mode: str):
+    strategy = sw.ParameterServer(servers=1, mode=mode, progress_timeout_s=20)
     rank = dist.get_rank()
     if strategy.is_server():
         report = sw.ps.serve(mlp(), strategy, torch.optim.SGD, lr=1e-2)
         return report.rejected
     sizes = (13, 16, 9, 5) if rank == 1 else (13, 17, 9, 5)
+    if rank == 2:  # (its HELLO after the other's first push: a sync round waits for it)
+        send = sw.ps.protocol.send
+
+        def late_hello(dst, kind, *args, **kwargs):
+            if kind == sw.ps.protocol.Kind.HELLO:
+                time.sleep(2.0)
+            return send(dst, kind, *args, **kwargs)
+
+        sw.ps.protocol.send = late_hello
     try:
         model, opt = sw.prepare(mlp(sizes), strategy, optimizer=torch.optim.SGD, lr=1e-2)
     except sw.ps.PSError as e:
@@ -261,8 +270,9 @@ def _mismatch_run():
     return "trained"
 
 
-def test_a_worker_with_another_model_is_refused_and_the_others_go_on():
-    rejected, good, bad = run(_mismatch_run, 3)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_worker_with_another_model_is_refused_and_the_others_go_on(mode):
+    rejected, good, bad = run(_mismatch_run, 3, mode)
     assert good == "trained"
     assert bad == (
         "parameter server 0 refused this worker: parameter '0.weight' has shape "

@@ -356,6 +356,7 @@ class Server:
             self.report.rejected[src] = problem
             self.peers.live.discard(src)
             self.outbox.send(src, Kind.ERROR, payload=protocol.pack(problem))
+            self.mode.settle(self)  # (a sync round no longer waits for its push)
 
     def _on_pull(self, src: int, h: torch.Tensor, payload) -> None:
         self.peers.idle.discard(src)
