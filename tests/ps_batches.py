@@ -25,12 +25,17 @@ def global_batch(step: int, workers: int):
     return x, torch.randint(0, 5, (workers * BATCH,), generator=g)
 
 
-def single_process_weights(workers: int, steps: int = STEPS, skips: dict | None = None) -> dict:
+def single_process_weights(
+    workers: int, steps: int = STEPS, skips: dict | None = None, schedule=None
+) -> dict:
     """Single-process training on the global batches; `skips`: worker -> the steps whose
-    slice it left out (a non-finite gradient: the step is the others' mean, or none at all)."""
+    slice it left out (a non-finite gradient: the step is the others' mean, or none at all);
+    `schedule`: the rate's multiplier by step."""
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * (schedule(step) if schedule else 1.0)
         x, y = global_batch(step, workers)
         kept = [w for w in range(workers) if step not in (skips or {}).get(w, ())]
         if not kept:

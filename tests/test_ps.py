@@ -9,6 +9,7 @@ import signal
 import time
 import tracemalloc
 import types
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,10 @@ def _sync_run(
     relays: int = 0,
     lr: float = 1e-2,
     skips: dict | None = None,
+    schedule=None,
 ):
     """Sync PS; worker w trains on slice w of global batch `clock` (so a resumed job picks up
-    exactly where the snapshot left it)."""
+    exactly where the snapshot left it); `schedule`: the servers' rate multiplier by step."""
     strategy = sw.ParameterServer(
         servers=servers,
         mode="sync",
@@ -72,7 +74,7 @@ def _sync_run(
                     os.kill(os.getpid(), signal.SIGKILL)
 
             sw.ps.server.Server.apply = dying_apply
-        report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=lr)
+        report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=lr, lr_schedule=schedule)
         return {
             "resumed_from": report.resumed_from,
             "updates": report.updates,
@@ -97,10 +99,15 @@ def _sync_run(
     return state
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_sync_equals_single_process(servers):
-    expected = single_process_weights(workers=2)
-    results = run(_sync_run, servers + 2, servers)
+@pytest.mark.parametrize(
+    "servers, schedule",
+    [(1, None), (2, None), (1, sw.Schedule("cosine", total_steps=STEPS, warmup_steps=3))],
+    ids=["1", "2", "1-cosine"],
+)
+def test_sync_equals_single_process(servers, schedule):
+    """The servers' rate follows the schedule by training step, as one process's does."""
+    expected = single_process_weights(workers=2, schedule=schedule)
+    results = run(partial(_sync_run, schedule=schedule), servers + 2, servers)
     for state in results[servers:]:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
     assert all(r["updates"] == STEPS for r in results[:servers])

@@ -16,6 +16,7 @@ With `relays=R` (a two-level job), ranks S..S+R-1 run `sw.ps.relay(MyModel(), st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,13 +37,16 @@ def serve(
     optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
     work: WorkQueue | None = None,
     faults: FaultInjector | None = None,
+    lr_schedule: Callable[[int], float] | None = None,
     **optimizer_kwargs: Any,
 ) -> ServerReport:
     """Run this rank's server until every worker is done or dead; return what it saw.
 
     `model` gives the parameter names, shapes and initial values (build it with the same seed
     on every rank). Server 0 deals out `work` (batches of indices) when given one. `faults`
-    (tests, demos): kill, hang or slow this server at an update.
+    (tests, demos): kill, hang or slow this server at an update. `lr_schedule`: the rate's
+    multiplier at a training step (`sw.Schedule`), a step being as many pushed batches as there
+    are workers (one sync update; as many asynchronous ones).
     """
     rt = runtime.init()
     if not strategy.is_server(rt.rank):
@@ -63,6 +67,7 @@ def serve(
         work if strategy.shard_of(rt.rank) == 0 else None,  # (a backup of server 0 deals too)
         workers=len(workers),
         faults=faults,
+        lr_schedule=lr_schedule,
     )
     return server.serve()
 

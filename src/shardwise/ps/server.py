@@ -31,6 +31,7 @@ import os
 import queue
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,11 +108,14 @@ class Server:
         work: WorkQueue | None = None,
         workers: int | None = None,
         faults: FaultInjector | None = None,  # kill, hang or slow this server (step: update)
+        lr_schedule: Callable[[int], float] | None = None,
     ) -> None:
         """`clients`: the ranks that push and pull (workers, or relays); `work`: the batches to
         deal (server 0's, or none); `workers`: how many workers there are in all (the batches
-        one sync update consumes)."""
+        one sync update consumes); `lr_schedule`: the rate's multiplier at a training step
+        (`nn.schedules.Schedule`; a step is as many batches as there are workers)."""
         self.o, self.rank, self.faults = options, rank, faults
+        self.lr_schedule = lr_schedule
         self.workers = workers or len(clients)
         self.shard_index = options.shard_of(rank)
         self.backup = options.backup_of(rank)  # (a primary's backup server, forwarded to)
@@ -452,7 +456,11 @@ class Server:
         if self.o.rule == "average":
             self.shard.average(flat, self.o.beta)
         else:
-            self.shard.step(flat, 1.0 / (1 + staleness) if self.o.staleness_lr else 1.0)
+            scale = 1.0 / (1 + staleness) if self.o.staleness_lr else 1.0
+            if self.lr_schedule is not None:  # (the step whose batches this update ends)
+                batches = self.version * self.mode.batches_per_update(self.workers)
+                scale *= self.lr_schedule(batches // self.workers)
+            self.shard.step(flat, scale)
         self.version += 1
         self.report.updates += 1
         if self.snapshots and self.version % self.o.snapshot_every == 0:

@@ -31,7 +31,7 @@ from shardwise.config import Config
 from shardwise.distributed import runtime
 from shardwise.faults.injection import FaultInjector
 from shardwise.faults.nonfinite import EXIT_NONFINITE, all_finite
-from shardwise.jobs import OPTIMIZERS, Job, build_job, straggler_delay
+from shardwise.jobs import OPTIMIZERS, Job, base_lr, build_job, schedule, straggler_delay
 from shardwise.jobs import optimizer_kwargs as make_optimizer_kwargs
 from shardwise.observe.run_output import MetricsFile, write_summary
 from shardwise.ps import PSError
@@ -67,7 +67,19 @@ def run_role(cfg: Config, requested_run_dir: str | None) -> None:
             work = WorkQueue.for_batches(
                 total, len(job.splits.train), cfg.data.batch_size, cfg.train.seed
             )
-        report = ps.serve(job.model, strategy, opt_cls, work=work, faults=faults, **opt_kwargs)
+        # The rate as the data-parallel jobs have it: scaled for the workers' global batch, on
+        # the config's schedule (its warm-up, its decay) by training step.
+        lr = base_lr(cfg.optim, cfg.data.batch_size, cfg.strategy.workers)
+        steps = schedule(cfg.optim, cfg.train.steps)
+        report = ps.serve(
+            job.model,
+            strategy,
+            opt_cls,
+            work=work,
+            faults=faults,
+            lr_schedule=steps,
+            **{**opt_kwargs, "lr": lr},
+        )
         fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
         fields.pop("final")  # the shard itself goes to safetensors
         (out / f"server{rt.rank}.json").write_text(json.dumps(fields))
