@@ -157,6 +157,10 @@ def test_a_killed_rank_chunks_are_dealt_again_after_the_restart(tmp_path):
             ["strategy.name=local_sgd", "data.mode=queue", "data.rank_weights=[1, 2]"],
             "balances by itself",
         ),
+        (
+            ["strategy.name=local_sgd", "data.mode=queue", "train.nonfinite=rollback"],
+            "train.nonfinite 'rollback' needs split data",
+        ),
     ],
 )
 def test_queue_config_errors_are_one_line(sets, expected):
@@ -164,3 +168,47 @@ def test_queue_config_errors_are_one_line(sets, expected):
         load_config("digits", sets)
     message = str(error.value)
     assert expected in message and "\n" not in message
+
+
+NAN_ROWS = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def make():  # every 97th sample NaN: a chunk of 16 now and then
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2000, 64, generator=g), torch.randint(0, 10, (2000,), generator=g)
+    x[::97] = float("nan")
+    return TensorDataset(x, y), TensorDataset(x[1001:1101].clone(), y[1001:1101].clone())
+
+
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+"""
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_queue_rounds_nonfinite_chunks_follow_train_nonfinite(tmp_path, policy):
+    """A chunk whose loss is NaN is left out under 'skip' (it reached the weights, and its NaN
+    the round's loss: every such round stopped the run), and stops it under 'stop'."""
+    (tmp_path / "nan_rows.py").write_text(NAN_ROWS)
+    sets = [
+        "data.dataset=null",
+        "data.factory=nan_rows:make",
+        "model.name=null",
+        "model.factory=nan_rows:model",
+        "strategy.name=local_sgd",
+        "data.mode=queue",
+        f"train.nonfinite={policy}",
+        "train.steps=6",
+        "train.measure=false",
+    ]
+    job = run_cli("train", "--nproc", "2", *set_args(*sets), "--run-dir", "run", cwd=tmp_path)
+    if policy == "stop":
+        assert job.returncode == 4 and "non-finite loss: stopping" in job.stderr
+        return
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(x.get("skipped_chunks", 0) for x in lines) >= 1
+    weights = load_file(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    assert all(bool(w.isfinite().all()) for w in weights.values())

@@ -274,6 +274,11 @@ class Config(Section):
             )
         if self.data.rank_weights is not None or self.data.balance != "static":
             raise ValueError("data.mode 'queue' balances by itself: no rank_weights or balance")
+        if self.train.nonfinite == "rollback":
+            raise ValueError(
+                "train.nonfinite 'rollback' needs split data: a work queue's chunks are "
+                "stepped as each rank claims them (skip or stop)"
+            )
         return self
 
     @model_validator(mode="after")

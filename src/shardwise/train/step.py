@@ -130,13 +130,24 @@ def run_round(run: TrainingRun, step: int) -> None:
     """One work-queue round (`data.mode: queue`, local SGD): this rank trains the chunks it
     claims, one local step each, as many as its speed allows, until the round's are gone;
     then the replicas are averaged, each weighted by the samples it trained on, and the loss
-    is averaged over every sample of the round. The schedule steps once per round."""
+    is averaged over every sample of the round. The schedule steps once per round.
+
+    A chunk whose loss or gradients are not finite (`train.nonfinite`) is left out of the
+    round under 'skip' (its local step too: the replicas meet only at the round's end), and
+    under 'stop' makes the round's loss NaN on every rank, which stops the run."""
     model, opt = run.model, run.opt
     t0, waited0 = time.perf_counter(), comm.stats.step_wait_s()
-    samples, loss_sum = 0, 0.0
+    samples, loss_sum, skipped = 0, 0.0, 0
     for batch in run.feed.round(step):
         x, y = run.job.inputs_targets(batch, run.rt.device)
         loss = run.wrapped.compute(x, y, run.wrapped.loss)
+        if not (math.isfinite(loss.item()) and grads_finite(model)):
+            opt.zero_grad()
+            if run.cfg.train.nonfinite == "stop":
+                loss_sum = math.nan  # (every rank's round loss: every rank stops)
+                break
+            skipped += 1
+            continue
         if run.cfg.train.clip_grad_norm:
             model.clip_grad_norm_(run.cfg.train.clip_grad_norm)
         opt.step()
@@ -153,7 +164,8 @@ def run_round(run: TrainingRun, step: int) -> None:
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
     timed = (time.perf_counter() - t0, comm.stats.end_step())
-    log_step(run, step, lr, (everyone, samples), work_s, timed, {})
+    record = {"skipped_chunks": skipped} if skipped else {}  # (this rank's)
+    log_step(run, step, lr, (everyone, samples), work_s, timed, record)
 
 
 def log_step(
