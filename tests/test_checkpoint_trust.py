@@ -430,3 +430,16 @@ def test_metrics_lines_are_strict_and_read_back_with_nulls(tmp_path):
     MetricsFile(path, keep_steps=2).close()  # a resume from step 2
     rows = [_strict(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] is None
+
+
+def test_plain_progress_lines_are_about_ten_a_run_and_one_a_minute_at_least(capsys, monkeypatch):
+    from shardwise.observe import run_output
+
+    clock = [0.0]
+    monkeypatch.setattr(run_output.time, "monotonic", lambda: clock[0])
+    progress = run_output.ProgressReporter(100_000, "job", enabled=True, every=10)
+    for step in range(1, 40_001):
+        clock[0] = step / 100  # (a step every 10 ms: a minute is 6,000 steps)
+        progress.update(step, 1.0, 100.0)
+    steps = [int(line.split()[1].split("/")[0]) for line in capsys.readouterr().out.splitlines()]
+    assert steps == [6000, 10000, 16000, 20000, 26000, 30000, 36000, 40000]

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,11 +99,16 @@ def _finite(value: Any, path: str, replaced: dict[str, str]) -> Any:
 
 
 class ProgressReporter:
-    """A rich progress bar on a terminal; a plain line every `every` steps elsewhere (CI, pipes)."""
+    """A rich progress bar on a terminal; elsewhere (CI, pipes, logs) a plain line every `every`
+    steps, at most about ten a run, and at least one a minute: a long run's ten lines came hours
+    apart."""
+
+    LINE_AT_LEAST_EVERY_S = 60.0
 
     def __init__(self, total: int, title: str, enabled: bool, every: int) -> None:
         self.enabled, self.total = enabled, total
         self.every = max(every, total // 10)  # for the plain-text fallback: about ten lines
+        self._last_line = time.monotonic()
         self.console = Console()
         self._bar: Progress | None = None
         if enabled and self.console.is_terminal:
@@ -123,8 +129,13 @@ class ProgressReporter:
         status = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s" if loss is not None else ""
         if self._bar is not None:
             self._bar.update(self._task, completed=step, status=status)
-        elif loss is not None and (step % self.every == 0 or step == self.total):
+        elif loss is not None and (
+            step % self.every == 0
+            or step == self.total
+            or time.monotonic() - self._last_line >= self.LINE_AT_LEAST_EVERY_S
+        ):
             print(f"step {step}/{self.total}  {status}", file=sys.stdout, flush=True)
+            self._last_line = time.monotonic()
 
     def close(self) -> None:
         if self._bar is not None:
