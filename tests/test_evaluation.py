@@ -85,3 +85,22 @@ def test_evaluation_scores_each_test_sample_once(config, sets, strategy, world):
             reference.accuracy * reference.targets
         )
         assert got["scored"].loss == pytest.approx(reference.loss, rel=1e-5)
+
+
+def test_a_plain_module_is_validated_and_checked_as_one_process():
+    """A user's loop on a plain module, no job started: the public parts treat it as one
+    replica of itself (they raised on it: no runtime, no process group)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    scored = sw.Validator(TensorDataset(x, y), F.cross_entropy, batch_size=4)(model)
+    assert scored.targets == 10
+    assert scored.loss == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-6)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert sw.NonFinitePolicy().check(model, loss) == {}
+    assert sw.NonFinitePolicy().check(model, loss * float("nan")) == {0: "loss"}

@@ -19,6 +19,7 @@ import math
 import torch
 
 from shardwise import comm
+from shardwise.distributed import runtime
 
 EXIT_NONFINITE = 4  # every rank's exit code when the non-finite policy stops the run
 POLICIES = ("skip", "stop", "rollback")
@@ -39,8 +40,10 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def grads_finite(model) -> bool:
-    """Whether the gradients this rank holds of a `DistributedModel` are all finite."""
-    grads = [g for g in model.local_grads() if g is not None]
+    """Whether the gradients this rank holds of a `DistributedModel` (or of a plain module) are
+    all finite."""
+    held = model.local_grads() if hasattr(model, "local_grads") else _grads(model)
+    grads = [g for g in held if g is not None]
     return bool(all_finite(grads)) if grads else True
 
 
@@ -77,11 +80,13 @@ class NonFinitePolicy:
 
     def check(self, model, loss: torch.Tensor) -> dict[int, str]:
         """rank -> 'loss' or 'gradient' for the ranks where this step is not finite, agreed by
-        every rank in one small all-reduce (a user's loop; the trainer folds it into its own)."""
-        rt = model.runtime
+        every rank in one small all-reduce (a user's loop; the trainer folds it into its own).
+        A plain module is one process's own: nothing to agree on."""
+        rt = getattr(model, "runtime", None) or runtime.current_or_alone()
         slots = torch.zeros(rt.world_size, dtype=torch.float64, device=rt.device)
         slots[rt.rank] = local_slot(math.isfinite(loss.item()), grads_finite(model))
-        comm.all_reduce(slots, group=rt.group)
+        if rt.world_size > 1:
+            comm.all_reduce(slots, group=rt.group)
         return bad_ranks_of([round(f) for f in slots.tolist()])
 
     def after_step(self, step: int, bad_ranks: dict[int, str], batch: int | None = None) -> bool:
@@ -131,3 +136,7 @@ class NonFinitePolicy:
         left_out = set(self.batches)
         self.rolled_back_at, self.streak, self.batches = step, 0, []
         return left_out
+
+
+def _grads(module) -> list[torch.Tensor | None]:
+    return [p.grad for p in module.parameters()]

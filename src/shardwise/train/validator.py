@@ -71,12 +71,13 @@ def evaluate(
         else:
             sums[1] += (api.predict(model, logits) == y).sum().item()
         sums[2] += count
-    if everyone:
+    world = dist.get_world_size() if everyone and dist.is_initialized() else 1
+    if world > 1:
         # Ranks that split one model scored the same samples: every sample counts as often
         # as the others, so the world-wide sums still give the mean.
         comm.all_reduce(sums)
     model.train(was_training)
-    copies = dist.get_world_size() // shard[0] if everyone else 1  # ranks scoring each sample
+    copies = world // shard[0]  # ranks scoring each sample (a plain module: this process)
     accuracy = (sums[1] / sums[2]).item() if classified else None
     return Evaluation((sums[0] / sums[2]).item(), accuracy, round(sums[2].item() / copies))
 
