@@ -104,3 +104,35 @@ def test_a_plain_module_is_validated_and_checked_as_one_process():
     loss.backward()
     assert sw.NonFinitePolicy().check(model, loss) == {}
     assert sw.NonFinitePolicy().check(model, loss * float("nan")) == {0: "loss"}
+
+
+def _local_sgd_scored():
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    model, opt = sw.prepare(torch.nn.Linear(4, 3), sw.LocalSGD(period=100), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())  # (each replica drifts its own way)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+        sw.train_step(model, x, y, F.cross_entropy)
+        opt.step()
+        opt.zero_grad()
+    own = {k: v.clone() for k, v in model.module.state_dict().items()}
+    test = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    scored = sw.Validator(TensorDataset(*test), F.cross_entropy, batch_size=3)(model)
+    averaged = torch.nn.Linear(4, 3)
+    averaged.load_state_dict(sw.full_state_dict(model))
+    kept = all(torch.equal(v, model.module.state_dict()[k]) for k, v in own.items())
+    return scored.loss, F.cross_entropy(averaged(test[0]), test[1]).item(), kept
+
+
+def test_replicas_that_drift_are_scored_as_their_average():
+    """Local SGD between averagings: the evaluation scores the run's model (the replicas'
+    average, what it saves) on every sample, each rank's own weights back after (each rank
+    scored its own replica on its shard: a mix)."""
+    for scored, of_average, kept in spawn.run(_local_sgd_scored, 2):
+        assert scored == pytest.approx(of_average, rel=1e-6)
+        assert kept

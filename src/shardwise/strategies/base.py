@@ -21,6 +21,7 @@ The defaults here are those of a model every rank holds whole (data parallel).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -170,6 +171,11 @@ class DistributedModel(nn.Module):
 
     def after_step(self) -> None:
         """Runs after the optimizer stepped: all-gathers, averages, pushes, counters."""
+
+    def weights_for_evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the module holds the weights an evaluation scores (collective): this rank's,
+        where every rank's agree."""
+        return contextlib.nullcontext()
 
     # ---- state -------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,9 @@ Optimizer state (momentum, Adam's moments) stays local in all of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -111,6 +113,17 @@ class RelaxedModel(DistributedModel):
                 comm.all_reduce(value, group=self.runtime.group)
                 divide_(value, self.runtime.world_size)
         return state
+
+    @contextlib.contextmanager
+    def weights_for_evaluation(self) -> Iterator[None]:
+        """The replicas' average, the model the run ends with (each rank scored its own
+        drifted replica on its shard of the test set: a mix of models), this rank's back after."""
+        own = {k: v.clone() for k, v in self.module.state_dict().items()}
+        self.module.load_state_dict(self.full_state_dict())
+        try:
+            yield
+        finally:
+            self.module.load_state_dict(own)
 
 
 class LocalSGDModel(RelaxedModel):

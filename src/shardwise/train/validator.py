@@ -9,6 +9,7 @@ strategy, from the trainer or a user's loop.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -56,21 +57,24 @@ def evaluate(
     classified = True  # every output a classifier's: accuracy means something
     was_training = model.training
     model.eval()
-    for batch in loader:
-        # A last batch smaller than the ranks wrapped around: every rank still runs the
-        # forward (ZeRO-3 gathers in it), scoring none of the repeats.
-        x, y = inputs_targets(_unscored(batch, loader.last_repeats))
-        x, y = tree_map_only(torch.Tensor, lambda t: t.to(device), (x, y))
-        output = model(x)
-        count = (y != PAD_TARGET).sum().item()  # targets that count: padding's do not
-        if count:
-            sums[0] += loss_fn(output, y).item() * count
-        logits = output if isinstance(output, torch.Tensor) else class_logits(output, y)
-        if logits is None:
-            classified = False
-        else:
-            sums[1] += (api.predict(model, logits) == y).sum().item()
-        sums[2] += count
+    # (replicas that drift apart between averagings are scored as the run's model: averaged)
+    scoring = getattr(model, "weights_for_evaluation", None) if everyone else None
+    with scoring() if scoring is not None else contextlib.nullcontext():
+        for batch in loader:
+            # A last batch smaller than the ranks wrapped around: every rank still runs the
+            # forward (ZeRO-3 gathers in it), scoring none of the repeats.
+            x, y = inputs_targets(_unscored(batch, loader.last_repeats))
+            x, y = tree_map_only(torch.Tensor, lambda t: t.to(device), (x, y))
+            output = model(x)
+            count = (y != PAD_TARGET).sum().item()  # targets that count: padding's do not
+            if count:
+                sums[0] += loss_fn(output, y).item() * count
+            logits = output if isinstance(output, torch.Tensor) else class_logits(output, y)
+            if logits is None:
+                classified = False
+            else:
+                sums[1] += (api.predict(model, logits) == y).sum().item()
+            sums[2] += count
     world = dist.get_world_size() if everyone and dist.is_initialized() else 1
     if world > 1:
         # Ranks that split one model scored the same samples: every sample counts as often
