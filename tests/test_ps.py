@@ -194,8 +194,8 @@ def _late_joiner_run(mode: str):
                 time.sleep(0.5)
             return send(self, server, kind, *ints, payload=payload)
 
-        def noting(self, server, dtype=None):
-            h, payload = recv(self, server, dtype)
+        def noting(self, server, dtype=None, most=1 << 31):
+            h, payload = recv(self, server, dtype, most)
             told.setdefault(server, int(h[1]))
             return h, payload
 

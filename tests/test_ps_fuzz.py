@@ -11,6 +11,7 @@ process on one, below anything Python can catch; README)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
 
 import pytest
@@ -135,3 +136,33 @@ def test_a_hostile_client_never_stops_the_server_nor_changes_the_honest_result(
     expected = single_process_weights(workers=2)
     for state in honest:
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+
+
+def _a_server_answering_more_than_its_shard():
+    """Rank 0 a server of this test's making: it greets the worker, then answers its pull with
+    7 values more than the shard holds."""
+    strategy = sw.ParameterServer(servers=1, mode="async")
+    if dist.get_rank() == 0:
+        group = protocol.make_group()
+        protocol.recv(1, group=group)  # (the HELLO)
+        protocol.send(1, Kind.OK, 0, group=group)
+        protocol.recv(1, group=group)  # (the PULL)
+        shard = sum(p.numel() for p in mlp().parameters())
+        # (the worker refuses it from the header, and is gone before its payload)
+        with contextlib.suppress(RuntimeError):
+            protocol.send(1, Kind.OK, 0, 0, payload=torch.zeros(shard + 7), group=group)
+        return None
+    try:
+        sw.prepare(mlp(), strategy, optimizer=torch.optim.SGD, lr=0.1)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_pull_answer_longer_than_the_shard_is_refused_before_it_is_read():
+    """A worker posts for a plain pull's answer no more than its server's shard: a longer one
+    is refused from its header (an over-long one shifted every parameter after it in silence,
+    and any length up to 2^31 values was posted for)."""
+    _, refused = run(_a_server_answering_more_than_its_shard, 2)
+    shard = sum(p.numel() for p in mlp().parameters())
+    assert refused == f"OK from rank 0 announces {shard + 7} values (at most {shard})"

@@ -301,11 +301,12 @@ class PSClient:
         with self.guard.waiting(on=server), self._going_over_if_broken(server):
             protocol.send(server, kind, *ints, payload=payload, group=self.group)
 
-    def _recv(self, server: int, dtype: torch.dtype | None = None):
+    def _recv(self, server: int, dtype: torch.dtype | None = None, most: int = 1 << 31):
         """The next message from `server`, given up on (the process ends, naming it) if the
-        server goes silent or leaves it unanswered past the bound."""
+        server goes silent or leaves it unanswered past the bound. `most`: the values its
+        payload may hold (what is posted to receive it)."""
         with self.guard.waiting(on=server), self._going_over_if_broken(server):
-            h, payload = protocol.recv(server, dtype, group=self.group)
+            h, payload = protocol.recv(server, dtype, group=self.group, max_numel=most)
         if Kind(int(h[0])) == Kind.ERROR:  # (e.g. declared stuck, its late messages refused)
             raise PSError(
                 f"parameter server {server} refused this worker: {protocol.unpack(payload)}"
@@ -350,18 +351,29 @@ class PSClient:
             while True:
                 server = self.servers[i]
                 dtype = self.pulls.dtype(server) if self.pulls else torch.float32
+                # (a plain answer holds exactly the shard's values: no more is ever read)
+                most = (1 << 31) if self.pulls else end - start
                 try:
-                    h, piece = self._recv(server, dtype)
+                    h, piece = self._recv(server, dtype, most)
                     break
                 except WentOver as went:
                     self._send_again(went)
                     self._send(went.server, Kind.PULL, self.clock)
             versions.append(int(h[1]))
             piece = piece if piece is not None else torch.zeros(0, dtype=dtype)
+            if Kind(int(h[0])) != Kind.OK:
+                raise PSError(
+                    f"parameter server {server} answered a pull with a {Kind(int(h[0])).name}"
+                )
             if self.pulls is not None:
                 piece, problem = self.pulls.take(server, int(h[2]), piece, end - start)
                 if problem:
                     raise PSError(f"parameter server {server} answered a pull with {problem}")
+            elif piece.numel() != end - start:
+                raise PSError(
+                    f"parameter server {server} answered a pull with {piece.numel()} values, "
+                    f"its shard holds {end - start}"
+                )
             pieces.append(piece)
         # The oldest shard's: with backup workers a round may close between two answers, and a
         # push computed partly on parameters it replaced is late.
