@@ -116,6 +116,11 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_bit_identically(tmp_pat
     # Per step of its own: the resumed process ran fewer (it was halved over all the run's).
     summaries = [json.loads((tmp_path / r / "summary.json").read_text()) for r in RUNS]
     assert summaries[0]["comm_bytes_per_step"] == summaries[1]["comm_bytes_per_step"] > 0
+    # The run's time reads on over the resume (it started again from 0: plotted over time,
+    # the resumed steps lay on top of the first ones).
+    lines = (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
+    times = [row["t"] for row in map(json.loads, lines) if "t" in row]
+    assert len(times) == STEPS and times == sorted(times)
 
 
 def _workers(run: Path) -> dict[int, int]:

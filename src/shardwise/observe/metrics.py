@@ -50,7 +50,13 @@ class MetricsWriter:
         purge = None if keep_steps is None else keep_steps + 1
         self.board = Board(out, purge) if tensorboard and self.rt.is_main else None
         self.progress = ProgressReporter(steps, name, self.rt.is_main, log_every)
-        self.started = time.perf_counter()
+        # (a resumed run's time goes on from its last line kept: the figures over time read on)
+        self.kept_t = self.metrics.kept_t if self.metrics else 0.0
+        self.start_clock()
+
+    def start_clock(self) -> None:
+        """The run's time (its lines' `"t"`) counts from now, or from the last line kept."""
+        self.started = time.perf_counter() - self.kept_t
 
     def log_step(
         self,

@@ -42,15 +42,17 @@ class MetricsFile:
     crashed run keeps what it logged. A write that fails is a `WriteError` naming the file.
 
     `keep_steps`: a resumed run first drops the lines of steps after its checkpoint (they are
-    about to be run again)."""
+    about to be run again); `kept_t` is then the run's time at the last line kept (its `"t"`),
+    which the resumed process's times go on from."""
 
     def __init__(self, path: Path, keep_steps: int | None = None) -> None:
-        self.path = path
+        self.path, self.kept_t = path, 0.0
         with writing(path):
             if keep_steps is not None and path.exists():
                 lines = path.read_text(encoding="utf-8").splitlines()
                 kept = [line for line in lines if _step(line) <= keep_steps]
                 path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+                self.kept_t = max((_t(line) for line in kept), default=0.0)
             self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -70,6 +72,12 @@ def _step(line: str) -> float:
         return json.loads(line).get("step") or 0
     except json.JSONDecodeError:
         return math.inf
+
+
+def _t(line: str) -> float:
+    """A kept metrics line's run time `"t"` (0 where it has none: an event's line)."""
+    t = json.loads(line).get("t")
+    return float(t) if isinstance(t, (int, float)) else 0.0
 
 
 def strict_json(record: dict[str, Any], **dumps_kwargs: Any) -> str:

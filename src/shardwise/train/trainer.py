@@ -108,7 +108,7 @@ class Trainer:
         """Train to `train.steps` (or to an agreed stop: then an empty summary)."""
         cfg = self.run.cfg
         comm.stats.reset()
-        self.run.metrics.started = time.perf_counter()
+        self.run.metrics.start_clock()
         step = self.run.start_step
         with handling_stop_signals(self._ask_to_stop):
             while step < cfg.train.steps:
