@@ -152,7 +152,9 @@ class BucketedBackward:
         recomputes a checkpointed region within it.) A forward without autograd (evaluation)
         starts no backward: it may run."""
         self._ended_in_nested = False  # (the next backward is another one)
-        if self._in_backward and torch.is_grad_enabled() and self._nested_ended_early:
+        if not (self._in_backward and torch.is_grad_enabled()):
+            return
+        if self._nested_ended_early:
             unused = [self.names[p] for p in self.bucket_of if p not in self.ready]
             raise RuntimeError(
                 f"the last backward's end was not told ({len(unused)} parameter(s) without a "
@@ -161,11 +163,10 @@ class BucketedBackward:
                 "step ends it), or it raised; call zero_grad() on every rank before the next "
                 "forward, or step first"
             )
-        if self._in_backward and torch.is_grad_enabled():
-            raise RuntimeError(
-                "a backward raised before its end, and zero_grad() was not called since: its "
-                "gradients are partial (call zero_grad() on every rank before the next forward)"
-            )
+        raise RuntimeError(
+            "a backward raised before its end, and zero_grad() was not called since: its "
+            "gradients are partial (call zero_grad() on every rank before the next forward)"
+        )
 
     def end_deferred(self) -> None:
         """End a backward whose end could not be told within it: its last gradients of ours
