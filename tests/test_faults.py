@@ -155,7 +155,7 @@ def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_p
     sets = ["train.steps=20", "train.checkpoint_every=10", *NAN_JOB]
     rollback = ["train.nonfinite=rollback", "train.max_bad_steps=2"]
     (rolled, out), (clean, clean_out) = finish(  # (the two jobs run at once)
-        start_cli(*train_args(tmp_path / "rolled", *sets, *rollback), env=bad),
+        start_cli(*train_args(tmp_path / "rolled", *sets, *rollback, measure=True), env=bad),
         start_cli(*train_args(tmp_path / "clean", *sets, "train.skip_batches=[12, 13]")),
     )
     assert rolled == 0, out[-2000:]
@@ -165,6 +165,19 @@ def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_p
     b = load_file(str(tmp_path / "clean" / "checkpoint" / "model.safetensors"))
     assert clean == 0, clean_out[-2000:]
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # Every step's line once, in order, where the rolled-back steps were run again: the
+    # metrics, each rank's timing file and TensorBoard (before, steps 11-13 showed twice).
+    lines = [json.loads(x) for x in (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == list(range(1, 21))
+    assert [x["rollback_to"] for x in lines if "rollback_to" in x] == [10]
+    for rank in (0, 1):
+        timing = (tmp_path / "rolled" / "timing" / f"rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in timing] == list(range(1, 21))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "rolled" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 21))
 
 
 def test_rollback_gives_up_when_rolling_back_makes_no_progress(tmp_path):

@@ -39,6 +39,13 @@ class Board:
         self.path = run_dir / "tensorboard"
         self._writer = SummaryWriter(log_dir=str(self.path), purge_step=purge_step)
 
+    def rewind(self, step: int) -> None:
+        """Hide what was written for the steps after `step` (a rollback runs them again)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer.close()
+        self._writer = SummaryWriter(log_dir=str(self.path), purge_step=step + 1)
+
     def write(self, record: dict[str, Any]) -> None:
         """One metrics record: its known keys, and `memory` (bytes per category)."""
         step = record.get("step")

@@ -87,6 +87,15 @@ class MetricsWriter:
         }
         self.log_event(line, board=True)
 
+    def rewind(self, step: int) -> None:
+        """A rollback to `step`: the lines (and TensorBoard's points) of the steps after it go,
+        as on a resume, since those steps are run again; the run's time goes on."""
+        self.timing.rewind(step)
+        if self.metrics is not None:
+            self.metrics.rewind(step)
+        if self.board is not None:
+            self.board.rewind(step)
+
     def log_event(self, record: dict[str, Any], board: bool = False) -> None:
         """Rank 0: one line that is not a step's (a checkpoint written, a rollback); with
         `board`, its known keys go to TensorBoard too."""

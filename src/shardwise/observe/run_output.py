@@ -49,11 +49,21 @@ class MetricsFile:
         self.path, self.kept_t = path, 0.0
         with writing(path):
             if keep_steps is not None and path.exists():
-                lines = path.read_text(encoding="utf-8").splitlines()
-                kept = [line for line in lines if _step(line) <= keep_steps]
-                path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-                self.kept_t = max((_t(line) for line in kept), default=0.0)
+                self._keep_up_to(keep_steps)
             self._file = path.open("a", encoding="utf-8")
+
+    def _keep_up_to(self, step: int) -> None:
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if _step(line) <= step]
+        self.path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        self.kept_t = max((_t(line) for line in kept), default=0.0)
+
+    def rewind(self, step: int) -> None:
+        """Drop the lines of the steps after `step` (a rollback is about to run them again)."""
+        with writing(self.path):
+            self._file.close()
+            self._keep_up_to(step)
+            self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         with writing(self.path):

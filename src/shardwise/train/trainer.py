@@ -188,6 +188,7 @@ class Trainer:
         run.feed.skip |= left_out
         if run.cfg.train.sample_ledger:
             ledger.truncate_rank(run.out, run.rt.rank, back_to)
+        run.metrics.rewind(back_to)  # (the steps after it are run again: no step shows twice)
         if run.rt.is_main:
             print(
                 f"shardwise: rolled back from step {step} to {found.directory} (step {back_to}); "
