@@ -167,7 +167,8 @@ def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_p
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Every step's line once, in order, where the rolled-back steps were run again: the
     # metrics, each rank's timing file and TensorBoard (before, steps 11-13 showed twice).
-    lines = [json.loads(x) for x in (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
+    metrics = (tmp_path / "rolled" / "metrics.jsonl").read_text()
+    lines = [json.loads(x) for x in metrics.splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, 21))
     assert [x["rollback_to"] for x in lines if "rollback_to" in x] == [10]
     for rank in (0, 1):
