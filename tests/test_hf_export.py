@@ -29,6 +29,9 @@ def train_and_checkpoint(run_dir: str, kind: str, strategy: str) -> dict:
         model(**H.rows(batch, 2 * rank, 2 * rank + 2)).loss.backward()
         opt.step()
         opt.zero_grad()
+    # The model's config is recorded as the run first saves (a job refused at its resume
+    # leaves the run directory's as it was), then found by the export.
+    assert not (Path(run_dir) / "hf_config.json").exists()
     checkpointer.save(4)
     full = model.full_state_dict()
     model.close()

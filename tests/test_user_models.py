@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 import shardwise as sw
 from harness import finish, run_cli, set_args, start_cli
 from shardwise import cli
+from shardwise.checkpoint.hf_export import export_hf
 from shardwise.config import ConfigError, load_config
 from shardwise.data.datasets import Splits
 from shardwise.data.sharded_loader import loader
@@ -189,6 +190,12 @@ def test_an_hf_config_model_trains_on_a_token_file_as_one_process_would(
     assert summary["world_size"] == 2 and _steps(run / "metrics.jsonl") == [1, 2, 3, 4]
     assert np.isfinite(summary["eval_loss"]) and "eval_accuracy" not in summary  # (an LM's)
     trained = load_file(str(run / "checkpoint" / "model.safetensors"))
+    # A Hugging Face folder from the final checkpoint (its config recorded by the run, a
+    # pipeline's too, whose stages hold no HF model): transformers loads the same weights.
+    exported = export_hf(run / "checkpoint", tmp_path / "exported")
+    hf_model = pytest.importorskip("transformers").GPT2LMHeadModel.from_pretrained(exported)
+    reloaded = hf_model.state_dict()
+    assert all(torch.equal(reloaded[k], trained[k]) for k in trained)
 
     # One process, the same model (seeded alike) and the same global batches, the HF way.
     monkeypatch.chdir(project)

@@ -55,15 +55,23 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.rt = model.runtime
         self.saver = Saver(self.run_dir, self.rt, keep, sync=not asynchronous, job=job)
-        if self.rt.is_main:  # (what `shardwise export --hf` writes as config.json)
-            record_hf_config(model, self.run_dir)
+        self._config_recorded = False  # (`record_model_config`)
         self._loads = 0  # checkpoints chosen so far: each choice has a key of its own
         self.last_stall_s = 0.0  # the last save's copy: the only time training waits for it
+
+    def record_model_config(self) -> None:
+        """Rank 0: the model's Hugging Face config beside the run's checkpoints (what `shardwise
+        export --hf` writes as config.json), once, as the run first saves: not when made, since
+        a job refused at its resume (another run's checkpoints) must leave that run's as it was."""
+        if self.rt.is_main and not self._config_recorded:
+            record_hf_config(self.model, self.run_dir)
+        self._config_recorded = True
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
         """Copy this rank's state after `step` now (the only stall) and write it in the
         background; `extra`: what else the next step depends on (tensors and JSON values, e.g.
         a loader's `state_dict()`). Returns the directory the checkpoint will have."""
+        self.record_model_config()
         started = time.perf_counter()
         path = self.saver.save(self.model, self.optimizer, self.scheduler, step, extra or {})
         self.last_stall_s = time.perf_counter() - started  # what training waited for

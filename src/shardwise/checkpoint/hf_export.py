@@ -28,13 +28,21 @@ MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5 GB)
 
 def hf_config_of(model: nn.Module) -> dict[str, Any] | None:
     """The config of the Hugging Face model inside `model` (a strategy's model, or the plain
-    one), with its class in `architectures`; None for any other model."""
+    one, or a pipeline's stage of one), with its class in `architectures`; None for any other
+    model."""
     for module in model.modules():
         config = getattr(module, "config", None)
         if hasattr(config, "to_json_string") and hasattr(module, "base_model_prefix"):
-            as_saved = json.loads(config.to_json_string(use_diff=False))  # (dtypes as names)
-            return {**as_saved, "architectures": [type(module).__name__]}
+            return _as_saved(config, type(module).__name__)
+        cut_from = getattr(module, "cut_from_hf", None)  # (`PipelineModel`'s)
+        if cut_from is not None:
+            return _as_saved(*cut_from)
     return None
+
+
+def _as_saved(config: Any, class_name: str) -> dict[str, Any]:
+    as_saved = json.loads(config.to_json_string(use_diff=False))  # (dtypes as names)
+    return {**as_saved, "architectures": [class_name]}
 
 
 def record_hf_config(model: nn.Module, run_dir: Path) -> None:

@@ -97,8 +97,12 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         feed: Any = None,
         tied: list[tuple[nn.Parameter, list[int]]] = (),
         num_chunks: int = 1,
+        cut_from_hf: tuple[Any, str] | None = None,
     ) -> None:
         super().__init__(stage, runtime)
+        # A Hugging Face model's (config, class name): what its checkpoints are exported with
+        # (`checkpoint/hf_export.py`), which no stage's modules carry.
+        self.cut_from_hf = cut_from_hf
         self.index, self.stages, self.group = runtime.rank, runtime.world_size, runtime.group
         self.schedule, self.microbatches = schedule, microbatches
         self.num_chunks = num_chunks  # chunks of the model on this rank: interleaved's v
@@ -447,8 +451,9 @@ class Pipeline(Strategy):
         for name, t in model.state_dict(keep_vars=True).items():
             full_names.setdefault(id(t), []).append(name)  # a tied weight has two names
         names = {k: full_names[id(t)] for k, t in mine.state_dict(keep_vars=True).items()}
+        hf = (model.config, type(model).__name__) if is_hf_model(model) else None
         return PipelineModel(
-            mine, runtime, self.schedule, self.microbatches, names, feed, tied, self.num_chunks
+            mine, runtime, self.schedule, self.microbatches, names, feed, tied, self.num_chunks, hf
         )
 
     def model_layers(self, model: nn.Module) -> tuple[list[nn.Module], Any]:

@@ -234,6 +234,7 @@ class Trainer:
         log_saves(run)
         if run.rt.is_main:
             meta = {"step": cfg.train.steps, "world_size": run.rt.world_size, "name": cfg.name}
+            run.checkpointer.record_model_config()  # (a run that saved no checkpoint before)
             save_model(run.out / "checkpoint", state, meta)
         final = {"step": cfg.train.steps, "eval_loss": scored.loss, **accuracy_entry(scored)}
         run.metrics.log_board({**final, "memory": run.measured.memory})
