@@ -192,3 +192,27 @@ def test_a_test_fraction_that_holds_out_nothing_is_one_line():
     with pytest.raises(ValueError, match=r"data\.test_fraction 0\.0001 holds out no evaluation"):
         build_splits(load_config("digits", ["data.test_fraction=0.0001"]))
     assert len(build_splits(load_config("digits", ["data.test_fraction=0.001"])).test) == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "sets", "expected"),
+    [
+        ("digits", ["model.name=gpt"], "model 'gpt' needs data.dataset 'text' or 'verses'"),
+        ("tiny_gpt", ["model.name=cnn"], "model 'cnn' needs data.dataset 'digits'"),
+        (
+            "tiny_gpt",
+            ["data.stages=[{at: 50, seq_len: 512}]"],
+            "data.stages[0].seq_len 512: longer than model 'gpt' reads (its positions are "
+            "data.seq_len's 128)",
+        ),
+    ],
+)
+def test_a_built_in_model_that_cannot_read_the_data_is_refused_before_launch(
+    config, sets, expected
+):
+    # (before: refused by each rank as it built the model, or, for a stage, when the run
+    # reached it, after training up to there)
+    with pytest.raises(ConfigError) as err:
+        load_config(config, sets)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    load_config("tiny_gpt", ["data.stages=[{at: 50, seq_len: 128}]"])  # (as long: fine)

@@ -301,6 +301,28 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _built_in_model_fits_the_data(self) -> Config:
+        # (before any rank starts: a stage's too long windows failed the run when it began)
+        name, data = self.model.name, self.data
+        if name is None:
+            return self
+        if name != "gpt":
+            if data.dataset != "digits" or data.tokens is not None:
+                raise ValueError(f"model {name!r} needs data.dataset 'digits'")
+            return self
+        if data.dataset not in ("text", "verses") and data.tokens is None:
+            raise ValueError("model 'gpt' needs data.dataset 'text' or 'verses', or data.tokens")
+        if data.tokens is not None and not data.vocab_size:
+            raise ValueError("model 'gpt' on data.tokens needs data.vocab_size")
+        for i, stage in enumerate(data.stages):
+            if stage.seq_len is not None and stage.seq_len > data.seq_len:
+                raise ValueError(
+                    f"data.stages[{i}].seq_len {stage.seq_len}: longer than model 'gpt' reads "
+                    f"(its positions are data.seq_len's {data.seq_len})"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _verses_on_whole_models(self) -> Config:
         # The document mask does not travel between a pipeline's stages, and tensor parallel's
         # vocabulary-sharded loss does not leave padded targets out.

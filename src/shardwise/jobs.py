@@ -237,11 +237,7 @@ def logits_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
 
 def _model_job(cfg: Config, splits: datasets.Splits) -> Job:
     m = cfg.model
-    if m.name == "gpt":
-        if cfg.data.dataset not in ("text", "verses") and cfg.data.tokens is None:
-            raise ValueError("model 'gpt' needs data.dataset 'text' or 'verses', or data.tokens")
-        if cfg.data.tokens is not None and not cfg.data.vocab_size:
-            raise ValueError("model 'gpt' on data.tokens needs data.vocab_size")
+    if m.name == "gpt":  # (the config checked the model against the data: `Config`)
         if isinstance(splits.train[0], Mapping):
             raise ValueError("model 'gpt' takes (input, target) windows: data.windows 'pairs'")
         # Packed rows need the document mask; a row of one document is plain causal attention.
@@ -250,8 +246,6 @@ def _model_job(cfg: Config, splits: datasets.Splits) -> Job:
             *(splits.num_classes, cfg.data.seq_len, m.d_model, m.n_layer, m.n_head), bos_token=bos
         )
         return Job(model, splits, lm_loss, per_token=cfg.data.dataset == "verses")
-    if cfg.data.dataset != "digits":
-        raise ValueError(f"model {m.name!r} needs data.dataset 'digits'")
     if m.name == "cnn":
         model = ConvNet(m.channels, splits.num_classes)
     else:
