@@ -70,13 +70,16 @@ def _hostile(rng: random.Random, category: str, clock: int, shard: int):
         return [_header(Kind.PUSH, clock, 0, numel=shard), _marked(values)]
     if category == "unknown":
         return [_header(rng.choice([0, max(Kind) + 1, 99, -3]), clock)]
-    wrong = rng.choice(["hello", "clock", "pull", "round", "lost", "next"])
+    wrong = rng.choice(["hello", "clock", "count", "pull", "round", "lost", "next"])
     if wrong == "hello":  # a second HELLO
         text = protocol.pack([])
         return [_header(Kind.HELLO, numel=text.numel()), _marked(text)]
     if wrong == "clock":  # a PUSH for another clock
         values = torch.randn(shard)
         return [_header(Kind.PUSH, clock + rng.choice([-1, 1, 7]), 0, numel=shard), _marked(values)]
+    if wrong == "count":  # in turn, but a worker's push claiming to be two workers' sum
+        values = torch.randn(shard)
+        return [_header(Kind.PUSH, clock, 0, 2, numel=shard), _marked(values)]
     if wrong == "pull":
         return [_header(Kind.PULL, clock + rng.choice([1, 5]))]
     if wrong == "round":  # only server 0 announces rounds

@@ -138,8 +138,10 @@ def _check_push(
     dtype = torch.float32 if rules.shard_numel and kind == Kind.PUSH else None
     if problem := _payload(payload, dtype, rules.shard_numel):
         return f"{kind.name} {problem}"
-    # (the version a worker computed on may be another server's: only its sign is checked)
-    if version < 0 or not 0 <= count <= rules.workers:
+    # (the version a worker computed on may be another server's: only its sign is checked;
+    # a relay's push sums at most every worker's, a worker's is its own: a mean over more
+    # would weigh it as several)
+    if version < 0 or not 0 <= count <= (rules.workers if rules.relays else 1):
         return f"{kind.name} with version {version}, count {count}"
     if payload is not None and not finite(payload):
         bad = int((~payload.isfinite()).sum())
