@@ -207,6 +207,18 @@ def test_one_process_and_bad_options():
     sw.GlobalMagnitudePruner(plain, opt, 0.5).prune(0.5)
     expected = _expected_kept(_mlp(), 0.5)
     assert all(torch.equal(plain.state_dict()[k] != 0, v) for k, v in expected.items())
+    # Resumed before any step (`--resume` that found no checkpoint yet): the first step
+    # prunes as a fresh run's does (before, the resume's masks kept every weight for good).
+    for make_pruner in (lambda m, o: sw.GlobalMagnitudePruner(m, o, 0.5), sw.NMPruner):
+        model = _mlp8()
+        frozen = torch.optim.SGD(model.parameters(), lr=0.0)
+        pruner = make_pruner(model, frozen)
+        pruner.resume(0)
+        frozen.step()
+        pruner.step()
+        weights = [p for p in model.parameters() if p.dim() >= 2]
+        zeros = sum(int((p == 0).sum()) for p in weights)
+        assert zeros == sum(p.numel() for p in weights) // 2, make_pruner
     with pytest.raises(ValueError, match=r"shape \(11, 7\) \(on this rank\) has 7"):
         sw.NMPruner(plain, opt, 2, 4)  # groups of 4 along 7 inputs
     with pytest.raises(ValueError, match="0 < N < M"):

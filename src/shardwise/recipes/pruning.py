@@ -84,7 +84,9 @@ class Pruner:
         are the pruned weights, which are exactly 0 (a kept weight of exactly 0.0 would stay
         0: a measure-zero event)."""
         self.steps = steps
-        if steps < self.start or self.target(steps) == 0:
+        # (a run resumed before its first step has pruned nothing yet: its first step prunes,
+        # as a fresh run's does; a mask made here would keep every weight for good)
+        if steps == 0 or steps < self.start or self.target(steps) == 0:
             return
         # (zeroing what the masks prune again changes nothing: it is 0 in the checkpoint)
         self._keep(lambda index, magnitudes, piece: magnitudes != 0)
