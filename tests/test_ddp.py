@@ -318,3 +318,20 @@ def test_bad_strategy_options_are_value_errors():
         sw.DDP(algorithm="tree")
     with pytest.raises(TypeError, match="strategy"):
         sw.prepare(nn.Linear(2, 2), "ddp")
+
+
+def test_sync_batchnorm_keeps_a_frozen_norm_frozen_and_its_dtype():
+    # As torch's own conversion does (before, a frozen norm was trained, a float64 one fp32).
+    from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+
+    def make() -> nn.Sequential:
+        model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.BatchNorm2d(4).double())
+        model[1].requires_grad_(False)
+        return model
+
+    ours, torchs = convert_sync_batchnorm(make()), nn.SyncBatchNorm.convert_sync_batchnorm(make())
+    assert isinstance(ours[1], SyncBatchNorm) and isinstance(ours[2], SyncBatchNorm)
+    described = [[(p.requires_grad, p.dtype) for p in m.parameters()] for m in (ours, torchs)]
+    assert described[0] == described[1]
+    assert [p.requires_grad for p in ours[1].parameters()] == [False, False]
+    assert ours[2].running_var.dtype == torch.float64

@@ -149,6 +149,43 @@ def test_tensor_parallel_equals_single_process(world):
         assert checks["loss"] <= 1e-6 and checks["gathered"] <= 1e-6
 
 
+FROZEN = ("tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.bias")
+
+
+def _frozen_gpt() -> TinyGPT:
+    model = _gpt()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in FROZEN)
+    return model
+
+
+def _tp_frozen():
+    """Frozen weights (a split embedding, a column-split and a replicated row bias) stay
+    frozen: not trained, however the optimizer decays; and an embedding whose options would
+    act on one rank's rows only is refused."""
+    model, opt = sw.prepare(_frozen_gpt(), sw.TensorParallel(), lr=1e-2)
+    for step in range(2):
+        sw.train_step(model, *_batch(step), lm_loss)
+        opt.step()
+        opt.zero_grad()
+    state, before = sw.full_state_dict(model), _gpt().state_dict()
+    model.close()
+    renormed = _gpt()
+    renormed.tok_emb.max_norm = 1.0
+    try:
+        sw.prepare(renormed, sw.TensorParallel())
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return {k: torch.equal(state[k], before[k]) for k in FROZEN}, refusal
+
+
+def test_tensor_parallel_keeps_frozen_weights_frozen():
+    for unchanged, refusal in run(_tp_frozen, 2):
+        assert all(unchanged.values()), unchanged  # (before, each was trained)
+        assert refusal and "max_norm=1.0: not supported" in refusal and "\n" not in refusal
+
+
 def _tp_bytes():
     """One step's all-reduce bytes equal the Megatron count: per block 2 forward + 2 backward."""
     model, _ = sw.prepare(_gpt(), sw.TensorParallel())

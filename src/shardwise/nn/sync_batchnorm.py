@@ -130,10 +130,14 @@ def convert_sync_batchnorm(module: nn.Module, group=None) -> nn.Module:
         meta = module.weight is not None and module.weight.is_meta
         sync.load_state_dict(module.state_dict(), assign=meta)
         sync.train(module.training)
+        for name, p in module.named_parameters(recurse=False):  # (a frozen norm stays so)
+            getattr(sync, name).requires_grad_(p.requires_grad)
         device = next(module.buffers(), torch.empty(0)).device
         if meta:
             buffers_to(sync, device)
             return sync
+        if module.weight is not None:  # (in the norm's own dtype, not the default fp32)
+            return sync.to(device=device, dtype=module.weight.dtype)
         return sync.to(device)
     for name, child in module.named_children():
         module.add_module(name, convert_sync_batchnorm(child, group))

@@ -81,10 +81,10 @@ class ColumnParallelLinear(nn.Module):
         assert not (gather and chunks > 1), "a gathered output is one block"
         self.group, self.rank, self.gather = group, rank, gather
         self.split = Split(0, linear.out_features, parts, chunks)
-        self.weight = nn.Parameter(self.split.take(linear.weight.detach(), rank).clone())
+        self.weight = _sliced(linear.weight, self.split.take(linear.weight.detach(), rank))
         self.bias = None
         if linear.bias is not None:
-            self.bias = nn.Parameter(self.split.take(linear.bias.detach(), rank).clone())
+            self.bias = _sliced(linear.bias, self.split.take(linear.bias.detach(), rank))
         self.splits = {"weight": self.split, "bias": self.split}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +93,11 @@ class ColumnParallelLinear(nn.Module):
             return local
         last = Split(local.dim() - 1, self.split.size, self.split.parts)
         return gather_from_parallel(local, last, self.rank, self.group)
+
+
+def _sliced(whole: nn.Parameter, part: torch.Tensor) -> nn.Parameter:
+    """This rank's `part` of `whole` as a parameter of its own, frozen where `whole` was."""
+    return nn.Parameter(part.clone(), requires_grad=whole.requires_grad)
 
 
 class RowParallelLinear(nn.Module):
@@ -106,9 +111,9 @@ class RowParallelLinear(nn.Module):
         self.group, self.split_input = group, split_input
         split = Split(1, linear.in_features, parts)
         self.start, self.end = split.bounds[rank]
-        self.weight = nn.Parameter(split.take(linear.weight.detach(), rank).clone())
+        self.weight = _sliced(linear.weight, split.take(linear.weight.detach(), rank))
         # The bias is added once, after the sum: replicated on every rank.
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.bias = None if linear.bias is None else _sliced(linear.bias, linear.bias.detach())
         self.splits = {"weight": split}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +130,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, rank: int, parts: int, group) -> None:
         super().__init__()
+        dropped = [
+            f"{option}={getattr(embedding, option)}"
+            for option in ("max_norm", "scale_grad_by_freq", "sparse")
+            if getattr(embedding, option) not in (None, False)
+        ]
+        if dropped:  # (the renorm and the counts would be over this rank's rows only)
+            raise ValueError(
+                f"tensor parallel splits an embedding's rows, and this one has {', '.join(dropped)}"
+                ": not supported (set them off, or leave the embedding out of the plan)"
+            )
         self.group = group
         split = Split(0, embedding.num_embeddings, parts)
         self.start, self.end = split.bounds[rank]
@@ -132,7 +147,7 @@ class VocabParallelEmbedding(nn.Module):
         self.padding_idx = (
             pad - self.start if pad is not None and self.start <= pad < self.end else None
         )
-        self.weight = nn.Parameter(split.take(embedding.weight.detach(), rank).clone())
+        self.weight = _sliced(embedding.weight, split.take(embedding.weight.detach(), rank))
         self.splits = {"weight": split}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
