@@ -141,6 +141,19 @@ def test_zero2_drops_a_hung_rank_then_takes_a_replacement_in(tmp_path, single_pr
     _trained_as_one_process(run_dir, single_process)
 
 
+def test_a_job_that_ends_on_every_rank_is_not_replaced(tmp_path):
+    """Every rank stopping on purpose (here non-finite values under `train.nonfinite: stop`;
+    a signal's agreed stop, exit 143, is the same) ends a 'replace' job with its exit code.
+    Before, each rank was taken for lost and replaced, and the replacements waited to join a
+    job that had ended: the launcher never returned."""
+    sets = ["train.steps=10", "train.measure=false", "train.on_failure=replace"]
+    sets += ["train.nonfinite=stop", 'faults=["nan:rank=1:step=3"]']
+    result = run_cli(*train_args(tmp_path / "run", *sets, nproc=2), timeout=90)
+    out = result.stdout + result.stderr
+    assert result.returncode == 4, out[-2000:]
+    assert "step 3: non-finite loss on rank 1" in out and "replacement" not in out
+
+
 def test_a_job_that_cannot_lose_a_rank_refuses_to_shrink():
     from shardwise.config import ConfigError
 
@@ -148,6 +161,11 @@ def test_a_job_that_cannot_lose_a_rank_refuses_to_shrink():
         load_config("digits", ["strategy.name=local_sgd", "train.on_failure=shrink"])
     with pytest.raises(ConfigError, match="dealt evenly"):
         load_config("digits", ["train.on_failure=shrink", "data.balance=dynamic"])
+    # (before: accepted, and the first re-form failed the job, the data's order laid out
+    # for the ranks the epoch began with)
+    repeats = ["data.augment=shift", "data.augment_repeats=2", "train.on_failure=replace"]
+    with pytest.raises(ConfigError, match="not with data.augment_repeats"):
+        load_config("digits", repeats)
 
 
 def test_torch_tensor_types_survive_the_transfer_packing():

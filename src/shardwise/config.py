@@ -183,6 +183,11 @@ class Config(Section):
                 f"train.on_failure {self.train.on_failure!r}: the global batch is dealt evenly "
                 "over the ranks left; not with data.mode queue, dynamic balance or rank_weights"
             )
+        if self.data.augment_repeats > 1:  # (its order is laid out for the ranks it began on)
+            raise ValueError(
+                f"train.on_failure {self.train.on_failure!r}: not with data.augment_repeats "
+                "(each sample's repeats are laid out over the ranks the epoch began with)"
+            )
         return self
 
     @model_validator(mode="after")

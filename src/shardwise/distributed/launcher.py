@@ -47,6 +47,11 @@ from shardwise.distributed.runtime import WATCHDOG_ENV
 BOOT = str(Path(boot.__file__).resolve())  # run by path: nothing imported before its work
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NONFINITE_EXIT = 4  # the trainer's EXIT_NONFINITE (not imported: the launcher stays light)
+# How every rank of a job leaves together, on purpose: stopped by a signal after the step all
+# agreed on (128 + SIGTERM or SIGINT: `train/exits.py`), or on non-finite values. In an elastic
+# job such a rank is not lost: nobody is told it went, nor replaced (a replacement would wait
+# to join a job that has ended, for good).
+AGREED_ENDS = frozenset({NONFINITE_EXIT, 128 + signal.SIGTERM, 128 + signal.SIGINT})
 
 
 class LaunchError(RuntimeError):
@@ -129,7 +134,9 @@ class _Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         everyone_lost = len(self.vacant) == worker_group.spec.local_world_size
         if result.state == WorkerState.SUCCEEDED and everyone_lost:  # nobody did the work
-            return RunResult(state=WorkerState.FAILED, failures=dict(self.lost))
+            # (those left ended the job together: how they did is how it ended)
+            ended = {r: f for r, f in self.lost.items() if f.exitcode in AGREED_ENDS}
+            return RunResult(state=WorkerState.FAILED, failures=ended or dict(self.lost))
         return self._say_restart(worker_group, result)
 
     def _watch_members(self, worker_group) -> None:
@@ -146,6 +153,10 @@ class _Agent(LocalElasticAgent):
             member = self.members.get(local_rank, str(worker_group.workers[local_rank].global_rank))
             failure = ProcessFailure(local_rank, handler.proc.pid, code, "")
             self.lost[worker_group.workers[local_rank].global_rank] = failure
+            if code in AGREED_ENDS:
+                context._running_local_ranks.discard(local_rank)
+                self.vacant.add(local_rank)  # (the job's end: its exit code is the job's)
+                continue
             self.job_store.write(f"attempt-{attempt}/{membership.gone_key(member)}", _exit(failure))
             context._running_local_ranks.discard(local_rank)
             line = f"shardwise: {membership.member_name(member)} {_exit(failure)}"

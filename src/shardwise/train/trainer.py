@@ -118,7 +118,7 @@ class Trainer:
                 except PeerLost as e:
                     if self.run.elastic is None:
                         raise
-                    self.run = self.run.elastic.recover(self.run, e)  # go on without the lost
+                    self._go_on_with(self.run.elastic.recover(self.run, e))  # without the lost
                     step = self.run.start_step
                     continue
                 if self.run.stopping:
@@ -130,7 +130,7 @@ class Trainer:
         stop); the step the run is at then."""
         run, cfg = self.run, self.run.cfg
         if run.elastic is not None:  # (replacements taken in, and the state kept, first)
-            run = self.run = run.elastic.before_step(run, step)
+            run = self._go_on_with(run.elastic.before_step(run, step))
         self._step(step)
         if run.policy.rollback_due:
             return self._rollback(step)
@@ -142,6 +142,14 @@ class Trainer:
         if run.stopping:
             self._stop(step, saved)
         return step
+
+    def _go_on_with(self, run: TrainingRun) -> TrainingRun:
+        """Train on with `run` (the job re-formed, or the same run). A stop asked meanwhile
+        was noted on the run left behind: it carries over (before, it was lost, and the job
+        trained to its end)."""
+        left, self.run = self.run, run
+        run.stop_signal = run.stop_signal or left.stop_signal
+        return run
 
     def _ask_to_stop(self, signum, frame) -> None:
         """SIGTERM or SIGINT: every rank finishes the step, the run saves a checkpoint and
