@@ -164,7 +164,7 @@ def test_a_job_that_cannot_lose_a_rank_refuses_to_shrink():
     # (before: accepted, and the first re-form failed the job, the data's order laid out
     # for the ranks the epoch began with)
     repeats = ["data.augment=shift", "data.augment_repeats=2", "train.on_failure=replace"]
-    with pytest.raises(ConfigError, match="not with data.augment_repeats"):
+    with pytest.raises(ConfigError, match=r"not with data\.augment_repeats"):
         load_config("digits", repeats)
 
 
