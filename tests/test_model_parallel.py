@@ -161,14 +161,24 @@ def _frozen_gpt() -> TinyGPT:
 
 def _tp_frozen():
     """Frozen weights (a split embedding, a column-split and a replicated row bias) stay
-    frozen: not trained, however the optimizer decays; and an embedding whose options would
-    act on one rank's rows only is refused."""
+    frozen: not trained, however the optimizer decays; a loss the vocabulary's slices would
+    replace, and an embedding whose options would act on one rank's rows only, are refused."""
     model, opt = sw.prepare(_frozen_gpt(), sw.TensorParallel(), lr=1e-2)
     for step in range(2):
         sw.train_step(model, *_batch(step), lm_loss)
         opt.step()
         opt.zero_grad()
     state, before = sw.full_state_dict(model), _gpt().state_dict()
+    # A loss other than plain cross-entropy is refused where the loss is computed from the
+    # vocabulary's slices (before: replaced by plain cross-entropy without a word).
+    try:
+        smoothed = sw.train_step(
+            model,
+            *_batch(0),
+            lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), label_smoothing=0.3),
+        )
+    except ValueError as e:
+        smoothed = str(e)
     model.close()
     renormed = _gpt()
     renormed.tok_emb.max_norm = 1.0
@@ -177,11 +187,12 @@ def _tp_frozen():
         refusal = None
     except ValueError as e:
         refusal = str(e)
-    return {k: torch.equal(state[k], before[k]) for k in FROZEN}, refusal
+    return {k: torch.equal(state[k], before[k]) for k in FROZEN}, refusal, smoothed
 
 
-def test_tensor_parallel_keeps_frozen_weights_frozen():
-    for unchanged, refusal in run(_tp_frozen, 2):
+def test_tensor_parallel_keeps_frozen_weights_frozen_and_refuses_what_it_would_change():
+    for unchanged, refusal, smoothed in run(_tp_frozen, 2):
+        assert isinstance(smoothed, str) and "the loss given (<lambda>) is another" in smoothed
         assert all(unchanged.values()), unchanged  # (before, each was trained)
         assert refusal and "max_norm=1.0: not supported" in refusal and "\n" not in refusal
 

@@ -305,7 +305,8 @@ class MeshParallel(Strategy):
         staged = pipeline.wrap(model, mesh.runtime("pp", runtime))
         data = staged.wrap_stage(self.data, data_rt)
         if tensor is not None:  # the loss and predictions, over this stage's slices only
-            tensor = TensorParallelModel(data.module, tensor.runtime, tensor.vocab_start)
+            vocab = tensor.vocab_start, tensor.vocab_size
+            tensor = TensorParallelModel(data.module, tensor.runtime, *vocab)
         return MeshModel(staged, runtime, mesh, data, tensor, staged)
 
     def _pipeline(self, model: nn.Module, mesh: DeviceMesh, runtime: Runtime) -> Pipeline:

@@ -168,12 +168,52 @@ class VocabParallelHead(ColumnParallelLinear):
 
 
 # ---- the strategy ------------------------------------------------------------------------------
-def vocab_parallel_loss(loss_fn, vocab_start: int | None, group):
+def vocab_parallel_loss(loss_fn, vocab_start: int | None, group, vocab_size: int | None = None):
     """The loss from vocabulary slices of the logits, this rank's starting at `vocab_start`
-    (`loss_fn` where the logits are whole: None)."""
+    (`loss_fn` where the logits are whole: None). It stands in for `loss_fn`, which must be
+    mean cross-entropy, checked on the whole `vocab_size` (`_check_plain`; None: not checked,
+    the cost model's shapes): any other loss would be replaced without a word."""
     if vocab_start is None:
         return loss_fn
-    return lambda logits, target: vocab_parallel_cross_entropy(logits, target, vocab_start, group)
+
+    def sliced(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if vocab_size is not None:
+            _check_plain(loss_fn, target, vocab_size)
+        return vocab_parallel_cross_entropy(logits, target, vocab_start, group)
+
+    return sliced
+
+
+# Whether each loss function is plain cross-entropy, by its code and closure (a lambda made
+# anew each step is one function).
+_PLAIN: dict[object, bool] = {}
+
+
+def _check_plain(loss_fn, target: torch.Tensor, vocab_size: int) -> None:
+    """Refuse, in one line, a loss that is not mean cross-entropy over the last dimension with
+    -100 ignored: checked once per function, on logits of the whole vocabulary for the batch's
+    first sample, drawn alike on every rank (so every rank decides alike)."""
+    code = getattr(loss_fn, "__code__", None)
+    key = loss_fn if code is None else (code, loss_fn.__closure__)
+    known = _PLAIN.get(key)
+    if known is None:
+        if len(_PLAIN) > 256:  # (bounded, whatever the caller makes)
+            _PLAIN.clear()
+        rows = target[:1]
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randn((*rows.shape, vocab_size), generator=g).to(target.device)
+        with torch.no_grad():
+            theirs = loss_fn(probe, rows)
+            plain = F.cross_entropy(probe.reshape(-1, probe.shape[-1]), rows.reshape(-1))
+        known = _PLAIN[key] = bool(torch.isclose(theirs.float(), plain, rtol=1e-5, atol=1e-6))
+    if not known:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise ValueError(
+            f"loss_parallel computes mean cross-entropy from the vocabulary's slices, and the "
+            f"loss given ({name}) is another (label smoothing, weights, a scale or a sum?): "
+            "pass loss_parallel=False (strategy.loss_parallel: false) to compute it on the "
+            "gathered logits"
+        )
 
 
 def split_parameters(module: nn.Module) -> dict[str, Split]:
@@ -191,9 +231,15 @@ class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
     """This rank's slices of the split layers, and the replicated rest. `vocab_start`: where
     this rank's slice of the vocabulary starts, when the loss is computed from the slices."""
 
-    def __init__(self, module: nn.Module, runtime: Runtime, vocab_start: int | None):
+    def __init__(
+        self,
+        module: nn.Module,
+        runtime: Runtime,
+        vocab_start: int | None,
+        vocab_size: int | None = None,
+    ):
         super().__init__(module, runtime)
-        self.group, self.vocab_start = runtime.group, vocab_start
+        self.group, self.vocab_start, self.vocab_size = runtime.group, vocab_start, vocab_size
 
     def sharded_parameters(self) -> dict[str, Split]:
         """Name -> how it is split, for every parameter that is not replicated."""
@@ -225,7 +271,7 @@ class TensorParallelModel(UnsplitCheckpointsOnly, DistributedModel):
         return count_once(norms, counted, self.group)
 
     def adapt_loss(self, loss_fn):
-        return vocab_parallel_loss(loss_fn, self.vocab_start, self.group)
+        return vocab_parallel_loss(loss_fn, self.vocab_start, self.group, self.vocab_size)
 
     def predict(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_start is None:
@@ -263,7 +309,7 @@ class TensorParallel(Strategy):
     def wrap(self, model: nn.Module, runtime: Runtime) -> TensorParallelModel:
         plan = self.checked_plan(model, runtime)  # refused here, before any collective
         broadcast_module_state(model, group=runtime.group)  # slice the same full weights
-        return TensorParallelModel(model, runtime, self._vocab_start(model, plan, runtime))
+        return TensorParallelModel(model, runtime, *self._vocab(model, plan, runtime))
 
     def wrap_from(
         self, model: nn.Module, runtime: Runtime, source: ParameterSource
@@ -273,16 +319,18 @@ class TensorParallel(Strategy):
         whole from `source`; no rank ever holds a split weight whole. Every rank reads the
         same values, so nothing is broadcast."""
         plan = self.checked_plan(model, runtime)
-        vocab_start = self._vocab_start(model, plan, runtime)
+        vocab = self._vocab(model, plan, runtime)
         read_own_slices(model, source, runtime.rank, runtime.device)
         load_buffers_from(model, source)
-        return TensorParallelModel(model, runtime, vocab_start)
+        return TensorParallelModel(model, runtime, *vocab)
 
-    def _vocab_start(self, model: nn.Module, plan: dict[str, str], rt) -> int | None:
-        """Apply the plan; where this rank's vocabulary slice starts if the loss is computed
-        from the slices (a 'vocab_head' and loss_parallel), else None."""
+    def _vocab(self, model: nn.Module, plan: dict[str, str], rt) -> tuple[int | None, int | None]:
+        """Apply the plan; where this rank's vocabulary slice starts, and the vocabulary's
+        size, if the loss is computed from the slices (a 'vocab_head' and loss_parallel)."""
         head = self.apply_plan(model, plan, rt)
-        return head.start if head is not None and self.loss_parallel else None
+        if head is None or not self.loss_parallel:
+            return None, None
+        return head.start, head.split.size
 
     def checked_plan(self, model: nn.Module, runtime: Runtime) -> dict[str, str]:
         if self.size is not None and self.size != runtime.world_size:
