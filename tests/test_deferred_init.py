@@ -157,3 +157,30 @@ def test_the_replay_holds_one_parameter_at_a_time_by_the_process_own_peak_memory
     # One 16 MiB weight (not two, not the 64 MiB model), plus the ~2 MiB the interpreter
     # allocates on first use of these code paths.
     assert replay < largest + 4 * 2**20, (replay, largest)
+
+
+class _Initialised(nn.Module):
+    """torch's initialisers that skip meta tensors (sparse_ indexes with Python ints), and
+    parameters copied from slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 4), nn.Linear(4, 4), nn.Linear(5, 5)
+        nn.init.orthogonal_(self.a.weight)
+        nn.init.trunc_normal_(self.b.weight, std=0.02)
+        nn.init.sparse_(self.c.weight, sparsity=0.4)
+        self.d = nn.Linear(3, 3)  # (its draws come after theirs)
+        self.sliced = nn.Parameter(torch.randn(10)[5:8])
+        self.columns = nn.Parameter(torch.randn(2, 6)[:, 3:])
+
+
+def test_initialisers_that_skip_meta_tensors_and_sliced_parameters_are_bitwise():
+    # Before: orthogonal_, trunc_normal_ and sparse_ did nothing on the meta device (every
+    # later draw off, a ViT's weights among them), and a parameter copied from a slice read
+    # the slice's storage from its start.
+    for build in (_Initialised, lambda: H.build("vit")):
+        torch.manual_seed(SEED)
+        expected = build().state_dict()
+        init = sw.SeededInit(build, SEED)
+        for name, _ in init.model.named_parameters():
+            assert torch.equal(init.read(name), expected[name]), name

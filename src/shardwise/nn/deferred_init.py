@@ -26,6 +26,9 @@ Tensors are identified by their storage (a view shares it) and a view by its geo
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,12 +36,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import init
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from shardwise.nn.meta_init import empty_parameters
 
 _TO_COPY = torch.ops.aten._to_copy.default
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 @dataclass(frozen=True)
@@ -100,14 +105,21 @@ class _Recorder(TorchDispatchMode):
     def ref(self, t: torch.Tensor) -> _Ref:
         key = t.untyped_storage()._cdata
         if key not in self.ids:  # made outside the construction: its value is a constant
-            if t.is_meta:
-                raise ValueError("build() used a meta tensor made outside it: no values to replay")
-            number = self.new_storage(t)  # (a copy: the construction may change it later)
-            self.constants[number] = _flat(t).clone()
+            self.constant(t)
         return _Ref(self.ids[key], t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def constant(self, t: torch.Tensor) -> None:
+        """Number `t`'s storage as a constant: a copy of its values now (the construction may
+        change it later)."""
+        if t.is_meta:
+            raise ValueError("build() used a meta tensor made outside it: no values to replay")
+        self.constants[self.new_storage(t)] = _flat(t).clone()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _LIFTS:  # (`torch.tensor(..)`, a Python index: made without an op, at an
+            for x in _tensors(args):  # address a freed recorded storage may have had)
+                self.constant(x)
         inputs = {x.untyped_storage()._cdata for x in _tensors((args, kwargs))}
         rng = None
         if _is_random(func):
@@ -140,6 +152,47 @@ def _makes_meta(kwargs: dict) -> bool:
     return device is not None and torch.device(device).type == "meta"
 
 
+@contextlib.contextmanager
+def _initialisers_drawn_on_scratch():
+    """torch's `trunc_normal_`, `orthogonal_` and `sparse_` return at once on a meta tensor:
+    nothing is dispatched, so nothing would be recorded and the generator would not advance
+    (every later draw off, without a word: a ViT's weights, say). Inside, each runs on a CPU
+    scratch tensor of the same size and strides instead, copied into the meta one: its draws,
+    its arithmetic and the copy are recorded as any other construction's. (transformers keeps
+    torch's `orthogonal_` and `sparse_` in a table of its own: replaced there too.)"""
+    originals = {name: getattr(init, name) for name in _SKIP_META}
+    table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", {})
+    theirs = {name: table[name] for name in _SKIP_META if name in table}
+    try:
+        for name, fn in originals.items():
+            setattr(init, name, _drawn_on_scratch(fn))
+        for name, fn in theirs.items():
+            table[name] = _drawn_on_scratch(fn)
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(init, name, fn)
+        table.update(theirs)
+
+
+# (`trunc_normal_` through the helper it calls, which transformers' table reaches as well)
+_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_")
+
+
+def _drawn_on_scratch(initialise: Callable) -> Callable:
+    @functools.wraps(initialise)
+    def on_scratch(tensor: torch.Tensor, *args, **kwargs):
+        if not tensor.is_meta:
+            return initialise(tensor, *args, **kwargs)
+        scratch = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        initialise(scratch, *args, **kwargs)
+        with torch.no_grad():
+            tensor.copy_(scratch)
+        return tensor
+
+    return on_scratch
+
+
 def _draw_on_scratch(func, args, kwargs) -> None:
     """`func` run on CPU scratch tensors shaped as its meta arguments, then freed."""
 
@@ -159,7 +212,7 @@ class SeededInit:
     def __init__(self, build: Callable[[], nn.Module], seed: int) -> None:
         torch.manual_seed(seed)
         recorder = _Recorder()
-        with empty_parameters(), recorder:
+        with empty_parameters(), _initialisers_drawn_on_scratch(), recorder:
             model = build()
         if not isinstance(model, nn.Module):
             raise TypeError(f"build() must return an nn.Module, got {type(model).__name__}")
@@ -221,12 +274,30 @@ class SeededInit:
         return base
 
     def _output(self, op: _Op, index: int, storage: int) -> torch.Tensor:
-        if op.func is _TO_COPY and op.args[0].dtype == op.kwargs.get("dtype", op.args[0].dtype):
+        source = op.args[0]
+        same_dtype = isinstance(source, _Ref) and source.dtype == op.kwargs.get(
+            "dtype", source.dtype
+        )
+        if op.func is _TO_COPY and same_dtype and self._whole(source):
             # A copy onto the meta device: at replay the source's own values (no second copy).
-            return _view(self._storage(op.args[0].storage, index), op.args[0])
+            # (Only of a whole storage: a copy of a slice starts its own at offset 0.)
+            return _view(self._storage(source.storage, index), source)
         out = self._run(op, index, {})
         outs = _tensors(out)
         return outs[op.creates.index(storage)]
+
+    def _whole(self, ref: _Ref) -> bool:
+        """Whether `ref` is its whole storage, laid out contiguously from its start."""
+        contiguous, step = [], 1
+        for n in reversed(ref.size):
+            contiguous.append(step)
+            step *= n
+        itemsize = torch.empty(0, dtype=ref.dtype).element_size()
+        return (
+            ref.offset == 0
+            and tuple(reversed(contiguous)) == ref.stride
+            and step * itemsize == self._nbytes[ref.storage]
+        )
 
     def _run(self, op: _Op, index: int, known: dict[int, torch.Tensor]):
         def value(x):
