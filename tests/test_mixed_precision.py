@@ -139,3 +139,33 @@ def test_offload_trains_identically(tmp_path, stage, offload):
             keys = ("master", "exp_avg", "exp_avg_sq", "step")
             assert set(files) == {f"unit{i}.{k}.bin" for i in range(num_units) for k in keys}
             assert on_disk
+
+
+def test_the_loss_scale_reaches_every_gradient_once_when_one_output_feeds_another():
+    # A model that returns its loss and an auxiliary loss added into it (a Mixtral-like
+    # router loss): backward from the loss reaches the auxiliary output too. Before, each
+    # output had a hook scaling its gradient, and that path was scaled twice.
+    from torch import nn
+
+    from shardwise.nn.mixed_precision import LossScaler, install_casts
+
+    class WithAuxiliary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x):
+            out = self.linear(x)
+            aux = out.pow(2).mean()
+            return {"loss": out.sum() + aux, "aux": aux}
+
+    torch.manual_seed(0)
+    model, x = WithAuxiliary(), torch.randn(5, 4)
+    model(x)["loss"].backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    scaler = LossScaler(torch.device("cpu"), init_scale=1024.0)
+    install_casts(model, torch.float32, scaler)
+    model(x)["loss"].backward()
+    for got, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(got.grad / 1024.0, want, rtol=1e-6, atol=0)

@@ -82,6 +82,20 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, cast, value)
 
 
+class _ScaledGradient(torch.autograd.Function):
+    """The tensors as they are; on the way back, each gradient times the loss scale."""
+
+    @staticmethod
+    def forward(ctx, scaler: LossScaler, *tensors: torch.Tensor):
+        ctx.scaler = scaler
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        scale = ctx.scaler.scale
+        return None, *(None if g is None else g * scale for g in grads)
+
+
 def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | None) -> list:
     """Inputs enter in `dtype`; outputs leave in fp32, and with a scaler their gradient is
     multiplied by the loss scale on its way back (so `loss.backward()` needs no change)."""
@@ -91,13 +105,17 @@ def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | Non
 
     def cast_outputs(_module, _args, output):
         output = _cast_floats(output, torch.float32)
+        if scaler is None:
+            return output
         # Every output that carries a gradient back, not only a tensor's: a Hugging Face model
-        # returns an object (its own loss, its logits) and backward starts from either.
+        # returns an object (its own loss, its logits) and backward starts from either. Each
+        # leaves as a new tensor whose gradient is scaled: one output made from another inside
+        # the model (an auxiliary loss added into the loss) is scaled once on that path, not
+        # twice as a hook on each would (scale squared).
         leaves = {id(t): t for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
-        for t in leaves.values() if scaler is not None else ():  # (each once: scaled once)
-            if t.requires_grad:
-                t.register_hook(lambda grad: grad * scaler.scale)
-        return output
+        tracked = [t for t in leaves.values() if t.requires_grad]
+        scaled = dict(zip(map(id, tracked), _ScaledGradient.apply(scaler, *tracked), strict=True))
+        return tree_map_only(torch.Tensor, lambda t: scaled.get(id(t), t), output)
 
     return [
         model.register_forward_pre_hook(cast_inputs, with_kwargs=True),
