@@ -80,3 +80,7 @@ def test_sharded_export_and_one_line_refusals(tmp_path):
     good = Path(out) / "config.json"
     export_hf(checkpoint, tmp_path / "given", config=good)
     assert (tmp_path / "given" / "model.safetensors").is_file()
+    # Exported again into the sharded folder, whole: no shard or index of before is left
+    # (transformers read the new file and our reader the old index).
+    export_hf(checkpoint, out, config=good)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

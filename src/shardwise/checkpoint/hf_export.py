@@ -109,6 +109,12 @@ def save_hf(
 ) -> None:
     """`state` and `config` as `save_pretrained` lays them out (sharded above max_shard_bytes)."""
     out.mkdir(parents=True, exist_ok=True)
+    # An earlier export's weights go first: transformers reads model.safetensors before an
+    # index, our reader the index first, so one of them would read the old weights.
+    for stale in [out / "model.safetensors", out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    for stale in out.glob("model-*-of-*.safetensors"):
+        stale.unlink()
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
