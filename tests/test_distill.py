@@ -206,3 +206,10 @@ def test_a_damaged_cache_is_one_line(tmp_path):
         with pytest.raises(ValueError, match=words) as err:
             sw.TeacherCache(path, 5)
         assert "\n" not in str(err.value)
+    # Another teacher's: over 4 classes where the student has 10 (before: a traceback from
+    # inside the loss for more classes, silently accepted for fewer).
+    save_file({"values": values, "indices": torch.zeros(5, 3, dtype=torch.int32)}, str(path),
+              metadata={"classes": "4"})  # fmt: skip
+    with pytest.raises(ValueError, match="logits over 4 classes, and the student has 10"):
+        sw.TeacherCache(path, 5, student_classes=10)
+    assert sw.TeacherCache(path, 5, student_classes=4).classes == 4

@@ -111,7 +111,8 @@ class TeacherCache:
     teacher, which costs the student's run no forward at all. Every field is checked on
     reading: shapes, dtypes, finite values, indices in [0, classes)."""
 
-    def __init__(self, path: str | Path, samples: int) -> None:
+    def __init__(self, path: str | Path, samples: int, student_classes: int | None = None) -> None:
+        """`student_classes`: what the cache's classes must be (None: not checked)."""
         self.path = Path(path)
         try:
             with safe_open(str(self.path), framework="pt") as f:
@@ -123,6 +124,8 @@ class TeacherCache:
                 f"{self.path}: not a teacher cache ({type(e).__name__}: {e})"
             ) from None
         problem = _cache_problem(values, indices, samples, classes)
+        if problem is None and student_classes is not None and classes != student_classes:
+            problem = f"logits over {classes} classes, and the student has {student_classes}"
         if problem:
             raise ValueError(f"{self.path}: {problem}: build it again (delete the file)")
         self.values, self.indices, self.classes = values, indices.long(), classes

@@ -248,7 +248,7 @@ def _distilled(cfg: Config, job: Job, compute, hard_loss, feed: DataFeed):
     if d.cache is not None:
         if not Path(d.cache).exists():
             TeacherCache.build(_teacher(cfg), job.splits.train, d.cache, d.top_k)
-        cache = TeacherCache(d.cache, len(job.splits.train))
+        cache = TeacherCache(d.cache, len(job.splits.train), job.splits.num_classes)
 
         def cached(inputs, targets, loss_fn, **kwargs):
             logits = cache.lookup(torch.as_tensor(feed.loader.last_indices))
