@@ -213,3 +213,23 @@ def test_a_damaged_cache_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="logits over 4 classes, and the student has 10"):
         sw.TeacherCache(path, 5, student_classes=10)
     assert sw.TeacherCache(path, 5, student_classes=4).classes == 4
+
+
+def test_padded_positions_count_in_neither_term():
+    # A language model's tokens with right padding (label -100): the loss is the one over
+    # the real tokens alone, whatever the padding, and no gradient reaches a padded position
+    # (before, the soft term averaged over every row, padding included).
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 6, 11, generator=g, requires_grad=True)
+    teacher, labels = torch.randn(2, 6, 11, generator=g), torch.randint(0, 11, (2, 6), generator=g)
+    labels[:, 3:] = -100
+    real = labels.reshape(-1) != -100
+    loss_fn = sw.distill_loss(temperature=2.0, alpha=0.3)
+    loss = loss_fn(student, (labels, teacher))
+    rows, teacher_rows = student.reshape(-1, 11)[real], teacher.reshape(-1, 11)[real]
+    alone = loss_fn(rows, (labels.reshape(-1)[real], teacher_rows))
+    torch.testing.assert_close(loss, alone, rtol=1e-6, atol=0)
+    loss.backward()
+    assert (
+        not student.grad.reshape(-1, 11)[~real].any() and student.grad.reshape(-1, 11)[real].any()
+    )

@@ -62,13 +62,17 @@ def top_k_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return values, indices
 
 
+IGNORE_INDEX = -100  # F.cross_entropy's: a padded position's label
+
+
 def distill_loss(
     temperature: float = 2.0,
     alpha: float = 0.5,
     hard_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
 ) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     """The loss of a student's logits against targets `(labels, teacher_logits)`: a mean over
-    the rows (samples, or tokens), so it weighs like any per-sample mean loss."""
+    the rows (samples, or tokens), so it weighs like any per-sample mean loss. A row whose
+    label is -100 (padding, as `F.cross_entropy` ignores it) is left out of both terms."""
     if temperature <= 0:
         raise ValueError(f"distillation temperature must be > 0, got {temperature}")
     if not 0 <= alpha <= 1:
@@ -77,22 +81,32 @@ def distill_loss(
     def loss(student: torch.Tensor, targets: tuple[torch.Tensor, TeacherLogits]) -> torch.Tensor:
         labels, teacher = targets
         vocab = student.shape[-1]
-        rows = student.reshape(-1, vocab)
-        soft = soft_loss(rows, _dense(teacher, vocab, rows), temperature)
-        hard = hard_loss(rows, labels.reshape(-1)) if alpha < 1 else rows.new_zeros(())
+        rows, labels = student.reshape(-1, vocab), labels.reshape(-1)
+        scored = labels != IGNORE_INDEX  # (padding: no row of the soft term either)
+        soft = soft_loss(rows, _dense(teacher, vocab, rows), temperature, scored)
+        hard = hard_loss(rows, labels) if alpha < 1 else rows.new_zeros(())
         return alpha * temperature**2 * soft + (1 - alpha) * hard
 
     return loss
 
 
-def soft_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Mean over rows of KL(softmax(teacher / T) || softmax(student / T)); a teacher logit of
-    -inf (outside a top-K) has probability 0 and adds nothing."""
+def soft_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    temperature: float,
+    scored: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean over rows (those `scored`, if given) of KL(softmax(teacher / T) ||
+    softmax(student / T)); a teacher logit of -inf (outside a top-K) has probability 0 and
+    adds nothing."""
     log_q = F.log_softmax(student / temperature, dim=-1)
     log_p = F.log_softmax(teacher.detach() / temperature, dim=-1)
     p = log_p.exp()
-    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
-    return terms.sum() / student.shape[0]
+    per_row = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(dim=-1)
+    if scored is None:
+        return per_row.sum() / student.shape[0]
+    # (masked, not indexed: no wait for the device to say how many rows are left)
+    return torch.where(scored, per_row, 0.0).sum() / scored.sum()
 
 
 def _dense(teacher: TeacherLogits, vocab: int, like: torch.Tensor) -> torch.Tensor:
