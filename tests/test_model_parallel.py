@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import shardwise as sw
 from shardwise.distributed.mesh import check_sizes, coordinates, rank_of
@@ -361,3 +362,75 @@ def test_mesh_compositions_equal_single_process():
         assert result.pop("mismatch") == "mesh dp=2 x tp=4 x pp=1 = 8 ranks, but the world has 4"
         for name, (diff, loss_diff) in result.items():
             assert diff <= TOL and loss_diff <= TOL, (name, diff, loss_diff)
+
+
+class _TiedHead(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+def _frozen_first_stage() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 10))
+    model[0].requires_grad_(False)  # (a frozen feature extractor: stage 0 trains nothing)
+    return model
+
+
+def _frozen_tied() -> nn.Module:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 8)
+    embedding.weight.requires_grad_(False)  # (tied to the head on the other stage)
+    return nn.Sequential(
+        embedding, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _TiedHead(embedding)
+    )
+
+
+def _frozen_batch(make, step: int):
+    g = torch.Generator().manual_seed(step)
+    x = (
+        torch.randn(4, 6, generator=g)
+        if make is _frozen_first_stage
+        else torch.randint(0, 10, (4,), generator=g)
+    )
+    return x, torch.randint(0, 10, (4,), generator=g)
+
+
+def _frozen_reference(make) -> dict:
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in range(3):
+        F.cross_entropy(
+            model(_frozen_batch(make, step)[0]), _frozen_batch(make, step)[1]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _pp_frozen():
+    out = {}
+    for make in (_frozen_first_stage, _frozen_tied):
+        split = [2] if make is _frozen_first_stage else [3]
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            strategy = sw.Pipeline(stages=2, schedule=schedule, microbatches=2, split=split)
+            model, opt = sw.prepare(make(), strategy, lr=0.1)
+            for step in range(3):
+                sw.train_step(model, *_frozen_batch(make, step), F.cross_entropy)
+                opt.step()
+                opt.zero_grad()
+            out[make.__name__, schedule] = max_abs_diff(
+                sw.full_state_dict(model), _frozen_reference(make)
+            )
+            model.close()
+    return out
+
+
+def test_pipelines_with_frozen_stages_and_frozen_tied_weights_train_as_one_process():
+    # Before: a frozen first stage failed its backward inside autograd (the other stage left
+    # waiting), and a frozen weight tied across stages got a zero gradient that AdamW decayed.
+    for diffs in run(_pp_frozen, 2):
+        assert max(diffs.values()) <= 1e-6, diffs

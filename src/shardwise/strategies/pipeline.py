@@ -69,7 +69,12 @@ from shardwise.strategies.pipeline_stages import (
 )
 from shardwise.strategies.pipeline_tied import TiedWeights, shared_parameters
 from shardwise.strategies.section import StrategySection
-from shardwise.strategies.zero_bubble import NOTHING_DEFERRED, DeferredWeights, split_backward
+from shardwise.strategies.zero_bubble import (
+    NOTHING_DEFERRED,
+    DeferredWeights,
+    input_gradient,
+    split_backward,
+)
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -227,8 +232,9 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         if self.schedule == "zb-h1":
             params = [p for p in _unwrapped(self.stage).parameters() if p.requires_grad]
             return split_backward(out, grad, x, params)
-        out.backward(grad)
-        return (None if x is None else x.grad), NOTHING_DEFERRED
+        if out.requires_grad:  # (not so where nothing before it trains: a frozen first stage)
+            out.backward(grad)
+        return input_gradient(x), NOTHING_DEFERRED
 
     def _accumulating(self, i: int) -> contextlib.AbstractContextManager:
         """Data parallel along a mesh reduces gradients once a step. GPipe and 1F1B end with

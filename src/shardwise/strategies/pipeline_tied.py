@@ -19,13 +19,15 @@ from shardwise import comm
 def shared_parameters(
     layers: list[nn.Module], bounds: list[int], stage: int
 ) -> list[tuple[nn.Parameter, list[int]]]:
-    """Stage `stage`'s parameters that other stages hold too, each with the stages that hold
-    it; in the order of the layers, which every stage agrees on (their messages pair up)."""
+    """Stage `stage`'s trainable parameters that other stages hold too, each with the stages
+    that hold it; in the order of the layers, which every stage agrees on (their messages pair
+    up). A frozen one has no gradient to sum (given zeros, a decaying optimizer moved it)."""
     holders: dict[int, tuple[nn.Parameter, set[int]]] = {}
     for s in range(len(bounds) - 1):
         for layer in layers[bounds[s] : bounds[s + 1]]:
             for p in layer.parameters():
-                holders.setdefault(id(p), (p, set()))[1].add(s)
+                if p.requires_grad:
+                    holders.setdefault(id(p), (p, set()))[1].add(s)
     return [(p, sorted(h)) for p, h in holders.values() if stage in h and len(h) > 1]
 
 

@@ -131,19 +131,29 @@ def _cut(root: Node, input_node: Node, weights: dict[Node, nn.Parameter]) -> lis
     return [(nodes, [weights[w] for w in ws]) for nodes, ws in groups if nodes]
 
 
+def input_gradient(x: torch.Tensor | None) -> torch.Tensor | None:
+    """What a stage sends back for its input `x` after its backward (None: the first stage's
+    batch): zeros where its output did not depend on it."""
+    if x is None:
+        return None
+    return torch.zeros_like(x) if x.grad is None else x.grad
+
+
 def split_backward(
     out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, params: list
 ) -> tuple[torch.Tensor | None, DeferredWeights]:
     """B: the gradient of `x` from `out` (and `grad`, its gradient; None for a loss), with the
     weights' gradient deferred. Where there is no input gradient to hurry (`x` None or not
     differentiable, the first stage), the whole backward runs now and nothing is deferred."""
+    if not out.requires_grad:  # (nothing before it trains: a frozen first stage)
+        return input_gradient(x), NOTHING_DEFERRED
     weights = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
     groups = None
     if x is not None and x.requires_grad and out.grad_fn is not None:
         groups = _cut(out.grad_fn, get_gradient_edge(x).node, weights)
     if groups is None:
         torch.autograd.backward(out, grad)
-        return (None if x is None else x.grad), NOTHING_DEFERRED
+        return input_gradient(x), NOTHING_DEFERRED
     kept: dict[Node, tuple] = {}
     hooks = [
         n.register_prehook(lambda g, n=n: kept.__setitem__(n, g)) for ns, _ in groups for n in ns
