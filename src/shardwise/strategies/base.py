@@ -283,6 +283,19 @@ class UnsplitCheckpointsOnly:
             "save sw.full_state_dict(model) instead"
         )
 
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """Loading one is not supported either (this rank's names and shapes are its slices',
+        not the unsplit model's: they failed with a KeyError or a size mismatch)."""
+        strategy = type(self).__name__.removesuffix("Model")
+        raise NotImplementedError(
+            f"loading a checkpoint into a {strategy} model is not supported yet: load the "
+            "weights into the model before sw.prepare, or train it on a device mesh "
+            "(strategy mesh), which loads any checkpoint"
+        )
+
+    def load_full_state(self, optimizer, params, states) -> None:
+        self.full_shapes()  # (refused, in its words)
+
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """The optimizer `sw.prepare` returns, for every strategy.

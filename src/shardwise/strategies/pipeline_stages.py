@@ -75,19 +75,27 @@ def _min_max_starts(prefix: list[float], stages: int, weighted: bool) -> list[in
 def measure_layer_times(
     layers: list[nn.Module], sample: torch.Tensor, reps: int = 3
 ) -> list[float]:
-    """Seconds of forward plus backward per layer on `sample` (the median of `reps`)."""
+    """Seconds of forward plus backward per layer on `sample` (the median of `reps`). The
+    model is left as it was: its buffers (BatchNorm's running statistics) and the random
+    generators (dropout's draws) are put back, so training starts where it would have."""
     times = [[] for _ in layers]
-    for _ in range(reps):
-        x = sample
-        for i, layer in enumerate(layers):
-            x = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            y = layer(x)
-            y.float().sum().backward()
-            times[i].append(time.perf_counter() - start)
-            x = y
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
+    buffers = [(b, b.clone()) for layer in layers for b in layer.buffers()]
+    devices = [sample.device] if sample.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        for _ in range(reps):
+            x = sample
+            for i, layer in enumerate(layers):
+                x = x.detach().requires_grad_(x.is_floating_point())
+                start = time.perf_counter()
+                y = layer(x)
+                y.float().sum().backward()
+                times[i].append(time.perf_counter() - start)
+                x = y
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
     return [sorted(t)[len(t) // 2] for t in times]
 
 
