@@ -216,3 +216,13 @@ def test_a_built_in_model_that_cannot_read_the_data_is_refused_before_launch(
         load_config(config, sets)
     assert expected in str(err.value) and "\n" not in str(err.value)
     load_config("tiny_gpt", ["data.stages=[{at: 50, seq_len: 128}]"])  # (as long: fine)
+
+
+def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_launch():
+    # (before: accepted; the first stage refused the batch at step 1, and the last one, its
+    # targets cut into fewer chunks, waited for a micro-batch that never came)
+    for sets in (["strategy.name=pp", "strategy.microbatches=3"], ["strategy.name=mesh",
+                 "strategy.pp=2", "strategy.microbatches=5"]):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"does not divide data\.batch_size 32"):
+            load_config("digits", sets)
+    load_config("digits", ["strategy.name=pp", "strategy.microbatches=8"])

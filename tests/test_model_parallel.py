@@ -257,14 +257,22 @@ def _pp_sequential_and_eval():
     with torch.no_grad():
         out = model(x)
         ref_out = reference(x)
-    return (out - ref_out).abs().max().item(), max_abs_diff(
-        sw.full_state_dict(model), reference.state_dict()
+    try:  # (with gradients: refused in its words; before, the forward ran without them)
+        model(x)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return (
+        (out - ref_out).abs().max().item(),
+        max_abs_diff(sw.full_state_dict(model), reference.state_dict()),
+        refused,
     )
 
 
 def test_pipeline_of_a_sequential_model_and_its_evaluation_forward():
-    for out_diff, diff in run(_pp_sequential_and_eval, 2):
+    for out_diff, diff, refused in run(_pp_sequential_and_eval, 2):
         assert out_diff <= TOL and diff <= TOL
+        assert refused.startswith("a pipeline model trains through sw.train_step")
 
 
 def _pp_balanced_by_time(tmp: str):

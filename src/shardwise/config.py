@@ -328,6 +328,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _micro_batches_that_divide_the_batch(self) -> Config:
+        s = self.strategy
+        staged = s.name == "pp" or (s.name == "mesh" and s.pp > 1)
+        equal = self.data.rank_weights is None and self.data.balance == "static"
+        if staged and equal and self.data.batch_size % s.microbatches:
+            raise ValueError(
+                f"strategy.microbatches {s.microbatches} does not divide data.batch_size "
+                f"{self.data.batch_size} (a pipeline's micro-batches are equal shares of it)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _verses_on_whole_models(self) -> Config:
         # The document mask does not travel between a pipeline's stages, and tensor parallel's
         # vocabulary-sharded loss does not leave padded targets out.

@@ -258,12 +258,18 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         zeros = [torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p) for p in params]
         torch.autograd.backward(params, zeros)
 
-    @torch.no_grad()
     def forward(self, inputs: Any = None, **batch: Any) -> Any:
         """The output of the batch on every rank (a Hugging Face model: `model(**batch)`, its
-        output with logits, and loss where the batch has labels)."""
-        if torch.is_grad_enabled():
-            raise RuntimeError("a pipeline model trains through model.train_step(x, y, loss_fn)")
+        output with logits, and loss where the batch has labels), without gradients."""
+        if torch.is_grad_enabled():  # (its loss.backward() would fail far from here)
+            raise RuntimeError(
+                "a pipeline model trains through sw.train_step(model, x, y, loss_fn); call it "
+                "under torch.no_grad() to evaluate"
+            )
+        return self._forward_whole(inputs, batch)
+
+    @torch.no_grad()
+    def _forward_whole(self, inputs: Any, batch: dict[str, Any]) -> Any:
         x, context = self.feed.whole(batch or inputs)
         for c in range(self.num_chunks):  # chunk c is the model's chunk c*S + this rank
             if c > 0 or not self.is_first:

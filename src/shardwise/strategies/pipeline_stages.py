@@ -148,8 +148,11 @@ class TensorFeed:
     chunked, to the last stage's loss; every micro-batch an equal share of the batch."""
 
     def split(self, inputs: Any, targets: Any, m: int, first: bool, last: bool) -> list:
-        if first and inputs.shape[0] % m:
-            raise ValueError(f"batch of {inputs.shape[0]} does not split into {m} micro-batches")
+        # (checked on every stage that reads the batch: a last stage's targets cut into fewer
+        # chunks left it waiting for a micro-batch that never came)
+        for part in (inputs if first else None, targets if last else None):
+            if part is not None and part.shape[0] % m:
+                raise ValueError(f"batch of {part.shape[0]} does not split into {m} micro-batches")
         xs = inputs.chunk(m) if first else [None] * m
         ys = targets.chunk(m) if last else [None] * m
         return [Microbatch(x, (), y, m) for x, y in zip(xs, ys, strict=False)]
