@@ -181,3 +181,28 @@ def test_torch_tensor_types_survive_the_transfer_packing():
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     _unpack(_pack(state), back)
     assert all(torch.equal(state[k], back[k]) for k in state)
+
+
+def test_a_joiner_that_died_or_has_no_name_yet_is_not_taken_in():
+    """On a real store: a replacement that died after asking is passed over (before, the
+    members' rendezvous waited for it until the comm timeout, then failed with a traceback),
+    and one counted but whose name is not set yet waits for the next step (before, reading
+    the missing name was an AttributeError)."""
+    import torch.distributed as dist
+
+    from shardwise.distributed.membership import Membership, first_epoch
+
+    store = dist.HashStore()
+    members = [Membership(store, m, first_epoch(2), settle_s=1.0) for m in ("0", "1")]
+    Membership(store, "1#1", first_epoch(0), 1.0).ask_to_join()
+    members[0].store.set("elastic/gone/1#1", "exited with code 1")  # (as the launcher says)
+    store.add("elastic/joins", 1)  # a second joiner between its count and its name
+    first = [m.admit(step=7) for m in members]
+    assert first[0] == first[1]  # (every member enters the one epoch decided)
+    assert (first[0].members, first[0].joined, first[0].passed_over) == (["0", "1"], [], ["1#1"])
+    assert "rank 1 (start 2) died before it was taken in" in first[0].why
+    assert members[0].joiners_waiting() == 1
+    store.set("elastic/join/2", "1#2")
+    second = [m.admit(step=8) for m in members]
+    assert (second[0].members, second[0].joined) == (["0", "1", "1#2"], ["1#2"])
+    assert members[1].joiners_waiting() == 0

@@ -59,6 +59,12 @@ class Epoch:
     left: list[str] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
     why: str = ""
+    passed_over: list[str] = field(default_factory=list)  # joiners that died before it
+
+    @property
+    def joins(self) -> int:
+        """The requests to join it answered: those taken in and those passed over."""
+        return len(self.joined) + len(self.passed_over)
 
     def rank_of(self, member: str) -> int:
         return self.members.index(member)
@@ -76,6 +82,7 @@ class Epoch:
             [str(m) for m in data.get("left", [])],
             [str(m) for m in data.get("joined", [])],
             str(data.get("why", "")),
+            [str(m) for m in data.get("passed_over", [])],
         )
 
 
@@ -170,16 +177,25 @@ class Membership:
         there, its new members last. (Every member calls this at the same step; the first
         proposal wins: a joiner that asked meanwhile waits for the next.)"""
         total = int(self.store.add(_key("joins"), 0))
-        joiners = [
-            _get(self.store, _key("join", n)).decode()
-            for n in range(self.admitted_joins + 1, total + 1)
-        ]
+        asked = []
+        for n in range(self.admitted_joins + 1, total + 1):
+            name = _get(self.store, _key("join", n))
+            if name is None:  # (counted, its name not set yet: it waits for the next)
+                break
+            asked.append(name.decode())
+        # A joiner that died after asking is passed over (its rendezvous would wait for it),
+        # but counted as taken in: its number is not asked about again.
+        joiners = [j for j in asked if self.gone(j) is None]
+        dead = [j for j in asked if j not in joiners]
+        why = [f"{', '.join(map(member_name, joiners))} joined"] if joiners else []
+        why += [f"{member_name(j)} died before it was taken in" for j in dead]
         proposal = Epoch(
             self.epoch.number + 1,
             [*self.epoch.members, *joiners],
             step,
             joined=joiners,
-            why=f"{', '.join(member_name(j) for j in joiners)} joined",
+            why="; ".join(why),
+            passed_over=dead,
         )
         decided = self.store.compare_set(
             _key(self.epoch.number + 1, "members"), "", proposal.to_json()
@@ -214,7 +230,7 @@ class Membership:
         """Joiners taken in up to epoch `number` (every member counts alike)."""
         total = 0
         for n in range(1, number + 1):
-            total += len(Epoch.from_json(self.store.get(_key(n, "members"))).joined)
+            total += Epoch.from_json(self.store.get(_key(n, "members"))).joins
         return total
 
     def _enter(self, epoch: Epoch) -> Epoch:
@@ -224,7 +240,7 @@ class Membership:
                 f"({epoch.why})"
             )
         self.store.set(_key("latest"), str(epoch.number))
-        self.admitted_joins += len(epoch.joined)
+        self.admitted_joins += epoch.joins
         self.epoch = epoch
         return epoch
 
