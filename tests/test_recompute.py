@@ -244,3 +244,38 @@ def test_the_users_reentrant_checkpoints_train_the_same(name):
         assert "2 parameter(s) received no gradient in this backward pass (unused." in step
         assert "embed received its gradient twice in one backward: it is used both" in tied
         assert unused_diff <= 1e-6
+
+
+def test_true_finds_the_blocks_of_models_that_keep_them_deeper():
+    # Hugging Face models (their `_no_split_modules`) and a stack of blocks kept under a
+    # submodule: before, `true` found nothing there and recomputed nothing, without a word.
+    from torch import nn
+
+    import hf_models as H
+
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Module()
+            self.encoder.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.encoder.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    assert default_regions(Nested()) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    batch = H.make_batch("gpt2", 2, 0)
+    grads = []
+    for spec in (False, True):
+        torch.manual_seed(0)
+        model = H.build("gpt2")
+        regions = checkpoint_activations(model, spec)
+        model(**batch).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert regions == ["transformer.h.0", "transformer.h.1"]
+    for plain, recomputed in zip(*grads, strict=True):  # (the cache off: another kernel path)
+        torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="finds no blocks in Linear") as err:
+        checkpoint_activations(nn.Linear(2, 2), True)
+    assert "\n" not in str(err.value)

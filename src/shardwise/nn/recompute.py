@@ -3,9 +3,10 @@ and runs its forward again when its gradient is needed, trading compute for acti
 
 Regions are modules picked by name pattern (fnmatch on each dotted part of a `named_modules`
 name, so `blocks.*` names the blocks themselves),
-or, for `true`, the model's `CHECKPOINT_UNITS` (TinyGPT: each transformer block) and otherwise
-every layer of its top-level `nn.Sequential` / `nn.ModuleList`. Each region's `forward` is
-replaced by one that runs under `torch.utils.checkpoint` (non-reentrant: hooks, keyword
+or, for `true`, the model's `CHECKPOINT_UNITS` (TinyGPT: each transformer block), a Hugging Face
+model's blocks, every layer of a top-level `nn.Sequential` / `nn.ModuleList`, or else of its
+longest `nn.ModuleList` (`default_regions`; none found is a one-line error). Each region's
+`forward` is replaced by one that runs under `torch.utils.checkpoint` (non-reentrant: hooks, keyword
 arguments and strategies that gather weights in hooks keep working), so parameter names, state
 dicts, TP plans and pipeline splits are untouched, and every strategy can use it.
 
@@ -30,16 +31,32 @@ Spec = bool | list[str]
 
 
 def default_regions(model: nn.Module) -> list[str]:
-    """The regions `activation_checkpointing: true` means for this model."""
+    """The regions `activation_checkpointing: true` means for this model: its
+    `CHECKPOINT_UNITS`; a Hugging Face model's blocks (the classes its `_no_split_modules`
+    names, the outermost of them); every layer of a top-level `nn.Sequential` or
+    `nn.ModuleList`; else the layers of its longest `nn.ModuleList` (a stack of blocks kept
+    deeper: `encoder.layers`)."""
     units = getattr(model, "CHECKPOINT_UNITS", None)
     if units is not None:
         return list(units)
-    return [
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [n for n, m in model.named_modules() if n and type(m).__name__ in block_classes]
+    blocks = [n for n in blocks if not any(n.startswith(b + ".") for b in blocks)]
+    if blocks:
+        return blocks
+    top = [
         f"{name}.{child}" if name else child
         for name, module in model.named_modules()
         if isinstance(module, (nn.Sequential, nn.ModuleList)) and name.count(".") == 0
         for child, _ in module.named_children()
     ]
+    if top:
+        return top
+    stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not stacks:
+        return []
+    name, longest = max(stacks, key=lambda s: len(s[1]))  # (the first, the shallowest, of ties)
+    return [f"{name}.{child}" if name else child for child, _ in longest.named_children()]
 
 
 def checkpoint_activations(model: nn.Module, spec: Spec = True) -> list[str]:
@@ -49,6 +66,11 @@ def checkpoint_activations(model: nn.Module, spec: Spec = True) -> list[str]:
     if spec is False:
         return []
     patterns = default_regions(model) if spec is True else list(spec)
+    if not patterns:  # (true, and nothing found: it would have done nothing without a word)
+        raise ValueError(
+            f"activation_checkpointing: true finds no blocks in {type(model).__name__}: "
+            "name the modules to recompute (a list of name patterns, e.g. ['layers.*'])"
+        )
     names = [name for name, _ in model.named_modules() if name]
     chosen: list[str] = []
     for pattern in patterns:
@@ -70,6 +92,12 @@ def checkpoint_activations(model: nn.Module, spec: Spec = True) -> list[str]:
     for name in chosen:
         module = modules[name]
         module.forward = _recomputing(module.forward)
+    config = getattr(model, "config", None)
+    if chosen and getattr(config, "use_cache", False):
+        # A Hugging Face model's key/value cache, filled by each block's forward, would hold
+        # one more entry when the block runs again (a size mismatch in backward): off, as
+        # transformers' own gradient checkpointing turns it off for training.
+        config.use_cache = False
     return chosen
 
 
