@@ -141,6 +141,18 @@ def test_zero2_drops_a_hung_rank_then_takes_a_replacement_in(tmp_path, single_pr
     _trained_as_one_process(run_dir, single_process)
 
 
+def test_the_non_finite_policy_goes_on_across_a_re_form(tmp_path):
+    """A step skipped on non-finite values before a rank is lost stays in the record, and the
+    streak goes on (before, the re-formed run started a fresh policy: no step skipped)."""
+    sets = ["train.steps=10", "train.measure=false", "train.on_failure=shrink"]
+    sets += ['faults=["nan:rank=1:step=3","kill:rank=2:step=6"]']
+    result = run_cli(*train_args(tmp_path / "run", *sets, nproc=3), timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-2000:]
+    assert "step 6: rank 2 was killed by SIGKILL; the job goes on with 2 ranks" in out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_steps"] == [3]
+
+
 def test_a_job_that_ends_on_every_rank_is_not_replaced(tmp_path):
     """Every rank stopping on purpose (here non-finite values under `train.nonfinite: stop`;
     a signal's agreed stop, exit 143, is the same) ends a 'replace' job with its exit code.

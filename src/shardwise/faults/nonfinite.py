@@ -15,6 +15,7 @@ The policy is one object a training loop (the trainer's or a user's) asks after 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -77,6 +78,21 @@ class NonFinitePolicy:
         self.batches: list[int] = []  # the global batches of those steps (where told)
         self.skipped_steps: list[int] = []
         self.rolled_back_at = 0  # the step the last rollback was made at (0: none yet)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the steps so far leave (the same on every rank): an elastic job's re-formed
+        run goes on from it (its streak, the steps it skipped, where it rolled back)."""
+        return {
+            "streak": self.streak,
+            "batches": list(self.batches),
+            "skipped_steps": list(self.skipped_steps),
+            "rolled_back_at": self.rolled_back_at,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak, self.rolled_back_at = int(state["streak"]), int(state["rolled_back_at"])
+        self.batches = [int(b) for b in state["batches"]]
+        self.skipped_steps = [int(s) for s in state["skipped_steps"]]
 
     def check(self, model, loss: torch.Tensor) -> dict[int, str]:
         """rank -> 'loss' or 'gradient' for the ranks where this step is not finite, agreed by

@@ -132,6 +132,7 @@ def _recover(run: TrainingRun, recovered: Recovered) -> None:
     else:  # a newcomer
         run_checkpoint.own_generators(recovered.step, run.rt.rank)
     run.restore(recovered.data)
+    run.policy.load_state_dict(recovered.policy)
     run.start_step = recovered.step
     if run.pruner is not None:
         run.pruner.resume(recovered.step)

@@ -57,6 +57,7 @@ class Snapshot:
     scheduler: dict[str, Any]
     data: dict[str, Any]
     rng: dict[str, Any]
+    policy: dict[str, Any]  # the non-finite policy's (`NonFinitePolicy.state_dict`)
 
 
 class Elastic:
@@ -119,6 +120,7 @@ class Elastic:
                 copy.deepcopy(run.scheduler.state_dict()),
                 copy.deepcopy(run.feed.state_dict()),
                 rng_state(),
+                run.policy.state_dict(),
             )
         )
 
@@ -206,6 +208,7 @@ class Elastic:
                 "keys": {k: [list(v.shape), str(v.dtype)] for k, v in snapshot.own.items()},
                 "scheduler": snapshot.scheduler,
                 "data": snapshot.data,
+                "policy": snapshot.policy,
             }
             store.set("elastic-state", json.dumps(meta))
         meta = json.loads(store.get("elastic-state"))
@@ -240,6 +243,7 @@ class Elastic:
             snapshot.data if own else meta["data"],
             snapshot.rng if own else None,
             self.global_replicas,
+            snapshot.policy if own else meta["policy"],
         )
 
 

@@ -20,3 +20,4 @@ class Recovered:
     data: dict[str, Any]
     rng: dict[str, Any] | None  # None: a new member (generators of its own)
     global_replicas: int  # the ranks the job started with: its global batch and learning rate
+    policy: dict[str, Any]  # the non-finite policy's state (its streak, the steps skipped)
