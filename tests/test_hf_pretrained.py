@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,24 @@ def test_the_finetune_example_runs_on_two_ranks_and_resumes(tmp_path):
     name = "model.embed_tokens.weight"
     assert torch.equal(tuned[name], before[name])  # frozen
     assert not torch.equal(tuned["lm_head.weight"], before["lm_head.weight"])  # trained
+
+
+def test_a_config_with_a_field_of_the_wrong_type_or_a_bare_architecture_is_one_line(tmp_path):
+    # (before: transformers' validation error as a traceback; a string's first letter taken
+    # for the class name)
+    from shardwise.nn.hf_loading import from_config
+
+    cases = {
+        '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": "x"}': (
+            "not a Hugging Face config: Validation error for field 'n_embd'"
+        ),
+        '{"model_type": "gpt2", "architectures": "GPT2LMHeadModel"}': (
+            "architectures must be a list of class names, got 'GPT2LMHeadModel'"
+        ),
+    }
+    for i, (text, words) in enumerate(cases.items()):
+        path = tmp_path / f"config{i}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(words)) as err:
+            from_config(path)
+        assert "\n" not in str(err.value)

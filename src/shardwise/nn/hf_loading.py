@@ -36,7 +36,7 @@ def hf_config(path: Path | str):
     path = Path(path)
     try:
         return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # (transformers' own kinds too: a field of the wrong type is one)
         reason = " ".join(str(e).split())[:300]
         raise ValueError(f"{path}: not a Hugging Face config: {reason}") from None
 
@@ -45,6 +45,8 @@ def model_class(config, where: Path | str) -> type[nn.Module]:
     """The transformers class the config's `architectures` names."""
     transformers = transformers_module()
     names = getattr(config, "architectures", None) or []
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: architectures must be a list of class names, got {names!r}")
     if not names:
         raise ValueError(
             f"{where}: the config names no architectures: add e.g. "
