@@ -180,6 +180,13 @@ def _tp_frozen():
         )
     except ValueError as e:
         smoothed = str(e)
+    x, y = _batch(0)
+    y[0, 0] = VOCAB  # (in no rank's slice: it counted as log(sum), F.cross_entropy refuses it)
+    try:
+        sw.train_step(model, x, y, lm_loss)
+        outside = ""
+    except RuntimeError as e:
+        outside = str(e)
     model.close()
     renormed = _gpt()
     renormed.tok_emb.max_norm = 1.0
@@ -188,11 +195,12 @@ def _tp_frozen():
         refusal = None
     except ValueError as e:
         refusal = str(e)
-    return {k: torch.equal(state[k], before[k]) for k in FROZEN}, refusal, smoothed
+    return {k: torch.equal(state[k], before[k]) for k in FROZEN}, refusal, smoothed, outside
 
 
 def test_tensor_parallel_keeps_frozen_weights_frozen_and_refuses_what_it_would_change():
-    for unchanged, refusal, smoothed in run(_tp_frozen, 2):
+    for unchanged, refusal, smoothed, outside in run(_tp_frozen, 2):
+        assert "a target outside the vocabulary [0, 11)" in outside
         assert isinstance(smoothed, str) and "the loss given (<lambda>) is another" in smoothed
         assert all(unchanged.values()), unchanged  # (before, each was trained)
         assert refusal and "max_norm=1.0: not supported" in refusal and "\n" not in refusal

@@ -36,6 +36,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.parallel_ops import (
+    IGNORE_INDEX,
     Split,
     copy_to_parallel,
     gather_from_parallel,
@@ -179,6 +180,12 @@ def vocab_parallel_loss(loss_fn, vocab_start: int | None, group, vocab_size: int
     def sliced(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if vocab_size is not None:
             _check_plain(loss_fn, target, vocab_size)
+            # A target outside the vocabulary lies in no rank's slice: the loss would count it
+            # as log(sum) where F.cross_entropy refuses it. Checked on the device, no wait.
+            inside = ((target >= 0) & (target < vocab_size)) | (target == IGNORE_INDEX)
+            torch._assert_async(
+                inside.all(), f"a target outside the vocabulary [0, {vocab_size}) (nor -100)"
+            )
         return vocab_parallel_cross_entropy(logits, target, vocab_start, group)
 
     return sliced
