@@ -490,11 +490,12 @@ def test_servers_resume_from_the_newest_version_all_of_them_can_use(tmp_path):
 
 
 def _identities() -> list[str]:
-    """The identities (what a snapshot must have been written by) of servers of four jobs: a
-    job, the same again, with another learning rate, and with another data order."""
-    strategy = sw.ParameterServer(servers=1, mode="sync")
+    """The identities (what a snapshot must have been written by) of servers of five jobs: a
+    job, the same again, with another learning rate, another data order and another rule."""
     identities = []
-    for lr, seed in [(1e-2, 0), (1e-2, 0), (2e-2, 0), (1e-2, 1)]:
+    for lr, seed, rule in [(1e-2, 0, "gradient"), (1e-2, 0, "gradient"), (2e-2, 0, "gradient"),
+                           (1e-2, 1, "gradient"), (1e-2, 0, "average")]:  # fmt: skip
+        strategy = sw.ParameterServer(servers=1, mode="sync", rule=rule)
         work = sw.ps.WorkQueue.for_batches(10**7, size=1437, batch=32, seed=seed)
         server = sw.ps.server.Server(mlp(), strategy, torch.optim.AdamW, {"lr": lr}, 0, [], work)
         server._beats.stop()
@@ -503,8 +504,9 @@ def _identities() -> list[str]:
 
 
 def test_a_server_tells_its_own_job_s_snapshots_from_another_job_s():
-    job, again, other_lr, other_order = run(_identities, 1)[0]
-    assert job == again and len({job, other_lr, other_order}) == 3
+    job, again, other_lr, other_order, other_rule = run(_identities, 1)[0]
+    # (another rule: before, a snapshot of a job that averaged resumed one that stepped)
+    assert job == again and len({job, other_lr, other_order, other_rule}) == 4
     # The data plan is named, not the queue of 10^7 batches written out.
     assert json.loads(job)["work"] == {"size": 1437, "batch": 32, "seed": 0, "batches": 10**7}
 

@@ -180,6 +180,8 @@ class Server:
                 "bounds": list(self.shard.bounds),
                 "optimizer": [optimizer_cls.__name__, repr(sorted(optimizer_kwargs.items()))],
                 "mode": [self.o.mode, self.o.staleness, self.o.servers],
+                # (how an update is applied: a snapshot of another rule is another training)
+                "update": [self.o.rule, self.o.beta, self.o.backup_workers, self.o.staleness_lr],
                 "work": self.dealer.plan(),
             },
             sort_keys=True,
