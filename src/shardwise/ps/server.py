@@ -123,7 +123,8 @@ class Server:
         self.standby = self.primary is not None  # a backup, until its primary is lost
         self.came_over: set[int] = set()  # clients of a backup that took over, re-greeted
         self.lost_in_standby: dict[int, str] = {}  # connections that broke meanwhile
-        self.coming_over: list[tuple[int, torch.Tensor]] = []  # HELLOs held until a takeover
+        # HELLOs held until a takeover: a client's last (a client repeating it holds no more)
+        self.coming_over: dict[int, torch.Tensor] = {}
         # Beating from the start: the clients and the supervisor tell a frozen server by this.
         self._beats = HeartbeatSender(rank, options.heartbeat_s)
         self.shard = Shard(
@@ -283,7 +284,7 @@ class Server:
         going_over = Kind(int(h[0])) == Kind.HELLO and int(h[2]) == GOING_OVER
         if going_over and self.primary is not None:
             if self.standby:  # (held until this server knows its primary lost: a client's
-                self.coming_over.append((src, payload))  # word alone makes no takeover)
+                self.coming_over[src] = payload  # word alone makes no takeover)
             else:
                 self._came_over(src, payload)
             return
@@ -542,7 +543,7 @@ class Server:
         for client, reason in self.lost_in_standby.items():
             if client in self.peers.live and client not in self.peers.done:
                 self.peers.lose(client, reason)
-        for client, payload in self.coming_over:
+        for client, payload in self.coming_over.items():
             self._came_over(client, payload)
         self.mode.take_over(self)
 
