@@ -169,6 +169,8 @@ class _Initialised(nn.Module):
         nn.init.orthogonal_(self.a.weight)
         nn.init.trunc_normal_(self.b.weight, std=0.02)
         nn.init.sparse_(self.c.weight, sparsity=0.4)
+        self.conv = nn.Conv2d(3, 3, 3)
+        nn.init.dirac_(self.conv.weight)
         self.d = nn.Linear(3, 3)  # (its draws come after theirs)
         self.sliced = nn.Parameter(torch.randn(10)[5:8])
         self.columns = nn.Parameter(torch.randn(2, 6)[:, 3:])

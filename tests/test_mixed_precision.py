@@ -166,6 +166,8 @@ def test_the_loss_scale_reaches_every_gradient_once_when_one_output_feeds_anothe
     model.zero_grad()
     scaler = LossScaler(torch.device("cpu"), init_scale=1024.0)
     install_casts(model, torch.float32, scaler)
-    model(x)["loss"].backward()
+    outputs = model(x)
+    outputs["aux"].mul_(1.0)  # (an output is the caller's to change in place, as without)
+    outputs["loss"].backward()
     for got, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(got.grad / 1024.0, want, rtol=1e-6, atol=0)

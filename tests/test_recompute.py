@@ -274,6 +274,13 @@ def test_true_finds_the_blocks_of_models_that_keep_them_deeper():
         model(**batch).loss.backward()
         grads.append([p.grad for p in model.parameters()])
     assert regions == ["transformer.h.0", "transformer.h.1"]
+    # Inside a module of the user's, its cache on: its blocks still recompute (the cache is
+    # not handed to them while training), and its config, which an export writes, is as made.
+    wrapper = nn.Module()
+    wrapper.hf = H.build("gpt2")
+    assert checkpoint_activations(wrapper, True) == ["hf.transformer.h.0", "hf.transformer.h.1"]
+    wrapper.hf(**batch).loss.backward()
+    assert wrapper.hf.config.use_cache
     for plain, recomputed in zip(*grads, strict=True):  # (the cache off: another kernel path)
         torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="finds no blocks in Linear") as err:

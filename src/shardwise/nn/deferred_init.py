@@ -154,9 +154,9 @@ def _makes_meta(kwargs: dict) -> bool:
 
 @contextlib.contextmanager
 def _initialisers_drawn_on_scratch():
-    """torch's `trunc_normal_`, `orthogonal_` and `sparse_` return at once on a meta tensor:
-    nothing is dispatched, so nothing would be recorded and the generator would not advance
-    (every later draw off, without a word: a ViT's weights, say). Inside, each runs on a CPU
+    """torch's `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_` return at once on a meta
+    tensor: nothing is dispatched, so nothing would be recorded and the generator would not
+    advance (every later draw off, without a word: a ViT's weights, say). Inside, each runs on a CPU
     scratch tensor of the same size and strides instead, copied into the meta one: its draws,
     its arithmetic and the copy are recorded as any other construction's. (transformers keeps
     torch's `orthogonal_` and `sparse_` in a table of its own: replaced there too.)"""
@@ -175,8 +175,9 @@ def _initialisers_drawn_on_scratch():
         table.update(theirs)
 
 
-# (`trunc_normal_` through the helper it calls, which transformers' table reaches as well)
-_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_")
+# (`trunc_normal_` through the helper it calls, which transformers' table reaches as well.
+# Code that took one of them by name before the recording began keeps torch's own.)
+_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 
 
 def _drawn_on_scratch(initialise: Callable) -> Callable:

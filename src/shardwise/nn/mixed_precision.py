@@ -83,17 +83,20 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
 
 
 class _ScaledGradient(torch.autograd.Function):
-    """The tensors as they are; on the way back, each gradient times the loss scale."""
+    """The tensors in fp32, new ones (a copy of one in fp32 already: a view made here could
+    not be changed in place); on the way back, each gradient times the loss scale, in the
+    tensor's own dtype."""
 
     @staticmethod
     def forward(ctx, scaler: LossScaler, *tensors: torch.Tensor):
-        ctx.scaler = scaler
-        return tuple(t.view_as(t) for t in tensors)
+        ctx.scaler, ctx.dtypes = scaler, [t.dtype for t in tensors]
+        return tuple(t.clone() if t.dtype == torch.float32 else t.float() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         scale = ctx.scaler.scale
-        return None, *(None if g is None else g * scale for g in grads)
+        pairs = zip(grads, ctx.dtypes, strict=True)
+        return None, *(None if g is None else (g * scale).to(d) for g, d in pairs)
 
 
 def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | None) -> list:
@@ -104,18 +107,18 @@ def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | Non
         return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
 
     def cast_outputs(_module, _args, output):
-        output = _cast_floats(output, torch.float32)
         if scaler is None:
-            return output
+            return _cast_floats(output, torch.float32)
         # Every output that carries a gradient back, not only a tensor's: a Hugging Face model
         # returns an object (its own loss, its logits) and backward starts from either. Each
-        # leaves as a new tensor whose gradient is scaled: one output made from another inside
-        # the model (an auxiliary loss added into the loss) is scaled once on that path, not
-        # twice as a hook on each would (scale squared).
+        # leaves as a new fp32 tensor whose gradient is scaled: one output made from another
+        # inside the model (an auxiliary loss added into the loss) is scaled once on that
+        # path, not twice as a hook on each would (scale squared).
         leaves = {id(t): t for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
-        tracked = [t for t in leaves.values() if t.requires_grad]
+        tracked = [t for t in leaves.values() if t.requires_grad and t.is_floating_point()]
         scaled = dict(zip(map(id, tracked), _ScaledGradient.apply(scaler, *tracked), strict=True))
-        return tree_map_only(torch.Tensor, lambda t: scaled.get(id(t), t), output)
+        output = tree_map_only(torch.Tensor, lambda t: scaled.get(id(t), t), output)
+        return _cast_floats(output, torch.float32)  # (the rest: no gradient to scale)
 
     return [
         model.register_forward_pre_hook(cast_inputs, with_kwargs=True),

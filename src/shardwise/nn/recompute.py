@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
+import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -92,13 +94,35 @@ def checkpoint_activations(model: nn.Module, spec: Spec = True) -> list[str]:
     for name in chosen:
         module = modules[name]
         module.forward = _recomputing(module.forward)
-    config = getattr(model, "config", None)
-    if chosen and getattr(config, "use_cache", False):
-        # A Hugging Face model's key/value cache, filled by each block's forward, would hold
-        # one more entry when the block runs again (a size mismatch in backward): off, as
-        # transformers' own gradient checkpointing turns it off for training.
-        config.use_cache = False
     return chosen
+
+
+# (transformers' names of a block's key/value cache argument, version by version)
+_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _cache_taking(forward: Callable[..., Any]) -> inspect.Signature | None:
+    """`forward`'s signature where it takes a key/value cache (a Hugging Face block's)."""
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):  # (a callable with no signature to read)
+        return None
+    return signature if set(signature.parameters) & {*_CACHES, "use_cache"} else None
+
+
+def _without_cache(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple:
+    """The call's arguments with no key/value cache: a block's cache, filled by its forward,
+    would hold one more entry when the block runs again (a size mismatch in backward). None
+    while training, as transformers' own gradient checkpointing does (the model's config
+    untouched: what it exports)."""
+    bound = signature.bind_partial(*args, **kwargs)
+    cache_class = getattr(sys.modules.get("transformers.cache_utils"), "Cache", ())
+    for name, value in bound.arguments.items():
+        if (name in _CACHES and value is not None) or isinstance(value, cache_class):
+            bound.arguments[name] = None
+    if bound.arguments.get("use_cache"):
+        bound.arguments["use_cache"] = False
+    return bound.args, bound.kwargs
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -108,10 +132,14 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _recomputing(forward: Callable[..., Any]) -> Callable[..., Any]:
+    signature = _cache_taking(forward)
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved anyway
             return forward(*args, **kwargs)
+        if signature is not None:
+            args, kwargs = _without_cache(signature, args, kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     run.recomputes = True  # type: ignore[attr-defined]  # (ZeRO-3 checks its units against it)

@@ -258,18 +258,11 @@ class PipelineModel(UnsplitCheckpointsOnly, DistributedModel):
         zeros = [torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p) for p in params]
         torch.autograd.backward(params, zeros)
 
+    @torch.no_grad()
     def forward(self, inputs: Any = None, **batch: Any) -> Any:
         """The output of the batch on every rank (a Hugging Face model: `model(**batch)`, its
-        output with logits, and loss where the batch has labels), without gradients."""
-        if torch.is_grad_enabled():  # (its loss.backward() would fail far from here)
-            raise RuntimeError(
-                "a pipeline model trains through sw.train_step(model, x, y, loss_fn); call it "
-                "under torch.no_grad() to evaluate"
-            )
-        return self._forward_whole(inputs, batch)
-
-    @torch.no_grad()
-    def _forward_whole(self, inputs: Any, batch: dict[str, Any]) -> Any:
+        output with logits, and loss where the batch has labels), always without gradients:
+        an evaluation's forward (a pipeline trains through `sw.train_step`)."""
         x, context = self.feed.whole(batch or inputs)
         for c in range(self.num_chunks):  # chunk c is the model's chunk c*S + this rank
             if c > 0 or not self.is_first:

@@ -203,8 +203,14 @@ class Trainer:
                 f"global batches {sorted(left_out)} left out",
                 flush=True,
             )
+        # (at the step gone back to: a later rollback to the same checkpoint keeps this line)
         run.metrics.log_event(
-            {"step": step, "rollback_to": back_to, "batches_left_out": sorted(left_out)}
+            {
+                "step": back_to,
+                "rolled_back_from": step,
+                "rollback_to": back_to,
+                "batches_left_out": sorted(left_out),
+            }
         )
         return back_to
 
