@@ -153,12 +153,11 @@ class _Agent(LocalElasticAgent):
             member = self.members.get(local_rank, str(worker_group.workers[local_rank].global_rank))
             failure = ProcessFailure(local_rank, handler.proc.pid, code, "")
             self.lost[worker_group.workers[local_rank].global_rank] = failure
+            context._running_local_ranks.discard(local_rank)
             if code in AGREED_ENDS:
-                context._running_local_ranks.discard(local_rank)
                 self.vacant.add(local_rank)  # (the job's end: its exit code is the job's)
                 continue
             self.job_store.write(f"attempt-{attempt}/{membership.gone_key(member)}", _exit(failure))
-            context._running_local_ranks.discard(local_rank)
             line = f"shardwise: {membership.member_name(member)} {_exit(failure)}"
             if self.on_failure == "replace":
                 self._replace(worker_group, local_rank, member)

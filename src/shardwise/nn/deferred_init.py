@@ -152,6 +152,11 @@ def _makes_meta(kwargs: dict) -> bool:
     return device is not None and torch.device(device).type == "meta"
 
 
+# (`trunc_normal_` through the helper it calls, which transformers' table reaches as well.
+# Code that took one of them by name before the recording began keeps torch's own.)
+_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+
+
 @contextlib.contextmanager
 def _initialisers_drawn_on_scratch():
     """torch's `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_` return at once on a meta
@@ -173,11 +178,6 @@ def _initialisers_drawn_on_scratch():
         for name, fn in originals.items():
             setattr(init, name, fn)
         table.update(theirs)
-
-
-# (`trunc_normal_` through the helper it calls, which transformers' table reaches as well.
-# Code that took one of them by name before the recording began keeps torch's own.)
-_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 
 
 def _drawn_on_scratch(initialise: Callable) -> Callable:
@@ -276,10 +276,11 @@ class SeededInit:
 
     def _output(self, op: _Op, index: int, storage: int) -> torch.Tensor:
         source = op.args[0]
-        same_dtype = isinstance(source, _Ref) and source.dtype == op.kwargs.get(
-            "dtype", source.dtype
-        )
-        if op.func is _TO_COPY and same_dtype and self._whole(source):
+        if (
+            op.func is _TO_COPY
+            and source.dtype == op.kwargs.get("dtype", source.dtype)
+            and self._whole(source)
+        ):
             # A copy onto the meta device: at replay the source's own values (no second copy).
             # (Only of a whole storage: a copy of a slice starts its own at offset 0.)
             return _view(self._storage(source.storage, index), source)
@@ -289,15 +290,11 @@ class SeededInit:
 
     def _whole(self, ref: _Ref) -> bool:
         """Whether `ref` is its whole storage, laid out contiguously from its start."""
-        contiguous, step = [], 1
-        for n in reversed(ref.size):
-            contiguous.append(step)
-            step *= n
-        itemsize = torch.empty(0, dtype=ref.dtype).element_size()
+        laid_out = torch.empty(ref.size, dtype=ref.dtype, device="meta")  # (no storage)
         return (
             ref.offset == 0
-            and tuple(reversed(contiguous)) == ref.stride
-            and step * itemsize == self._nbytes[ref.storage]
+            and laid_out.stride() == ref.stride
+            and laid_out.nbytes == self._nbytes[ref.storage]
         )
 
     def _run(self, op: _Op, index: int, known: dict[int, torch.Tensor]):

@@ -47,18 +47,22 @@ def default_regions(model: nn.Module) -> list[str]:
     if blocks:
         return blocks
     top = [
-        f"{name}.{child}" if name else child
+        layer
         for name, module in model.named_modules()
         if isinstance(module, (nn.Sequential, nn.ModuleList)) and name.count(".") == 0
-        for child, _ in module.named_children()
+        for layer in _layers(name, module)
     ]
     if top:
         return top
     stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not stacks:
         return []
-    name, longest = max(stacks, key=lambda s: len(s[1]))  # (the first, the shallowest, of ties)
-    return [f"{name}.{child}" if name else child for child, _ in longest.named_children()]
+    return _layers(*max(stacks, key=lambda s: len(s[1])))  # (the first, shallowest, of ties)
+
+
+def _layers(name: str, container: nn.Module) -> list[str]:
+    """The names of `container`'s children (`container` being `name` in the model)."""
+    return [f"{name}.{child}" if name else child for child, _ in container.named_children()]
 
 
 def checkpoint_activations(model: nn.Module, spec: Spec = True) -> list[str]:

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.parallel_ops import IGNORE_INDEX  # (F.cross_entropy's padding label)
 from shardwise.distributed import runtime
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.zero import ZeRO
@@ -60,9 +61,6 @@ def top_k_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
         raise ValueError(f"top-k: k={k} must be in [1, {logits.shape[-1]}] (the vocabulary)")
     values, indices = logits.topk(k, dim=-1)
     return values, indices
-
-
-IGNORE_INDEX = -100  # F.cross_entropy's: a padded position's label
 
 
 def distill_loss(

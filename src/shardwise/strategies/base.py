@@ -283,18 +283,21 @@ class UnsplitCheckpointsOnly:
             "save sw.full_state_dict(model) instead"
         )
 
+    # Loading one is not supported either (this rank's names and shapes are its slices', not
+    # the unsplit model's: they failed with a KeyError or a size mismatch).
     def full_shapes(self) -> dict[str, torch.Size]:
-        """Loading one is not supported either (this rank's names and shapes are its slices',
-        not the unsplit model's: they failed with a KeyError or a size mismatch)."""
+        raise self._no_loading()
+
+    def load_full_state(self, optimizer, params, states) -> None:
+        raise self._no_loading()
+
+    def _no_loading(self) -> NotImplementedError:
         strategy = type(self).__name__.removesuffix("Model")
-        raise NotImplementedError(
+        return NotImplementedError(
             f"loading a checkpoint into a {strategy} model is not supported yet: load the "
             "weights into the model before sw.prepare, or train it on a device mesh "
             "(strategy mesh), which loads any checkpoint"
         )
-
-    def load_full_state(self, optimizer, params, states) -> None:
-        self.full_shapes()  # (refused, in its words)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

@@ -61,6 +61,7 @@ from shardwise.strategies.base import (
     square_sum,
 )
 from shardwise.strategies.ddp import broadcast_module_state
+from shardwise.strategies.plain_loss import check_plain_cross_entropy
 from shardwise.strategies.section import StrategySection
 from shardwise.strategies.tp_plan import model_plan, parse_style, resolve
 
@@ -172,14 +173,14 @@ class VocabParallelHead(ColumnParallelLinear):
 def vocab_parallel_loss(loss_fn, vocab_start: int | None, group, vocab_size: int | None = None):
     """The loss from vocabulary slices of the logits, this rank's starting at `vocab_start`
     (`loss_fn` where the logits are whole: None). It stands in for `loss_fn`, which must be
-    mean cross-entropy, checked on the whole `vocab_size` (`_check_plain`; None: not checked,
+    mean cross-entropy, checked on the whole `vocab_size` (`plain_loss.py`; None: not checked,
     the cost model's shapes): any other loss would be replaced without a word."""
     if vocab_start is None:
         return loss_fn
 
     def sliced(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if vocab_size is not None:
-            _check_plain(loss_fn, target, vocab_size)
+            check_plain_cross_entropy(loss_fn, target, vocab_size)
             # A target outside the vocabulary lies in no rank's slice: the loss would count it
             # as log(sum) where F.cross_entropy refuses it. Checked on the device, no wait.
             inside = ((target >= 0) & (target < vocab_size)) | (target == IGNORE_INDEX)
@@ -189,61 +190,6 @@ def vocab_parallel_loss(loss_fn, vocab_start: int | None, group, vocab_size: int
         return vocab_parallel_cross_entropy(logits, target, vocab_start, group)
 
     return sliced
-
-
-# Whether each loss function is plain cross-entropy (`_loss_identity`: a lambda made anew each
-# step is one function), with the objects its key names by address, kept alive with it.
-_PLAIN: dict[tuple, tuple[bool, list]] = {}
-
-
-def _loss_identity(loss_fn) -> tuple[tuple, list]:
-    """A key that tells loss functions apart by what decides what they compute: their code
-    and the objects they carry (bound instance, default arguments, closure cells' contents),
-    by address; and those objects (kept alive in the cache, so no address is reused)."""
-    function = getattr(loss_fn, "__func__", loss_fn)  # (a bound method: its function)
-    code = getattr(function, "__code__", None)
-    if code is None:  # (a module or other callable object: itself)
-        return (id(loss_fn),), [loss_fn]
-    carried = [getattr(loss_fn, "__self__", None), *(function.__defaults__ or ())]
-    carried += list((function.__kwdefaults__ or {}).values())
-    for cell in function.__closure__ or ():
-        try:
-            carried.append(cell.cell_contents)
-        except ValueError:  # (a cell not yet filled)
-            carried.append(None)
-    return (code, *map(id, carried)), carried
-
-
-def _check_plain(loss_fn, target: torch.Tensor, vocab_size: int) -> None:
-    """Refuse, in one line, a loss that is not mean cross-entropy over the last dimension with
-    -100 ignored: checked once per function, on logits of the whole vocabulary and targets
-    drawn alike on every rank (so every rank decides alike, whatever its batch), shaped as
-    one sample's (its positions cut to 4: the probe stays small)."""
-    key, carried = _loss_identity(loss_fn)
-    known = _PLAIN.get(key, (None,))[0]
-    if known is None:
-        if len(_PLAIN) > 256:  # (bounded, whatever the caller makes)
-            _PLAIN.clear()
-        shape = (1, *(min(n, 4) for n in target.shape[1:]))
-        g = torch.Generator().manual_seed(0)
-        rows = torch.randint(0, vocab_size, shape, generator=g)
-        if rows.numel() > 1:  # (one position padded: a loss that does not ignore -100 fails)
-            rows.view(-1)[0] = IGNORE_INDEX
-        probe = torch.randn((*shape, vocab_size), generator=g)
-        rows, probe = rows.to(target.device), probe.to(target.device)
-        with torch.no_grad():
-            theirs = loss_fn(probe, rows)
-            plain = F.cross_entropy(probe.reshape(-1, vocab_size), rows.reshape(-1))
-        known = bool(torch.isclose(theirs.float(), plain, rtol=1e-5, atol=1e-6))
-        _PLAIN[key] = (known, carried)
-    if not known:
-        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-        raise ValueError(
-            f"loss_parallel computes mean cross-entropy from the vocabulary's slices, and the "
-            f"loss given ({name}) is another (label smoothing, weights, a scale or a sum?): "
-            "pass loss_parallel=False (strategy.loss_parallel: false) to compute it on the "
-            "gathered logits"
-        )
 
 
 def split_parameters(module: nn.Module) -> dict[str, Split]:
