@@ -27,7 +27,7 @@ SETS = [
     "optim.gamma=0.5",
     "optim.scale_lr=linear",  # from one rank's batch to the global batch of two: lr x 2
     "train.trace_steps=[10, 14]",
-    f"faults=['slow:rank=1:factor=2', 'clock-skew:rank=1:seconds={SKEW}']",
+    f"faults=['slow:rank=1:factor=3', 'clock-skew:rank=1:seconds={SKEW}']",
 ]
 
 
@@ -51,8 +51,9 @@ def test_step_breakdown_adds_up_and_names_the_fast_ranks_wait_idle(observed):
     for rank in (fast, slow):  # the phases, each timed by its own clock, cover the step
         parts = rank["compute"] + rank["exposed_comm"] + rank["idle"]
         assert parts == pytest.approx(rank["step"], rel=0.05), rank
-    # Rank 1 computes twice as slowly: the fast rank spends the difference idle, waiting for
-    # it; the slow one hardly waits for anybody.
+    # Rank 1 computes three times as slowly (its sleep is fitted to its last step's work, so a
+    # noisy step moves it: at twice, one CI run measured 1.27x): the fast rank spends the
+    # difference idle, waiting for it; the slow one hardly waits for anybody.
     gap = slow["compute"] - fast["compute"]
     assert gap > 0.25 * slow["compute"], (fast, slow)
     assert fast["idle"] == pytest.approx(gap, rel=0.3), (fast, slow)
