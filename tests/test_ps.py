@@ -68,8 +68,8 @@ def _sync_run(
         if kill_server_at is not None and rank == 0:
             original = sw.ps.server.Server.apply
 
-            def dying_apply(self, flat, staleness):
-                original(self, flat, staleness)
+            def dying_apply(self, *args, **kwargs):
+                original(self, *args, **kwargs)
                 if self.version == kill_server_at:
                     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -410,6 +410,79 @@ def test_a_killed_server_resumes_from_its_snapshot(tmp_path):
         assert all(torch.equal(state[k], resumed[k]) for k in state)
 
 
+def _sync_digits_run(log_dir: str, snap: str, kill_server_at=None, die_at=None):
+    """Sync, 1 server and 3 workers dealt 40 batches of the digits from server 0's queue,
+    snapshots every 5 updates; worker `die_at` SIGKILLs itself as its 4th batch begins (the
+    rounds after it hold 2 pushes, not 3), the server as it makes version `kill_server_at`.
+    Each worker logs every batch it trained with the version its update made (the one its
+    pull answered: in sync, the round that holds its push)."""
+    from shardwise.data.datasets import digits
+
+    splits = digits()
+    strategy = sw.ParameterServer(
+        servers=1, mode="sync", timeout_s=4.0, snapshot_every=5, snapshot_dir=snap
+    )
+    rank = dist.get_rank()
+    if strategy.is_server():
+        if kill_server_at is not None:
+            original = sw.ps.server.Server.apply
+
+            def dying_apply(self, *args, **kwargs):
+                original(self, *args, **kwargs)
+                if self.version == kill_server_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            sw.ps.server.Server.apply = dying_apply
+        work = sw.ps.WorkQueue.for_batches(40, len(splits.train), 32, seed=0)
+        report = sw.ps.serve(mlp((64, 128, 10)), strategy, torch.optim.SGD, work=work, lr=0.1)
+        return {"resumed_from": report.resumed_from, "size": len(splits.train)}
+    model, opt = sw.prepare(mlp((64, 128, 10)), strategy, optimizer=torch.optim.SGD, lr=0.1)
+    log = open(Path(log_dir) / f"trained{rank}.jsonl", "a")  # noqa: SIM115 (SIGKILLed with it)
+    try:
+        steps = 0
+        while (indices := model.client.next_batch()) is not None:
+            if rank == die_at and steps == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = splits.train[indices]
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            log.write(json.dumps([indices, model.client.version]) + "\n")
+            log.flush()
+            steps += 1
+    except Exception as e:  # the server died: this run ends here
+        return {"error": type(e).__name__}
+    finally:
+        log.close()
+    strategy.close(model)
+    return {"steps": steps}
+
+
+def test_a_server_resumed_after_rounds_short_of_a_worker_deals_exactly_the_batches_left(
+    tmp_path,
+):
+    """A worker dies, so rounds hold fewer batches than workers; then the server dies and the
+    job resumes from its snapshot. The batches whose updates the snapshot holds (by the
+    workers' own logs: those of versions up to it) and those the resumed job trained are
+    every batch of the plan, each once: none skipped (as when a resumed server took a version
+    for `workers` batches), none trained twice."""
+    snap, first, second = (tmp_path / d for d in ("snapshots", "first", "second"))
+    first.mkdir(), second.mkdir()
+    run(_sync_digits_run, 4, str(first), str(snap), 12, 3, timeout_s=120, dies=(0, 3))
+    server, *_ = run(_sync_digits_run, 4, str(second), str(snap), timeout_s=120)
+    assert server["resumed_from"] == 10  # snapshots every 5 updates; killed after 12
+
+    def trained(log_dir: Path, up_to: float) -> collections.Counter:
+        lines = [json.loads(line) for p in log_dir.glob("*.jsonl") for line in p.open()]
+        return collections.Counter(tuple(batch) for batch, v in lines if v <= up_to)
+
+    order = torch.randperm(server["size"], generator=torch.Generator().manual_seed(0))
+    planned = collections.Counter(tuple(order[32 * b : 32 * b + 32].tolist()) for b in range(40))
+    kept = trained(first, up_to=10)
+    assert sum(kept.values()) == 3 * 3 + 7 * 2  # 3 rounds of 3 pushes, then 7 of 2
+    assert kept + trained(second, up_to=float("inf")) == planned
+
+
 IDENTITY = json.dumps({"job": "a"})
 
 
@@ -591,7 +664,7 @@ def test_a_work_queue_of_ten_million_batches_is_built_at_once_in_little_memory()
     tracemalloc.start()
     started = time.perf_counter()
     work = sw.ps.WorkQueue.for_batches(10**7, size=1437, batch=32, seed=0)
-    work.skip(43)  # (resumed at the last batch of epoch 0)
+    work.restore(43, [])  # (resumed at the last batch of epoch 0)
     dealt = [work.next(worker) for worker in range(3)]
     work.give_back(1)
     again = work.next(worker=3)
@@ -604,6 +677,42 @@ def test_a_work_queue_of_ten_million_batches_is_built_at_once_in_little_memory()
     assert [e for e, _ in dealt] == [0, 1, 1] and again == dealt[1]
     order = torch.randperm(1437, generator=torch.Generator().manual_seed(1)).tolist()
     assert dealt[2][1] == order[32:64]  # batch 45: the second of epoch 1
+
+
+def test_a_resumed_queue_deals_what_no_update_holds_and_a_dead_worker_s_update_counts():
+    """A worker that dies after its update was made leaves its batch consumed (it is in the
+    parameters), one that dies before gives it back; a queue resumed from the batches applied
+    deals those it lacks first, in order, then the rest; a record that does not fit the queue
+    is refused."""
+    work = sw.ps.WorkQueue.for_batches(8, size=32, batch=4, seed=0)
+    dealt = [work.next(w)[1] for w in (1, 2, 3, 4)]  # batches 0 to 3
+    for worker in (1, 3, 4):  # the round that holds 0, 2 and 3
+        work.mark_applied(worker)
+    work.give_back(3)  # died after its update: batch 2 consumed
+    work.give_back(2)  # died before it: batch 1 dealt again
+    assert work.consumed_batches == 1 and work.next(5)[1] == dealt[1]
+    dealer = Dealer(sw.ps.WorkQueue.for_batches(8, size=32, batch=4, seed=0), None, None)
+    state = Dealer(work, None, None).snapshot()  # batches 0, 2 and 3 applied (and not 1)
+    dealer.restore(state, version_batches=0)
+    assert dealer.consumed() == (3, 12)
+    resumed = [dealer.work.next(w) for w in range(6)]
+    assert [batch for _, batch in resumed[:5]] == [dealt[1]] + [
+        work.batch_of(b)[1] for b in (4, 5, 6, 7)
+    ]
+    assert resumed[5] is None
+    old = Dealer(sw.ps.WorkQueue.for_batches(8, size=32, batch=4, seed=0), None, None)
+    old.restore({}, version_batches=6)  # a snapshot without the record: its version's batches
+    assert old.consumed() == (6, 24)
+    for bad in (
+        {"applied_below": 9, "applied_above": torch.tensor([], dtype=torch.int64)},
+        {"applied_below": 1, "applied_above": torch.tensor([3, 3])},
+        {"applied_below": 1, "applied_above": torch.tensor([1])},
+        {"applied_below": 1, "applied_above": [3]},
+        {"applied_below": "1", "applied_above": torch.tensor([3])},
+    ):
+        fresh = Dealer(sw.ps.WorkQueue.for_batches(8, size=32, batch=4, seed=0), None, None)
+        with pytest.raises(ValueError):
+            fresh.restore(bad, version_batches=0)
 
 
 def test_server_0_s_dealer_holds_a_worker_until_a_dead_worker_s_batch_comes_back():
@@ -702,10 +811,10 @@ def _replicated_run(kill_at: int, when: str, servers: int, victim: int = 0, step
         if rank == victim:
             original = sw.ps.server.Server.apply
 
-            def dying_apply(self, flat, staleness):
+            def dying_apply(self, flat, staleness, behind):
                 if when == "pushed" and self.version == kill_at - 1:
                     os.kill(os.getpid(), signal.SIGKILL)
-                original(self, flat, staleness)
+                original(self, flat, staleness, behind)
                 if when == "applied" and self.version == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -43,8 +43,8 @@ class ServerView(Protocol):
     def is_live(self, client: int) -> bool:
         """Whether `client` is alive (a push of a dead one will not come)."""
 
-    def apply(self, flat: torch.Tensor, staleness: int) -> None:
-        """Apply one update made `staleness` versions ago."""
+    def apply(self, flat: torch.Tensor, staleness: int, behind: list[int]) -> None:
+        """Apply one update made `staleness` versions ago from the pushes of `behind`."""
 
     def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
         """Apply the mean of a sync round's pushes (value, count)."""
@@ -79,7 +79,8 @@ class Async:
         if value is not None:  # (None: the client skipped this clock)
             # A client's version is its word (and another server's, with several): never
             # ahead of this one's, so an update is never scaled by more than 1 (staleness_lr).
-            server.apply(value / count, staleness=max(0, server.version - version_used))
+            staleness = max(0, server.version - version_used)
+            server.apply(value / count, staleness=staleness, behind=[client])
 
     def holds(self, client: int) -> bool:
         """Whether a push of `client` waits to be applied (it may not push again before)."""

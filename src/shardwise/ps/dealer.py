@@ -11,7 +11,7 @@ which has nothing to deal and answers END.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,9 +28,15 @@ class Dealing(Protocol):
         """What fixes every batch's samples (part of what a snapshot must have been written
         by); None when nothing is dealt."""
 
-    def restore(self, batches: int) -> None:
-        """A resumed job: the first `batches` batches are consumed (the snapshot holds their
-        updates)."""
+    def applied(self, workers: Iterable[int]) -> None:
+        """An update holding the batches these workers train was made (or they skipped)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a snapshot of the servers must hold of the dealing: the batches applied."""
+
+    def restore(self, state: dict[str, Any], version_batches: int) -> None:
+        """A resumed job: the batches the snapshot's updates hold (`snapshot()` then; without
+        it, a snapshot of an earlier release: the first `version_batches`) are consumed."""
 
     def request(self, client: int, worker: int) -> bool:
         """`worker` (through `client`: itself, or its relay) finished its batch and wants the
@@ -69,7 +75,13 @@ class NoDealing:
         """None: nothing is dealt."""
         return None
 
-    def restore(self, batches: int) -> None:
+    def applied(self, workers: Iterable[int]) -> None:
+        """Nothing was dealt to them."""
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any], version_batches: int) -> None:
         """Nothing to skip."""
 
     def request(self, client: int, worker: int) -> bool:
@@ -111,10 +123,26 @@ class Dealer:
         """The queue's plan (size, batch, seed, batches)."""
         return self.work.plan()
 
-    def restore(self, batches: int) -> None:
-        """Skip the first `batches` batches (their updates are in the snapshot resumed from:
-        the queue's state at a snapshot follows from its version, so none is kept)."""
-        self.work.skip(batches)
+    def applied(self, workers: Iterable[int]) -> None:
+        for worker in workers:
+            self.work.mark_applied(worker)
+
+    def snapshot(self) -> dict[str, Any]:
+        below, above = self.work.applied()
+        return {"applied_below": below, "applied_above": torch.tensor(above, dtype=torch.int64)}
+
+    def restore(self, state: dict[str, Any], version_batches: int) -> None:
+        """The snapshot's batches are consumed, the others dealt before it dealt first; a
+        `ValueError` if its record of them does not fit this queue."""
+        if "applied_below" not in state:
+            self.work.restore(min(version_batches, self.work.total), [])
+            return
+        below, above = state["applied_below"], state.get("applied_above")
+        if not isinstance(below, int) or not (
+            isinstance(above, torch.Tensor) and above.dtype == torch.int64 and above.dim() == 1
+        ):
+            raise ValueError("its record of the batches applied is malformed")
+        self.work.restore(below, above.tolist())
 
     def request(self, client: int, worker: int) -> bool:
         """BATCH, END, or WAIT (held: True); then the held workers are dealt to again."""

@@ -206,7 +206,6 @@ class Server:
             print(f"shardwise: ps server {self.rank}: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(EXIT_NO_SNAPSHOT)
-        self.dealer.restore(self.version * self.mode.batches_per_update(self.workers))
 
     # ---- the loop
     def serve(self) -> ServerReport:
@@ -440,15 +439,18 @@ class Server:
         self.report.rounds.append(members)
         pushes = [(value, n) for value, n in pushes if value is not None]  # (SKIPs: nothing)
         if not pushes:  # every member died before its push reached this server, or skipped
+            self.dealer.applied(self._workers_of(members))
             self.version += 1
             return
         total = torch.stack([value for value, _ in pushes]).sum(dim=0)
-        self.apply(total / sum(n for _, n in pushes), staleness=0)
+        self.apply(total / sum(n for _, n in pushes), staleness=0, behind=members)
 
     @torch.no_grad()
-    def apply(self, flat: torch.Tensor, staleness: int) -> None:
-        """Apply one update made `staleness` versions ago (then any fault planned for it)."""
+    def apply(self, flat: torch.Tensor, staleness: int, behind: list[int]) -> None:
+        """Apply one update made `staleness` versions ago from the pushes of the clients
+        `behind` it (then any fault planned for it)."""
         started = time.perf_counter()
+        self.dealer.applied(self._workers_of(behind))  # (before a snapshot holds it)
         self._apply(flat, staleness)
         if self.faults is not None:
             self.faults.slow_down(started, step=self.version)
@@ -566,8 +568,21 @@ class Server:
         self.outbox.send(src, Kind.OK, self.clock.get(src, 0), self.dealer.holding(src))
 
     # ---- snapshots
+    def _workers_of(self, clients: list[int]) -> list[int]:
+        """The workers whose batches the pushes of `clients` hold. A relay's sync push holds
+        its group's (those training a batch: every one of them pushed to it, but for one dealt
+        a batch given back while the relay's round was under way, which is counted early). Its
+        async push holds one worker's, which it does not name: none is counted, and the batch
+        is consumed when its worker asks for the next one (a snapshot made meanwhile leaves it
+        to be dealt again on resuming)."""
+        if self.o.mode != "sync":
+            return [c for c in clients if c not in self.groups]
+        return [w for c in clients for w in self.groups.get(c, [c])]
+
     def _snapshot(self) -> None:
-        self.snapshots.save({"version": self.version, **self.shard.state()})
+        # (server 0's holds the batches applied: a resumed job deals the others, those only)
+        dealt = self.dealer.snapshot()
+        self.snapshots.save({"version": self.version, **self.shard.state(), **dealt})
 
     def _restore(self) -> None:
         """Resume from the newest version that every server has a usable snapshot of (checked
@@ -579,3 +594,7 @@ class Server:
         self.shard.load(state, path)
         self.version = state["version"]
         self.report.resumed_from = self.version
+        try:
+            self.dealer.restore(state, self.version * self.mode.batches_per_update(self.workers))
+        except ValueError as e:
+            raise SnapshotError(f"{path}: {e}") from None

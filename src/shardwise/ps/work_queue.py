@@ -9,6 +9,12 @@ batches are numbered 0, 1, ...: batch b is the (b mod E)-th slice of epoch b // 
 (E full batches an epoch), computed when it is dealt. Memory is the current epoch's order (and
 the one before, for batches given back across an epoch's end), the batches given back, those
 outstanding, and the consumed ones above the mark below which all are consumed.
+
+A batch is *applied* once an update that holds it is made: a snapshot of the servers at a
+version holds exactly the batches applied by then, which is what a resumed job must not deal
+again (`applied`, `restore`). Applied comes before consumed (the worker asks for its next batch
+after its update); a worker that dies in between leaves its batch consumed, not given back: it
+is in the parameters already.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class WorkQueue:
         self.cursor = 0  # the next batch never dealt
         self.returned: collections.deque[int] = collections.deque()  # given back: dealt first
         self.outstanding: dict[int, int] = {}  # worker -> the batch it trains
+        self.in_an_update: set[int] = set()  # workers whose outstanding batch is applied
         self.late_with: dict[int, int] = {}  # batch given back late -> the worker that was
         self.below = 0  # every batch below this one is consumed...
         self.above: set[int] = set()  # ...and so are these (consumed out of order)
@@ -81,18 +88,45 @@ class WorkQueue:
 
     def finish(self, worker: int) -> None:
         """The worker's batch (if it holds one) is trained: it counts as consumed."""
+        self.in_an_update.discard(worker)
         if worker in self.outstanding:
             self._consume(self.outstanding.pop(worker))
 
-    def skip(self, batches: int) -> None:
-        """A resumed job: the snapshot already holds the first `batches` batches' updates."""
+    def mark_applied(self, worker: int) -> None:
+        """An update holding the batch `worker` trains was made (or it skipped its step)."""
+        if worker in self.outstanding:
+            self.in_an_update.add(worker)
+
+    def applied(self) -> tuple[int, list[int]]:
+        """The batches applied so far: (every one below this, and these above it)."""
+        done = self.above | {self.outstanding[w] for w in self.in_an_update}
+        below = self.below
+        while below in done:  # (raise the mark over what is now contiguous)
+            done.remove(below)
+            below += 1
+        return below, sorted(done)
+
+    def restore(self, below: int, above: list[int]) -> None:
+        """A resumed job: the snapshot holds the updates of every batch under `below` and of
+        those in `above` (`applied()` when it was written). Those count as consumed; the
+        others dealt before it go to the front of the queue, in order. A `ValueError` names
+        what does not fit this queue."""
         assert not self.outstanding and not self.returned and self.cursor == self.below == 0
-        self.cursor = self.below = min(batches, self.total)
+        if not 0 <= below <= self.total:
+            raise ValueError(f"{below} batches applied, of {self.total}")
+        if above != sorted(set(above)) or any(not below < b < self.total for b in above):
+            raise ValueError(f"batches applied above {below} must be distinct, under {self.total}")
+        self.below, self.above = below, set(above)
+        self.cursor = above[-1] + 1 if above else below
+        self.returned.extend(b for b in range(below, self.cursor) if b not in self.above)
 
     def give_back(self, worker: int, late: bool = False) -> None:
         """A dead worker's unfinished batch goes to the front of the queue; so does one whose
-        update came too late to be applied (`late`: dealt to another worker first)."""
-        if worker in self.outstanding:
+        update came too late to be applied (`late`: dealt to another worker first). A batch
+        already applied is consumed instead (its update is made: it must not count twice)."""
+        if worker in self.in_an_update:
+            self.finish(worker)
+        elif worker in self.outstanding:
             b = self.outstanding.pop(worker)
             self.returned.appendleft(b)
             if late:
