@@ -154,10 +154,12 @@ class _Agent(LocalElasticAgent):
             failure = ProcessFailure(local_rank, handler.proc.pid, code, "")
             self.lost[worker_group.workers[local_rank].global_rank] = failure
             context._running_local_ranks.discard(local_rank)
+            # Gone, whatever the code: a replacement stopped (SIGTERM) before it was taken in
+            # would otherwise be taken in, and the members' rendezvous wait for it.
+            self.job_store.write(f"attempt-{attempt}/{membership.gone_key(member)}", _exit(failure))
             if code in AGREED_ENDS:
                 self.vacant.add(local_rank)  # (the job's end: its exit code is the job's)
                 continue
-            self.job_store.write(f"attempt-{attempt}/{membership.gone_key(member)}", _exit(failure))
             line = f"shardwise: {membership.member_name(member)} {_exit(failure)}"
             if self.on_failure == "replace":
                 self._replace(worker_group, local_rank, member)
