@@ -40,6 +40,18 @@ from spawn import run
 EPOCHS = 4  # passes over the digits training set in the work-queue tests
 
 
+def _die_after_update(version: int) -> None:
+    """This process's server SIGKILLs itself right after it makes `version`."""
+    original = sw.ps.server.Server.apply
+
+    def dying_apply(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.version == version:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sw.ps.server.Server.apply = dying_apply
+
+
 def _sync_run(
     servers: int,
     steps: int = STEPS,
@@ -66,14 +78,7 @@ def _sync_run(
         return {"received": report.pushes_received, "forwarded": report.pushes_forwarded}
     if strategy.is_server():
         if kill_server_at is not None and rank == 0:
-            original = sw.ps.server.Server.apply
-
-            def dying_apply(self, *args, **kwargs):
-                original(self, *args, **kwargs)
-                if self.version == kill_server_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            sw.ps.server.Server.apply = dying_apply
+            _die_after_update(kill_server_at)
         report = sw.ps.serve(mlp(), strategy, torch.optim.AdamW, lr=lr, lr_schedule=schedule)
         return {
             "resumed_from": report.resumed_from,
@@ -425,14 +430,7 @@ def _sync_digits_run(log_dir: str, snap: str, kill_server_at=None, die_at=None):
     rank = dist.get_rank()
     if strategy.is_server():
         if kill_server_at is not None:
-            original = sw.ps.server.Server.apply
-
-            def dying_apply(self, *args, **kwargs):
-                original(self, *args, **kwargs)
-                if self.version == kill_server_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            sw.ps.server.Server.apply = dying_apply
+            _die_after_update(kill_server_at)
         work = sw.ps.WorkQueue.for_batches(40, len(splits.train), 32, seed=0)
         report = sw.ps.serve(mlp((64, 128, 10)), strategy, torch.optim.SGD, work=work, lr=0.1)
         return {"resumed_from": report.resumed_from, "size": len(splits.train)}
