@@ -335,3 +335,44 @@ def test_sync_batchnorm_keeps_a_frozen_norm_frozen_and_its_dtype():
     assert described[0] == described[1]
     assert [p.requires_grad for p in ours[1].parameters()] == [False, False]
     assert ours[2].running_var.dtype == torch.float64
+
+
+def _half_batchnorm_vs_fp32(dtype: torch.dtype) -> list[float]:
+    """Rank r's 16-bit SyncBatchNorm on its part of a global batch of 2 x 200 x 200 positions a
+    channel (an fp16 count of 80,000 is inf), against torch's float32 BatchNorm2d on the whole:
+    the output, the input's gradient and the running statistics, worst differences."""
+    from shardwise.nn.sync_batchnorm import SyncBatchNorm
+
+    rank = dist.get_rank()
+    x = torch.randn(2, 3, 200, 200, generator=torch.Generator().manual_seed(5)) * 3 + 1
+    torch.manual_seed(0)
+    reference = nn.BatchNorm2d(3)
+    nn.init.uniform_(reference.weight, 0.5, 1.5)
+    ours = SyncBatchNorm(3).to(dtype)
+    ours.load_state_dict(reference.state_dict())
+    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+    whole = x.clone().requires_grad_()
+    (reference(whole) * probe).sum().backward()
+    part = x[rank : rank + 1].to(dtype).requires_grad_()
+    out = ours(part)
+    (out.float() * probe[rank : rank + 1]).sum().backward()  # (the ranks' parts add up)
+    expected = reference(x)  # (a second forward: the running statistics move again)
+    ours(part)
+    return [
+        (out.float() - expected[rank : rank + 1].detach()).abs().max().item(),
+        ((part.grad.float() - whole.grad[rank : rank + 1]).abs() / whole.grad.abs().max())
+        .max()
+        .item(),
+        (ours.running_mean.float() - reference.running_mean).abs().max().item(),
+        (ours.running_var.float() / reference.running_var - 1).abs().max().item(),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_sync_batchnorm_in_16_bits_keeps_its_statistics_in_float32(dtype):
+    """Before, the per-channel count and sums were all-reduced in the input's dtype: in fp16 the
+    output was 160x too large and the running variance NaN."""
+    tolerance = 0.02 if dtype == torch.float16 else 0.1  # (the output's own rounding)
+    for out, grad, mean, var in run(_half_batchnorm_vs_fp32, 2, dtype):
+        assert out <= tolerance and grad <= tolerance / 4, (out, grad)
+        assert mean <= 0.01 and var <= 0.01, (mean, var)

@@ -27,8 +27,14 @@ def _broadcastable(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
+    """Statistics, sums and the normalisation in float32 for 16-bit inputs, as torch's kernels
+    accumulate them (an fp16 count past 65,504 elements a channel is inf); the output and the
+    gradients in the input's and the parameters' own dtypes."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, eps, group, share):
+        ctx.dtypes = x.dtype, None if weight is None else weight.dtype
+        x = x.to(_statistics_dtype(x.dtype))
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
         sums = torch.cat([_channel_sum(x), count])
         comm.all_reduce(sums, group=group)
@@ -40,17 +46,20 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         var = sq / total
         invstd = torch.rsqrt(var + eps)
         xhat = xmu * _broadcastable(invstd, x)
+        if weight is not None:
+            weight, bias = weight.to(x.dtype), bias.to(x.dtype)
         ctx.save_for_backward(xhat, invstd, weight, total)
         ctx.group, ctx.share = group, share
         ctx.mark_non_differentiable(mean, var, total)
         y = xhat
         if weight is not None:
             y = y * _broadcastable(weight, x) + _broadcastable(bias, x)
-        return y, mean, var, total
+        return y.to(ctx.dtypes[0]), mean, var, total
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar, _dtotal):
         xhat, invstd, weight, total = ctx.saved_tensors
+        dy = dy.to(xhat.dtype)
         # Sums over the *global* batch of dy and dy * xhat: the only coupling between ranks.
         sums = torch.cat([_channel_sum(dy), _channel_sum(dy * xhat)])
         local = sums.clone()
@@ -68,12 +77,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dx = (
             dy - _broadcastable(sum_dy / total, dy) - xhat * _broadcastable(sum_dy_xhat / total, dy)
         )
-        dx = dx * _broadcastable(scale, dy)
+        dx = (dx * _broadcastable(scale, dy)).to(ctx.dtypes[0])
         # Parameter gradients stay local; data parallel averages them like every other gradient.
-        local_dy, local_dy_xhat = local.chunk(2)
+        local_dy, local_dy_xhat = local.to(ctx.dtypes[1] or local.dtype).chunk(2)
         dweight = local_dy_xhat if weight is not None else None
         dbias = local_dy if weight is not None else None
         return dx, dweight, dbias, None, None, None
+
+
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
