@@ -341,3 +341,27 @@ def test_run_names_tell_zero3s_keep_policies_apart():
         for stage, keep in ((3, None), (3, 0), (3, 2.5), (1, 0))
     ]
     assert names == ["zero-3", "zero-3 (regather)", "zero-3 (keep 2.5 MiB)", "zero-1"]
+
+
+def _forward_after_loading(keep_gathered_mb: float) -> float:
+    """A forward with autograd on and no backward (a loss only logged), then the weights of
+    another model loaded: the next forward's worst difference from that model's."""
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+    strategy = sw.ZeRO(stage=3, keep_gathered_mb=keep_gathered_mb)
+    ours, _ = sw.prepare(model(0), strategy, optimizer=torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ours(x)
+    ours.load_state_dict(model(1).state_dict())
+    with torch.no_grad():
+        return (ours(x) - model(1)(x)).abs().max().item()
+
+
+@pytest.mark.parametrize("keep_gathered_mb", [1024.0, 0.0], ids=["kept", "regathered"])
+def test_zero3_computes_with_weights_loaded_over_units_kept_gathered(keep_gathered_mb):
+    """Before, a unit kept gathered from a forward whose backward never came went on computing
+    with the old weights (0.26 off) while the shards held the loaded ones."""
+    assert run(_forward_after_loading, 2, keep_gathered_mb) == [0.0, 0.0]

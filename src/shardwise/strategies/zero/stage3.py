@@ -305,6 +305,13 @@ class ZeroStage3(ZeroStage2):
                 unit.free()
         self._wait_meeting()
 
+    @torch.no_grad()
+    def load_full_params(self, params: dict[str, torch.Tensor]) -> None:
+        # (a unit kept gathered after a forward whose backward never came would go on
+        # computing with the values loaded over)
+        self.gather_parameters()
+        super().load_full_params(params)
+
     def take_full_params(self, unit: FlatUnit, full: torch.Tensor) -> None:
         pass  # the shard is the only copy: nothing else to update
 
