@@ -171,3 +171,61 @@ def test_the_loss_scale_reaches_every_gradient_once_when_one_output_feeds_anothe
     outputs["loss"].backward()
     for got, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(got.grad / 1024.0, want, rtol=1e-6, atol=0)
+
+
+def _frozen_first_layer():
+    """A frozen Linear, recomputed in backward (a checkpointed region runs its module again
+    outside the model's forward), then two that train."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Recomputed(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        Recomputed(nn.Linear(13, 16)), nn.Tanh(), nn.Linear(16, 9), nn.Tanh(), nn.Linear(9, 5)
+    )
+    model[0].requires_grad_(False)
+    return model
+
+
+def frozen_under_mixed_precision(stage: int, precision: str):
+    """Each step's forward, against the same weights cast to the compute dtype in one plain
+    module (the frozen ones from the original, the others from the masters), and the frozen
+    weights at the end against the original's."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    original = _frozen_first_layer().state_dict()
+    strategy = sw.ZeRO(stage=stage, mixed_precision=precision)
+    model, opt = sw.prepare(_frozen_first_layer(), strategy, lr=1e-2)
+    worst = 0.0
+    for step in range(4):
+        x, y = _batch(step, dist.get_world_size())
+        plain = _frozen_first_layer()
+        plain.load_state_dict(sw.full_state_dict(model))
+        expected = plain.to(dtype)(x.to(dtype)).float()
+        out = model(x)
+        worst = max(worst, (out - expected).abs().max().item())
+        F.cross_entropy(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+    final = sw.full_state_dict(model)
+    frozen = [k for k in original if k.startswith("0.")]
+    kept = all(
+        final[k].dtype == torch.float32 and torch.equal(final[k], original[k]) for k in frozen
+    )
+    moved = not torch.equal(final["4.weight"], original["4.weight"])
+    return worst, kept, moved
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(1, "bf16"), (3, "fp16")])
+def test_frozen_parameters_compute_in_the_compute_dtype_and_stay_as_they_were(stage, precision):
+    """Before, a frozen parameter stayed fp32 while its input came in the compute dtype: the
+    forward failed ("mat1 and mat2 must have the same dtype")."""
+    for worst, kept, moved in run(frozen_under_mixed_precision, 2, stage, precision):
+        assert worst == 0.0 and kept and moved, (worst, kept, moved)

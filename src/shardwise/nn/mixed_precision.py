@@ -123,4 +123,64 @@ def install_casts(model: nn.Module, dtype: torch.dtype, scaler: LossScaler | Non
     return [
         model.register_forward_pre_hook(cast_inputs, with_kwargs=True),
         model.register_forward_hook(cast_outputs),
+        *FrozenInComputeDtype(model, dtype).hooks,
     ]
+
+
+class FrozenInComputeDtype:
+    """Frozen floating-point parameters take part in the forward in the compute dtype, as the
+    trainable ones' compute copies do (FSDP2's policy casts every parameter it manages); the
+    module keeps its own, in their dtype, for its state, checkpoints and exports. A copy is
+    swapped in as a forward begins and the parameter back as it ends (raised or not): the
+    model's (every use inside it, a parent's of its child's weight too), and each owning
+    module's (a region recomputed in backward runs its modules outside the model's forward).
+    A copy is made again once its parameter changed (a load)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+        self.owned: dict[nn.Module, list[str]] = {}
+        for module in model.modules():
+            names = [
+                name
+                for name, p in module._parameters.items()
+                if p is not None
+                and not p.requires_grad
+                and p.is_floating_point()
+                and p.dtype != dtype
+            ]
+            if names:
+                self.owned[module] = names
+        self.copies: dict[int, tuple[int, torch.Tensor]] = {}  # id -> (its version, copy)
+        self.swapped: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
+        self.hooks: list = []
+        if not self.owned:
+            return
+        for module in {model, *self.owned}:
+            self.hooks.append(module.register_forward_pre_hook(self._swap_in))
+            self.hooks.append(module.register_forward_hook(self._swap_back, always_call=True))
+
+    def _swap_in(self, module: nn.Module, _args) -> None:
+        if module in self.swapped:  # (a module called inside itself: its outer call swaps)
+            return
+        owners = self.owned if module is self.model else {module: self.owned[module]}
+        done = []
+        for owner, names in owners.items():
+            for name in names:
+                param = owner._parameters[name]
+                if not isinstance(param, nn.Parameter):  # (swapped by an enclosing call)
+                    continue
+                owner._parameters[name] = self._copy(param)
+                done.append((owner, name, param))
+        self.swapped[module] = done
+
+    def _swap_back(self, module: nn.Module, _args, _output) -> None:
+        for owner, name, param in self.swapped.pop(module, ()):
+            owner._parameters[name] = param
+
+    @torch.no_grad()
+    def _copy(self, param: nn.Parameter) -> torch.Tensor:
+        version, copy = self.copies.get(id(param), (None, None))
+        if version != param._version or copy is None:
+            copy = param.detach().to(self.dtype)
+            self.copies[id(param)] = (param._version, copy)
+        return copy
