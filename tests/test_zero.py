@@ -365,3 +365,49 @@ def test_zero3_computes_with_weights_loaded_over_units_kept_gathered(keep_gather
     """Before, a unit kept gathered from a forward whose backward never came went on computing
     with the old weights (0.26 off) while the shards held the loaded ones."""
     assert run(_forward_after_loading, 2, keep_gathered_mb) == [0.0, 0.0]
+
+
+def _refusals() -> list[str]:
+    """What ZeRO says of a model it cannot train: each a one-line `ValueError`/`RuntimeError`."""
+    said = []
+    frozen = nn.Linear(5, 3).requires_grad_(False)
+    two_dtypes = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3).to(torch.bfloat16))
+    for model in (frozen, two_dtypes):
+        with pytest.raises(ValueError) as refused:
+            sw.prepare(model, sw.ZeRO(stage=3), optimizer=torch.optim.SGD, lr=0.1)
+        said.append(str(refused.value))
+
+    class HalfUsed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(5, 3), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model, _ = sw.prepare(HalfUsed(), sw.ZeRO(stage=2), optimizer=torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError) as refused:
+        model(torch.randn(2, 5)).sum().backward()
+    said.append(str(refused.value))
+    return said
+
+
+def test_zero_refuses_what_it_cannot_train_in_one_line_each():
+    """A frozen model crashed inside ZeRO (max() of no unit); a bf16 layer in an fp32 model was
+    cast to fp32 and failed in its forward; a parameter with no gradient was told to pass an
+    option ZeRO does not take; bad codec specs and a NaN bucket were taken."""
+    frozen, dtypes, unused = run(_refusals, 2)[0]
+    assert frozen.startswith("ZeRO: the model has no trainable parameter")
+    assert "several dtypes (float32 (0.weight), bfloat16 (1.weight))" in dtypes
+    assert "2 parameter(s) received no gradient" in unused and "freeze them" in unused
+    for made in (
+        lambda: sw.ZeRO(compression="sign:3"),
+        lambda: sw.DDP(compression="int8:0.5"),
+        lambda: sw.ZeRO(compression="fp16:x"),
+        lambda: sw.DDP(compression=3),
+        lambda: sw.DDP(bucket_mb=float("nan")),
+        lambda: sw.ZeRO(bucket_mb=float("inf")),
+    ):
+        with pytest.raises(ValueError, match=r"^(compression must be|bucket_mb must be)"):
+            made()
+    assert sw.ZeRO(compression="topk:0.5:3").compression == "topk:0.5:3"  # (still taken)

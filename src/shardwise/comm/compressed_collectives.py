@@ -28,6 +28,10 @@ from shardwise.comm.powersgd import PowerSGD
 CODEC_SPEC = (
     "fp16, bf16, int8, topk:RATIO[:WARMUP], randomk:RATIO[:WARMUP], sign or powersgd:RANK[:WARMUP]"
 )
+# (RATIO in (0, 1]: what the configs' fields accept; the Python API says why a number is off)
+CODEC_PATTERN = (
+    r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?)(:\d+)?)?|powersgd(:\d+(:\d+)?)?)$"
+)
 
 
 def make_codec(spec: str) -> Codec:
@@ -39,7 +43,9 @@ def make_codec(spec: str) -> Codec:
 
 
 def _codec(spec: str) -> Codec:
-    name, _, arg = spec.partition(":")
+    name, _, arg = spec.partition(":") if isinstance(spec, str) else (None, "", "")
+    if arg and name in ("fp16", "bf16", "int8", "sign"):  # (they take no argument)
+        name = None
     try:
         if name == "fp16":
             return CastCodec(torch.float16)

@@ -27,6 +27,7 @@ How it works, top to bottom:
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +45,7 @@ from shardwise.comm.algorithms import (
     check_all_reduce_name,
     make_all_reduce,
 )
-from shardwise.comm.compressed_collectives import CompressedAllReduce, make_codec
+from shardwise.comm.compressed_collectives import CODEC_PATTERN, CompressedAllReduce, make_codec
 from shardwise.comm.flat import flatten, unflatten
 from shardwise.distributed.runtime import Runtime
 from shardwise.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -395,8 +396,8 @@ class DDP(Strategy):
     def __post_init__(self) -> None:
         if self.compression is not None:
             make_codec(self.compression)  # validates the spec
-        if self.bucket_mb is not None and self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.bucket_mb is not None and not 0 < self.bucket_mb < math.inf:
+            raise ValueError(f"bucket_mb must be > 0 and finite, got {self.bucket_mb}")
         if self.algorithm is not None:
             check_all_reduce_name(self.algorithm)
 
@@ -481,7 +482,7 @@ class DDPConfig(StrategySection):
         None,
         description="gradient codec: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign or "
         "powersgd:RANK",
-        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?)(:\d+)?)?|powersgd(:\d+(:\d+)?)?)$",
+        pattern=CODEC_PATTERN,
     )
 
     def build(self, world_size: int, run_dir: Path) -> DDP:

@@ -90,10 +90,13 @@ class BucketedBackward:
         names: dict[nn.Parameter, str],
         callbacks: BucketCallbacks,
         find_unused_parameters: bool,
+        if_intended: str = "pass find_unused_parameters=True",
     ) -> None:
+        """`if_intended`: what the error on a parameter left with no gradient advises."""
         self.callbacks = callbacks
         self.names = names
         self.find_unused_parameters = find_unused_parameters
+        self.if_intended = if_intended
         self.enabled = True  # False inside no_sync(): gradients stay local
         self.rebucket(buckets)
         self._hooks = [
@@ -217,7 +220,7 @@ class BucketedBackward:
             names = ", ".join(self.names[p] for p in unused[:8])
             raise RuntimeError(
                 f"{len(unused)} parameter(s) received no gradient in this backward pass "
-                f"({names}); pass find_unused_parameters=True if that is intended"
+                f"({names}); if that is intended, {self.if_intended}"
             )
         self._in_backward = False
         for p in unused:  # an unused parameter contributes a zero gradient, as in torch DDP

@@ -21,6 +21,7 @@ Any element-wise `torch.optim` optimizer (SGD, Adam, AdamW, ...) works unchanged
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from shardwise.comm.compressed_collectives import CODEC_SPEC, make_codec
+from shardwise.comm.compressed_collectives import CODEC_PATTERN, CODEC_SPEC, make_codec
 from shardwise.distributed.runtime import Runtime
 from shardwise.distributed.shard_groups import build_shard_groups, check_shard_size
 from shardwise.nn.meta_init import (
@@ -118,8 +119,8 @@ class ZeRO(Strategy):
             raise ValueError(f"offload must be None, 'cpu' or 'disk', got {self.offload!r}")
         if self.stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if not 0 < self.bucket_mb < math.inf:
+            raise ValueError(f"bucket_mb must be > 0 and finite, got {self.bucket_mb}")
         if self.keep_gathered_mb is not None and self.keep_gathered_mb < 0:
             raise ValueError(f"keep_gathered_mb must be >= 0, got {self.keep_gathered_mb}")
         if self.keep_gathered_mb and self.stage != 3:
@@ -176,9 +177,15 @@ class ZeRO(Strategy):
     def _stage(
         self, model: nn.Module, runtime: Runtime, source: ParameterSource | None = None
     ) -> ZeroStage1:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "ZeRO: the model has no trainable parameter (every one is frozen): nothing to "
+                "shard or to step"
+            )
         # fp32 masters apart from the compute copy: with mixed precision, and with offload.
         if self.mixed_precision is None and self.offload is None:
-            masters = ShardViews(next(model.parameters(), torch.empty(0)).dtype)
+            masters = ShardViews(_one_dtype(trainable))
         else:
             device = torch.device("cpu") if self.offload else None
             masters = FP32Masters(self.mixed_precision, device, runtime.device)
@@ -249,7 +256,7 @@ class ZeROConfig(StrategySection):
     compression: str | None = Field(
         None,
         description=f"gradient codec for the reduce-scatter: {CODEC_SPEC}",
-        pattern=r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?)(:\d+)?)?|powersgd(:\d+(:\d+)?)?)$",
+        pattern=CODEC_PATTERN,
     )
     shard_group: int | None = Field(
         None,
@@ -291,3 +298,18 @@ class ZeROConfig(StrategySection):
 
 
 __all__ = ["STAGES", "ZeRO", "ZeROConfig", "ZeroStage1", "ZeroStage2", "ZeroStage3", "stage3_units"]
+
+
+def _one_dtype(named: list[tuple[str, nn.Parameter]]) -> torch.dtype:
+    """The dtype every trainable parameter has (ZeRO's units compute in one, without
+    `mixed_precision`); a one-line error naming one parameter of each where they differ."""
+    first = {}
+    for name, p in named:
+        first.setdefault(p.dtype, name)
+    if len(first) > 1:
+        found = ", ".join(f"{str(d).removeprefix('torch.')} ({n})" for d, n in first.items())
+        raise ValueError(
+            f"ZeRO: trainable parameters of several dtypes ({found}): cast the model to one, "
+            "or train with mixed_precision='bf16' or 'fp16'"
+        )
+    return next(iter(first))

@@ -137,6 +137,8 @@ class ZeroStage1(DistributedModel):
                 self._on_grad, lambda k: self._launch(order[k]), self._zero, self._finish
             ),
             find_unused_parameters=False,
+            if_intended="freeze them (requires_grad_(False)): ZeRO needs a gradient for every "
+            "trainable parameter in each backward (sw.DDP takes find_unused_parameters=True)",
         )
         self.batch_share = BatchShare(runtime)
         self.weighing = WeighedOnArrival(self.batch_share)
