@@ -41,8 +41,10 @@ class ShardViews:
         if keep_full:  # gradients stay views of the persistent buffer (4P + 4P + 8P/N)
             if shard.grad is not None:
                 raise RuntimeError(
-                    "ZeRO stage 1 accumulates gradients only inside no_sync(): call "
-                    "optimizer.zero_grad() after each step"
+                    "ZeRO stage 1 reduces once per step: accumulate gradients over several "
+                    "backwards inside model.no_sync() (all but the last; sw.train_step(..., "
+                    "accumulate=K) does), or use stage 2; and call optimizer.zero_grad() after "
+                    "each step"
                 )
             own = unit.own(unit.grad_full)
             if own.data_ptr() != unit.reduced.data_ptr():  # (a slice of one: reduced in place)
