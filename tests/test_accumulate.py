@@ -245,3 +245,37 @@ def test_trainer_accumulates_with_the_bytes_of_one_batch(tmp_path):
     assert [r["step"] for r in lines] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in lines)
     assert all(r["comm_bytes"] == 26_122 * 4 + 48 for r in lines)  # (+ the agreement)
+
+
+def _batchnorm_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    # (no bias before the norm: its gradient is 0 up to rounding, which AdamW would amplify)
+    return nn.Sequential(
+        nn.Linear(13, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5)
+    )
+
+
+def _batchnorm_reference(k: int) -> dict[str, torch.Tensor]:
+    """One process: micro-batch i of the step is every rank's i-th piece together (what a
+    SyncBatchNorm normalises over), each sample's loss over the global batch's."""
+    model = _batchnorm_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # (`_train`'s for a model not `_mlp`)
+    for step in range(STEPS):
+        x, y = _mlp_batch(step)
+        ranks = [(x[s : s + n], y[s : s + n]) for s, n in ((0, SIZES[0]), (SIZES[0], SIZES[1]))]
+        for i in range(k):
+            pieces = [[t.tensor_split(k)[i] for t in rank] for rank in ranks]  # (3+2, 2+2)
+            xi, yi = (torch.cat(parts) for parts in zip(*pieces, strict=True))
+            (F.cross_entropy(model(xi), yi, reduction="sum") / sum(SIZES)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def test_sync_batchnorm_weighs_uneven_ranks_in_every_micro_batch():
+    """Rank batches of 5 and 4 in 2 micro-batches under DDP's SyncBatchNorm: each micro-batch's
+    backward sums the ranks' gradients through the norm, weighed by their shares. Before, the
+    share was declared before the last backward only, and the first summed them unweighed."""
+    expected = _batchnorm_reference(2)
+    for state, _, _ in run(_train, 2, sw.DDP(), 2, _batchnorm_mlp):
+        assert max_abs_diff(state, expected) <= TOL

@@ -120,8 +120,8 @@ def declare_batch(model: nn.Module, samples: int, total: int | None = None) -> N
     the step's `total` (None: summed over the replicas). Call it on every rank before the
     backward that synchronises gradients; `sw.train_step` does it for you. Accumulating by
     hand (the backward passes before the last inside `model.no_sync()`), declare the rank's
-    whole batch once, before the last backward, with each micro-batch's loss multiplied by
-    its share of the rank's batch."""
+    whole batch once, before the first backward (a SyncBatchNorm weighs the ranks by it in
+    each), with each micro-batch's loss multiplied by its share of the rank's batch."""
     _distributed(model).declare_batch(samples, total)
 
 

@@ -7,7 +7,7 @@ whole batch would give, because each micro-batch's loss is weighed by its share 
 batch: micro-batch i holds n_i of the rank's n samples (or real target tokens, for a per-token
 loss), its loss is a mean over those n_i, so Σ_i (n_i / n) ∇loss_i is the gradient of the
 rank's mean loss, whatever the sizes. The strategy then weighs the rank by n of the step's N
-(`batch_share.py`), declared once, before the last backward: the update is the mean over the
+(`batch_share.py`), declared once, before the first backward: the update is the mean over the
 global batch, as without accumulation.
 
 What "only the last backward synchronises" means is the strategy's: a model whose backward
@@ -66,11 +66,12 @@ def accumulated_step(
     if whole == 0:
         raise ValueError("accumulate: the batch holds no samples to train on")
     loss_of = model.adapt_loss(loss_fn)  # (tensor parallel's: from vocabulary slices)
+    # This rank's whole batch, declared once for the synchronising backward, before the first:
+    # a SyncBatchNorm's backward in every micro-batch weighs the ranks by it too.
+    model.declare_batch(whole, total)
     losses = []
     for i, ((x, y), n) in enumerate(zip(pieces, counts, strict=True)):
         last = i == micro_batches - 1
-        if last:  # the synchronising backward: this rank's whole batch is declared, once
-            model.declare_batch(whole, total)
         with contextlib.nullcontext() if last else local_gradients(model):
             part = loss_of(model(x), y) * (n / whole)
             if n == 0:  # (a mean over no token is NaN: a piece of padding weighs nothing)
