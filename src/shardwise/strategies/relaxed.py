@@ -61,17 +61,29 @@ def average_params(
     else:
         packed = torch.cat([local * weight, local.new_tensor([weight])])
         comm.all_reduce(packed, group=runtime.group)
+        if packed[-1] == 0:  # (no rank weighs anything: no average to move to)
+            return
         mean = packed[:-1] / packed[-1]
     set_flat_params(model, mean if beta == 1.0 else beta * mean + (1 - beta) * local)
 
 
+@torch.no_grad()
 def average_grads(model: nn.Module, runtime: Runtime) -> None:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = flatten(grads)
+    """Every trainable parameter's gradient becomes the mean over the ranks, a rank that made
+    none counting zero (as DDP's `find_unused_parameters`); one that no rank made stays None.
+    Whether a rank made one travels in the same all-reduce: the ranks' buffers must match."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    made = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype)
+    flat = torch.cat([flatten(grads), made.to(grads[0].device)])
     comm.all_reduce(flat, group=runtime.group)
     divide_(flat, runtime.world_size)
-    for g, value in zip(grads, unflatten(flat, grads), strict=True):
-        g.copy_(value)
+    values, anyone = flat[: -len(params)], flat[-len(params) :].tolist()
+    for p, g, value, made_somewhere in zip(
+        params, grads, unflatten(values, grads), anyone, strict=True
+    ):
+        if made_somewhere:
+            p.grad = g.copy_(value)
 
 
 class RelaxedModel(DistributedModel):
@@ -131,11 +143,23 @@ class LocalSGDModel(RelaxedModel):
         super().__init__(module, runtime)
         self.options = options
         self.paced_by_rounds = False
+        self.grads_averaged = False  # (this step's, in the warm-up)
+
+    def settle_gradients(self) -> None:
+        """Post-local SGD's first steps are synchronous: the gradients are averaged once per
+        step, before anything reads them (clipping by their norm, or the step)."""
+        if self.steps < self.options.warmup_steps and not self.grads_averaged:
+            if self.runtime.world_size > 1:
+                average_grads(self.module, self.runtime)
+            self.grads_averaged = True
 
     def before_step(self) -> bool:
-        if self.steps < self.options.warmup_steps:  # post-local SGD: synchronous at first
-            average_grads(self.module, self.runtime)
+        self.settle_gradients()
         return True
+
+    def after_step(self) -> None:
+        self.grads_averaged = False
+        super().after_step()
 
     def synchronise(self) -> None:
         if self.paced_by_rounds:  # the work queue's rounds decide: `end_round`
@@ -166,10 +190,10 @@ class LocalSGD(Strategy):
     beta: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.period < 1:
-            raise ValueError(f"LocalSGD period must be >= 1, got {self.period}")
-        if not 0 < self.beta <= 1:
-            raise ValueError(f"LocalSGD beta must be in (0, 1], got {self.beta}")
+        _check_int("LocalSGD period", self.period, least=1)
+        _check_int("LocalSGD warmup_steps", self.warmup_steps, least=0)
+        if not _is_number(self.beta) or not 0 < self.beta <= 1:
+            raise ValueError(f"LocalSGD beta must be in (0, 1], got {self.beta!r}")
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> LocalSGDModel:
         return LocalSGDModel(model, runtime, self)
@@ -234,8 +258,8 @@ class Gossip(Strategy):
 
     def __post_init__(self) -> None:
         neighbours(self.topology, 0, 4)  # validates the name
-        if self.global_every is not None and self.global_every < 1:
-            raise ValueError(f"global_every must be >= 1, got {self.global_every}")
+        if self.global_every is not None:
+            _check_int("Gossip global_every", self.global_every, least=1)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> GossipModel:
         return GossipModel(model, runtime, self)
@@ -274,11 +298,22 @@ class AdaptiveSync(Strategy):
     threshold: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.threshold <= 0:
-            raise ValueError(f"threshold must be > 0, got {self.threshold}")
+        if not _is_number(self.threshold) or not 0 < self.threshold < math.inf:
+            raise ValueError(
+                f"AdaptiveSync threshold must be > 0 and finite, got {self.threshold!r}"
+            )
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> AdaptiveSyncModel:
         return AdaptiveSyncModel(model, runtime, self.threshold)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(what: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} must be an int >= {least}, got {value!r}")
 
 
 def Hybrid(local: str = "gossip", global_every: int = 8, topology: str = "ring") -> Strategy:
