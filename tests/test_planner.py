@@ -15,7 +15,15 @@ from shardwise.comm import shared_memory
 from shardwise.config import load_config
 from shardwise.plan import calibrate
 from shardwise.plan.model_states import model_states
-from shardwise.plan.search import PRESETS, ClusterSpec, Plan, plan_sets, price, search
+from shardwise.plan.search import (
+    PRESETS,
+    ClusterSpec,
+    Plan,
+    TransformerSpec,
+    plan_sets,
+    price,
+    search,
+)
 
 FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
 
@@ -206,3 +214,16 @@ def test_calibration_passes_are_averaged_point_by_point():
         assert [t for _, t in rates["points"]] == pytest.approx(means)
         assert rates["latency_s"] == pytest.approx(2e-3)  # the line through the means
         assert rates["bandwidth"] == pytest.approx(0.5e9)
+
+
+def test_a_one_stage_plan_holds_the_embedding_and_the_head():
+    """2 layers of h 4096 under a 256,000-token vocabulary: 2.51B parameters, 40.1 GB of model
+    state (16 bytes each) on one device. Before, a one-stage plan counted one vocabulary matrix
+    (23.4 GB of state) and fitted in 30 GB without offload."""
+    spec = TransformerSpec(layers=2, hidden=4096, heads=32, seq=2048, vocab=256000, batch=1)
+    fits, rejected = search(spec, ClusterSpec(devices=1, memory_gb=30))
+    assert fits and all(plan.offload for plan in fits)
+    for plan in rejected:
+        state = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
+        if not plan.offload:
+            assert state >= 16 * spec.params(), plan.strategy

@@ -271,8 +271,10 @@ def price(plan: Plan, spec: TransformerSpec, cluster: ClusterSpec) -> Plan:
     """Fill in the plan's memory, bytes and step time, and whether it fits."""
     h, tp = spec.hidden, plan.tp
     layers = -(-spec.layers // plan.pp)  # the heaviest stage's layers
-    # Parameters of the heaviest stage: its layers and one end's embedding (or head).
-    psi = (layers * spec.layer_params() + spec.vocab * h + spec.seq * h) / tp
+    # Parameters of the heaviest stage: its layers and the first stage's embeddings (the last
+    # stage's head is no larger); one stage alone holds both ends, and the final norm.
+    ends = spec.vocab * h + spec.seq * h + (spec.vocab * h + 2 * h if plan.pp == 1 else 0)
+    psi = (layers * spec.layer_params() + ends) / tp
     plan.memory = _memory(plan, spec, psi, layers)
     compute, bubble = _compute_s(plan, spec, cluster)
     tp_bytes, tp_time = _tensor_parallel(plan, spec, cluster, layers)
