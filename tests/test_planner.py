@@ -135,6 +135,10 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
     assert {"strategy", "dp", "tp", "pp", "memory", "comm_bytes", "step_time_s"} <= set(plans[0])
     assert [p["step_time_s"] for p in fitting] == sorted(p["step_time_s"] for p in fitting)
     assert all(p["reason"] for p in plans if not p["fits"])
+    for form in ([], ["--json"]):  # nothing fits in a millionth of a GB: 1, whatever the form
+        tiny = spec.read_text().replace("memory_gb: 80", "memory_gb: 0.000001")
+        (tmp_path / "tiny.yaml").write_text(tiny)
+        assert run_cli("plan", "--spec", str(tmp_path / "tiny.yaml"), *form).returncode == 1
     spec.write_text("layers: 80\nwidth: 3\n")
     done = run_cli(*argv, timeout=60)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
@@ -187,6 +191,12 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     zero = {row["strategy"]: row["memory_bytes"] for row in rows}
     assert zero["zero3"] < zero["zero2"] < zero["zero1"] < zero["ddp"]
     assert list(tmp_path.glob("runs*")) == []  # nothing written but the calibration
+    # A batch of 6 a rank: a pipeline over both ranks runs (and is priced) at 12, which its 4
+    # micro-batches divide; before, the candidate was checked at 6 and the plan failed whole.
+    six = run_cli(*plan, "--set", "data.batch_size=6", "--json", timeout=300, env=env)
+    assert six.returncode == 0, six.stderr[-2000:]
+    by_name = {row["strategy"]: row for row in json.loads(six.stdout)}
+    assert by_name["ddp"]["batch_size"] == 6 and by_name["pp2-1f1b"]["batch_size"] == 12
     del rates["collectives"]["all_reduce"]["points"]  # as an older shardwise wrote it
     stored.write_text(json.dumps(rates))
     older = run_cli(*plan, timeout=120, env=env)

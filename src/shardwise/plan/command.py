@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     if args.json:
         print(json.dumps([p.as_dict() for p in fits + rejected]))
-        return 0
-    _print_plans(spec, cluster, fits, rejected, elapsed, args.top)
-    return 0 if fits else 1
+    else:
+        _print_plans(spec, cluster, fits, rejected, elapsed, args.top)
+    return 0 if fits else 1  # (the same answer whatever the output's form)
 
 
 def _spec_and_cluster(args: argparse.Namespace) -> tuple[TransformerSpec, ClusterSpec]:

@@ -117,14 +117,30 @@ def config_candidates(cfg: Config, nproc: int) -> dict[str, list[str]]:
 
 
 def candidate_config(cfg: Config, options: dict, nproc: int) -> Config:
-    """`cfg` with the strategy `options` on `nproc` ranks, validated as a whole (a one-line
-    `ConfigError` where the config refuses it)."""
+    """`cfg` with the strategy `options` on `nproc` ranks, each data-parallel replica taking
+    its share of the global batch of `cfg`'s batch on every rank (model-parallel ranks share
+    one), validated as a whole (a one-line `ConfigError` where the config refuses it)."""
+    whole = cfg.data.batch_size * nproc
+    first = _candidate(cfg, options, nproc, whole)
+    # (what divides a replica's batch divides the global one: the first refuses no more)
+    batch = whole // replicas(first.strategy, nproc)
+    return first if batch == whole else _candidate(cfg, options, nproc, batch)
+
+
+def _candidate(cfg: Config, options: dict, nproc: int, batch_size: int) -> Config:
     own = cfg.strategy.model_dump() if options["name"] == cfg.strategy.name else {}
     launch = cfg.launch.model_copy(update={"nproc": nproc})
     strategy = {k: v for k, v in options.items() if k != ACCUMULATE}
     train = cfg.train.model_copy(update={"accumulate": options.get(ACCUMULATE, 1)})
+    data = cfg.data.model_copy(update={"batch_size": batch_size})
     return validate(
-        {**dict(cfg), "strategy": {**own, **strategy}, "launch": launch, "train": train}
+        {
+            **dict(cfg),
+            "strategy": {**own, **strategy},
+            "launch": launch,
+            "train": train,
+            "data": data,
+        }
     )
 
 
@@ -161,13 +177,21 @@ class MetaJob:
         return predicted
 
 
-def price_candidates(cfg: Config, nproc: int, calibration: dict) -> list[dict]:
+def price_candidates(
+    cfg: Config, nproc: int, calibration: dict, refused: dict[str, str] | None = None
+) -> list[dict]:
     """Every candidate for `cfg` on `nproc` ranks, priced on one meta job: a row each, fastest
-    predicted first."""
+    predicted first. One the config refuses is left out, and why goes in `refused`."""
     job = MetaJob(cfg, nproc)
     rows = []
     for name, options in candidate_options(cfg, job.model(False), nproc).items():
-        predicted = job.price(candidate_config(cfg, options, nproc), calibration)
+        try:
+            candidate = candidate_config(cfg, options, nproc)
+        except ConfigError as e:
+            if refused is not None:
+                refused[name] = str(e).splitlines()[0]
+            continue
+        predicted = job.price(candidate, calibration)
         rows.append(
             {
                 "strategy": name,
@@ -192,12 +216,15 @@ def plan_config(config: str, user_sets: list[str], nproc: int, as_json: bool, to
             f"no calibration for {nproc} ranks on this machine: run shardwise calibrate "
             f"--nproc {nproc}"
         )
+    refused: dict[str, str] = {}
     try:
         cfg = load_config(config, user_sets)
         started = time.perf_counter()
-        rows = price_candidates(cfg, nproc, calibration)
+        rows = price_candidates(cfg, nproc, calibration, refused)
     except ConfigError as e:
         raise ValueError(str(e)) from None
+    if not rows:
+        raise ValueError(f"the config refuses every strategy on {nproc} ranks: {refused}")
     if as_json:
         print(json.dumps(rows))
         return 0
@@ -212,6 +239,14 @@ def plan_config(config: str, user_sets: list[str], nproc: int, as_json: bool, to
             f"{i:>3} {row['strategy']:22s} {1000 * row['step_time_s']:8.1f} "
             f"{row['memory_bytes'] / 2**20:11.1f} {row['comm_bytes_per_step'] / 2**20:9.2f}"
         )
-    sets = " ".join(f"--set {kv}" for kv in [*user_sets, *rows[0]["sets"]])
+    for name, why in refused.items():
+        print(f"    {name}: not priced ({why})")
+    first = rows[0]
+    batch = (
+        []
+        if first["batch_size"] == cfg.data.batch_size
+        else [f"data.batch_size={first['batch_size']}"]
+    )
+    sets = " ".join(f"--set {kv}" for kv in [*user_sets, *first["sets"], *batch])
     print(f"run the first: shardwise train {config} --nproc {nproc} {sets}")
     return 0
