@@ -91,3 +91,33 @@ def test_torch_memtracker_sees_a_plain_step_as_our_meter_does():
         training_step(job, opt, x, y)
     assert meter.peak > sum(t.numel() * t.element_size() for t in alive)
     assert abs(rival / meter.peak - 1) < 0.02, (rival, meter.peak)
+
+
+def test_a_choice_whose_fresh_runs_all_fail_is_reported_not_a_crash(monkeypatch):
+    """Before, `_confirm` raised a KeyError (and planner.json, written after it, was lost)."""
+    results = {
+        f"gpt n4 {k}": {"step_time_s": {"predicted": p, "measured": 0.1, "error": 0}}
+        for k, p in (("a", 0.01), ("b", 0.02))
+    }
+    jobs = {key: ("gpt", key.split()[2], [], 4, 30) for key in results}
+
+    def run(out, model, name, sets, nproc, steps):
+        if name == "a":
+            return {"error": "exit 1", "output": ""}
+        return {"step_time_s": {"predicted": 0.02, "measured": 0.04, "error": 0}}
+
+    monkeypatch.setattr(bench, "run_one", run)
+    assert bench._confirm(Path("unused"), results, jobs, rounds=2) == {
+        "runs": 2,
+        "error": "no fresh run of gpt n4 a completed",
+    }
+
+
+def test_the_step_error_median_is_the_median():
+    results = {
+        f"gpt n4 {i}": {
+            "step_time_s": {"predicted": p, "measured": 1.0, "error": p - 1, "runs_s": [1.0]}
+        }
+        for i, p in enumerate([1.1, 1.3])
+    }
+    assert bench._summarise(results)["step_error_median"] == pytest.approx(0.2)  # (was 0.3)

@@ -156,6 +156,9 @@ def test_bad_train_inputs_are_one_line_before_any_process_starts(
         ["train", "--nproc", "two"],
         ["frobnicate"],
         ["bench", "nope"],
+        ["bench", "ddp", "--steps", "0"],  # (was taken as the default)
+        ["bench", "ddp", "--reps", "-1"],  # (crashed after the runs)
+        ["bench", "zero", "--world-size", "0"],
         ["run"],
     ],
 )
@@ -429,3 +432,16 @@ def test_two_ps_jobs_one_after_the_other_share_no_snapshot_nor_log(tmp_path):
         assert summary["resumed_from"] is None and summary["updates"] == 30
         assert len(list((run_dir / "ps-snapshots").glob("server0-v*.safetensors"))) == 2
         assert len((run_dir / "ps" / "worker1.jsonl").read_text().splitlines()) == 30
+
+
+def test_bench_refuses_a_world_size_its_suite_ignores_and_makes_the_out_folder_first(tmp_path):
+    """`--world-size` was dropped silently by the suites that start jobs of their own sizes,
+    and an `--out` in a folder that did not exist failed after the whole benchmark had run."""
+    refused = run_cli("bench", "ps", "--world-size", "4", timeout=60)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "bench ps does not take --world-size" in refused.stderr
+    out = tmp_path / "new" / "ddp.json"
+    args = ["--world-size", "1", "--models", "mlp", "--steps", "1", "--reps", "1"]
+    done = run_cli("bench", "ddp", *args, "--out", str(out), timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text())["bench"] == "ddp"

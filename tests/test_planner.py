@@ -237,3 +237,11 @@ def test_a_one_stage_plan_holds_the_embedding_and_the_head():
         state = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
         if not plan.offload:
             assert state >= 16 * spec.params(), plan.strategy
+
+
+def test_model_states_send_what_a_ring_sends():
+    """2 (N-1)/N of the gradients for an all-reduce, a third more for ZeRO-3 (the paper's 2Ψ
+    and 3Ψ are the large-N figures): at 2 devices, half of what was printed before."""
+    assert model_states(1e9, 2, 0, "fp32").comm_bytes_per_step == 4e9
+    assert model_states(1e9, 2, 3, "fp32").comm_bytes_per_step == 6e9
+    assert model_states(1e9, 1, 0, "fp32").comm_bytes_per_step == 0.0

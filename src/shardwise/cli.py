@@ -213,6 +213,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=cmd_train)
 
 
+def _at_least_one(text: str) -> int:
+    """A flag's whole number >= 1 (argparse's one-line usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark ours against the torch rival")
     bench.add_argument(
@@ -224,12 +235,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         ],
         help="what to benchmark",
     )
-    bench.add_argument("--world-size", type=int, default=2, help="ranks")
+    bench.add_argument(
+        "--world-size",
+        type=_at_least_one,
+        help="ranks (default 2; ddp, zero, pipeline, tp, calls, comm and overhead)",
+    )
     bench.add_argument(
         "--models", default="mlp,gpt", help="comma-separated: mlp, gpt (planner: also mlp-small)"
     )
-    bench.add_argument("--steps", type=int, help="timed steps per repetition (per suite)")
-    bench.add_argument("--reps", type=int, help="interleaved repetitions (per suite)")
+    bench.add_argument("--steps", type=_at_least_one, help="timed steps per repetition (per suite)")
+    bench.add_argument("--reps", type=_at_least_one, help="interleaved repetitions (per suite)")
     bench.add_argument("--out", help="JSON result file (comm: output directory)")
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")

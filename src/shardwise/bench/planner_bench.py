@@ -218,17 +218,34 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.confirm < 0:
         parser.error(f"--confirm must be >= 0, got {args.confirm}")
+    if args.strategies and (unknown := set(args.strategies.split(",")) - _candidate_names()):
+        parser.error(f"--strategies: unknown {', '.join(sorted(unknown))}")
     started = time.perf_counter()
     runs, jobs = _sweep(args, out, worlds, models)
     results = {key: _combined(tries) for key, tries in runs.items()}
     summary = _summarise(results)
+    _write(out, summary, results)  # (the sweep's, kept whatever the confirmation does)
     if summary.get("choice") and args.confirm:
         summary["choice"]["confirmed"] = _confirm(out, results, jobs, args.confirm)
     summary["wall_s"] = time.perf_counter() - started
-    (out / "planner.json").write_text(json.dumps({**summary, "results": results}, indent=1))
+    _write(out, summary, results)
     _print_summary(summary)
     print(json.dumps({"bench": "planner", **summary}))
     return 1 if any("error" in r for r in results.values()) else 0
+
+
+def _write(out: Path, summary: dict, results: dict) -> None:
+    (out / "planner.json").write_text(json.dumps({**summary, "results": results}, indent=1))
+
+
+def _candidate_names() -> set[str]:
+    """Every candidate's name `plan --config` may give, on any world size the bench runs."""
+    names = set()
+    for work in WORKLOADS.values():
+        cfg = load_config(work.config, list(work.sets))
+        for nproc in (1, 2, 4, 8):
+            names |= set(config_candidates(cfg, nproc))
+    return names
 
 
 def _print_summary(summary: dict) -> None:
@@ -255,7 +272,10 @@ def _print_summary(summary: dict) -> None:
             f"{1000 * c['its_measured_s']:.1f} ms/step; the fastest measured, {c['measured_best']}"
             f", {1000 * c['best_measured_s']:.1f} ms/step ({c['slower_by']:+.1%})"
         )
-        if confirmed := c.get("confirmed"):
+        confirmed = c.get("confirmed")
+        if confirmed and "error" in confirmed:
+            print(f"shardwise: confirmation failed: {confirmed['error']}")
+        elif confirmed:
             print(
                 f"shardwise: confirmed over {confirmed['runs']} fresh runs each: "
                 f"{confirmed['predicted_best']} {1000 * confirmed['its_measured_s']:.1f} ms/step; "
@@ -327,6 +347,8 @@ def _confirm(out: Path, results: dict[str, dict], jobs: dict[str, tuple], rounds
             if "step_time_s" in result:
                 fresh[key].append(result["step_time_s"]["measured"])
     medians = {key: statistics.median(times) for key, times in fresh.items() if times}
+    if chosen not in medians:  # (its fresh runs all failed: nothing to judge it by)
+        return {"runs": rounds, "error": f"no fresh run of {chosen} completed"}
     best = min(medians, key=medians.get)
     return {
         "runs": rounds,
@@ -347,7 +369,7 @@ def _summarise(results: dict[str, dict]) -> dict:
     state = [abs(r["model_state"]["error"]) for r in done.values() if "model_state" in r]
     summary = {
         "runs": len(done),
-        "step_error_median": sorted(errors)[len(errors) // 2] if errors else float("nan"),
+        "step_error_median": statistics.median(errors) if errors else float("nan"),
         "step_error_max": max(errors, default=float("nan")),
         "step_within_20": sum(e <= 0.2 for e in errors),
         # (the measured step time of one run is itself one draw: with repeats, a prediction

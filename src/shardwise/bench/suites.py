@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from shardwise.bench.whole_jobs import default_out
 from shardwise.distributed.launcher import launch
@@ -24,8 +26,26 @@ DEFAULTS = {
 }
 
 
+# The suites that run on `--world-size` ranks (the others run jobs of their own making).
+SIZED = {"ddp", "zero", "pipeline", "tp", "calls", "comm", "overhead"}
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     """Run `args.suite`, whose module is `shardwise.bench.<suite>_bench` (all: `everything`)."""
+    if args.world_size is not None and args.suite not in SIZED:
+        print(
+            f"shardwise: bench {args.suite} does not take --world-size (it runs jobs of its "
+            f"own sizes); the suites that do: {', '.join(sorted(SIZED))}",
+            file=sys.stderr,
+        )
+        return 2
+    args.world_size = args.world_size or 2
+    if args.out:  # (made before the benchmark runs, not found missing after it)
+        try:
+            Path(args.out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"shardwise: bench: cannot write to --out {args.out}: {e}", file=sys.stderr)
+            return 2
     if args.suite == "all":  # every strategy, a scaling series, one report
         from shardwise.bench.everything import main as everything_main
 
@@ -104,6 +124,7 @@ def run_own_jobs_benchmark(args: argparse.Namespace) -> int:
         return balance_main([*argv, "--out", args.out or default_out("balance")])
     from shardwise.bench.overhead_bench import main as overhead_main  # whole jobs, measured and not
 
+    argv += ["--nproc", str(args.world_size)]
     return overhead_main([*argv, "--out", args.out or default_out("overhead")])
 
 

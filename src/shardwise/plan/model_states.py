@@ -45,7 +45,7 @@ class ModelStates:
     grads_bytes: float
     optimizer_bytes: float
     total_bytes: float
-    comm_bytes_per_step: float  # sent and received by one device, per optimizer step
+    comm_bytes_per_step: float  # sent by one device per optimizer step (as many received)
 
 
 def model_states(params: float, devices: int, stage: int, precision: str = "mixed") -> ModelStates:
@@ -62,7 +62,9 @@ def model_states(params: float, devices: int, stage: int, precision: str = "mixe
     grad_share = shard if stage >= 2 else 1
     optim_share = shard if stage >= 1 else 1
     held = (p_bytes * params * param_share, g_bytes * params * grad_share, k * params * optim_share)
-    volume = (3 if stage == 3 else 2) * params * g_bytes if devices > 1 else 0.0
+    # A ring all-reduce sends 2 (N-1)/N of the gradients; ZeRO-3 a third more, its gathers
+    # (the ZeRO paper's 2Ψ and 3Ψ are the large-N figures; comm accounting counts the same).
+    volume = (3 if stage == 3 else 2) * params * g_bytes * (devices - 1) / devices
     return ModelStates(STAGES[stage], devices, *held, sum(held), volume)
 
 
