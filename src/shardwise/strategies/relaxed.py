@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -142,6 +142,25 @@ class RelaxedModel(DistributedModel):
                 comm.all_reduce(value, group=self.runtime.group)
                 divide_(value, self.runtime.world_size)
         return state
+
+    def checkpoint_shard(
+        self, optimizer: torch.optim.Optimizer, every_rank: bool = False
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+        """A save holds the replicas' average (collective): the model the run's evaluation
+        scores, `full_state_dict` returns and an export should carry; the optimizer state is
+        rank 0's (it stays local between averages). An elastic job's in-memory snapshot
+        (`every_rank`) keeps each rank's own replica, to go on from exactly."""
+        if every_rank or self.runtime.world_size == 1:
+            return super().checkpoint_shard(optimizer, every_rank)
+        average = self.full_state_dict()  # (every rank takes part)
+        layout, tensors = super().checkpoint_shard(optimizer)
+        if tensors is not None:
+            for i, (name, _) in enumerate(self.module.named_parameters()):
+                tensors[f"unit{i}/param"] = average[name].reshape(-1)
+            for key in tensors:
+                if key.startswith("buffer/") and key.removeprefix("buffer/") in average:
+                    tensors[key] = average[key.removeprefix("buffer/")]
+        return layout, tensors
 
     @contextlib.contextmanager
     def weights_for_evaluation(self) -> Iterator[None]:
