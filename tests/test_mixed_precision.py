@@ -229,3 +229,37 @@ def test_frozen_parameters_compute_in_the_compute_dtype_and_stay_as_they_were(st
     forward failed ("mat1 and mat2 must have the same dtype")."""
     for worst, kept, moved in run(frozen_under_mixed_precision, 2, stage, precision):
         assert worst == 0.0 and kept and moved, (worst, kept, moved)
+
+
+def hf_gpt2_embeddings_frozen_in_bf16(stage: int) -> tuple[float, float, bool]:
+    """A Hugging Face GPT-2 (tied embedding and head) with its embeddings frozen, under ZeRO in
+    bf16: each step's loss against the same model cast to bf16 in one plain module, and whether
+    the frozen (tied) weight comes back as it was, in fp32."""
+    import hf_models as H
+
+    original = H.build("gpt2").state_dict()
+    model = H.build("gpt2")
+    model.transformer.wte.requires_grad_(False)  # (the head's weight too: the same parameter)
+    model.transformer.wpe.requires_grad_(False)
+    ours, opt = sw.prepare(model, sw.ZeRO(stage=stage, mixed_precision="bf16"), lr=1e-3)
+    worst = 0.0
+    for step in range(3):
+        batch = H.make_batch("gpt2", 2, step + 10 * dist.get_rank())
+        plain = H.build("gpt2")
+        plain.load_state_dict(sw.full_state_dict(ours))
+        expected = H.hf_loss(plain.to(torch.bfloat16)(**batch)).float()
+        loss = H.hf_loss(ours(**batch))
+        worst = max(worst, (loss.detach().float() - expected).abs().item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    final = sw.full_state_dict(ours)
+    key = "transformer.wte.weight"
+    return worst, final[key].dtype == torch.float32, torch.equal(final[key], original[key])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_hugging_face_model_with_frozen_tied_embeddings_trains_in_bf16(stage):
+    pytest.importorskip("transformers")
+    for worst, fp32, kept in run(hf_gpt2_embeddings_frozen_in_bf16, 2, stage):
+        assert worst == 0.0 and fp32 and kept, (worst, fp32, kept)
