@@ -291,28 +291,74 @@ def test_local_sgd_weighs_uneven_batches_by_their_samples(strategy):
     assert max(run(uneven_batches_vs_one_process, 2, strategy)) <= 1e-6
 
 
-def saved_between_averages(directory: str) -> tuple[float, float]:
-    """Local SGD two steps into a period of 4 (the replicas apart), saved: the checkpoint's
-    weights against the replicas' average and against this rank's own replica."""
+def saved_between_averages(directory: str) -> tuple[float, float, float]:
+    """Local SGD two steps into a period of 4 (the replicas apart), rank batches of 6 and 2,
+    saved: the checkpoint's weights against this rank's own replica, against the replicas'
+    average as their meeting then makes it, and against `full_state_dict`."""
     from shardwise.checkpoint.reshardable import full_weights
 
+    sizes = [6, 2]
     model, opt = sw.prepare(_model(), sw.LocalSGD(period=4), optimizer=torch.optim.SGD, lr=0.5)
     for step in range(2):
-        x, y, mine = _batch(step, dist.get_world_size())
+        x, y, _ = _batch(step, dist.get_world_size())
+        start = sum(sizes[: dist.get_rank()])
+        mine = slice(start, start + sizes[dist.get_rank()])
         sw.train_step(model, x[mine], y[mine], F.cross_entropy)
         opt.step()
         opt.zero_grad()
-    average, own = sw.full_state_dict(model), model.module.state_dict()
+    own = {k: v.clone() for k, v in model.module.state_dict().items()}
+    full = sw.full_state_dict(model)
     sw.save_checkpoint(model, opt, directory)
     saved = full_weights(directory)
-    return (
-        max((saved[k] - v).abs().max().item() for k, v in average.items()),
-        max((saved[k] - v).abs().max().item() for k, v in own.items()),
-    )
+    model.average()  # (the meeting the period would end with)
+    met = model.module.state_dict()
+
+    def diff(state):
+        return max((saved[k] - v).abs().max().item() for k, v in state.items())
+
+    return diff(own), diff(met), diff(full)
 
 
 def test_a_checkpoint_between_averages_holds_the_replicas_average(tmp_path):
-    """What an export or a resume on other ranks reads is the model the run evaluates (before,
-    rank 0's replica: 0.13 off the average here)."""
-    for vs_average, vs_own in run(saved_between_averages, 2, str(tmp_path / "ckpt")):
-        assert vs_average == 0.0 and vs_own > 1e-3
+    """What an export or a resume on other ranks reads is the model the replicas' next meeting
+    makes, weighed by their samples (before, rank 0's replica: 0.2 off)."""
+    for vs_own, vs_met, vs_full in run(saved_between_averages, 2, str(tmp_path / "ckpt")):
+        assert vs_own > 1e-3 and vs_met == 0.0 and vs_full == 0.0
+
+
+def a_dropped_warm_up_step() -> bool:
+    """A warm-up step whose gradients were read (clipped) and then dropped, as a non-finite
+    step is: the next step is still synchronous (before, it stepped each rank's own gradients:
+    the replicas 0.07 apart)."""
+    world = dist.get_world_size()
+    model, opt = sw.prepare(_model(), sw.LocalSGD(warmup_steps=5), optimizer=torch.optim.SGD)
+    for step, dropped in ((0, True), (1, False)):
+        x, y, mine = _batch(step, world)
+        sw.train_step(model, x[mine], y[mine], F.cross_entropy)
+        sw.clip_grad_norm_(model, 1.0)
+        if not dropped:
+            opt.step()
+        opt.zero_grad()
+    flat = _all(flat_params(model.module), world)
+    return bool((flat == flat[0]).all())
+
+
+def test_a_dropped_warm_up_step_leaves_the_next_one_synchronous():
+    assert run(a_dropped_warm_up_step, 2) == [True, True]
+
+
+def a_16_bit_average_of_many_samples() -> float:
+    """fp16 replicas, each weighed by 70,000 samples (tokens, say): their average, against the
+    plain mean (before, every weight came out 0: 70,000 is past fp16's range)."""
+    torch.manual_seed(dist.get_rank())
+    local = torch.nn.Linear(13, 5).half()
+    model, _ = sw.prepare(local, sw.LocalSGD(period=1), optimizer=torch.optim.SGD, lr=0.1)
+    mine = flat_params(model.module).float()
+    model.declare_batch(70_000)
+    model.after_step()  # (a step trained on them: the replicas meet)
+    expected = _all(mine, dist.get_world_size()).mean(dim=0).half()
+    return (flat_params(model.module).float() - expected.float()).abs().max().item()
+
+
+def test_replicas_of_16_bits_average_in_float32():
+    assert max(run(a_16_bit_average_of_many_samples, 2)) <= 1e-3

@@ -31,7 +31,6 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.flat import flatten, unflatten
-from shardwise.comm.mean import divide_
 from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import DistributedModel, Strategy
 from shardwise.strategies.ddp import broadcast_module_state
@@ -48,38 +47,42 @@ def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
         p.copy_(value)
 
 
-def average_params(
-    model: nn.Module, runtime: Runtime, beta: float = 1.0, weight: float | None = None
-) -> None:
-    """All ranks of `runtime`: x <- beta * mean_r(x_r) + (1 - beta) * x. With `weight`, the
-    mean weighs rank r by its weight (the weights travel in the same all-reduce)."""
-    local = flat_params(model)
-    if weight is None:
-        mean = local.clone()
-        comm.all_reduce(mean, group=runtime.group)
-        divide_(mean, runtime.world_size)
-    else:
-        packed = torch.cat([local * weight, local.new_tensor([weight])])
-        comm.all_reduce(packed, group=runtime.group)
-        if packed[-1] == 0:  # (no rank weighs anything: no average to move to)
-            return
-        mean = packed[:-1] / packed[-1]
-    set_flat_params(model, mean if beta == 1.0 else beta * mean + (1 - beta) * local)
+def weighted_mean(flat: torch.Tensor, weight: float, runtime: Runtime) -> torch.Tensor | None:
+    """Σ_r weight_r flat_r / Σ_r weight_r over the ranks of `runtime`, the weights in the same
+    all-reduce, summed in float32 at least (a 16-bit model's values times tens of thousands of
+    samples would overflow); None where no rank weighs anything."""
+    dtype = torch.promote_types(flat.dtype, torch.float32)
+    packed = torch.cat([flat.to(dtype) * weight, flat.new_tensor([weight], dtype=dtype)])
+    comm.all_reduce(packed, group=runtime.group)
+    total = packed[-1].item()
+    return None if total == 0 else packed[:-1].div_(total)
 
 
 @torch.no_grad()
-def average_grads(model: nn.Module, runtime: Runtime, weight: float = 1.0) -> None:
+def average_params(model: nn.Module, runtime: Runtime, beta: float, weight: float) -> None:
+    """All ranks of `runtime`: x <- beta * mean_r(x_r) + (1 - beta) * x, the mean weighing rank
+    r by its `weight` (left as they are where no rank weighs anything)."""
+    local = flat_params(model)
+    mean = weighted_mean(local, weight, runtime)
+    if mean is not None:
+        set_flat_params(model, mean if beta == 1.0 else beta * mean + (1 - beta) * local)
+
+
+@torch.no_grad()
+def average_grads(model: nn.Module, runtime: Runtime, weight: float) -> None:
     """Every trainable parameter's gradient becomes the mean over the ranks, rank r's weighed
     by its `weight` (its samples: each gradient is a mean over them), a rank that made none
     counting zero (as DDP's `find_unused_parameters`); one that no rank made stays None.
-    Whether a rank made one, and the weights, travel in the same all-reduce."""
+    Whether a rank made one travels in the same all-reduce (as a weighed 1 or 0)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    made = [float(p.grad is not None) for p in params]
-    flat = torch.cat([flatten(grads) * weight, grads[0].new_tensor([*made, weight])])
-    comm.all_reduce(flat, group=runtime.group)
-    flat /= flat[-1].item()
-    values, anyone = flat[: -len(params) - 1], flat[-len(params) - 1 : -1].tolist()
+    made = flatten(grads).new_tensor([float(p.grad is not None) for p in params])
+    mean = weighted_mean(torch.cat([flatten(grads), made]), weight, runtime)
+    if mean is None:  # (no rank weighs anything: nothing to average)
+        return
+    values, anyone = mean[: -len(params)], mean[-len(params) :].tolist()
     for p, g, value, made_somewhere in zip(
         params, grads, unflatten(values, grads), anyone, strict=True
     ):
@@ -89,28 +92,39 @@ def average_grads(model: nn.Module, runtime: Runtime, weight: float = 1.0) -> No
 
 class RelaxedModel(DistributedModel):
     """Replicas that step on their own gradients; `synchronise` (after every optimizer step)
-    decides when and how they meet. Records the steps of global averages in `sync_steps`."""
+    decides when and how they meet. Records the steps of global averages in `sync_steps`.
+
+    Each replica weighs in an average by the samples it trained on since the replicas last
+    met (declared by `sw.train_step`; 1 where nothing is declared), in the same all-reduce: uneven
+    batches average as the global batch does (period 1 with plain SGD: exactly), at no cost in
+    messages. A step dropped after its batch was declared (`zero_grad` without a step, as a
+    non-finite step is) does not count."""
 
     def __init__(self, module: nn.Module, runtime: Runtime) -> None:
         super().__init__(module, runtime)
         self.steps = 0
         self.sync_steps: list[int] = []
-        # Samples this replica trained on since the replicas last met (None: none declared):
-        # its weight in their average, in the same all-reduce, so that uneven batches average
-        # as the global batch does (period 1 with plain SGD: exactly) at no cost in messages.
-        self.samples: int | None = None
+        self.declared = 0  # this step's samples, until it is applied or dropped
+        self.samples: int | None = None  # applied since the replicas last met
         broadcast_module_state(module, group=runtime.group)
 
     def declare_batch(self, samples: int, total: int | None = None) -> None:
-        self.samples = (self.samples or 0) + samples
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        self.declared += samples
 
-    def take_samples(self) -> float:
-        """This replica's weight in the meeting now (1 where no batch was declared), and a
-        fresh count for the next."""
-        samples, self.samples = self.samples, None
-        return 1.0 if samples is None else float(samples)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.declared = 0  # (a step dropped: its samples were not trained on)
+        super().zero_grad(set_to_none=set_to_none)
+
+    def weight(self) -> float:
+        """This replica's weight in a meeting now."""
+        return 1.0 if self.samples is None else float(self.samples)
 
     def after_step(self) -> None:
+        if self.declared:
+            self.samples = (self.samples or 0) + self.declared
+        self.declared = 0
         self.steps += 1
         if self.runtime.world_size > 1:  # (one replica is its own average: nothing to meet)
             self.synchronise()
@@ -120,9 +134,10 @@ class RelaxedModel(DistributedModel):
 
     def average(self, beta: float = 1.0, weight: float | None = None) -> None:
         """The replicas' average, each weighed by `weight` (default: its samples since the
-        replicas last met)."""
-        samples = self.take_samples()
-        average_params(self.module, self.runtime, beta, samples if weight is None else weight)
+        replicas last met); they then start counting again."""
+        weight = self.weight() if weight is None else weight
+        average_params(self.module, self.runtime, beta, weight)
+        self.samples = None
         self.sync_steps.append(self.steps)
 
     def extra_state(self) -> dict[str, torch.Tensor]:
@@ -134,14 +149,18 @@ class RelaxedModel(DistributedModel):
     def shared_extra_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"steps": state["steps"]}  # (every rank counts the same steps)
 
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The average of the replicas (they differ between synchronisations)."""
+        """The replicas' average, weighed as their next meeting would weigh them (they differ
+        between meetings)."""
         state = super().full_state_dict()
         for value in state.values():
-            if value.is_floating_point():
-                comm.all_reduce(value, group=self.runtime.group)
-                divide_(value, self.runtime.world_size)
+            if value.is_floating_point() and (mean := self.weighted(value)) is not None:
+                value.copy_(mean.view_as(value))
         return state
+
+    def weighted(self, value: torch.Tensor) -> torch.Tensor | None:
+        return weighted_mean(value.reshape(-1), self.weight(), self.runtime)
 
     def checkpoint_shard(
         self, optimizer: torch.optim.Optimizer, every_rank: bool = False
@@ -183,19 +202,27 @@ class LocalSGDModel(RelaxedModel):
 
     def settle_gradients(self) -> None:
         """Post-local SGD's first steps are synchronous: the gradients are averaged once per
-        step, before anything reads them (clipping by their norm, or the step)."""
+        backward, weighed by this step's samples, before anything reads them (clipping by
+        their norm, or the step)."""
         if self.steps < self.options.warmup_steps and not self.grads_averaged:
             if self.runtime.world_size > 1:
-                average_grads(self.module, self.runtime, self.take_samples())
+                average_grads(self.module, self.runtime, float(self.declared or 1))
             self.grads_averaged = True
 
     def before_step(self) -> bool:
         self.settle_gradients()
         return True
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.grads_averaged = False  # (the next backward's are averaged again)
+        super().zero_grad(set_to_none=set_to_none)
+
     def after_step(self) -> None:
+        synchronous = self.grads_averaged
         self.grads_averaged = False
         super().after_step()
+        if synchronous:  # (the replicas met in this step's gradients: they count afresh)
+            self.samples = None
 
     def synchronise(self) -> None:
         if self.paced_by_rounds:  # the work queue's rounds decide: `end_round`
