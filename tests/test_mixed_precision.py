@@ -263,3 +263,31 @@ def test_a_hugging_face_model_with_frozen_tied_embeddings_trains_in_bf16(stage):
     pytest.importorskip("transformers")
     for worst, fp32, kept in run(hf_gpt2_embeddings_frozen_in_bf16, 2, stage):
         assert worst == 0.0 and fp32 and kept, (worst, fp32, kept)
+
+
+def test_frozen_weights_stay_swapped_through_nested_calls_and_follow_a_new_tensor():
+    """A module that calls itself keeps the compute-dtype copy until its outermost call ends
+    (before, the inner call put the fp32 weight back under the outer one: a dtype error), and
+    a parameter replaced by another gets a copy of the new one, not the old copy."""
+    from torch import nn
+
+    from shardwise.nn.mixed_precision import FrozenInComputeDtype
+
+    class CallsItself(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+
+        def forward(self, x, depth: int = 1):
+            if depth:
+                x = self(x, depth - 1)
+            return x @ self.w
+
+    model = CallsItself()
+    FrozenInComputeDtype(model, torch.bfloat16)
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    w = model.w.detach().to(torch.bfloat16)
+    assert torch.equal(model(x), (x @ w) @ w)
+    assert model._parameters["w"] is model.w and model.w.dtype == torch.float32  # (back)
+    model.w = nn.Parameter(torch.ones(4, 4), requires_grad=False)  # (its id may be reused)
+    assert torch.equal(model(x, depth=0), x @ torch.ones(4, 4, dtype=torch.bfloat16))

@@ -10,6 +10,7 @@ doubles again.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -134,7 +135,8 @@ class FrozenInComputeDtype:
     swapped in as a forward begins and the parameter back as it ends (raised or not): the
     model's (every use inside it, a parent's of its child's weight too), and each owning
     module's (a region recomputed in backward runs its modules outside the model's forward).
-    A copy is made again once its parameter changed (a load)."""
+    The outermost of nested calls swaps. A copy is made again once its parameter changed (a
+    load, a new tensor), and a parameter that trains again is no longer swapped."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
@@ -150,37 +152,42 @@ class FrozenInComputeDtype:
             ]
             if names:
                 self.owned[module] = names
-        self.copies: dict[int, tuple[int, torch.Tensor]] = {}  # id -> (its version, copy)
-        self.swapped: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
+        # the parameter a copy was made of, its storage and version when made, and the copy
+        self.copies: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+        self.depth: dict[nn.Module, int] = {}  # forwards of a module under way (nested)
+        self.swapped: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
         self.hooks: list = []
-        if not self.owned:
-            return
-        for module in {model, *self.owned}:
+        for module in dict.fromkeys([model, *self.owned]) if self.owned else ():
             self.hooks.append(module.register_forward_pre_hook(self._swap_in))
             self.hooks.append(module.register_forward_hook(self._swap_back, always_call=True))
 
     def _swap_in(self, module: nn.Module, _args) -> None:
-        if module in self.swapped:  # (a module called inside itself: its outer call swaps)
+        self.depth[module] = self.depth.get(module, 0) + 1
+        if self.depth[module] > 1:  # (called inside itself: its outermost call swapped)
             return
         owners = self.owned if module is self.model else {module: self.owned[module]}
         done = []
         for owner, names in owners.items():
             for name in names:
                 param = owner._parameters[name]
-                if not isinstance(param, nn.Parameter):  # (swapped by an enclosing call)
-                    continue
-                owner._parameters[name] = self._copy(param)
-                done.append((owner, name, param))
+                # (a copy in place already: an enclosing call's; or a parameter that trains)
+                if isinstance(param, nn.Parameter) and not param.requires_grad:
+                    owner._parameters[name] = self._copy(param)
+                    done.append((owner, name, param))
         self.swapped[module] = done
 
     def _swap_back(self, module: nn.Module, _args, _output) -> None:
-        for owner, name, param in self.swapped.pop(module, ()):
-            owner._parameters[name] = param
+        self.depth[module] -= 1
+        if self.depth[module] == 0:
+            for owner, name, param in self.swapped.pop(module):
+                owner._parameters[name] = param
 
     @torch.no_grad()
     def _copy(self, param: nn.Parameter) -> torch.Tensor:
-        version, copy = self.copies.get(id(param), (None, None))
-        if version != param._version or copy is None:
+        made = self.copies.get(id(param))
+        now = (param.data_ptr(), param._version)
+        if made is None or made[0]() is not param or made[1:3] != now:
             copy = param.detach().to(self.dtype)
-            self.copies[id(param)] = (param._version, copy)
-        return copy
+            self.copies[id(param)] = (weakref.ref(param), *now, copy)
+            return copy
+        return made[3]
