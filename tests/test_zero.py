@@ -372,9 +372,14 @@ def _refusals() -> list[str]:
     said = []
     frozen = nn.Linear(5, 3).requires_grad_(False)
     two_dtypes = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3).to(torch.bfloat16))
-    for model in (frozen, two_dtypes):
+    for model, strategy in (
+        (frozen, sw.ZeRO(stage=3)),
+        (two_dtypes, sw.ZeRO(stage=3)),
+        (two_dtypes, sw.ZeRO(stage=2, offload="cpu")),
+        (nn.Linear(5, 3).to(torch.bfloat16), sw.ZeRO(stage=1, offload="cpu")),
+    ):
         with pytest.raises(ValueError) as refused:
-            sw.prepare(model, sw.ZeRO(stage=3), optimizer=torch.optim.SGD, lr=0.1)
+            sw.prepare(model, strategy, optimizer=torch.optim.SGD, lr=0.1)
         said.append(str(refused.value))
 
     class HalfUsed(nn.Module):
@@ -396,9 +401,11 @@ def test_zero_refuses_what_it_cannot_train_in_one_line_each():
     """A frozen model crashed inside ZeRO (max() of no unit); a bf16 layer in an fp32 model was
     cast to fp32 and failed in its forward; a parameter with no gradient was told to pass an
     option ZeRO does not take; bad codec specs and a NaN bucket were taken."""
-    frozen, dtypes, unused = run(_refusals, 2)[0]
+    frozen, dtypes, offloaded_dtypes, offloaded_bf16, unused = run(_refusals, 2)[0]
     assert frozen.startswith("ZeRO: the model has no trainable parameter")
-    assert "several dtypes (float32 (0.weight), bfloat16 (1.weight))" in dtypes
+    for said in (dtypes, offloaded_dtypes):
+        assert "several dtypes (float32 (0.weight), bfloat16 (1.weight))" in said
+    assert "for a bfloat16 model, pass mixed_precision='bf16'" in offloaded_bf16
     assert "2 parameter(s) received no gradient" in unused and "freeze them" in unused
     for made in (
         lambda: sw.ZeRO(compression="sign:3"),
@@ -407,6 +414,9 @@ def test_zero_refuses_what_it_cannot_train_in_one_line_each():
         lambda: sw.DDP(compression=3),
         lambda: sw.DDP(bucket_mb=float("nan")),
         lambda: sw.ZeRO(bucket_mb=float("inf")),
+        lambda: sw.DDP(compression="topk:"),
+        lambda: sw.DDP(compression="powersgd:2:"),
+        lambda: sw.ZeRO(compression="fp16:"),
     ):
         with pytest.raises(ValueError, match=r"^(compression must be|bucket_mb must be)"):
             made()

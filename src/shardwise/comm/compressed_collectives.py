@@ -43,9 +43,9 @@ def make_codec(spec: str) -> Codec:
 
 
 def _codec(spec: str) -> Codec:
-    name, _, arg = spec.partition(":") if isinstance(spec, str) else (None, "", "")
-    if arg and name in ("fp16", "bf16", "int8", "sign"):  # (they take no argument)
-        name = None
+    if not isinstance(spec, str) or not _well_formed(spec):
+        raise ValueError(f"compression must be {CODEC_SPEC}, got {spec!r}")
+    name, _, arg = spec.partition(":")
     try:
         if name == "fp16":
             return CastCodec(torch.float16)
@@ -66,6 +66,14 @@ def _codec(spec: str) -> Codec:
         if "must be" in str(e):
             raise
     raise ValueError(f"compression must be {CODEC_SPEC}, got {spec!r}")
+
+
+def _well_formed(spec: str) -> bool:
+    """A codec's name, with arguments only where it takes them, none of them empty (whether
+    each is a number in range, the codec says)."""
+    name, *args = spec.split(":")
+    takes = {"topk": 2, "randomk": 2, "powersgd": 2}.get(name, 0)
+    return len(args) <= takes and all(args)
 
 
 def codec_fingerprint(spec: str | None) -> int:

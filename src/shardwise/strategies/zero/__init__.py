@@ -183,9 +183,17 @@ class ZeRO(Strategy):
                 "ZeRO: the model has no trainable parameter (every one is frozen): nothing to "
                 "shard or to step"
             )
+        # Without mixed precision the units compute in the model's one dtype.
+        dtype = _one_dtype(trainable) if self.mixed_precision is None else None
+        if self.offload is not None and dtype not in (None, torch.float32):
+            raise ValueError(
+                f"ZeRO offload={self.offload!r} keeps fp32 masters and computes in fp32 without "
+                f"mixed_precision: for a {str(dtype).removeprefix('torch.')} model, pass "
+                "mixed_precision='bf16' or 'fp16'"
+            )
         # fp32 masters apart from the compute copy: with mixed precision, and with offload.
         if self.mixed_precision is None and self.offload is None:
-            masters = ShardViews(_one_dtype(trainable))
+            masters = ShardViews(dtype)
         else:
             device = torch.device("cpu") if self.offload else None
             masters = FP32Masters(self.mixed_precision, device, runtime.device)

@@ -307,8 +307,8 @@ class ZeroStage3(ZeroStage2):
 
     @torch.no_grad()
     def load_full_params(self, params: dict[str, torch.Tensor]) -> None:
-        # (a unit kept gathered after a forward whose backward never came would go on
-        # computing with the values loaded over)
+        # A unit kept gathered after a forward whose backward never came would go on computing
+        # with the values loaded over: `gather_parameters` frees it (the next forward gathers).
         self.gather_parameters()
         super().load_full_params(params)
 
