@@ -842,3 +842,20 @@ def test_a_killed_primary_server_is_replaced_by_its_backup_with_no_update_lost(w
     for worker in workers:
         assert worker["servers"] == [servers, *range(1, servers)]  # it went over
         assert max((worker["state"][k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
+
+
+def test_a_relays_round_does_not_count_a_batch_dealt_to_a_worker_that_waited():
+    """A worker held at the end of the queue and then dealt a batch given back may not be in
+    its relay's round (summed without it): that round does not count its batch, which counts
+    once the worker finishes it; a worker's own push, or one dealt normally, counts."""
+    outbox = types.SimpleNamespace(send=lambda *a, **k: None)
+    peers = types.SimpleNamespace(live={1, 2}, done=set(), idle=set(), note_served=lambda r: None)
+    work = sw.ps.WorkQueue.for_batches(2, size=8, batch=4, seed=0)
+    dealer = Dealer(work, peers, outbox)
+    dealer.request(1, worker=1), dealer.request(2, worker=2)  # batches 0 and 1
+    assert dealer.request(1, worker=1)  # held: none left
+    dealer.lost([2])  # batch 1 back, dealt to the held worker 1 (batch 0 finished)
+    dealer.applied([1], relayed=True)
+    assert work.applied() == (1, [])  # (batch 1 not counted yet)
+    dealer.applied([1])  # its own push, not a relay's: it counts
+    assert work.applied() == (2, [])

@@ -439,7 +439,7 @@ class Server:
         self.report.rounds.append(members)
         pushes = [(value, n) for value, n in pushes if value is not None]  # (SKIPs: nothing)
         if not pushes:  # every member died before its push reached this server, or skipped
-            self.dealer.applied(self._workers_of(members))
+            self._note_applied(members)
             self.version += 1
             return
         total = torch.stack([value for value, _ in pushes]).sum(dim=0)
@@ -450,7 +450,7 @@ class Server:
         """Apply one update made `staleness` versions ago from the pushes of the clients
         `behind` it (then any fault planned for it)."""
         started = time.perf_counter()
-        self.dealer.applied(self._workers_of(behind))  # (before a snapshot holds it)
+        self._note_applied(behind)  # (before a snapshot holds it)
         self._apply(flat, staleness)
         if self.faults is not None:
             self.faults.slow_down(started, step=self.version)
@@ -568,16 +568,16 @@ class Server:
         self.outbox.send(src, Kind.OK, self.clock.get(src, 0), self.dealer.holding(src))
 
     # ---- snapshots
-    def _workers_of(self, clients: list[int]) -> list[int]:
-        """The workers whose batches the pushes of `clients` hold. A relay's sync push holds
-        its group's (those training a batch: every one of them pushed to it, but for one dealt
-        a batch given back while the relay's round was under way, which is counted early). Its
-        async push holds one worker's, which it does not name: none is counted, and the batch
-        is consumed when its worker asks for the next one (a snapshot made meanwhile leaves it
-        to be dealt again on resuming)."""
-        if self.o.mode != "sync":
-            return [c for c in clients if c not in self.groups]
-        return [w for c in clients for w in self.groups.get(c, [c])]
+    def _note_applied(self, clients: list[int]) -> None:
+        """The batches the pushes of `clients` hold are in the update being made. A relay's
+        sync push holds its group's (see `Dealer.applied`); its async push one worker's, which
+        it does not name: none is counted, and that batch is consumed when its worker asks for
+        the next one (a snapshot made meanwhile leaves it to be dealt again on resuming)."""
+        for client in clients:
+            if client not in self.groups:
+                self.dealer.applied([client])
+            elif self.o.mode == "sync":
+                self.dealer.applied(self.groups[client], relayed=True)
 
     def _snapshot(self) -> None:
         # (server 0's holds the batches applied: a resumed job deals the others, those only)
