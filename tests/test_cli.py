@@ -109,6 +109,10 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
             ["--set", "strategy.name=mesh", "--set", "strategy.tp=3"],
             "config error: strategy: mesh tp=3 x pp=1 does not divide the world size 2",
         ),
+        (
+            ["--set", "faults=['kill:rank=7:step=3']"],  # (never fired, silently)
+            "config error: faults: kill on rank 7, in a job of 2 ranks",
+        ),
         (["--resume"], "--resume: which run directory? (--resume RUN_DIR)"),
         (["--resume", "TMP/nope"], "--resume: no run directory TMP/nope"),
         (
@@ -127,6 +131,7 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
         "rank-weights-world",
         "shard-group-world",
         "mesh-world",
+        "fault-rank-world",
         "resume-which",
         "resume-nothing",
         "resume-no-config",

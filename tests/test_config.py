@@ -83,6 +83,10 @@ def test_layerwise_optimizers_are_refused_on_a_parameter_server():
         ("optim.gamma=0", "config error: optim.gamma = 0: Input should be greater than 0"),
         ("optim.schedule=linear", "config error: optim.schedule = 'linear': Input should be"),
         ("faults=['clock-skew:rank=1']", "expected clock-skew:rank=...:seconds=..."),
+        ("faults=['kill:rank=1:step=0']", "step must be >= 1 and rank >= 0 in 'kill:rank=1"),
+        ("faults=['slow:rank=1:factor=nan']", "factor must be >= 1 and finite in 'slow:rank"),
+        ("faults=['slow:rank=1:factor=inf']", "factor must be >= 1 and finite in 'slow:rank"),
+        ("faults=['clock-skew:rank=0:seconds=nan']", "seconds must be finite in 'clock-skew"),
         # no field means "never" by infinity: .inf overflowed the timeout's timedelta
         ("launch.comm_timeout_s=.inf", "launch.comm_timeout_s = inf: Input should be a finite"),
         ("optim.lr=.nan", "config error: optim.lr = nan: Input should be a finite number"),

@@ -33,6 +33,7 @@ fired), so a job that restarts and resumes does not fire it again.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -100,8 +101,13 @@ def parse(spec: str, source: str = ENV) -> list[Fault]:
         except ValueError:
             wanted = ":".join([kind] + [f"{f}=..." for f in FIELDS[kind]])
             raise ValueError(f"{where}expected {wanted}, got {item!r}") from None
-        if (fault.factor is not None and fault.factor < 1) or (fault.step or 1) < 1:
-            raise ValueError(f"{where}step must be >= 1 and factor >= 1 in {item!r}")
+        step_ok = fault.step is None or fault.step >= 1
+        if not step_ok or (fault.rank is not None and fault.rank < 0):
+            raise ValueError(f"{where}step must be >= 1 and rank >= 0 in {item!r}")
+        if fault.factor is not None and not 1 <= fault.factor < math.inf:
+            raise ValueError(f"{where}factor must be >= 1 and finite in {item!r}")
+        if fault.seconds is not None and not math.isfinite(fault.seconds):
+            raise ValueError(f"{where}seconds must be finite in {item!r}")
         faults.append(fault)
     return faults
 

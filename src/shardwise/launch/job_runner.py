@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from shardwise.config import Config, ConfigError, dump_config
+from shardwise.faults.injection import parse as parse_faults
 from shardwise.ps.worker import PSConfig
 from shardwise.train.ps_training import run_role
 from shardwise.train.run_dir import new_run_dir, os_reason
@@ -36,6 +37,12 @@ def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
         cfg.strategy.check_world(cfg.launch.nproc)
     except ValueError as e:
         raise ConfigError(f"config error: strategy: {e}") from None
+    for fault in parse_faults(",".join(cfg.faults), source=""):  # (one that never fires)
+        if fault.rank is not None and fault.rank >= cfg.launch.nproc:
+            raise ConfigError(
+                f"config error: faults: {fault.kind} on rank {fault.rank}, in a job of "
+                f"{cfg.launch.nproc} ranks"
+            )
     weights, replicas = cfg.data.rank_weights, cfg.strategy.data_parallel_ranks(cfg.launch.nproc)
     if weights is not None and len(weights) != replicas:
         raise ConfigError(
