@@ -450,3 +450,21 @@ def test_bench_refuses_a_world_size_its_suite_ignores_and_makes_the_out_folder_f
     done = run_cli("bench", "ddp", *args, "--out", str(out), timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(out.read_text())["bench"] == "ddp"
+
+
+def test_a_new_job_refuses_a_run_directory_with_another_runs_outputs(tmp_path, capsys):
+    """Before, its lines went on another run's metrics.jsonl and timings, and the faults that
+    run had fired (their markers under faults/) silently never fired for it."""
+    from shardwise.cli import main
+
+    run = tmp_path / "run"
+    (run / "faults").mkdir(parents=True)
+    (run / "faults" / "kill-rank1-step5").write_text("")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["train", "--set", "train.steps=2", "--run-dir", str(run)]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err == (
+        f"shardwise: --run-dir {run} holds another run's outputs (metrics.jsonl, faults): a new "
+        "job needs another --run-dir"
+    )
+    assert sorted(p.name for p in run.rglob("*")) == ["faults", "kill-rank1-step5", "metrics.jsonl"]

@@ -226,7 +226,10 @@ def test_a_full_disk_ends_the_job_in_seconds_and_keeps_the_checkpoint(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     sets = ("train.steps=50", "train.checkpoint_every=2", "train.async_checkpoint=false")
-    result = run_cli(*train_args(run, *sets), preexec_fn=full_disk, timeout=240)
+    # (--resume: a new job refuses a run directory with another run's metrics.jsonl; with no
+    # checkpoint to resume from, the run starts afresh and appends to it)
+    args = [*train_args(None, *sets), "--resume", str(run)]
+    result = run_cli(*args, preexec_fn=full_disk, timeout=240)
     ended = time.time()
     assert result.returncode != 0
     line = f"shardwise: rank 0: cannot write {run}/metrics.jsonl: [Errno 27] File too large"
@@ -303,7 +306,7 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tmp_path):
     [
         ("kill:rank=1", "expected kill:rank=...:step=..."),
         ("boom:rank=1:step=2", "unknown fault 'boom'"),
-        ("slow:rank=0:factor=0.5", "factor >= 1"),
+        ("slow:rank=0:factor=0.5", "factor must be >= 1"),
         ("nan:rank=x:step=2", "expected nan:rank=...:step=..."),
         ("slow:rank=1:step=3", "expected slow:rank=...:factor=..."),
         ("kill:rank=1:step=2:factor=3", "expected kill:rank=...:step=..."),

@@ -73,7 +73,7 @@ def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False
     if resume and not ps:
         check_resume(cfg, Path(run_dir))
     elif run_dir is not None and not ps:
-        refuse_other_runs_checkpoints(Path(run_dir))
+        refuse_other_runs(Path(run_dir))
     run_dir = new_run_dir(cfg, run_dir)
     print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
     # A resume's ranks write config.yaml once their checkpoint is loaded: until then nothing in
@@ -120,16 +120,27 @@ def _write(path: Path, text: str) -> None:
         raise ConfigError(f"cannot write {path}: {os_reason(e)}") from None
 
 
-def refuse_other_runs_checkpoints(run_dir: Path) -> None:
-    """A new job does not train into a run directory that holds another run's checkpoints:
-    its own saves would be pruned as older than them, and a restart (`launch.max_restarts`
-    resumes) or a later --resume would continue the other run. A one-line `ConfigError`."""
+# What a run writes into its directory as it trains: a new job there would add its own
+# lines to another run's metrics and timings, and take its fired faults' markers for its own.
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "timing", "tensorboard", "faults")
+
+
+def refuse_other_runs(run_dir: Path) -> None:
+    """A new job does not train into a run directory that holds another run's checkpoints
+    (its own saves would be pruned as older than them, and a restart or a later --resume would
+    continue the other run) or outputs (metrics and timings mixed, faults already fired): a
+    one-line `ConfigError`."""
     from shardwise.checkpoint import run_checkpoint
 
     if found := run_checkpoint.complete(run_dir / "checkpoints"):
         raise ConfigError(
             f"--run-dir {run_dir} holds another run's checkpoints (the newest {found[-1].name}):"
             f" --resume {run_dir} continues it; a new job needs another --run-dir"
+        )
+    if written := [name for name in RUN_OUTPUTS if (run_dir / name).exists()]:
+        raise ConfigError(
+            f"--run-dir {run_dir} holds another run's outputs ({', '.join(written)}): a new job "
+            "needs another --run-dir"
         )
 
 

@@ -54,10 +54,21 @@ def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict
             "launch.job_runner.train_rank (what `shardwise train` does)"
         )
     started = time.perf_counter()
-    try:
-        run = _first_run(cfg, run_dir, resume)
-    except Exception as e:
-        leave(e)
+    # A stop signal while the run is built stops it after its first step, with a checkpoint
+    # (not a replacement waiting to join, which a stopping job must not wait for).
+    early: list[int] = []
+    noting = (
+        contextlib.nullcontext()
+        if membership.is_replacement()
+        else handling_stop_signals(lambda signum, _frame: early.append(signum))
+    )
+    with noting:
+        try:
+            run = _first_run(cfg, run_dir, resume)
+        except Exception as e:
+            leave(e)
+    if early:
+        run.stop_signal = early[-1]
     if cfg.launch.desync_check_per_call:
         comm.flight.recorder.check_call = run.watchdog.compare_each_call
     run.watchdog.start()
@@ -123,7 +134,9 @@ class Trainer:
                     continue
                 if self.run.stopping:
                     return {}
-        return self._finish(started)
+            # (every step done: a signal now is noted and the run finishes, its final model
+            # and summary written, rather than a rank killed with them half made)
+            return self._finish(started)
 
     def _step_and_after(self, step: int) -> int:
         """`step`, then what is due after it (a rollback, a checkpoint, a desync check, a
