@@ -79,6 +79,14 @@ MEAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 SUM_BLOCK_BYTES = 2**18
 
 
+class PeerProcessEnded(RuntimeError):
+    """The process of a peer this rank waited for in a meeting ended (killed, or failed)."""
+
+    def __init__(self, what: str, ranks: list[int]) -> None:
+        super().__init__(f"{what}: the process of rank(s) {ranks} ended")
+        self.ranks = ranks
+
+
 def process_ended(pid: int) -> bool:
     """Whether process `pid` (of this host) has ended: gone, or a zombie not yet reaped."""
     try:
@@ -139,7 +147,7 @@ class Arrivals:
     def _check(self, late: list[int], since: int, waited_s: float, what: str) -> None:
         ended = [k for k in late if k in self.peers and process_ended(self.peers[k])]
         if ended:
-            raise RuntimeError(f"{what}: the process of rank(s) {ended} ended")
+            raise PeerProcessEnded(what, ended)
         interrupt.raise_if_interrupted(since)
         if waited_s > self.timeout_s:
             raise RuntimeError(

@@ -11,6 +11,9 @@ from typing import NoReturn
 
 from safetensors import SafetensorError
 
+from shardwise.comm.broken import broken_connection
+from shardwise.comm.interrupt import PeerLost
+from shardwise.comm.shared_memory import PeerProcessEnded
 from shardwise.distributed import runtime
 from shardwise.distributed.leaving import failed_ranks
 from shardwise.faults.watchdog import name_ranks
@@ -55,6 +58,9 @@ def leave(error: Exception) -> NoReturn:
     elif gone := _ranks_that_left(int(rank)):  # a collective broken by their exit: no bug here
         reason = f"{name_ranks(gone)} left the job"
         print(f"shardwise: rank {rank}: {reason}: stopping", file=sys.stderr, flush=True)
+    elif lost := _peer_lost(error):  # (one killed says nothing: the launcher names it)
+        reason = lost
+        print(f"shardwise: rank {rank}: {reason}: stopping", file=sys.stderr, flush=True)
     else:
         traceback.print_exc()
         reason = f"{type(error).__name__}: {error}".splitlines()[0]
@@ -62,6 +68,18 @@ def leave(error: Exception) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(2 if isinstance(error, ValueError) else 1)
+
+
+def _peer_lost(error: Exception) -> str | None:
+    """A few words where `error` is this rank losing a peer (its process ended, its connection
+    broke, the membership moved on), not a failure of its own; else None."""
+    if isinstance(error, PeerProcessEnded):
+        return f"{name_ranks(error.ranks)} ended"
+    if isinstance(error, PeerLost):
+        return str(error).splitlines()[0] if str(error) else "a peer was lost"
+    if phrase := broken_connection(str(error)):
+        return f"a connection to another rank broke ({phrase})"
+    return None
 
 
 def _ranks_that_left(rank: int) -> list[int]:
