@@ -147,7 +147,7 @@ def _stop_fork(pid: int) -> None:
 def _become_zygote(launcher: int) -> None:
     """In the launcher's fork: what a zygote started as its own process has. Its own session
     (a terminal's Ctrl-C is for the ranks, via the launcher), no stdin, output written as it is
-    printed (PYTHONUNBUFFERED's streams: a rank's lines must not wait in a buffer), the
+    printed (line by line, as PYTHONUNBUFFERED's: a rank's lines must not wait), the
     allocator's settings that glibc reads from the environment only as a process starts, and a
     name of its own in `ps` and `top`."""
     os.setsid()
@@ -158,7 +158,11 @@ def _become_zygote(launcher: int) -> None:
     for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
         raw = io.FileIO(fd, "w", closefd=False)
-        stream = io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True)
+        # Line-buffered: a line (print's text and its newline) leaves in one write, not cut
+        # in two by another rank's writing to the same pipe between them.
+        stream = io.TextIOWrapper(
+            io.BufferedWriter(raw), old.encoding, old.errors, line_buffering=True
+        )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     for variable, value in boot.MALLOC_ENV.items():
