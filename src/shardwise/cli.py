@@ -48,10 +48,16 @@ from shardwise.plan import command as planner
 
 
 def _quiet_torch_elastic() -> None:
-    # The agent logs every rendezvous step at INFO and a multi-screen report on failure;
-    # our own one-line error says what failed.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # The agent logs every rendezvous step at INFO, a multi-screen report on failure and a
+    # warning on each stop signal; our own one-line error or stop line says what happened.
+    # Its modules set their own loggers' levels as they are imported: imported first, so
+    # that every one of them is quieted here.
+    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
+
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher")
+    for name in [*prefixes, *logging.root.manager.loggerDict]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _config_source(args: argparse.Namespace) -> str | None:

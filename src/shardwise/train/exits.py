@@ -29,10 +29,14 @@ def stop_message(stopped_by: dict[int, int], step: int, steps: int, how: str, ru
     and how to go on."""
     who = name_ranks(sorted(stopped_by))
     names = "/".join(sorted({_signal_name(n) for n in stopped_by.values()}))
-    return (
-        f"shardwise: {who} got {names}: stopped after step {step} of {steps} {how}; "
-        f"go on with: shardwise train --resume {run_dir}"
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    then = (  # (a launcher with restarts left restarts the job on a rank's exit, this one's)
+        f"its launcher restarts it from there (restart {done + 1} of {restarts})"
+        if done < restarts
+        else f"go on with: shardwise train --resume {run_dir}"
     )
+    return f"shardwise: {who} got {names}: stopped after step {step} of {steps} {how}; {then}"
 
 
 def _signal_name(signum: int) -> str:
