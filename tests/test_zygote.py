@@ -186,3 +186,21 @@ def test_two_ranks_printing_at_once_never_cut_each_others_lines(tmp_path):
     lines = [line for line in output.splitlines() if " line " in line]
     assert len(lines) == 40000
     assert all(line.startswith("rank ") and line.count("line") == 1 for line in lines)
+
+
+def test_a_rank_that_ends_before_joining_is_named_at_once(tmp_path):
+    """Before, the other rank waited in the group's rendezvous for its 300 s, then failed with
+    a store timeout that named nobody."""
+    script = tmp_path / "leaves.py"
+    script.write_text(
+        "import os, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(0)\n"
+        "import shardwise as sw\n"
+        "sw.init()\n"
+    )
+    [(code, output)] = finish(
+        start_cli("run", "--nproc", "2", str(script), cwd=tmp_path), timeout=60
+    )
+    assert code != 0
+    assert "rank 1 (exit code 0) ended before joining the job (its sw.init())" in output

@@ -127,8 +127,10 @@ class _Agent(LocalElasticAgent):
         self.starts: dict[int, int] = {}  # local rank -> processes started there so far
         self.lost: dict[int, ProcessFailure] = {}  # members gone, the last of each rank
         self.vacant: set[int] = set()  # local ranks whose member is gone, and not replaced
+        self.noted: set[tuple[int, int, int]] = set()  # (attempt, rank, pid) noted as ended
 
     def _monitor_workers(self, worker_group):
+        self._note_ended(worker_group)
         if self.on_failure != "stop":
             self._watch_members(worker_group)
         result = super()._monitor_workers(worker_group)
@@ -138,6 +140,21 @@ class _Agent(LocalElasticAgent):
             ended = {r: f for r, f in self.lost.items() if f.exitcode in AGREED_ENDS}
             return RunResult(state=WorkerState.FAILED, failures=ended or dict(self.lost))
         return self._say_restart(worker_group, result)
+
+    def _note_ended(self, worker_group) -> None:
+        """Each rank process that ended (any code), noted once in the job's store: a rank
+        still joining the job stops waiting for it (`leaving.arrive`)."""
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts
+        for local_rank, handler in self._pcontext.subprocess_handlers.items():
+            code = handler.proc.poll()
+            rank = worker_group.workers[local_rank].global_rank
+            if code is not None and (attempt, rank, handler.proc.pid) not in self.noted:
+                self.noted.add((attempt, rank, handler.proc.pid))
+                leaving.note_ended(
+                    lambda key, value: self.job_store.write(f"attempt-{attempt}/{key}", value),
+                    rank,
+                    code,
+                )
 
     def _watch_members(self, worker_group) -> None:
         """A member that exits with an error is gone: the others are told through the job's

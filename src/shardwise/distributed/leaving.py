@@ -8,6 +8,7 @@ first, not the ones that timed out waiting for it.
 from __future__ import annotations
 
 import json
+import time
 
 from shardwise.comm.flight import collective_groups, recorder
 
@@ -40,3 +41,42 @@ def failed_ranks(store, world_size: int, but: int) -> list[int]:
         for rank in range(world_size)
         if rank != but and (record(store, rank) or {}).get("reason")
     ]
+
+
+# Joining: every rank of a start arrives in the job's store before its process group forms,
+# and a launcher notes each rank process that ends. A rank waiting for one that ended before it
+# arrived (its script returned, or failed, before `sw.init()`) hears so at once, not when the
+# group's rendezvous times out minutes later.
+JOINING = "shardwise/joining"
+POLL_S = 0.005
+
+
+def note_ended(write, rank: int, code: int) -> None:
+    """(The launcher) rank `rank`'s process ended with `code`; `write(key, value)` sets a key
+    of this start."""
+    write(f"{JOINING}/ended/{rank}", str(code))
+    write(f"{JOINING}/ended-any", "1")
+
+
+def arrive(store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Say this rank arrived, and wait for the others; a `RuntimeError` in one line naming the
+    ranks that ended before they arrived. Past `timeout_s` it returns (the group's own
+    rendezvous then says who is missing)."""
+    store.set(f"{JOINING}/arrived/{rank}", "1")
+    store.add(f"{JOINING}/arrivals", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(f"{JOINING}/arrivals", 0) < world_size and time.monotonic() < deadline:
+        if store.check([f"{JOINING}/ended-any"]):
+            ended = {
+                r: int(store.get(f"{JOINING}/ended/{r}"))
+                for r in range(world_size)
+                if store.check([f"{JOINING}/ended/{r}"])
+                and not store.check([f"{JOINING}/arrived/{r}"])
+            }
+            if ended:
+                codes = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(ended.items()))
+                raise RuntimeError(
+                    f"shardwise: {codes} ended before joining the job (its sw.init()): rank "
+                    f"{rank} cannot form the process group"
+                )
+        time.sleep(POLL_S)

@@ -166,7 +166,10 @@ def _job_store(env, timeout: timedelta) -> tuple[dist.Store, int, int]:
         # without it every request would fall through to the base class ("Not implemented").
         _client = jobstore.JobStoreClient.from_environment(timeout.total_seconds())
         store = dist.PrefixStore(f"attempt-{attempt}", _client)
-        return store, int(env["RANK"]), int(env["WORLD_SIZE"])
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        # (our launcher notes a rank that ended before it joined: said at once, not later)
+        leaving.arrive(store, rank, world_size, timeout.total_seconds())
+        return store, rank, world_size
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     return dist.PrefixStore(f"shardwise/attempt-{attempt}", store), rank, world_size
 
