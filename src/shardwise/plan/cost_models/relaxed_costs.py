@@ -21,8 +21,9 @@ from shardwise.strategies.section import StrategySection
 
 
 def _average_bytes(job: CostJob, costs: Costs) -> int:
-    """The bytes of one all-reduce of every parameter."""
-    return native_volume("all_reduce", sum(costs.optimizer_numels) * FP32, job.world_size)
+    """The bytes of one all-reduce of every parameter, and the replica's weight beside them
+    (its samples: `relaxed.weighted_mean`)."""
+    return native_volume("all_reduce", (sum(costs.optimizer_numels) + 1) * FP32, job.world_size)
 
 
 def _relaxed_peak(job: CostJob, costs: Costs, copies: int, buffers: int = 0) -> int | None:
