@@ -465,6 +465,7 @@ def test_a_new_job_refuses_a_run_directory_with_another_runs_outputs(tmp_path, c
     (err,) = capsys.readouterr().err.splitlines()
     assert err == (
         f"shardwise: --run-dir {run} holds another run's outputs (metrics.jsonl, faults): a new "
-        "job needs another --run-dir"
+        f"job needs another --run-dir (--resume {run} goes on there, afresh where no checkpoint "
+        "was saved)"
     )
     assert sorted(p.name for p in run.rglob("*")) == ["faults", "kill-rank1-step5", "metrics.jsonl"]

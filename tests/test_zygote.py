@@ -203,4 +203,23 @@ def test_a_rank_that_ends_before_joining_is_named_at_once(tmp_path):
         start_cli("run", "--nproc", "2", str(script), cwd=tmp_path), timeout=60
     )
     assert code != 0
-    assert "rank 1 (exit code 0) ended before joining the job (its sw.init())" in output
+    assert "rank 1 ended (exit code 0) before joining the job (its sw.init())" in output
+
+
+def test_a_rank_that_never_comes_is_named_after_the_timeout_not_twice_it():
+    """Waiting in the job's store, then in the group's rendezvous, took twice the timeout."""
+    import threading
+    import time
+
+    from shardwise.distributed import leaving
+
+    store = __import__("torch").distributed.HashStore()
+    started = time.monotonic()
+    with pytest.raises(leaving.EndedBeforeJoining, match=r"^rank 1 never came before joining"):
+        leaving.arrive(store, 0, 2, timeout_s=0.3)
+    assert time.monotonic() - started < 1.0
+    ended = threading.Timer(0.1, leaving.note_ended, (store.set, 2, 3))
+    ended.start()  # (rank 2 ended with code 3 while rank 0 waited: said at once)
+    with pytest.raises(leaving.EndedBeforeJoining, match=r"rank 2 ended \(exit code 3\)"):
+        leaving.arrive(store, 0, 3, timeout_s=60)
+    assert time.monotonic() - started < 5.0

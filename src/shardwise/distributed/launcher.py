@@ -168,6 +168,7 @@ class _Agent(LocalElasticAgent):
             if code is None or code == 0:
                 continue
             member = self.members.get(local_rank, str(worker_group.workers[local_rank].global_rank))
+            self._note_ended(worker_group)  # (before a replacement takes its place)
             failure = ProcessFailure(local_rank, handler.proc.pid, code, "")
             self.lost[worker_group.workers[local_rank].global_rank] = failure
             context._running_local_ranks.discard(local_rank)

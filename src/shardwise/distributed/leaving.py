@@ -48,7 +48,11 @@ def failed_ranks(store, world_size: int, but: int) -> list[int]:
 # arrived (its script returned, or failed, before `sw.init()`) hears so at once, not when the
 # group's rendezvous times out minutes later.
 JOINING = "shardwise/joining"
-POLL_S = 0.005
+POLL_S = (0.005, 0.05)  # the first and the longest pause between two looks
+
+
+class EndedBeforeJoining(RuntimeError):
+    """Ranks of the job ended, or never came, before they joined it (`arrive`)."""
 
 
 def note_ended(write, rank: int, code: int) -> None:
@@ -59,24 +63,24 @@ def note_ended(write, rank: int, code: int) -> None:
 
 
 def arrive(store, rank: int, world_size: int, timeout_s: float) -> None:
-    """Say this rank arrived, and wait for the others; a `RuntimeError` in one line naming the
-    ranks that ended before they arrived. Past `timeout_s` it returns (the group's own
-    rendezvous then says who is missing)."""
+    """Say this rank arrived, and wait for the others: `EndedBeforeJoining` (one line) naming
+    the ranks that ended before they arrived, at once, or those still missing after
+    `timeout_s`."""
     store.set(f"{JOINING}/arrived/{rank}", "1")
     store.add(f"{JOINING}/arrivals", 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(f"{JOINING}/arrivals", 0) < world_size and time.monotonic() < deadline:
-        if store.check([f"{JOINING}/ended-any"]):
-            ended = {
-                r: int(store.get(f"{JOINING}/ended/{r}"))
-                for r in range(world_size)
-                if store.check([f"{JOINING}/ended/{r}"])
-                and not store.check([f"{JOINING}/arrived/{r}"])
-            }
-            if ended:
-                codes = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(ended.items()))
-                raise RuntimeError(
-                    f"shardwise: {codes} ended before joining the job (its sw.init()): rank "
-                    f"{rank} cannot form the process group"
+    deadline, pause = time.monotonic() + timeout_s, POLL_S[0]
+    while store.add(f"{JOINING}/arrivals", 0) < world_size:
+        late = time.monotonic() > deadline
+        if late or store.check([f"{JOINING}/ended-any"]):
+            missing = [r for r in range(world_size) if not store.check([f"{JOINING}/arrived/{r}"])]
+            ended = {r: store.get(f"{JOINING}/ended/{r}").decode() for r in missing
+                     if store.check([f"{JOINING}/ended/{r}"])}  # fmt: skip
+            if ended or late:
+                said = [f"rank {r} ended (exit code {c})" for r, c in sorted(ended.items())]
+                said += [f"rank {r} never came" for r in missing if r not in ended]
+                raise EndedBeforeJoining(
+                    f"{'; '.join(said)} before joining the job (its sw.init()): rank {rank} "
+                    "cannot form the process group"
                 )
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S[1])

@@ -159,10 +159,9 @@ def _become_zygote(launcher: int) -> None:
         old = getattr(sys, name)
         raw = io.FileIO(fd, "w", closefd=False)
         # Line-buffered: a line (print's text and its newline) leaves in one write, not cut
-        # in two by another rank's writing to the same pipe between them.
-        stream = io.TextIOWrapper(
-            io.BufferedWriter(raw), old.encoding, old.errors, line_buffering=True
-        )
+        # in two by another rank's writing to the same pipe between them; text with no newline
+        # yet waits for one or a flush, as Python's own on a terminal.
+        stream = io.TextIOWrapper(raw, old.encoding, old.errors, line_buffering=True)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     for variable, value in boot.MALLOC_ENV.items():

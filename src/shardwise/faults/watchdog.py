@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from shardwise.comm.flight import P2P, UNWATCHED, Call, collective_groups, recorder
 from shardwise.comm.store import wait_for
@@ -312,7 +313,7 @@ class Watchdog:
         finally:  # whatever happened, the others are told and this rank goes
             with contextlib.suppress(Exception):
                 self.store.set(f"{KEY}/done", "1")
-            os._exit(EXIT_HUNG)
+            _exit_hung()
 
     def _report(self, call: Call, waited_s: float) -> None:
         self._publish_stack()
@@ -353,7 +354,7 @@ class Watchdog:
         _, missing, other, _ = _sort_members(call, members, self._beats(), self.left)
         if other or not missing:
             self.store.set(f"{KEY}/done", "1")
-            os._exit(EXIT_HUNG)
+            _exit_hung()
         for rank in missing:
             self.elastic.drop(self.elastic.epoch.members[rank], f"hung in step {self.step}")
 
@@ -369,7 +370,7 @@ class Watchdog:
         why = self.elastic.gone(self.elastic.me)
         print(f"shardwise: rank {self.rank}: dropped from the job ({why})", file=sys.stderr)
         sys.stderr.flush()
-        os._exit(EXIT_HUNG)
+        _exit_hung()
 
     def _join_abort(self) -> None:
         """Another rank declared a hang: give it this rank's stack, wait for its report, go
@@ -385,7 +386,7 @@ class Watchdog:
             if self.store.check([f"{KEY}/verdict"]):
                 verdict = self.store.get(f"{KEY}/verdict").decode()
         print(f"shardwise: rank {self.rank}: ending: {verdict}", file=sys.stderr, flush=True)
-        os._exit(EXIT_HUNG)
+        _exit_hung()
 
     # ---- desync checks (training thread) --------------------------------------------------------
     def check_sequences(self) -> None:
@@ -446,3 +447,11 @@ def first_difference(group: str, views: dict[int, dict]) -> str:
         f"shardwise: desync in group {group}: the ranks issued different numbers or kinds of "
         f"calls ({counts} calls), before the last ones they remember"
     )
+
+
+def _exit_hung() -> NoReturn:
+    """Leave now (a graceful end would wait on the hung collective), what was printed out."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(EXIT_HUNG)

@@ -140,7 +140,8 @@ def refuse_other_runs(run_dir: Path) -> None:
     if written := [name for name in RUN_OUTPUTS if (run_dir / name).exists()]:
         raise ConfigError(
             f"--run-dir {run_dir} holds another run's outputs ({', '.join(written)}): a new job "
-            "needs another --run-dir"
+            f"needs another --run-dir (--resume {run_dir} goes on there, afresh where no "
+            "checkpoint was saved)"
         )
 
 

@@ -11,11 +11,11 @@ from typing import NoReturn
 
 from safetensors import SafetensorError
 
-from shardwise.comm.broken import broken_connection
+from shardwise.comm.broken import PHRASES
 from shardwise.comm.interrupt import PeerLost
 from shardwise.comm.shared_memory import PeerProcessEnded
 from shardwise.distributed import runtime
-from shardwise.distributed.leaving import failed_ranks
+from shardwise.distributed.leaving import EndedBeforeJoining, failed_ranks
 from shardwise.faults.watchdog import name_ranks
 
 
@@ -29,14 +29,10 @@ def stop_message(stopped_by: dict[int, int], step: int, steps: int, how: str, ru
     and how to go on."""
     who = name_ranks(sorted(stopped_by))
     names = "/".join(sorted({_signal_name(n) for n in stopped_by.values()}))
-    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    then = (  # (a launcher with restarts left restarts the job on a rank's exit, this one's)
-        f"its launcher restarts it from there (restart {done + 1} of {restarts})"
-        if done < restarts
-        else f"go on with: shardwise train --resume {run_dir}"
+    return (
+        f"shardwise: {who} got {names}: stopped after step {step} of {steps} {how}; "
+        f"go on with: shardwise train --resume {run_dir}"
     )
-    return f"shardwise: {who} got {names}: stopped after step {step} of {steps} {how}; {then}"
 
 
 def _signal_name(signum: int) -> str:
@@ -79,9 +75,10 @@ def _peer_lost(error: Exception) -> str | None:
     broke, the membership moved on), not a failure of its own; else None."""
     if isinstance(error, PeerProcessEnded):
         return f"{name_ranks(error.ranks)} ended"
-    if isinstance(error, PeerLost):
+    if isinstance(error, (PeerLost, EndedBeforeJoining)):
         return str(error).splitlines()[0] if str(error) else "a peer was lost"
-    if phrase := broken_connection(str(error)):
+    if phrase := next((p for p in PHRASES if p in str(error)), None):
+        # (the phrase as gloo writes it: the launcher tells a victim from a culprit by it)
         return f"a connection to another rank broke ({phrase})"
     return None
 
