@@ -30,8 +30,11 @@ def train_and_checkpoint(run_dir: str, kind: str, strategy: str) -> dict:
         opt.step()
         opt.zero_grad()
     # The model's config is recorded as the run first saves (a job refused at its resume
-    # leaves the run directory's as it was), then found by the export.
+    # leaves the run directory's as it was), then found by the export. (Every rank looks
+    # before any saves: rank 0, ahead, wrote it while rank 1 looked, in one CI run.)
+    dist.barrier()
     assert not (Path(run_dir) / "hf_config.json").exists()
+    dist.barrier()
     checkpointer.save(4)
     full = model.full_state_dict()
     model.close()
