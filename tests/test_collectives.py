@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from shardwise import comm
 from shardwise.comm.accounting import CommStats
-from shardwise.comm.flight import Call
+from shardwise.comm.flight import KEEP, Call, recorder
 from spawn import run
 
 
@@ -92,6 +94,69 @@ def collectives_as_by_hand():
     if (rank == 2) != ("not a member" in refused):
         failures.append(f"rank {rank}: all_reduce in a pair: {refused or 'not refused'}")
     return failures
+
+
+def _next_line() -> int:
+    return sys._getframe(1).f_lineno + 1
+
+
+def calls_as_recorded() -> dict:
+    """Each call's site as the recorder names it, with the line it was made on; the running
+    hash of the world's calls, with one made by hand call by call (the CRC of each signature
+    chained); the history's (seq, shape) and the shapes issued."""
+    rank = dist.get_rank()
+    recorder.reset()
+    x = torch.zeros(6)
+    sites = []
+
+    def site_of_last_call(line: int) -> None:
+        sites.append((recorder.last().site, f"test_collectives.py:{line} (calls_as_recorded)"))
+
+    line = _next_line()
+    comm.all_reduce(x)
+    site_of_last_call(line)
+    line = _next_line()
+    comm.all_reduce(x, async_op=True).wait()
+    site_of_last_call(line)
+    line = _next_line()
+    comm.barrier()  # (recorded by the call itself, not through `_issue`)
+    site_of_last_call(line)
+    line = _next_line()
+    comm.ring_all_reduce(x)  # (its messages are issued inside `shardwise.comm`)
+    site_of_last_call(line)
+    recorder.reset()
+    by_hand = {}
+    issued = []
+    for i in range(3 * KEEP + 5):
+        # The same bytes in two shapes: rank 1's call 100 differs from rank 0's in its shape.
+        shape = (6,) if i == 100 and rank == 1 else (2, 3) if i % 3 else (3, 2)
+        comm.all_reduce(x.view(shape))
+        issued.append(shape)
+        crc = zlib.crc32(f"all_reduce|{shape}|float32".encode()).to_bytes(4, "little")
+        by_hand["world"] = zlib.crc32(crc, by_hand.get("world", 0))
+    history = [(c.seq, tuple(c.shape)) for c in recorder.history]
+    return {
+        "sites": sites,
+        "hash": recorder.hash["world"],
+        "by_hand": by_hand["world"],
+        "seq": recorder.seq["world"],
+        "history": history,
+        "issued": issued,
+    }
+
+
+def test_the_recorder_names_each_call_s_site_and_hashes_what_ranks_issued():
+    ranks = run(calls_as_recorded, 2)
+    for got in ranks:
+        for site, expected in got["sites"]:
+            assert site == expected
+        assert got["hash"] == got["by_hand"]
+        assert len(got["history"]) == KEEP
+        seq = got["seq"]
+        assert [s for s, _ in got["history"]] == list(range(seq - KEEP + 1, seq + 1))
+        assert [shape for _, shape in got["history"]] == got["issued"][-KEEP:]
+    assert ranks[0]["seq"] == ranks[1]["seq"]
+    assert ranks[0]["hash"] != ranks[1]["hash"]  # (one call's shape differed)
 
 
 def test_collectives_sum_gather_and_scatter_as_by_hand_whoever_takes_the_call():

@@ -38,18 +38,22 @@ REPORT = """
               "parent_name": name, "grandparent": grandparent,
               "name": open("/proc/self/comm").read().strip(),
               "numpy": float(numpy.random.random()),
-              "threads": [torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])]}
+              "threads": [torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])],
+              # (every thread's cores: gloo's threads are running by now)
+              "cores": [sorted(os.sched_getaffinity(int(t)))
+                        for t in os.listdir("/proc/self/task")]}
     open(os.path.join(sys.argv[1], f"rank{rt.rank}.json"), "w").write(json.dumps(report))
     sw.shutdown()
 """
 
 
-def _reports(tmp_path: Path, env: dict[str, str] | None) -> tuple[int, list[dict]]:
+def _reports(tmp_path: Path, env: dict[str, str] | None, *options: str) -> tuple[int, list[dict]]:
     """The launcher's pid, and what each rank reported."""
     script, out = tmp_path / "report.py", tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
     script.write_text(textwrap.dedent(REPORT))
     out.mkdir()
-    job = start_cli("run", "--nproc", "2", str(script), str(out), env=env, cwd=tmp_path)
+    argv = ["run", "--nproc", "2", *options, str(script), str(out)]
+    job = start_cli(*argv, env=env, cwd=tmp_path)
     [(code, output)] = finish(job)
     assert code == 0, output[-3000:]
     return job.pid, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -68,11 +72,34 @@ def test_ranks_are_forks_of_one_zygote_and_the_job_is_the_same_without_it(tmp_pa
     # The zygote started before the job's threads were known (`entry.py`): each fork takes them
     # from its own environment, as a new process's OpenMP does.
     assert all(r["threads"] == [1, 1] for r in forked)
+    usable = sorted(os.sched_getaffinity(0))
+    assert all(cores == usable for r in forked for cores in r["cores"])  # (not bound: not asked)
     _, alone = _reports(tmp_path, {"SHARDWISE_ZYGOTE": "0"})
     for report in alone:  # each its own process, started by the launcher's agent
         assert report["parent"][1:3] == ["-m", "shardwise"], report["parent"]
     assert not any(r["preloaded"] for r in alone)
     assert [r["sum"] for r in forked] == [r["sum"] for r in alone] == [3.0, 3.0]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")
+def test_bound_ranks_run_every_thread_on_cores_of_their_own(tmp_path):
+    usable = sorted(os.sched_getaffinity(0))
+    per_rank = len(usable) // 2  # (the threads a rank gets by default: cores / ranks)
+    expected = [usable[:per_rank], usable[per_rank : 2 * per_rank]]
+    for env in (None, {"SHARDWISE_ZYGOTE": "0"}):  # a fork of the zygote; a process of its own
+        _, ranks = _reports(tmp_path, env, "--bind-cores")
+        for report, cores in zip(ranks, expected, strict=True):
+            assert report["cores"] and all(c == cores for c in report["cores"]), report
+        assert [r["sum"] for r in ranks] == [3.0, 3.0]
+
+
+def test_ranks_that_cannot_each_have_their_cores_are_left_unbound_with_a_line(capsys):
+    usable = len(os.sched_getaffinity(0))
+    env = launcher.worker_environment(usable + 1, 1, bind_cores=True)
+    assert boot.CORES_ENV not in env
+    assert f"{usable + 1} ranks x 1 threads need {usable + 1} cores" in capsys.readouterr().err
+    assert launcher.worker_environment(1, 1, bind_cores=True)[boot.CORES_ENV] == "1"
+    assert boot.CORES_ENV not in launcher.worker_environment(1, 1)
 
 
 SLEEPER = """

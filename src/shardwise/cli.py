@@ -112,7 +112,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shardwise.distributed.launcher import launch_script
 
     _quiet_torch_elastic()
-    launch_script(args.script, args.args, args.nproc, args.threads_per_rank, args.hang_timeout)
+    launch_script(
+        args.script,
+        args.args,
+        args.nproc,
+        args.threads_per_rank,
+        args.hang_timeout,
+        bind_cores=args.bind_cores,
+    )
     return 0
 
 
@@ -252,6 +259,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--steps", type=_at_least_one, help="timed steps per repetition (per suite)")
     bench.add_argument("--reps", type=_at_least_one, help="interleaved repetitions (per suite)")
     bench.add_argument("--out", help="JSON result file (comm: output directory)")
+    bench.add_argument(
+        "--no-bind-cores",
+        dest="bind_cores",
+        action="store_false",
+        help="ddp, zero, pipeline, tp, calls, overhead at one rank: leave the ranks unbound "
+        "(by default each runs on cores of its own, as on a machine it has to itself)",
+    )
     bench.add_argument("--rate", default="100mbit", help="comm: emulated link bandwidth")
     bench.add_argument("--target-loss", type=float, help="comm: loss to reach (per model)")
     bench.add_argument(
@@ -278,6 +292,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="run your own script on N local ranks (like torchrun)")
     run.add_argument("--nproc", type=int, default=2, help="local ranks")
     run.add_argument("--threads-per-rank", type=int, help="default: cores / ranks")
+    run.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="run each rank on cores of its own (steadier times where the job has the "
+        "machine to itself)",
+    )
     run.add_argument(
         "--hang-timeout",
         type=float,

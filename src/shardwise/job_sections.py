@@ -519,6 +519,11 @@ class LaunchConfig(Section):
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per rank (default: cores / local ranks)"
     )
+    bind_cores: bool = Field(
+        False,
+        description="run each local rank on threads_per_rank cores of its own (steadier step "
+        "times where the job has the machine to itself; off where other jobs share its cores)",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process-group backend; auto = nccl with CUDA, gloo otherwise"
     )

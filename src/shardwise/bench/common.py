@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardwise.distributed import boot
 from shardwise.nn.models import MLP, TinyGPT, lm_loss
 from shardwise.observe.memory import model_state_bytes
 
@@ -122,7 +123,9 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
 
 
 def emit(line: dict, out: str | None) -> None:
-    """A benchmark's one JSON line: printed, and written to `out` where given."""
+    """A benchmark's one JSON line: printed, and written to `out` where given (with whether
+    the ranks ran on cores of their own, `--no-bind-cores`)."""
+    line = {**line, "cores_bound": boot.CORES_ENV in os.environ}
     print(json.dumps(line))
     if out:
         Path(out).write_text(json.dumps(line) + "\n")

@@ -66,7 +66,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if args.suite == "overhead" and args.world_size == 1:  # every strategy vs plain torch
         argv = ["shardwise.bench.one_rank_bench", "--models", args.models]
         argv += ["--steps", str(args.steps or 10), "--reps", str(args.reps or 5)]
-        launch(argv + (["--out", args.out] if args.out else []), 1, threads_per_rank=None)
+        argv += ["--out", args.out] if args.out else []
+        launch(argv, 1, threads_per_rank=None, bind_cores=args.bind_cores)
         return 0
     if args.suite in ("ps", "backups", "faults", "packing", "balance", "overhead"):
         return run_own_jobs_benchmark(args)
@@ -76,7 +77,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         argv += ["--models", args.models]
     if args.out:
         argv += ["--out", args.out]
-    launch(argv, args.world_size, threads_per_rank=None)
+    launch(argv, args.world_size, threads_per_rank=None, bind_cores=args.bind_cores)
     return 0
 
 

@@ -14,36 +14,40 @@ wrapper only what it must handle:
 - a complex tensor: the wrapper handles it (reduces its real view, where it does);
 - a reduction other than the plain ones (a pre-multiplied sum).
 
-Each returns the backend's `Work`, as the wrapper's `async_op=True` does. (Unlike the wrapper's,
-a call made inside torch's `_coalescing_manager` runs at once: our layer never opens one.)
+Here are what those calls take (`GATHER`, `SCATTER`, the options of each); each
+collective of `collectives.py` chooses between them and the wrapper in its own frame, and
+`_issue` makes the call it chose with its arguments: a frame per choice (a function, or a
+`partial` of one) cost 2-3 us a call end to end there. The process group's call returns the
+backend's `Work`, as the wrapper's `async_op=True` does. (Unlike the wrapper's, a call made
+inside torch's `_coalescing_manager` runs at once: our layer never opens one.)
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import (
     AllgatherOptions,
     AllreduceOptions,
     ReduceScatterOptions,
 )
-from torch.overrides import has_torch_function_unary
 
 # torch's wrappers of the flat gather and scatter, by this release's names (2.13 renamed them)
 torch_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 torch_reduce_scatter_flat = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
-# (torch 2.13's names; earlier releases name them `_allgather_base`, `_reduce_scatter_base`)
-_GATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
-_SCATTER = (
+# The process group's own flat gather and scatter, (group, output, input, options) -> Work
+# (torch 2.13's names; earlier releases name them `_allgather_base`, `_reduce_scatter_base`;
+# its all-reduce is `ProcessGroup.allreduce(group, [tensor], options)`)
+GATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+SCATTER = (
     getattr(dist.ProcessGroup, "reduce_scatter_single", None)
     or dist.ProcessGroup._reduce_scatter_base
 )
 
 # Options are read, never changed, by the process group's call: one object per reduction
 # (another reduction, such as a pre-multiplied sum, goes through the wrapper).
-_RED_OP = dist.ReduceOp.RedOpType
+RED_OP = dist.ReduceOp.RedOpType
 
 
 def _options(kind: type, op: dist.ReduceOp.RedOpType | None = None):
@@ -55,36 +59,6 @@ def _options(kind: type, op: dist.ReduceOp.RedOpType | None = None):
 
 
 _REDUCTIONS = [getattr(dist.ReduceOp, name) for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX")]
-_ALL_REDUCE_OPTIONS = {op: _options(AllreduceOptions, op) for op in _REDUCTIONS}
-_SCATTER_OPTIONS = {op: _options(ReduceScatterOptions, op) for op in _REDUCTIONS}
-_GATHER_OPTIONS = _options(AllgatherOptions)
-
-
-def _plain(tensor: torch.Tensor) -> bool:
-    return not has_torch_function_unary(tensor) and not tensor.is_complex()
-
-
-def all_reduce(tensor: torch.Tensor, op, group: dist.ProcessGroup | None) -> dist.Work | None:
-    pg = dist.GroupMember.WORLD if group is None else group
-    options = _ALL_REDUCE_OPTIONS.get(op) if type(op) is _RED_OP else None
-    if options is None or has_torch_function_unary(tensor) or tensor.is_complex():
-        return dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return pg.allreduce([tensor], options)
-
-
-def all_gather_flat(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
-) -> dist.Work | None:
-    pg = dist.GroupMember.WORLD if group is None else group
-    if not (_plain(output) and _plain(shard)):
-        return torch_all_gather_flat(output, shard, group=group, async_op=True)
-    return _GATHER(pg, output, shard, _GATHER_OPTIONS)
-
-
-def reduce_scatter_flat(
-    shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None
-) -> dist.Work | None:
-    pg = dist.GroupMember.WORLD if group is None else group
-    if not (_plain(shard) and _plain(full)):
-        return torch_reduce_scatter_flat(shard, full, group=group, async_op=True)
-    return _SCATTER(pg, shard, full, _SCATTER_OPTIONS[dist.ReduceOp.SUM])
+ALL_REDUCE_OPTIONS = {op: _options(AllreduceOptions, op) for op in _REDUCTIONS}
+SCATTER_SUM_OPTIONS = _options(ReduceScatterOptions, dist.ReduceOp.SUM)
+GATHER_OPTIONS = _options(AllgatherOptions)

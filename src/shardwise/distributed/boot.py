@@ -29,6 +29,9 @@ import socket
 import sys
 
 PARENT_ENV = "SHARDWISE_PARENT_PID"
+# Set by a launcher asked to bind ranks to cores (`launch.bind_cores`): how many cores a rank
+# takes, local rank r the r-th run of that many among those the launcher may use.
+CORES_ENV = "SHARDWISE_CORES_PER_RANK"
 ZYGOTE_ENV = "SHARDWISE_ZYGOTE"
 PR_SET_PDEATHSIG = 1
 # Keep freed memory in the process: large gradient buffers are reallocated every step (glibc
@@ -75,8 +78,22 @@ def _announce_leaving(error: BaseException) -> None:
         runtime.announce_leaving(f"{type(error).__name__}: {error}".splitlines()[0][:300])
 
 
+def bind_cores() -> None:
+    """Pin this rank to its own cores where the launcher asked (`CORES_ENV`). Called before
+    the rank starts a thread (torch's, gloo's), which inherit it. A rank that stays on its
+    cores finds its caches as it left them after a wait: on the 2-core VM, world 2, a float's
+    all-reduce took 145-150 us bound against 170-200 unbound, every way of calling it."""
+    per_rank = int(os.environ.get(CORES_ENV) or 0)
+    if per_rank:
+        usable = sorted(os.sched_getaffinity(0))
+        first = int(os.environ.get("LOCAL_RANK", "0")) * per_rank
+        if first + per_rank <= len(usable):  # (the launcher checked: all ranks fit)
+            os.sched_setaffinity(0, usable[first : first + per_rank])
+
+
 def run(args: list[str]) -> None:
     """Run the rank: `-m MODULE ARGS...` or `SCRIPT ARGS...`, as `python` would."""
+    bind_cores()
     # Python put this file's folder, the package's own, first on the path: its modules must not
     # shadow top-level ones. What `python -m MODULE` or `python SCRIPT` would put there instead:
     if args[:1] == ["-m"] and len(args) > 1:

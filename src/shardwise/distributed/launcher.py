@@ -68,9 +68,21 @@ class Stopped(LaunchError):
         self.exit_code = 128 + signum
 
 
-def worker_environment(nproc: int, threads_per_rank: int | None) -> dict[str, str]:
+def worker_environment(
+    nproc: int, threads_per_rank: int | None, bind_cores: bool = False
+) -> dict[str, str]:
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    if bind_cores:  # each rank its own `threads` cores (`boot.bind_cores`), where all fit
+        usable = len(os.sched_getaffinity(0))
+        if nproc * threads <= usable:
+            env[boot.CORES_ENV] = str(threads)
+        else:
+            print(
+                f"shardwise: ranks not bound to cores: {nproc} ranks x {threads} threads need "
+                f"{nproc * threads} cores, this launcher may use {usable}",
+                file=sys.stderr,
+            )
     env[boot.PARENT_ENV] = str(os.getpid())  # the workers' parent: this process
     for key, value in boot.MALLOC_ENV.items():
         env[key] = os.environ.get(key, value)
@@ -88,12 +100,14 @@ def launch(
     threads_per_rank: int | None = None,
     max_restarts: int = 0,
     on_failure: str = "stop",
+    bind_cores: bool = False,
 ) -> None:
     """Run `python -m <module_args...>` on `nproc` local ranks; raise `LaunchError` on failure
     (after `max_restarts` restarts of all of them, when a rank fails). With `on_failure`
     'shrink', a rank that fails is only reported to the others (they go on without it);
-    'replace': and a replacement is started, which joins them (`distributed/membership.py`)."""
-    _launch(["-m", *module_args], nproc, threads_per_rank, max_restarts, on_failure)
+    'replace': and a replacement is started, which joins them (`distributed/membership.py`).
+    `bind_cores`: each rank runs on cores of its own (`boot.bind_cores`)."""
+    _launch(["-m", *module_args], nproc, threads_per_rank, max_restarts, on_failure, bind_cores)
 
 
 def launch_script(
@@ -102,6 +116,7 @@ def launch_script(
     nproc: int,
     threads_per_rank: int | None = None,
     hang_timeout_s: float = 60.0,
+    bind_cores: bool = False,
 ) -> None:
     """Run `python <script> <args...>` on `nproc` local ranks, each with a watchdog that ends
     the job naming the rank that hangs (or left early) after `hang_timeout_s`."""
@@ -110,7 +125,7 @@ def launch_script(
     if not 0 < hang_timeout_s < float("inf"):
         raise ValueError(f"--hang-timeout must be a positive number of seconds: {hang_timeout_s}")
     with _environment({WATCHDOG_ENV: str(hang_timeout_s)}):
-        _launch([script, *args], nproc, threads_per_rank)
+        _launch([script, *args], nproc, threads_per_rank, bind_cores=bind_cores)
 
 
 class _Agent(LocalElasticAgent):
@@ -245,12 +260,14 @@ def _launch(
     threads_per_rank: int | None,
     max_restarts: int = 0,
     on_failure: str = "stop",
+    bind_cores: bool = False,
 ) -> None:
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    workers = worker_environment(nproc, threads_per_rank, bind_cores)
     with (
         jobstore.JobStoreServer(jobstore.new_secret()) as store,
-        _environment({**worker_environment(nproc, threads_per_rank), **store.environment()}),
+        _environment({**workers, **store.environment()}),
         zygote.running(python_args, dict(os.environ)) as forked,
         _environment(forked),
         agent_logs() as logs,

@@ -92,6 +92,7 @@ def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False
             cfg.launch.threads_per_rank,
             cfg.launch.max_restarts,
             cfg.train.on_failure,
+            cfg.launch.bind_cores,
         )
     return 0
 

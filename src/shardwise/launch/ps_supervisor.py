@@ -105,7 +105,7 @@ class Attempt:
 def _start(
     argv: list[str],
     nproc: int,
-    threads: int | None,
+    workers: dict[str, str],  # `worker_environment`'s
     attempt: int,
     layout: Layout,
     forked: dict[str, str],
@@ -113,7 +113,7 @@ def _start(
     # The job's store lives in the supervisor, as torchrun's agent hosts its own: a rank that
     # freezes freezes nobody's store requests (heartbeats).
     server = jobstore.JobStoreServer(jobstore.new_secret())
-    env = {**os.environ, **worker_environment(nproc, threads), **server.environment(), **forked}
+    env = {**os.environ, **workers, **server.environment(), **forked}
     env.update(
         MASTER_ADDR=loopback.HOST,  # gloo's sockets follow it: 127.0.0.1 only
         WORLD_SIZE=str(nproc),
@@ -165,15 +165,21 @@ def _ending_children_on_signals(running: list[subprocess.Popen]):
 
 
 def supervise(
-    argv: list[str], layout: Layout, nproc: int, threads: int | None, restarts: int
+    argv: list[str],
+    layout: Layout,
+    nproc: int,
+    threads: int | None,
+    restarts: int,
+    bind_cores: bool = False,
 ) -> tuple[bool, dict[int, int]]:
     """Run the processes; returns (whether the servers and relays finished, {rank: exit code}
     of processes that failed)."""
     running: list[subprocess.Popen] = []
-    base = {**os.environ, **worker_environment(nproc, threads)}
+    workers = worker_environment(nproc, threads, bind_cores)
+    base = {**os.environ, **workers}
     with _ending_children_on_signals(running), zygote.running(argv, base) as forked:
         for attempt in range(restarts + 1):  # (a restart's processes are forks too: no imports)
-            job = _start(argv, nproc, threads, attempt, layout, forked)
+            job = _start(argv, nproc, workers, attempt, layout, forked)
             running[:] = job.procs
             if _watch(job, layout):
                 return layout.served(job.procs), job.failures
@@ -328,7 +334,10 @@ def run_ps_job(cfg: Config, argv: list[str], run_dir: Path) -> int:
     restarts = 1 if s.snapshot_every else 0
     started = time.perf_counter()
     argv = ["-m", *argv]
-    ok, failures = supervise(argv, layout, cfg.launch.nproc, cfg.launch.threads_per_rank, restarts)
+    launch = cfg.launch
+    ok, failures = supervise(
+        argv, layout, launch.nproc, launch.threads_per_rank, restarts, launch.bind_cores
+    )
     failed = ", ".join(
         f"{layout.role(r)} (exit code {code})" for r, code in sorted(failures.items())
     )
