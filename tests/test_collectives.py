@@ -159,6 +159,15 @@ def test_the_recorder_names_each_call_s_site_and_hashes_what_ranks_issued():
     assert ranks[0]["hash"] != ranks[1]["hash"]  # (one call's shape differed)
 
 
+def test_a_call_with_no_python_caller_is_recorded_with_no_site():
+    """As from a C thread's callback: fewer frames above the recorder than a collective has."""
+    from shardwise.comm.flight import FlightRecorder
+
+    recorder = FlightRecorder()
+    recorder.issue("all_reduce", None, torch.zeros(2), depth=1000)
+    assert recorder.last().site == "?" and recorder.seq == {"world": 1}
+
+
 def test_collectives_sum_gather_and_scatter_as_by_hand_whoever_takes_the_call():
     for failures in run(collectives_as_by_hand, 3):
         assert failures == []

@@ -125,7 +125,7 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
 def emit(line: dict, out: str | None) -> None:
     """A benchmark's one JSON line: printed, and written to `out` where given (with whether
     the ranks ran on cores of their own, `--no-bind-cores`)."""
-    line = {**line, "cores_bound": boot.CORES_ENV in os.environ}
+    line = {**line, "cores_bound": boot.cores_bound()}
     print(json.dumps(line))
     if out:
         Path(out).write_text(json.dumps(line) + "\n")

@@ -36,17 +36,15 @@ Run: shardwise bench pipeline    (2 ranks)
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.bench.common import gpt_batch, gpt_model
+from shardwise.bench.common import emit, gpt_batch, gpt_model
 from shardwise.comm.named_tensors import all_gather_named
 from shardwise.nn.models import lm_loss
 from shardwise.observe.memory import ActivationMeter
@@ -260,9 +258,7 @@ def main() -> None:
             "checks": checks(rows),
         }
         print_table(result)
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result) + "\n")
+        emit(result, args.out)
     sw.shutdown()
 
 

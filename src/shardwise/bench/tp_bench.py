@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
 
 import shardwise as sw
 from shardwise import comm
-from shardwise.bench.common import gpt_batch, gpt_model, interleaved_times, medians, train_step
+from shardwise.bench.common import (
+    emit,
+    gpt_batch,
+    gpt_model,
+    interleaved_times,
+    medians,
+    train_step,
+)
 from shardwise.bench.floor import bare_collectives, by_rep, calls_of, floor_figures
 from shardwise.comm import parallel_ops
 from shardwise.comm.accounting import native_volume
@@ -188,9 +193,7 @@ def main() -> None:
         result["ratio_ours_over_torch_tp_by_rep"] = by_rep(times, "ours_tp", "torch_tp")
     if rt.is_main:
         print_report(result)
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result) + "\n")
+        emit(result, args.out)
     sw.shutdown()
 
 

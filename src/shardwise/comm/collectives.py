@@ -36,7 +36,7 @@ from shardwise.comm.direct import (
     torch_all_gather_flat,
     torch_reduce_scatter_flat,
 )
-from shardwise.comm.flight import Call, recorder
+from shardwise.comm.flight import recorder
 from shardwise.comm.interrupt import PeerLost
 
 ProcessGroup = dist.ProcessGroup
@@ -98,7 +98,7 @@ class Handle:
         self,
         op: str,
         pending: dist.Work | Future | None,
-        call: Call | None,
+        call: tuple | None,  # (a Call's fields, as the flight recorder recorded them)
         issued: float | None = None,  # `time.perf_counter()` when issued (default: now)
         counted: tuple[int, float] | None = None,  # (bytes, seconds issuing) to count at wait
     ) -> None:
@@ -129,7 +129,7 @@ _DONE = Handle("done", None, None, 0.0)  # what a call that has finished returns
 
 
 def _wait_recorded(
-    pending: dist.Work | Future, call: Call | None, since: float | None = None
+    pending: dist.Work | Future, call: tuple | None, since: float | None = None
 ) -> None:
     """`_wait`, with the flight recorder told which call this thread waits in (from `since`).
     On every collective's path: flat (`recorder.begin_wait`, `end_wait` and `_wait`'s own test,
@@ -229,7 +229,7 @@ def _issue(
     if blocking or recorder.check_call is not None:
         # Recorded before it runs: the watchdog must know what a blocking call waits in, and
         # debug mode (`check_call`) compares each call across ranks before it can hang.
-        recorded = recorder.issue(recorded_as or op, group, tensor)
+        recorded = recorder.issue(recorded_as or op, group, tensor, 3)
         work = _run_blocking(call, args, recorded, start) if blocking else call(*args)
     else:
         # The backend's call first, recorded while its messages are in flight: off the path
@@ -237,7 +237,7 @@ def _issue(
         # VM, world 2, a float's all-reduce: the record cost 10-14 us a call there, end to
         # end, 4-9 in flight.)
         work = call(*args)
-        recorded = recorder.issue(recorded_as or op, group, tensor)
+        recorded = recorder.issue(recorded_as or op, group, tensor, 3)
     if work is None:  # (a blocking call: done)
         stats.record(op, nbytes, time.perf_counter() - start)
         return _DONE
@@ -259,7 +259,7 @@ def _issue(
     return _DONE
 
 
-def _run_blocking(call, args: tuple, recorded: Call, start: float):
+def _run_blocking(call, args: tuple, recorded: tuple, start: float):
     """A call that is its own wait, marked as waited in from `start`."""
     thread = recorder.begin_wait(recorded, start)
     try:
@@ -452,7 +452,7 @@ def exchange(
     """
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
-    recorded = recorder.issue("p2p", group, sends[0][0] if sends else None, depth=2)
+    recorded = recorder.issue("p2p", group, sends[0][0] if sends else None)
     start = time.perf_counter()
     for work in dist.batch_isend_irecv(ops):
         _wait_recorded(work, recorded)
@@ -499,14 +499,14 @@ def irecv(
 
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
     """Receive into `tensor` from group rank `src`, blocking (the wait is counted)."""
-    recorded = recorder.issue("recv", group, tensor, depth=2)
+    recorded = recorder.issue("recv", group, tensor)
     start = time.perf_counter()
     _wait_recorded(dist.irecv(tensor, group=group, group_src=src), recorded)
     stats.record("recv", 0, time.perf_counter() - start)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
-    recorded = recorder.issue("barrier", group, depth=2)
+    recorded = recorder.issue("barrier", group)
     start = time.perf_counter()
     _wait_recorded(dist.barrier(group=group, async_op=True), recorded)
     stats.record("barrier", 0, time.perf_counter() - start)

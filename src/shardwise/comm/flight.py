@@ -6,8 +6,8 @@ issued the same collectives in the same order have equal hashes. The recorder ke
 calls with their call sites (the first frame outside `shardwise.comm`), and marks which call
 this rank is waiting in and since when: what the watchdog (`faults/watchdog.py`) reads to name
 a hang or a desync. Recording a call appends its raw fields (the dtype, the caller's code and
-the offset of the call in it) to a list; the hashes are brought up to date every KEEP calls or
-when read, and the fields formatted only when read (a hang, a desync, a trace): on 2 cores,
+the offset of the call in it) to a list; the hashes are brought up to date about every KEEP
+calls or when read, and the fields formatted only when read (a hang, a desync, a trace): on 2 cores,
 world 2, the record's cost end to end fell from 3.5-4.7 to 1.4-2.5 us a call that way.
 """
 
@@ -40,8 +40,9 @@ def collective_groups(counts: dict[str, int]) -> dict[str, int]:
 
 class Call(tuple):
     """One collective as this rank issued it: (op, group, seq, shape, dtype, site). Issuing is on
-    every collective's path, so it records raw values (the dtype, the caller's code and line) in
-    a tuple made without Python code (`_make_call`), and formats them only when read."""
+    every collective's path, so it records raw values (the dtype, the caller's code and the
+    offset of the call in it) in a plain tuple (`FlightRecorder.issue`), made a Call
+    (`_make_call`) and formatted only when read."""
 
     __slots__ = ()
 
@@ -151,7 +152,7 @@ class FlightRecorder:
     def reset(self) -> None:
         self.seq: dict[str, int] = {}
         # The calls, newest last: the last KEEP at least, and those issued since the last
-        # `_fold`, which adds them to their groups' hashes (once every KEEP calls, or when read:
+        # `_fold`, which adds them to their groups' hashes (past 2 KEEP calls, or when read:
         # hashing on each call's path cost 0.2 us warm, several times that end to end).
         self._calls: list[tuple] = []  # (each a Call's fields: `issue`)
         self._hashed = 0  # how many of `_calls`, from the first, the hashes hold
@@ -181,7 +182,7 @@ class FlightRecorder:
         op: str,
         group: dist.ProcessGroup | None,
         tensor: torch.Tensor | None = None,
-        depth: int = 3,  # frames from here to the first that may be the call site
+        depth: int = 2,  # frames from here to the first that may be the call site
     ) -> tuple:
         """Records a call; what it returns stands for it in `waiting` (a Call's fields, read
         as a Call through `longest_wait`, `last` and `history`)."""
@@ -198,9 +199,12 @@ class FlightRecorder:
         else:
             shape, dtype = tensor.shape, tensor.dtype  # (a torch.Size is a tuple)
         # The call site: the first frame outside `shardwise.comm` (inline: a Python call on
-        # this path costs 2-4 us end to end on 2 cores, its code cold after a wait). Called
-        # from `_issue` (the default depth), the frame above it is a collective of ours.
-        frame, site = sys._getframe(depth), None
+        # this path costs 2-4 us end to end on 2 cores, its code cold after a wait). From
+        # `_issue` (depth 3), the frame above it is a collective of ours.
+        try:
+            frame, site = sys._getframe(depth), None
+        except ValueError:  # (a collective called by no Python code: a C thread's callback)
+            frame, site = None, None
         while frame is not None:
             code = frame.f_code
             inside = _INSIDE.get(code)
@@ -221,7 +225,7 @@ class FlightRecorder:
 
     def _fold(self) -> None:
         """Adds the calls not yet hashed to their groups' hashes, and forgets all but the last
-        KEEP calls. (Appending is atomic, so an issuing thread never waits for the lock.)"""
+        KEEP calls. (Appending is atomic: an issuing thread takes the lock only to fold.)"""
         with self._folding:
             calls, hashes = self._calls, self._hash
             issued = len(calls)
@@ -246,7 +250,7 @@ class FlightRecorder:
         """The last KEEP calls, oldest first."""
         return [_make_call(Call, call) for call in self._calls[-KEEP:]]
 
-    def begin_wait(self, call: Call, since: float | None = None) -> int:
+    def begin_wait(self, call: tuple, since: float | None = None) -> int:  # (a Call's fields)
         """This thread waits for `call` from `since` (`time.perf_counter()`, default now)
         until `end_wait` (what the watchdog reads); the thread's id, for `end_wait`."""
         thread = threading.get_ident()
@@ -257,7 +261,7 @@ class FlightRecorder:
         self.waiting.pop(thread, None)
 
     @contextlib.contextmanager
-    def blocked_in(self, call: Call):
+    def blocked_in(self, call: tuple):
         """Marks the time this thread waits for `call` to finish."""
         thread = self.begin_wait(call)
         try:

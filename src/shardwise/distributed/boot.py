@@ -84,11 +84,24 @@ def bind_cores() -> None:
     cores finds its caches as it left them after a wait: on the 2-core VM, world 2, a float's
     all-reduce took 145-150 us bound against 170-200 unbound, every way of calling it."""
     per_rank = int(os.environ.get(CORES_ENV) or 0)
-    if per_rank:
+    if per_rank and hasattr(os, "sched_setaffinity"):  # (Linux's)
         usable = sorted(os.sched_getaffinity(0))
         first = int(os.environ.get("LOCAL_RANK", "0")) * per_rank
         if first + per_rank <= len(usable):  # (the launcher checked: all ranks fit)
             os.sched_setaffinity(0, usable[first : first + per_rank])
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a `taskset` or a container's cpuset counts)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cores_bound() -> bool:
+    """Whether this rank runs on the cores `bind_cores` gave it."""
+    per_rank = int(os.environ.get(CORES_ENV) or 0)
+    return per_rank > 0 and hasattr(os, "sched_getaffinity") and usable_cores() == per_rank
 
 
 def run(args: list[str]) -> None:

@@ -71,18 +71,20 @@ class Stopped(LaunchError):
 def worker_environment(
     nproc: int, threads_per_rank: int | None, bind_cores: bool = False
 ) -> dict[str, str]:
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    usable = boot.usable_cores()
+    threads = threads_per_rank or max(1, usable // nproc)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    if bind_cores:  # each rank its own `threads` cores (`boot.bind_cores`), where all fit
-        usable = len(os.sched_getaffinity(0))
-        if nproc * threads <= usable:
-            env[boot.CORES_ENV] = str(threads)
-        else:
-            print(
-                f"shardwise: ranks not bound to cores: {nproc} ranks x {threads} threads need "
-                f"{nproc * threads} cores, this launcher may use {usable}",
-                file=sys.stderr,
-            )
+    env[boot.CORES_ENV] = ""  # (unbound, whatever this process was given)
+    if bind_cores and nproc * threads > usable:
+        print(
+            f"shardwise: ranks not bound to cores: {nproc} ranks x {threads} threads need "
+            f"{nproc * threads} cores, this launcher may use {usable}",
+            file=sys.stderr,
+        )
+    elif bind_cores and not hasattr(os, "sched_setaffinity"):
+        print("shardwise: ranks not bound to cores: this platform cannot", file=sys.stderr)
+    elif bind_cores and threads < usable:  # (a lone rank on every core is bound to nothing)
+        env[boot.CORES_ENV] = str(threads)  # each rank its own `threads` (`boot.bind_cores`)
     env[boot.PARENT_ENV] = str(os.getpid())  # the workers' parent: this process
     for key, value in boot.MALLOC_ENV.items():
         env[key] = os.environ.get(key, value)
