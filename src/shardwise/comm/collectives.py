@@ -229,7 +229,7 @@ def _issue(
     if blocking or recorder.check_call is not None:
         # Recorded before it runs: the watchdog must know what a blocking call waits in, and
         # debug mode (`check_call`) compares each call across ranks before it can hang.
-        recorded = recorder.issue(recorded_as or op, group, tensor, 3)
+        recorded = recorder.issue(recorded_as or op, group, tensor, depth=3)
         work = _run_blocking(call, args, recorded, start) if blocking else call(*args)
     else:
         # The backend's call first, recorded while its messages are in flight: off the path
@@ -237,24 +237,14 @@ def _issue(
         # VM, world 2, a float's all-reduce: the record cost 10-14 us a call there, end to
         # end, 4-9 in flight.)
         work = call(*args)
-        recorded = recorder.issue(recorded_as or op, group, tensor, 3)
+        recorded = recorder.issue(recorded_as or op, group, tensor, depth=3)
     if work is None:  # (a blocking call: done)
         stats.record(op, nbytes, time.perf_counter() - start)
         return _DONE
     if async_op:  # counted as it is waited for
         issued = time.perf_counter()
         return Handle(op, work, recorded, issued, (nbytes, issued - start))
-    # `_wait_recorded`, inline: a frame less on every blocking call's path (1-2 us end to end
-    # on 2 cores, world 2, where code run after a wait runs cold).
-    thread, waiting = threading.get_ident(), recorder.waiting
-    waiting[thread] = (recorded, start)
-    try:
-        if interrupt.waits_interrupted or isinstance(work, Future):
-            _wait(work)
-        else:
-            work.wait()
-    finally:
-        waiting.pop(thread, None)
+    _wait_recorded(work, recorded, start)
     stats.record(op, nbytes, time.perf_counter() - start)
     return _DONE
 

@@ -74,21 +74,27 @@ def worker_environment(
     usable = boot.usable_cores()
     threads = threads_per_rank or max(1, usable // nproc)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    env[boot.CORES_ENV] = ""  # (unbound, whatever this process was given)
-    if bind_cores and nproc * threads > usable:
-        print(
-            f"shardwise: ranks not bound to cores: {nproc} ranks x {threads} threads need "
-            f"{nproc * threads} cores, this launcher may use {usable}",
-            file=sys.stderr,
-        )
-    elif bind_cores and not hasattr(os, "sched_setaffinity"):
-        print("shardwise: ranks not bound to cores: this platform cannot", file=sys.stderr)
-    elif bind_cores and threads < usable:  # (a lone rank on every core is bound to nothing)
-        env[boot.CORES_ENV] = str(threads)  # each rank its own `threads` (`boot.bind_cores`)
+    # Each rank its own `threads` cores (`boot.bind_cores`); empty: unbound, whatever binding
+    # this process was given.
+    env[boot.CORES_ENV] = _cores_per_rank(nproc, threads, usable) if bind_cores else ""
     env[boot.PARENT_ENV] = str(os.getpid())  # the workers' parent: this process
     for key, value in boot.MALLOC_ENV.items():
         env[key] = os.environ.get(key, value)
     return env
+
+
+def _cores_per_rank(nproc: int, threads: int, usable: int) -> str:
+    """`threads`, where each rank can have cores of its own; else "" (unbound), said in a line
+    where binding was asked for and cannot be done."""
+    if nproc * threads > usable:
+        why = f"{nproc} ranks x {threads} threads need {nproc * threads} cores, this "
+        why += f"launcher may use {usable}"
+    elif not hasattr(os, "sched_setaffinity"):
+        why = "this platform cannot"
+    else:  # (a lone rank on every core is bound to nothing: not said)
+        return str(threads) if threads < usable else ""
+    print(f"shardwise: ranks not bound to cores: {why}", file=sys.stderr)
+    return ""
 
 
 def boot_argv(python_args: list[str]) -> list[str]:
