@@ -300,11 +300,13 @@ def _digits_run(
     relays: int = 0,
     servers: int = 1,
     hang: bool = False,
+    after_push: bool = False,
 ):
     """Workers take batches from server 0's work queue (EPOCHS passes over the digits training set);
-    one may SIGKILL itself mid-run, or (`hang`) stop training while its process lives on. Each
-    worker logs the indices of every batch it trained to `log_dir` (flushed: a killed worker's
-    log holds all it trained)."""
+    one may SIGKILL itself mid-run (before its 6th batch, or with `after_push` after it: its
+    update applied, its next batch not asked for), or (`hang`) stop training while its process
+    lives on. Each worker logs the indices of every batch it trained to `log_dir` (flushed: a
+    killed worker's log holds all it trained)."""
     from shardwise.data.datasets import digits
 
     splits = digits()
@@ -334,7 +336,7 @@ def _digits_run(
     steps = 0
     log = open(Path(log_dir) / f"trained{rank}.jsonl", "a")  # noqa: SIM115 (SIGKILLed with it)
     while (indices := model.client.next_batch()) is not None:
-        if rank == die_at and steps == 5:
+        if rank == die_at and steps == 5 and not after_push:
             if hang:  # its heartbeats go on: only its progress says it is stuck
                 while True:
                     time.sleep(3600)
@@ -346,6 +348,8 @@ def _digits_run(
         log.write(json.dumps(indices) + "\n")
         log.flush()
         steps += 1
+        if rank == die_at and steps == 6 and after_push:
+            os.kill(os.getpid(), signal.SIGKILL)
     log.close()
     state = sw.full_state_dict(model)
     strategy.close(model)
@@ -603,20 +607,33 @@ def test_a_ps_job_left_no_usable_snapshot_fails_at_once_with_one_line_and_no_res
     assert foreign.exists()  # nothing removed
 
 
+TWO_LEVEL_DEATHS = {
+    "kill": ("async", False, False),
+    "hang": ("sync", True, False),
+    "kill-after-push": ("async", False, True),
+}
+
+
 @pytest.mark.alone  # (2 s and 3 s silence timeouts)
-@pytest.mark.parametrize("mode, hang", [("async", False), ("sync", True)], ids=["kill", "hang"])
-def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(mode, hang, tmp_path):
+@pytest.mark.parametrize("mode, hang, after_push", TWO_LEVEL_DEATHS.values(), ids=TWO_LEVEL_DEATHS)
+def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(
+    mode, hang, after_push, tmp_path
+):
     """1 server, relays 1 and 2 over workers 3, 4 and 5; worker 3 dies (async), or its training
     hangs while it keeps beating (sync): its relay declares it dead (silent) or stuck (its clock
     still while worker 4's moves on), server 0 deals its batch again, and the others finish
     every batch of every epoch (in sync mode through the end of the queue, where workers wait
-    for the lost one's batch)."""
-    args = (str(tmp_path), mode, 3, 2, 1, hang)
+    for the lost one's batch). Killed after its update was applied and before it asked for its
+    next batch, its batch is in the parameters: it is not dealt again (before, a relay's async
+    push named no worker, so server 0 dealt that batch again and it was trained twice)."""
+    args = (str(tmp_path), mode, 3, 2, 1, hang, after_push)
     server, relay_a, relay_b, _, *alive = run(_digits_run, 6, *args, timeout_s=180, dies=(3,))
     silence = relay_a["dead"][3]
     assert list(relay_a["dead"]) == [3]
     assert 3.0 < silence <= 3.0 + 2.0 if hang else silence <= 2.0 + 1.0
     assert not relay_b["dead"] and not server["dead"]
+    if after_push:
+        assert len((tmp_path / "trained3.jsonl").read_text().splitlines()) == 6
     _each_batch_trained_once(server, tmp_path)
     assert all(w["accuracy"] >= 0.85 for w in alive), alive
 
@@ -842,20 +859,3 @@ def test_a_killed_primary_server_is_replaced_by_its_backup_with_no_update_lost(w
     for worker in workers:
         assert worker["servers"] == [servers, *range(1, servers)]  # it went over
         assert max((worker["state"][k] - v).abs().max().item() for k, v in expected.items()) <= 1e-5
-
-
-def test_a_relays_round_does_not_count_a_batch_dealt_to_a_worker_that_waited():
-    """A worker held at the end of the queue and then dealt a batch given back may not be in
-    its relay's round (summed without it): that round does not count its batch, which counts
-    once the worker finishes it; a worker's own push, or one dealt normally, counts."""
-    outbox = types.SimpleNamespace(send=lambda *a, **k: None)
-    peers = types.SimpleNamespace(live={1, 2}, done=set(), idle=set(), note_served=lambda r: None)
-    work = sw.ps.WorkQueue.for_batches(2, size=8, batch=4, seed=0)
-    dealer = Dealer(work, peers, outbox)
-    dealer.request(1, worker=1), dealer.request(2, worker=2)  # batches 0 and 1
-    assert dealer.request(1, worker=1)  # held: none left
-    dealer.lost([2])  # batch 1 back, dealt to the held worker 1 (batch 0 finished)
-    dealer.applied([1], relayed=True)
-    assert work.applied() == (1, [])  # (batch 1 not counted yet)
-    dealer.applied([1])  # its own push, not a relay's: it counts
-    assert work.applied() == (2, [])

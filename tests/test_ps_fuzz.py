@@ -70,7 +70,7 @@ def _hostile(rng: random.Random, category: str, clock: int, shard: int):
         return [_header(Kind.PUSH, clock, 0, numel=shard), _marked(values)]
     if category == "unknown":
         return [_header(rng.choice([0, max(Kind) + 1, 99, -3]), clock)]
-    wrong = rng.choice(["hello", "clock", "count", "pull", "round", "lost", "next"])
+    wrong = rng.choice(["hello", "clock", "count", "pull", "round", "lost", "holds", "next"])
     if wrong == "hello":  # a second HELLO
         text = protocol.pack([])
         return [_header(Kind.HELLO, numel=text.numel()), _marked(text)]
@@ -87,6 +87,9 @@ def _hostile(rng: random.Random, category: str, clock: int, shard: int):
         return [_header(Kind.ROUND, numel=2), _marked(members)]
     if wrong == "lost":  # only relays report their workers' deaths
         return [_header(Kind.LOST, 1)]
+    if wrong == "holds":  # only relays name the workers their push holds
+        named = torch.tensor([dist.get_rank()])
+        return [_header(Kind.HOLDS, clock, numel=1), _marked(named)]
     return [_header(Kind.NEXT, rng.choice([1, 2]))]  # a batch for another worker
 
 
@@ -169,3 +172,41 @@ def test_a_pull_answer_longer_than_the_shard_is_refused_before_it_is_read():
     _, refused = run(_a_server_answering_more_than_its_shard, 2)
     shard = sum(p.numel() for p in mlp().parameters())
     assert refused == f"OK from rank 0 announces {shard + 7} values (at most {shard})"
+
+
+def test_a_relay_names_only_its_own_workers_each_once_in_turn():
+    """Server 0 of a two-level job takes a relay's HOLDS (the workers its next push holds, whose
+    batches then count as in the parameters) only where it names workers of that relay's group,
+    each once, for the push in turn; a worker's is refused, and so is one to another server."""
+    from shardwise.ps.validation import Rules, Turn, check
+
+    rules = Rules(
+        server=0,
+        world_size=6,
+        clients=frozenset({1, 2}),
+        relays=True,
+        coordinates=True,
+        hears_rounds=False,
+        shard_numel=10,
+        workers=3,
+        groups={1: frozenset({3, 4}), 2: frozenset({5})},
+    )
+    turn = Turn(greeted=True, clock=7, pulling=False, pushed=False)
+
+    def holds(src, named, clock=7, rules=rules, turn=turn):
+        head = _header(Kind.HOLDS, clock, numel=len(named))
+        return check(rules, src, head, torch.tensor(named, dtype=torch.int64), turn)
+
+    assert holds(1, [3, 4]) is None and holds(1, [4]) is None and holds(2, [5]) is None
+    assert holds(1, [5]) == "HOLDS names ranks that are not its workers, or one twice: [5]"
+    assert holds(1, [3, 3]) == "HOLDS names ranks that are not its workers, or one twice: [3, 3]"
+    assert holds(1, []).startswith("HOLDS names ranks")
+    assert holds(1, [3], clock=8) == "HOLDS for clock 8 out of turn (its clock is 7)"
+    pushed = Turn(greeted=True, clock=7, pulling=False, pushed=True)
+    assert "its last push waits to be applied" in holds(1, [3], turn=pushed)
+    head = _header(Kind.HOLDS, 7, numel=1)
+    assert "has a torch.float32 payload" in check(rules, 1, head, torch.tensor([3.0]), turn)
+    other = Rules(**{**rules.__dict__, "server": 1, "coordinates": False})
+    flat = Rules(**{**rules.__dict__, "clients": frozenset({3, 4, 5}), "relays": False})
+    for refused in (holds(1, [3], rules=other), holds(3, [3], rules=flat)):
+        assert refused.startswith("HOLDS to a server other than server 0 of a two-level job")

@@ -28,9 +28,8 @@ class Dealing(Protocol):
         """What fixes every batch's samples (part of what a snapshot must have been written
         by); None when nothing is dealt."""
 
-    def applied(self, workers: Iterable[int], relayed: bool = False) -> None:
-        """An update holding the batches these workers train was made (or they skipped).
-        `relayed`: they are a relay's group, which its push may not hold all of."""
+    def applied(self, workers: Iterable[int]) -> None:
+        """An update holding the batches these workers train was made (or they skipped)."""
 
     def snapshot(self) -> dict[str, Any]:
         """What a snapshot of the servers must hold of the dealing: the batches applied."""
@@ -76,7 +75,7 @@ class NoDealing:
         """None: nothing is dealt."""
         return None
 
-    def applied(self, workers: Iterable[int], relayed: bool = False) -> None:
+    def applied(self, workers: Iterable[int]) -> None:
         """Nothing was dealt to them."""
 
     def snapshot(self) -> dict[str, Any]:
@@ -119,19 +118,14 @@ class Dealer:
     def __init__(self, work: WorkQueue, peers: Peers, outbox: Outbox) -> None:
         self.work, self.peers, self.outbox = work, peers, outbox
         self.waiting: dict[int, int] = {}  # worker held for a batch -> client asking
-        self.dealt_to_waiting: set[int] = set()  # workers whose batch came while they waited
 
     def plan(self) -> dict[str, int] | None:
         """The queue's plan (size, batch, seed, batches)."""
         return self.work.plan()
 
-    def applied(self, workers: Iterable[int], relayed: bool = False) -> None:
-        """A relay's round holds its workers' pushes but for one dealt a batch while it waited
-        (its relay may have summed the round without it): that batch counts once its worker
-        finishes it, erring towards training it twice rather than never."""
+    def applied(self, workers: Iterable[int]) -> None:
         for worker in workers:
-            if not (relayed and worker in self.dealt_to_waiting):
-                self.work.mark_applied(worker)
+            self.work.mark_applied(worker)
 
     def snapshot(self) -> dict[str, Any]:
         below, above = self.work.applied()
@@ -152,7 +146,6 @@ class Dealer:
 
     def request(self, client: int, worker: int) -> bool:
         """BATCH, END, or WAIT (held: True); then the held workers are dealt to again."""
-        self.dealt_to_waiting.discard(worker)
         batch = self.work.next(worker)
         held = False
         if batch is not None:
@@ -171,7 +164,6 @@ class Dealer:
     def finished(self, worker: int) -> None:
         """Its batch is consumed; held workers may now hear END."""
         self.waiting.pop(worker, None)
-        self.dealt_to_waiting.discard(worker)
         self.work.finish(worker)
         self._deal()
 
@@ -179,7 +171,6 @@ class Dealer:
         """Their batches go back to the front of the queue, dealt at once to held workers."""
         for worker in workers:
             self.waiting.pop(worker, None)
-            self.dealt_to_waiting.discard(worker)
             self.work.give_back(worker)
         self._deal()
 
@@ -222,7 +213,6 @@ class Dealer:
             batch = self.work.next(worker)
             if batch is not None:
                 self._give(client, worker, batch)
-                self.dealt_to_waiting.add(worker)
             elif not self.work.outstanding:
                 self.outbox.send(client, Kind.END, worker)
             else:

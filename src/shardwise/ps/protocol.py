@@ -60,6 +60,8 @@ class Kind(IntEnum):
     FROM = 16  # primary server -> its backup: [sender]; the next message is the sender's, as the
     #            primary is about to handle it (replicas: 2)
     DEAD = 17  # primary server -> its backup: [client] declared dead + JSON [silent s, why]
+    HOLDS = 18  # relay -> server 0, just before its PUSH (or SKIP) of [clock]: the workers whose
+    #             pushes (or skips) that one holds, each once: their batches are in its update
 
 
 class Traffic:
@@ -129,7 +131,7 @@ class ProtocolError(ValueError):
 
 
 MAX_TEXT = 1 << 20  # bytes of a JSON payload (a model's signature, an error message)
-MAX_INDICES = 1 << 24  # a batch's sample indices, a round's member ranks
+MAX_INDICES = 1 << 24  # a batch's sample indices, a round's member ranks, a relay's workers
 
 # (a PUSH's is fp32, or uint8 when compressed: the receiver says which)
 PAYLOAD_DTYPE = {
@@ -138,6 +140,7 @@ PAYLOAD_DTYPE = {
     Kind.ERROR: torch.uint8,
     Kind.BATCH: torch.int64,
     Kind.ROUND: torch.int64,
+    Kind.HOLDS: torch.int64,
 }
 
 
@@ -152,6 +155,7 @@ PAYLOAD_LIMIT = {
     Kind.ERROR: MAX_TEXT,
     Kind.BATCH: MAX_INDICES,
     Kind.ROUND: MAX_INDICES,
+    Kind.HOLDS: MAX_INDICES,
     **dict.fromkeys((*NO_PAYLOAD, Kind.END, Kind.WAIT), 0),
 }
 

@@ -11,6 +11,11 @@ server (the whole parameter vector, the same messages) and speaks to the servers
 - async: it forwards each push as it comes and answers that worker's pull with the parameters
   the servers send back after applying it (the relay adds no staleness of its own).
 
+Before each push it names to server 0 the workers whose pushes that one holds (HOLDS): their
+batches are then in the parameters, and one of them dying before it asks for its next batch
+must not have that batch dealt again (a round may leave out a worker of the group that waited
+for a batch, so the group alone does not say whose are in it).
+
 It also asks server 0 for its workers' batches (server 0 keeps the one work queue), watches their
 heartbeats, and tells server 0 when one dies so that its batch is dealt again. Everything comes
 in through one inbox (a thread per peer), so the relay never blocks on one side while the other
@@ -194,7 +199,7 @@ class Relay:
             self.pending[w] = payload
             self._forward_sync()
         else:  # forward at once; answer its pull with what comes back
-            self._push_up(payload, version_used=int(h[2]), count=1)
+            self._push_up(payload, version_used=int(h[2]), count=1, holds=[w])
             self.reply_needed[w] = self.pulls_sent
 
     def _send(self, w: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None) -> None:
@@ -209,20 +214,25 @@ class Relay:
         active = self.peers.active()
         if round_complete(self.pending, active):
             pushed = [value for value in self.pending.values() if value is not None]
+            holds = list(self.pending)  # (a worker that skipped: its batch counts as done)
             self.pending.clear()
             total = torch.stack(pushed).sum(dim=0) if pushed else None  # (None: all skipped)
-            self._push_up(total, version_used=self.version, count=len(pushed))
+            self._push_up(total, version_used=self.version, count=len(pushed), holds=holds)
         elif not active and self.peers.serving() and not self.told_idle:
             for server in self.servers:  # all of the group waits for batches: skip us
                 protocol.send(server, Kind.IDLE, group=self.group)
             self.told_idle = True
 
-    def _push_up(self, flat: torch.Tensor | None, version_used: int, count: int) -> None:
-        """Push to every server its slice (or SKIP, with nothing to push), then ask for the
-        parameters after it."""
+    def _push_up(
+        self, flat: torch.Tensor | None, version_used: int, count: int, holds: list[int]
+    ) -> None:
+        """Name the workers `holds` to server 0, push to every server its slice (or SKIP, with
+        nothing to push), then ask for the parameters after it."""
         started = time.perf_counter()
         if self.faults is not None:  # (kill, or hang with the heartbeats going on)
             self.faults.before_step(self.clock + 1)
+        holding = torch.tensor(holds, dtype=torch.int64)
+        protocol.send(COORDINATOR, Kind.HOLDS, self.clock, payload=holding, group=self.group)
         for server, piece in zip(self.servers, self._slices(flat), strict=True):
             kind = Kind.SKIP if flat is None else Kind.PUSH
             payload = piece if piece is not None and piece.numel() else None

@@ -62,7 +62,7 @@ from shardwise.ps.work_queue import WorkQueue
 
 # The kinds of message a server hears (the others are its answers), each handled by `_on_<kind>`.
 HANDLED = (Kind.HELLO, Kind.PULL, Kind.PUSH, Kind.SKIP, Kind.IDLE, Kind.NEXT, Kind.LOST)
-HANDLED += (Kind.FINISHED, Kind.DONE, Kind.ROUND)
+HANDLED += (Kind.FINISHED, Kind.DONE, Kind.ROUND, Kind.HOLDS)
 GOING_OVER = 1  # a HELLO's second integer: from a worker whose server (this one's primary) died
 
 
@@ -162,6 +162,8 @@ class Server:
         self.report = ServerReport(rank=self.rank, updates=0)
         self.greeted: set[int] = set()
         self.clock_unsaid: set[int] = set()  # greeted clients that have not pulled yet
+        # relay -> the workers its push on the way holds (HOLDS; server 0 of a two-level job)
+        self.holds: dict[int, list[int]] = {}
         self.refusals = RefusalLog(f"ps server {self.rank}")
 
     def _connect(self) -> None:
@@ -256,6 +258,7 @@ class Server:
             shard_numel=self.shard.numel,
             workers=self.workers,
             coordinators=self.coordinators,
+            groups={relay: frozenset(workers) for relay, workers in self.groups.items()},
         )
         senders = [*self.peers.live, *(self.coordinators if self.mode.hears_rounds else [])]
         # (every receive thread reads on after a DONE: what a client sends after it is refused)
@@ -402,6 +405,11 @@ class Server:
         """A relay's worker died: its unfinished batch is dealt again."""
         self.dealer.lost([int(h[1])])
 
+    def _on_holds(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:
+        """A relay names the workers its next push holds (their batches count once it is
+        applied)."""
+        self.holds[src] = payload.tolist()
+
     def _on_finished(self, src: int, h: torch.Tensor, payload) -> None:
         """A relay's worker closed: its last batch counts as consumed."""
         self.dealer.finished(int(h[1]))
@@ -500,6 +508,7 @@ class Server:
             self.pulls.forget(client)
         self.report.dead_workers[client] = silent_s
         self.mode.forget(client)
+        self.holds.pop(client, None)
         self.dealer.lost(self.groups.get(client, [client]))
         role = "relay" if self.o.relays else "worker"
         why = why or f"silent for {silent_s:.1f} s"
@@ -569,15 +578,12 @@ class Server:
 
     # ---- snapshots
     def _note_applied(self, clients: list[int]) -> None:
-        """The batches the pushes of `clients` hold are in the update being made. A relay's
-        sync push holds its group's (see `Dealer.applied`); its async push one worker's, which
-        it does not name: none is counted, and that batch is consumed when its worker asks for
-        the next one (a snapshot made meanwhile leaves it to be dealt again on resuming)."""
+        """The batches the pushes of `clients` hold are in the update being made: a worker's
+        own, and those of the workers a relay named (HOLDS) before its push. (A relay's round
+        may leave out a worker of its group that waited for a batch, and an async push holds
+        one worker's: the group does not say whose are in it.)"""
         for client in clients:
-            if client not in self.groups:
-                self.dealer.applied([client])
-            elif self.o.mode == "sync":
-                self.dealer.applied(self.groups[client], relayed=True)
+            self.dealer.applied(self.holds.pop(client, []) if client in self.groups else [client])
 
     def _snapshot(self) -> None:
         # (server 0's holds the batches applied: a resumed job deals the others, those only)

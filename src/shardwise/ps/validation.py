@@ -2,18 +2,19 @@
 
 A message is refused, with one line saying why, when its kind is not one this sender may send
 here (ROUND only from server 0 to a server that hears rounds; NEXT only to server 0 or a relay;
-LOST and FINISHED only from relays), when it comes out of turn (before the sender's HELLO, a
-second HELLO, a PUSH or PULL for another clock than the sender's, a second PULL while one waits,
-a PUSH while its previous one waits to be applied), when its payload is missing, extra, of
-another size than the kind implies (a PUSH carries exactly this server's shard) or not finite,
-or when an integer field is out of range. A refused message is dropped and answered ERROR; its
-sender stays connected, and its next message is judged on its own. (`protocol.recv` has refused
-what is malformed on the wire before: truncated, of an unknown kind, shorter than announced.)
+LOST, FINISHED and HOLDS only from relays, HOLDS naming workers of the relay's own group, each
+once), when it comes out of turn (before the sender's HELLO, a second HELLO, a PUSH or PULL for
+another clock than the sender's, a second PULL while one waits, a PUSH or HOLDS while its
+previous push waits to be applied), when its payload is missing, extra, of another size than
+the kind implies (a PUSH carries exactly this server's shard) or not finite, or when an integer
+field is out of range. A refused message is dropped and answered ERROR; its sender stays
+connected, and its next message is judged on its own. (`protocol.recv` has refused what is
+malformed on the wire before: truncated, of an unknown kind, shorter than announced.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,8 @@ class Rules:
     workers: int  # workers in the job: at most this many behind one push
     # the ranks that decide sync rounds: server 0, and its backup with replicas
     coordinators: frozenset[int] = frozenset({COORDINATOR})
+    # relay -> the workers it serves (server 0 of a two-level job: whom a HOLDS may name)
+    groups: dict[int, frozenset[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ def check(
         return f"{kind.name} before HELLO"
     if kind in (Kind.PUSH, Kind.SKIP):
         return _check_push(rules, kind, payload, (a, b, c), turn)
+    if kind == Kind.HOLDS:
+        return _check_holds(rules, src, a, payload, turn)
     if kind in (Kind.PULL, Kind.DONE, Kind.IDLE):
         if problem := _payload(payload, None, None):
             return f"{kind.name} {problem}"
@@ -113,6 +118,24 @@ def _check_round(rules: Rules, kind: Kind, payload: torch.Tensor | None) -> str 
     members = payload.tolist()
     if len(members) > len(rules.clients) or not set(members) <= rules.clients:
         return f"ROUND names ranks that are not clients of this server: {members[:8]}"
+    return None
+
+
+def _check_holds(
+    rules: Rules, src: int, clock: int, payload: torch.Tensor | None, turn: Turn
+) -> str | None:
+    """From a relay to server 0, just before its push of `clock`: workers of its own group,
+    each once."""
+    if not (rules.coordinates and rules.relays):
+        return "HOLDS to a server other than server 0 of a two-level job (only relays send it)"
+    if clock != turn.clock or turn.pushed:
+        why = "its last push waits to be applied" if turn.pushed else f"its clock is {turn.clock}"
+        return f"HOLDS for clock {clock} out of turn ({why})"
+    if problem := _payload(payload, torch.int64, None):
+        return f"HOLDS {problem}"
+    named = payload.tolist()
+    if not named or len(set(named)) < len(named) or not set(named) <= rules.groups.get(src, set()):
+        return f"HOLDS names ranks that are not its workers, or one twice: {named[:8]}"
     return None
 
 

@@ -35,7 +35,8 @@ worker's relay, which holds the whole vector):
 
 A relay passes its workers' NEXT, BATCH and END on to and from server 0 and tells it FINISHED
 for each worker that is done. Upwards, a sync relay sends one PUSH and PULL per server and step
-(the sum of its group's pushes), an async one a PUSH and PULL per worker push. A server's step
+(the sum of its group's pushes), an async one a PUSH and PULL per worker push; before each push,
+HOLDS + 8g (sync) or + 8 (async) to server 0, naming the workers whose pushes it holds. A server's step
 is one step of every worker: it hears its clients' pushes and pulls (C of each, W under an async
 relay) and, in sync mode with S > 1, server 0 announces each update's members to the others:
 ROUND + 8C, S - 1 messages. Nothing else is per step: consistency mode, staleness and the
@@ -63,7 +64,7 @@ from shardwise.ps.sharding import plan_shards, signature, trainable
 from shardwise.ps.worker import ParameterServer, PSConfig
 
 HEADER_BYTES = 8 * HEADER  # every message's header: HEADER int64 values
-INT64 = 8  # a sample index (BATCH), a member rank (ROUND)
+INT64 = 8  # a sample index (BATCH), a member rank (ROUND), a worker's rank (HOLDS)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,9 @@ def _messages(
         # A sync relay pushes its group's sum once a step; an async one each push as it comes.
         pushes = 1 if o.mode == "sync" else len(group)
         _client(relay, list(enumerate(shards)), hello, pushes, start, step, end)
+        # Before each push, server 0 hears whose pushes it holds: all its group's, or one.
+        named = INT64 * (len(group) if o.mode == "sync" else 1)
+        step += [Message(relay, COORDINATOR, Kind.HOLDS, named, pushes)]
         end += [Message(relay, COORDINATOR, Kind.FINISHED, count=len(group))]
     for worker in o.workers(world):
         up = o.upstream(worker, world)
