@@ -147,9 +147,17 @@ def _signature_crc(op: str, shape: tuple[int, ...], dtype: torch.dtype | None) -
 
 class FlightRecorder:
     def __init__(self) -> None:
+        self._folding = threading.Lock()  # (the watchdog's thread reads while ranks issue)
         self.reset()
 
     def reset(self) -> None:
+        # Under the fold's lock, one lock for the recorder's life: a fold running in another
+        # thread (a watchdog's read) would otherwise finish on the new calls with the old
+        # count of those hashed, and leave the new run's first calls out of its hashes.
+        with self._folding:
+            self._reset()
+
+    def _reset(self) -> None:
         self.seq: dict[str, int] = {}
         # The calls, newest last: the last KEEP at least, and those issued since the last
         # `_fold`, which adds them to their groups' hashes (past 2 KEEP calls, or when read:
@@ -157,7 +165,6 @@ class FlightRecorder:
         self._calls: list[tuple] = []  # (each a Call's fields: `issue`)
         self._hashed = 0  # how many of `_calls`, from the first, the hashes hold
         self._hash: dict[str, int] = {}
-        self._folding = threading.Lock()  # (the watchdog's thread reads while ranks issue)
         # thread -> (the call it waits for, monotonic time it began): a communication thread
         # (ring all-reduce) waits in its own calls while the training thread computes
         self.waiting: dict[int, tuple[tuple, float]] = {}  # (a Call, or its fields)
