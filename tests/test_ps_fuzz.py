@@ -201,6 +201,7 @@ def test_a_relay_names_only_its_own_workers_each_once_in_turn():
     assert holds(1, [5]) == "HOLDS names ranks that are not its workers, or one twice: [5]"
     assert holds(1, [3, 3]) == "HOLDS names ranks that are not its workers, or one twice: [3, 3]"
     assert holds(1, []).startswith("HOLDS names ranks")
+    assert holds(1, [3, 4, 3]) == "HOLDS names 3 ranks; its group holds 2"  # (counted first)
     assert holds(1, [3], clock=8) == "HOLDS for clock 8 out of turn (its clock is 7)"
     pushed = Turn(greeted=True, clock=7, pulling=False, pushed=True)
     assert "its last push waits to be applied" in holds(1, [3], turn=pushed)

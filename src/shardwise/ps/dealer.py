@@ -29,7 +29,8 @@ class Dealing(Protocol):
         by); None when nothing is dealt."""
 
     def applied(self, workers: Iterable[int]) -> None:
-        """An update holding the batches these workers train was made (or they skipped)."""
+        """An update holding the batches these workers train was made (or, in a sync round,
+        they skipped)."""
 
     def snapshot(self) -> dict[str, Any]:
         """What a snapshot of the servers must hold of the dealing: the batches applied."""

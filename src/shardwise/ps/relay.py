@@ -71,7 +71,10 @@ class Relay:
         # sync: worker -> its push of this clock (None: it skipped it)
         self.pending: dict[int, torch.Tensor | None] = {}
         self.waiting_pulls: list[tuple[int, int]] = []  # (worker, clock)
-        self.reply_needed: dict[int, int] = {}  # async: worker -> the pull reply to wait for
+        # worker -> the servers' replies to wait for before its pull is answered: the one to
+        # the push that holds its own (its batch is then in the parameters, and its next NEXT
+        # reaches server 0 after that update: HOLDS named the batch that update holds)
+        self.reply_needed: dict[int, int] = {}
         self.pulls_sent = self.replies = 0
         self.pieces: dict[int, collections.deque] = {s: collections.deque() for s in self.servers}
         self.told_idle = False
@@ -214,10 +217,13 @@ class Relay:
         active = self.peers.active()
         if round_complete(self.pending, active):
             pushed = [value for value in self.pending.values() if value is not None]
-            holds = list(self.pending)  # (a worker that skipped: its batch counts as done)
+            holds = list(self.pending)  # (one that skipped too: its batch is done with the round)
             self.pending.clear()
             total = torch.stack(pushed).sum(dim=0) if pushed else None  # (None: all skipped)
             self._push_up(total, version_used=self.version, count=len(pushed), holds=holds)
+            # (a worker that waited for a batch meanwhile has a clock behind the version: the
+            # version alone would answer its pull before the round that holds its push)
+            self.reply_needed.update(dict.fromkeys(holds, self.pulls_sent))
         elif not active and self.peers.serving() and not self.told_idle:
             for server in self.servers:  # all of the group waits for batches: skip us
                 protocol.send(server, Kind.IDLE, group=self.group)
@@ -259,6 +265,7 @@ class Relay:
             if self.o.mode == "sync":  # not before the round that holds its own push
                 active = self.peers.active()
                 ready = sync_pull_ready(w, self.pending, self.version, clock, active)
+                ready = ready and self.replies >= self.reply_needed.get(w, 0)
             else:
                 ready = self.replies >= self.reply_needed.get(w, 0)
             if ready:

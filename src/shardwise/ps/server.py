@@ -162,8 +162,10 @@ class Server:
         self.report = ServerReport(rank=self.rank, updates=0)
         self.greeted: set[int] = set()
         self.clock_unsaid: set[int] = set()  # greeted clients that have not pulled yet
-        # relay -> the workers its push on the way holds (HOLDS; server 0 of a two-level job)
+        # relay -> the workers its push on the way holds (HOLDS; server 0 of a two-level job),
+        # and those of them it lost before that push was applied (sync: its round waits)
         self.holds: dict[int, list[int]] = {}
+        self.lost_in_push: dict[int, list[int]] = {}
         self.refusals = RefusalLog(f"ps server {self.rank}")
 
     def _connect(self) -> None:
@@ -402,8 +404,14 @@ class Server:
             self.mode.settle(self)  # (a worker held is idle: a sync round waits for it no more)
 
     def _on_lost(self, src: int, h: torch.Tensor, payload) -> None:
-        """A relay's worker died: its unfinished batch is dealt again."""
-        self.dealer.lost([int(h[1])])
+        """A relay's worker died: its unfinished batch is dealt again; but where the relay's
+        push waiting in a sync round holds it, once that round is applied (then it is in the
+        parameters: consumed, not dealt again)."""
+        worker = int(h[1])
+        if self.mode.holds(src) and worker in self.holds.get(src, ()):
+            self.lost_in_push.setdefault(src, []).append(worker)
+        else:
+            self.dealer.lost([worker])
 
     def _on_holds(self, src: int, h: torch.Tensor, payload: torch.Tensor) -> None:
         """A relay names the workers its next push holds (their batches count once it is
@@ -509,6 +517,7 @@ class Server:
         self.report.dead_workers[client] = silent_s
         self.mode.forget(client)
         self.holds.pop(client, None)
+        self.lost_in_push.pop(client, None)  # (among its group's, given back now)
         self.dealer.lost(self.groups.get(client, [client]))
         role = "relay" if self.o.relays else "worker"
         why = why or f"silent for {silent_s:.1f} s"
@@ -584,6 +593,8 @@ class Server:
         one worker's: the group does not say whose are in it.)"""
         for client in clients:
             self.dealer.applied(self.holds.pop(client, []) if client in self.groups else [client])
+            if lost := self.lost_in_push.pop(client, None):  # (their batches now consumed)
+                self.dealer.lost(lost)
 
     def _snapshot(self) -> None:
         # (server 0's holds the batches applied: a resumed job deals the others, those only)

@@ -133,8 +133,11 @@ def _check_holds(
         return f"HOLDS for clock {clock} out of turn ({why})"
     if problem := _payload(payload, torch.int64, None):
         return f"HOLDS {problem}"
+    group = rules.groups.get(src, frozenset())
+    if payload.numel() > len(group):  # (before reading them: up to MAX_INDICES may come)
+        return f"HOLDS names {payload.numel()} ranks; its group holds {len(group)}"
     named = payload.tolist()
-    if not named or len(set(named)) < len(named) or not set(named) <= rules.groups.get(src, set()):
+    if not named or len(set(named)) < len(named) or not set(named) <= group:
         return f"HOLDS names ranks that are not its workers, or one twice: {named[:8]}"
     return None
 

@@ -35,13 +35,13 @@ worker's relay, which holds the whole vector):
 
 A relay passes its workers' NEXT, BATCH and END on to and from server 0 and tells it FINISHED
 for each worker that is done. Upwards, a sync relay sends one PUSH and PULL per server and step
-(the sum of its group's pushes), an async one a PUSH and PULL per worker push; before each push,
-HOLDS + 8g (sync) or + 8 (async) to server 0, naming the workers whose pushes it holds. A server's step
-is one step of every worker: it hears its clients' pushes and pulls (C of each, W under an async
-relay) and, in sync mode with S > 1, server 0 announces each update's members to the others:
-ROUND + 8C, S - 1 messages. Nothing else is per step: consistency mode, staleness and the
-update rule change when a message is answered, not its bytes; the protocol has no compression,
-and the shards are always the equal flat ranges above.
+(the sum of its group's pushes), an async one a PUSH and PULL per worker push; before each
+push, HOLDS + 8g (sync) or + 8 (async) to server 0, naming the workers whose pushes it holds.
+A server's step is one step of every worker: it hears its clients' pushes and pulls (C of each,
+W under an async relay) and, in sync mode with S > 1, server 0 announces each update's members
+to the others: ROUND + 8C, S - 1 messages. Nothing else is per step: consistency mode,
+staleness and the update rule change when a message is answered, not its bytes; the protocol
+has no compression, and the shards are always the equal flat ranges above.
 
 Bytes are those handed to the backend (what `protocol.traffic` counts, and `comm.accounting`
 for the sending side); gloo's TCP transport frames each of its sends again, below us, and the
