@@ -181,6 +181,28 @@ def test_rollback_returns_to_the_checkpoint_and_leaves_the_bad_batches_out(tmp_p
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 21))
 
 
+def test_a_stop_asked_in_the_step_that_rolls_back_stops_at_the_checkpoint_gone_back_to(tmp_path):
+    """SIGTERM during step 13, whose non-finite loss rolls the run back to step 10: the run
+    stops there, saying so and how to go on, and releases its strategy. Before, the stop after
+    a rollback left without its line (nor the model's close): nothing said where it stopped."""
+    import signal
+
+    from harness import wait_until
+
+    bad = {"SHARDWISE_FAULT": "nan:rank=0:step=12,nan:rank=1:step=13"}
+    sets = ["train.steps=20", "train.checkpoint_every=10", "train.measure=false", *NAN_JOB]
+    sets += ["train.nonfinite=rollback", "train.max_bad_steps=2", "train.delay_s=[0.5, 0.5]"]
+    job = start_cli(*train_args(tmp_path / "run", *sets), env=bad)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and '"step": 12,' in metrics.read_text(), job=job)
+    job.send_signal(signal.SIGTERM)  # (in step 13: it sleeps 0.5 s)
+    ((code, out),) = finish(job)
+    assert "rolled back from step 13 to" in out and "(step 10)" in out, out[-3000:]
+    assert code == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped after step 10" in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == "shardwise: stopped by signal SIGTERM"
+
+
 def test_rollback_gives_up_when_rolling_back_makes_no_progress(tmp_path):
     # SGD at lr 1e6: a step or two of finite losses, then every batch non-finite from weights
     # that are finite but enormous. Before: a checkpoint saved inside each streak was a "newer"

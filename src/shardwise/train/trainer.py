@@ -146,7 +146,10 @@ class Trainer:
             run = self._go_on_with(run.elastic.before_step(run, step))
         self._step(step)
         if run.policy.rollback_due:
-            return self._rollback(step)
+            back_to = self._rollback(step)
+            if run.stopping:  # (a stop asked in that step: the run is its checkpoint's again)
+                self._stop(back_to, saved=True)
+            return back_to
         every = cfg.train.checkpoint_every
         due = run.stopping or (every and step % every == 0)
         saved = due and self._checkpoint(step)
