@@ -203,7 +203,6 @@ class Relay:
             self._forward_sync()
         else:  # forward at once; answer its pull with what comes back
             self._push_up(payload, version_used=int(h[2]), count=1, holds=[w])
-            self.reply_needed[w] = self.pulls_sent
 
     def _send(self, w: int, kind: Kind, *ints: int, payload: torch.Tensor | None = None) -> None:
         """Queued for the worker's sending thread: one that stopped reading blocks nobody (it
@@ -221,9 +220,6 @@ class Relay:
             self.pending.clear()
             total = torch.stack(pushed).sum(dim=0) if pushed else None  # (None: all skipped)
             self._push_up(total, version_used=self.version, count=len(pushed), holds=holds)
-            # (a worker that waited for a batch meanwhile has a clock behind the version: the
-            # version alone would answer its pull before the round that holds its push)
-            self.reply_needed.update(dict.fromkeys(holds, self.pulls_sent))
         elif not active and self.peers.serving() and not self.told_idle:
             for server in self.servers:  # all of the group waits for batches: skip us
                 protocol.send(server, Kind.IDLE, group=self.group)
@@ -233,7 +229,8 @@ class Relay:
         self, flat: torch.Tensor | None, version_used: int, count: int, holds: list[int]
     ) -> None:
         """Name the workers `holds` to server 0, push to every server its slice (or SKIP, with
-        nothing to push), then ask for the parameters after it."""
+        nothing to push), then ask for the parameters after it (the pulls of the workers
+        `holds` wait for that answer)."""
         started = time.perf_counter()
         if self.faults is not None:  # (kill, or hang with the heartbeats going on)
             self.faults.before_step(self.clock + 1)
@@ -249,6 +246,7 @@ class Relay:
         for server in self.servers:
             protocol.send(server, Kind.PULL, self.clock, group=self.group)
         self.pulls_sent += 1
+        self.reply_needed.update(dict.fromkeys(holds, self.pulls_sent))
         self.report.pushes_forwarded += 1
         self.told_idle = False
         if self.faults is not None:  # (forwarding, slowed)
@@ -262,12 +260,13 @@ class Relay:
         for w, clock in self.waiting_pulls:
             if w not in self.peers.live:
                 continue
-            if self.o.mode == "sync":  # not before the round that holds its own push
+            # Not before the servers answered the push holding its own (in sync mode, a worker
+            # that waited for a batch meanwhile has a clock behind the version: the version
+            # alone would answer its pull before that round), nor before its push left.
+            ready = self.replies >= self.reply_needed.get(w, 0)
+            if self.o.mode == "sync":
                 active = self.peers.active()
-                ready = sync_pull_ready(w, self.pending, self.version, clock, active)
-                ready = ready and self.replies >= self.reply_needed.get(w, 0)
-            else:
-                ready = self.replies >= self.reply_needed.get(w, 0)
+                ready = ready and sync_pull_ready(w, self.pending, self.version, clock, active)
             if ready:
                 self._send(w, Kind.OK, self.version, payload=self.flat)
                 self.peers.note_served(w)
