@@ -25,14 +25,17 @@ setup: $(BIN)/shardwise
 demo: setup  ## set up and run the default job (digits, 2 ranks, our DDP)
 	$(BIN)/shardwise train
 
-# First our own modules' bytecode (an editable install compiles none): where none is written,
-# every process the tests start (a job's launcher, each of its ranks) would compile them anew.
+# First our own modules' bytecode and the tests' helpers' (an editable install compiles none):
+# where none is written, every process the tests start (a job's launcher, each of its ranks)
+# would compile them anew. pytest keeps the bytecode of the test files it rewrites (for it,
+# PYTHONDONTWRITEBYTECODE is emptied): its three processes (two workers, then the run of the
+# tests alone) would each rewrite them, 3 s of CPU apiece. Longest files first: tests/conftest.py.
 test: setup  ## set up, lint and run the test suite
-	$(BIN)/python -m compileall -q src
+	$(BIN)/python -m compileall -q src tests
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone"
-	$(BIN)/python -m pytest -q -m alone
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not alone"
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m alone
 
 bench: setup  ## ours vs torch DDP, and ZeRO vs FSDP2, world size 2
 	$(BIN)/shardwise bench ddp --world-size 2
