@@ -300,13 +300,13 @@ def _digits_run(
     relays: int = 0,
     servers: int = 1,
     hang: bool = False,
-    after_push: bool = False,
+    after_push: bool | str = False,
 ):
     """Workers take batches from server 0's work queue (EPOCHS passes over the digits training set);
     one may SIGKILL itself mid-run (before its 6th batch, or with `after_push` after it: its
-    update applied, its next batch not asked for), or (`hang`) stop training while its process
-    lives on. Each worker logs the indices of every batch it trained to `log_dir` (flushed: a
-    killed worker's log holds all it trained)."""
+    update applied, or with "skip" skipped as a non-finite one is, its next batch not asked
+    for), or (`hang`) stop training while its process lives on. Each worker logs the indices of
+    every batch it trained to `log_dir` (flushed: a killed worker's log holds all it trained)."""
     from shardwise.data.datasets import digits
 
     splits = digits()
@@ -343,7 +343,10 @@ def _digits_run(
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = splits.train[indices]
         F.cross_entropy(model(x), y).backward()
-        opt.step()
+        if rank == die_at and steps == 5 and after_push == "skip":
+            model.skip_step()  # (as the trainer does with a non-finite gradient)
+        else:
+            opt.step()
         opt.zero_grad()
         log.write(json.dumps(indices) + "\n")
         log.flush()
@@ -611,6 +614,7 @@ TWO_LEVEL_DEATHS = {
     "kill": ("async", False, False),
     "hang": ("sync", True, False),
     "kill-after-push": ("async", False, True),
+    "kill-after-skip": ("async", False, "skip"),
 }
 
 
@@ -625,7 +629,9 @@ def test_two_level_survives_a_killed_or_stuck_worker_behind_a_relay(
     every batch of every epoch (in sync mode through the end of the queue, where workers wait
     for the lost one's batch). Killed after its update was applied and before it asked for its
     next batch, its batch is in the parameters: it is not dealt again (before, a relay's async
-    push named no worker, so server 0 dealt that batch again and it was trained twice)."""
+    push named no worker, so server 0 dealt that batch again and it was trained twice). Killed
+    after skipping its update (a non-finite gradient), its batch is consumed all the same (an
+    async SKIP marked none, before: that batch too was trained twice)."""
     args = (str(tmp_path), mode, 3, 2, 1, hang, after_push)
     server, relay_a, relay_b, _, *alive = run(_digits_run, 6, *args, timeout_s=180, dies=(3,))
     silence = relay_a["dead"][3]

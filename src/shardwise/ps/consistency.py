@@ -55,6 +55,10 @@ class ServerView(Protocol):
     def late(self, client: int) -> None:
         """`client`'s push came after its round closed: not applied."""
 
+    def skipped(self, client: int) -> None:
+        """`client` skipped its clock on its own (no round holds it): nothing to apply, and the
+        batch it trained is consumed."""
+
 
 def round_complete(pending: Collection[int], active: set[int], backups: int = 0) -> bool:
     """Sync: a clock's round closes once every active client has pushed for it, or all but
@@ -76,7 +80,9 @@ class Async:
 
     def push(self, server: ServerView, client: int, version_used: int, value, count: int) -> None:
         # (a relay forwards each of its workers' pushes on its own in this mode: count is 1)
-        if value is not None:  # (None: the client skipped this clock)
+        if value is None:  # it skipped this clock
+            server.skipped(client)
+        else:
             # A client's version is its word (and another server's, with several): never
             # ahead of this one's, so an update is never scaled by more than 1 (staleness_lr).
             staleness = max(0, server.version - version_used)

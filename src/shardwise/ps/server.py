@@ -450,6 +450,12 @@ class Server:
         self.report.late[client] = self.report.late.get(client, 0) + 1
         self.dealer.late(client)
 
+    def skipped(self, client: int) -> None:
+        """An async SKIP: no update, and the batch behind it (the worker's, or the one its relay
+        named) is consumed: a worker that dies next has it dealt again no more (trained twice,
+        before; and a resumed job trained it, where the run straight through skipped it)."""
+        self._note_applied([client])
+
     def apply_round(self, members: list[int], pushes: list[tuple[torch.Tensor, int]]) -> None:
         """A sync round: the mean over the workers behind `pushes` ((sum, count) per client)."""
         self.report.rounds.append(members)
