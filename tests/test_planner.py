@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from harness import run_cli
+from shardwise.cli import main
 from shardwise.comm import shared_memory
 from shardwise.config import load_config
 from shardwise.plan import calibrate
@@ -146,19 +147,26 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path):
 
 
 @pytest.mark.alone  # (it measures the machine)
-def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
-    env = {"XDG_CACHE_HOME": str(tmp_path)}
-    plan = ["plan", "--config", "digits", "--nproc", "2"]
-    before = run_cli(*plan, timeout=120, env=env)
-    assert before.returncode == 2
-    assert before.stderr.strip().splitlines() == [
+def test_calibrate_then_plan_a_config_for_this_machine(tmp_path, monkeypatch, capsys):
+    """`shardwise calibrate` as a user runs it; `shardwise plan` in this process (`main`): a
+    command's start costs 2 s of imports, four times here."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def plan(*more: str) -> tuple[int, str, str]:
+        code = main(["plan", "--config", "digits", "--nproc", "2", *more])
+        printed = capsys.readouterr()
+        return code, printed.out, printed.err
+
+    code, _, err = plan()
+    assert code == 2
+    assert err.strip().splitlines() == [
         "shardwise: plan: no calibration for 2 ranks on this machine: run shardwise calibrate "
         "--nproc 2"
     ]
     argv = ["calibrate", "--nproc", "2", "--passes", "1", "--quick"]
     argv += ["--calls", "10"]  # (the points' count and order are checked, not their accuracy)
     started = time.time()
-    done = run_cli(*argv, timeout=300, env=env, cwd=tmp_path)
+    done = run_cli(*argv, timeout=300, env={"XDG_CACHE_HOME": str(tmp_path)}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     stored = next((tmp_path / "shardwise" / "calibration").glob("*-n2-t*.json"))
     rates = json.loads(stored.read_text())
@@ -181,9 +189,9 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
         least = 0.0 if kind.startswith("prefetched_") else 1e-12
         assert len(points) == 6 and all(seconds >= least for _, seconds in points), (kind, points)
         assert [v for v, _ in points] == sorted(v for v, _ in points)
-    after = run_cli(*plan, "--json", timeout=300, env=env)
-    assert after.returncode == 0, after.stderr[-2000:]
-    rows = json.loads(after.stdout)
+    code, out, err = plan("--json")
+    assert code == 0, err[-2000:]
+    rows = json.loads(out)
     names = {row["strategy"] for row in rows}
     assert {"ddp", "ddp-ring", "zero1", "zero2", "zero3", "pp2-gpipe", "pp2-1f1b"} <= names
     times = [row["step_time_s"] for row in rows]
@@ -193,15 +201,15 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path):
     assert list(tmp_path.glob("runs*")) == []  # nothing written but the calibration
     # A batch of 6 a rank: a pipeline over both ranks runs (and is priced) at 12, which its 4
     # micro-batches divide; before, the candidate was checked at 6 and the plan failed whole.
-    six = run_cli(*plan, "--set", "data.batch_size=6", "--json", timeout=300, env=env)
-    assert six.returncode == 0, six.stderr[-2000:]
-    by_name = {row["strategy"]: row for row in json.loads(six.stdout)}
+    code, out, err = plan("--set", "data.batch_size=6", "--json")
+    assert code == 0, err[-2000:]
+    by_name = {row["strategy"]: row for row in json.loads(out)}
     assert by_name["ddp"]["batch_size"] == 6 and by_name["pp2-1f1b"]["batch_size"] == 12
     del rates["collectives"]["all_reduce"]["points"]  # as an older shardwise wrote it
     stored.write_text(json.dumps(rates))
-    older = run_cli(*plan, timeout=120, env=env)
-    assert older.returncode == 2 and len(older.stderr.strip().splitlines()) == 1
-    assert "from an older shardwise" in older.stderr and "calibrate --nproc 2" in older.stderr
+    code, _, err = plan()
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "from an older shardwise" in err and "calibrate --nproc 2" in err
 
 
 def test_a_calibration_says_how_old_it_is_and_when_to_measure_again():
