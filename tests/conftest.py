@@ -40,9 +40,9 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 # The files whose tests take longest, longest first (seconds of the `-n 2` run on 2 cores,
 # measured 2026-12-01: test_docs 98 ... test_emulated_cluster 18; test_compile 41 when
 # inductor's cache is cold, as in CI). xdist hands whole files to its two workers in collection
-# order (`--no-loadscope-reorder`; its default order, by count of tests, puts one-test files
-# such as test_compile last): given out first, none of them is what one worker still runs while
-# the other idles at the end. Files not named follow, in their usual order.
+# order (`--no-loadscope-reorder`, from pytest-xdist 3.6; its default order, by count of tests,
+# puts one-test files such as test_compile last): given out first, none of them is what one
+# worker still runs while the other idles at the end. Files not named follow, in their order.
 LONGEST_FIRST = (
     "test_docs", "test_cli", "test_ps", "test_resume", "test_faults", "test_hf_models",
     "test_compile", "test_zero", "test_zygote", "test_model_parallel", "test_user_models",
