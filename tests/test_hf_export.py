@@ -14,6 +14,7 @@ import torch.distributed as dist
 import hf_models as H
 import shardwise as sw
 from harness import run_cli
+from shardwise import cli
 from shardwise.checkpoint.hf_export import export_hf, read_hf_config
 from spawn import run
 
@@ -59,7 +60,7 @@ def test_export_hf_reloads_in_transformers_exactly(tmp_path, kind, strategy):
     assert json.loads((out / "config.json").read_text())["architectures"] == [cls.__name__]
 
 
-def test_sharded_export_and_one_line_refusals(tmp_path):
+def test_sharded_export_and_one_line_refusals(tmp_path, capsys):
     run_dir = tmp_path / "run"
     full = run(train_and_checkpoint, 2, str(run_dir), "llama", "ddp")[0]
     checkpoint = next((run_dir / "checkpoints").glob("step-*"))
@@ -76,9 +77,11 @@ def test_sharded_export_and_one_line_refusals(tmp_path):
     bad.write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="names no architectures"):
         read_hf_config(bad)
-    done = run_cli("export", str(checkpoint), str(tmp_path / "x"), "--hf")
-    assert done.returncode != 0 and "pass --hf-config" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    capsys.readouterr()  # (what came before: transformers' progress bars)
+    code = cli.main(["export", str(checkpoint), str(tmp_path / "x"), "--hf"])  # (in this process)
+    err = capsys.readouterr().err
+    assert code != 0 and "pass --hf-config" in err
+    assert len(err.strip().splitlines()) == 1, err
     # With a config of its own, the same checkpoint exports.
     good = Path(out) / "config.json"
     export_hf(checkpoint, tmp_path / "given", config=good)

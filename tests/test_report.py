@@ -14,6 +14,7 @@ import matplotlib.image
 import pytest
 
 from harness import finish, run_cli, start_cli, train_args
+from shardwise import cli
 from shardwise.observe import report
 from shardwise.observe.report_figures import FIGURES
 from shardwise.observe.report_inputs import load_run
@@ -81,10 +82,9 @@ def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
     assert not list(tmp_path.glob("*.png"))  # nothing else lands beside it
 
 
-def test_report_refuses_what_is_not_a_run_in_one_line(tmp_path):
-    result = run_cli("report", str(tmp_path / "nowhere"), cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+def test_report_refuses_what_is_not_a_run_in_one_line(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2  # (in this process: no start-up)
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"shardwise: report: {tmp_path / 'nowhere'} is not a finished run directory "
         "(no summary.json)"
     ]
