@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 import hf_models as H
 import shardwise as sw
-from harness import run_cli
 from shardwise import cli
 from shardwise.checkpoint.hf_export import export_hf, read_hf_config
 from spawn import run
@@ -48,8 +47,7 @@ def test_export_hf_reloads_in_transformers_exactly(tmp_path, kind, strategy):
     full = run(train_and_checkpoint, 2, str(run_dir), kind, strategy)[0]
     checkpoint = next((run_dir / "checkpoints").glob("step-*"))
     out = tmp_path / "hf"
-    done = run_cli("export", str(checkpoint), str(out), "--hf")
-    assert done.returncode == 0, done.stderr
+    assert cli.main(["export", str(checkpoint), str(out), "--hf"]) == 0  # (in this process)
     cls = H.model_class(kind)
     reloaded = cls.from_pretrained(out, dtype=torch.float32).state_dict()
     assert reloaded.keys() == full.keys()

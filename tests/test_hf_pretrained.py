@@ -20,6 +20,7 @@ import torch.distributed as dist
 import hf_models as H
 import shardwise as sw
 from harness import run_cli
+from shardwise import cli
 from shardwise.nn.hf_loading import load_pretrained
 from shardwise.nn.hf_weights import HFWeights
 from spawn import run
@@ -162,8 +163,7 @@ def test_the_finetune_example_runs_on_two_ranks_and_resumes(tmp_path):
     assert "step 5: loss" in second.stdout  # (the first step after the checkpoint)
 
     step6 = tmp_path / "run" / "checkpoints" / "step-000000006"
-    done = run_cli("export", str(step6), str(tmp_path / "finetuned"), "--hf")
-    assert done.returncode == 0, done.stderr
+    assert cli.main(["export", str(step6), str(tmp_path / "finetuned"), "--hf"]) == 0
     tuned = T.LlamaForCausalLM.from_pretrained(tmp_path / "finetuned").state_dict()
     before = T.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained").state_dict()
     name = "model.embed_tokens.weight"
