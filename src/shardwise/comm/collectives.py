@@ -94,8 +94,6 @@ class Handle:
     on the path of a call; every asynchronous call is waited for before its result is used).
     A communication thread's future counts only its waiting: its thread counts its calls."""
 
-    __slots__ = ("_call", "_counted", "_issued", "_pending", "op")  # (made on every async call)
-
     def __init__(
         self,
         op: str,
