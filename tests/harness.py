@@ -1,6 +1,7 @@
 """How the tests run shardwise from outside, as a user does, and watch what it leaves running.
 
     run_cli("plan", "--json", timeout=60)     # `python -m shardwise plan --json`, to its end
+    main_in_process(capsys, "plan", "--json") # the same through `cli.main`, in this process
     start_cli(*train_args(run, "a=1"))        # `... train digits --set a=1 --run-dir RUN` started
     finish(job_a, job_b)                      # jobs started together, each's (code, output)
     run_ps_job(run, "a=1") / start_ps_job(..) # `... train digits --set strategy.name=ps ...`
@@ -104,6 +105,19 @@ def start_python(
 def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
     """`python -m shardwise ARGS...` to its end: `run_python`'s keywords (timeout 240 s)."""
     return run_python("-m", "shardwise", *args, **kwargs)
+
+
+def main_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """`shardwise ARGS...` through `cli.main` in this process, for a command that starts no
+    job (a refusal, a plan, an export): no 2 s of imports a start. Its exit code and what it
+    printed (stdout, stderr); what was printed before is dropped. An exception it let out, as
+    a traceback would, fails the test."""
+    from shardwise.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
 
 
 def start_cli(*args: str, **kwargs) -> subprocess.Popen:

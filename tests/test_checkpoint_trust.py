@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import shardwise as sw
-from shardwise import cli
+from harness import main_in_process
 from shardwise.checkpoint import reshardable as checkpoint
 from shardwise.checkpoint import run_checkpoint, run_saver
 from shardwise.checkpoint.reshardable import CheckpointError, read_full_state, sha256_file
@@ -159,10 +159,9 @@ def test_cli_export_of_a_malformed_checkpoint_exits_2_with_one_line(ckpt, tmp_pa
         _edit_manifest(directory, _set("sha256", {"../rank0.safetensors": "0" * 64}))
     else:
         _edit_manifest(directory, MALFORMED[case][0])
-    # (the command's `main`, in this process: an exception it let out would fail the test)
-    capsys.readouterr()
-    code = cli.main(["export", str(directory), str(tmp_path / "w.safetensors")])
-    err = capsys.readouterr().err
+    code, _, err = main_in_process(
+        capsys, "export", str(directory), str(tmp_path / "w.safetensors")
+    )
     assert code == 2, err
     (line,) = err.strip().splitlines()
     assert line.startswith("shardwise: ") and "manifest.json" in line

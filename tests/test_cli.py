@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from harness import (
     finish,
+    main_in_process,
     run_cli,
     set_args,
     start_cli,
@@ -444,10 +445,8 @@ def test_bench_refuses_a_world_size_its_suite_ignores_and_makes_the_out_folder_f
 ):
     """`--world-size` was dropped silently by the suites that start jobs of their own sizes,
     and an `--out` in a folder that did not exist failed after the whole benchmark had run."""
-    from shardwise.cli import main
-
-    assert main(["bench", "ps", "--world-size", "4"]) == 2  # (in this process: no start-up)
-    err = capsys.readouterr().err
+    code, _, err = main_in_process(capsys, "bench", "ps", "--world-size", "4")
+    assert code == 2
     assert len(err.strip().splitlines()) == 1 and "bench ps does not take --world-size" in err
     out = tmp_path / "new" / "ddp.json"
     args = ["--world-size", "1", "--models", "mlp", "--steps", "1", "--reps", "1"]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import hf_models as H
 import shardwise as sw
+from harness import main_in_process
 from shardwise import cli
 from shardwise.checkpoint.hf_export import export_hf, read_hf_config
 from spawn import run
@@ -75,9 +76,7 @@ def test_sharded_export_and_one_line_refusals(tmp_path, capsys):
     bad.write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="names no architectures"):
         read_hf_config(bad)
-    capsys.readouterr()  # (what came before: transformers' progress bars)
-    code = cli.main(["export", str(checkpoint), str(tmp_path / "x"), "--hf"])  # (in this process)
-    err = capsys.readouterr().err
+    code, _, err = main_in_process(capsys, "export", str(checkpoint), str(tmp_path / "x"), "--hf")
     assert code != 0 and "pass --hf-config" in err
     assert len(err.strip().splitlines()) == 1, err
     # With a config of its own, the same checkpoint exports.

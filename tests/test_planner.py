@@ -10,8 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness import run_cli
-from shardwise.cli import main
+from harness import main_in_process, run_cli
 from shardwise.comm import shared_memory
 from shardwise.config import load_config
 from shardwise.plan import calibrate
@@ -141,11 +140,10 @@ def test_the_plan_command_ranks_plans_as_json_from_flags_or_yaml(tmp_path, capsy
     for form in ([], ["--json"]):  # nothing fits in a millionth of a GB: 1, whatever the form
         tiny = spec.read_text().replace("memory_gb: 80", "memory_gb: 0.000001")
         (tmp_path / "tiny.yaml").write_text(tiny)
-        assert main(["plan", "--spec", str(tmp_path / "tiny.yaml"), *form]) == 1
+        assert main_in_process(capsys, "plan", "--spec", str(tmp_path / "tiny.yaml"), *form)[0] == 1
     spec.write_text("layers: 80\nwidth: 3\n")
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
+    code, _, err = main_in_process(capsys, *argv)
+    assert code == 2
     assert len(err.strip().splitlines()) == 1 and "unknown keys ['width']" in err
 
 
@@ -156,9 +154,7 @@ def test_calibrate_then_plan_a_config_for_this_machine(tmp_path, monkeypatch, ca
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
     def plan(*more: str) -> tuple[int, str, str]:
-        code = main(["plan", "--config", "digits", "--nproc", "2", *more])
-        printed = capsys.readouterr()
-        return code, printed.out, printed.err
+        return main_in_process(capsys, "plan", "--config", "digits", "--nproc", "2", *more)
 
     code, _, err = plan()
     assert code == 2

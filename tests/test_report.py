@@ -13,8 +13,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from harness import finish, run_cli, start_cli, train_args
-from shardwise import cli
+from harness import finish, main_in_process, run_cli, start_cli, train_args
 from shardwise.observe import report
 from shardwise.observe.report_figures import FIGURES
 from shardwise.observe.report_inputs import load_run
@@ -83,8 +82,9 @@ def test_report_page_embeds_every_figure_and_a_markdown_summary(runs, tmp_path):
 
 
 def test_report_refuses_what_is_not_a_run_in_one_line(tmp_path, capsys):
-    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2  # (in this process: no start-up)
-    assert capsys.readouterr().err.strip().splitlines() == [
+    code, _, err = main_in_process(capsys, "report", str(tmp_path / "nowhere"))
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"shardwise: report: {tmp_path / 'nowhere'} is not a finished run directory "
         "(no summary.json)"
     ]
