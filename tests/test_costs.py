@@ -12,6 +12,7 @@ which the step-time model prices)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 
@@ -106,23 +107,35 @@ def _batch(name: str, step: int, index: int, share: int):
     return x[mine].clone(), y[mine].clone()  # a batch of its own, as the loader gives
 
 
+@functools.cache
+def _built_on_meta(name: str, recompute: bool = False) -> torch.nn.Module:
+    """Model `name` on the meta device, with its blocks recomputed or not: one for every case
+    that asks, as the planner prices every strategy on one model (`config_plan.MetaJob`), and
+    with it the traces they share (`TRACES`)."""
+    with torch.device("meta"):
+        model = small_models.build(name)
+    checkpoint_activations(model, recompute)
+    return model
+
+
+TRACES: dict = {}  # (`CostJob.traces`: the models' traces that cases priced on them share)
+
+
 def _measure(model_name: str, options: dict, tmp: str) -> tuple[dict, dict, dict]:
     """(measured memory, measured bytes per step by op, predicted costs) on this rank."""
     section = _section(options)
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     accumulate = options.get("accumulate", 1)
     loss_fn = small_models.loss_fn(model_name)
-    with torch.device("meta"):
-        meta = small_models.build(model_name)
-    checkpoint_activations(meta, section.activation_checkpointing)
     job = CostJob(
-        meta,
+        _built_on_meta(model_name, section.activation_checkpointing),
         world,
         rank,
         batch=small_models.fake_batch(model_name),
         loss_fn=loss_fn,
         global_batch=BATCH,
         accumulate=accumulate,
+        traces=TRACES,
     )
     predicted = predict(job, section).as_dict()
     before = live_bytes()  # what earlier cases left (torch's caches: it lasts)
@@ -211,8 +224,7 @@ def _gloo_late_free(options: dict, predicted: dict, world: int) -> int:
     codec = options.get("compression")
     if options.get("name") != "ddp" or codec is None or codec.split(":")[0] in CAST_OR_POWERSGD:
         return 0
-    with torch.device("meta"):
-        held = [p.numel() for p in small_models.build("gpt").parameters()][::-1]
+    held = [p.numel() for p in _built_on_meta("gpt").parameters()][::-1]
     largest = max(bucket_sizes(held, 4, options.get("bucket_mb")))
     return world * wire_nbytes(make_codec(codec).layout(largest))
 

@@ -154,7 +154,9 @@ class MetaJob:
         job = build_job(cfg.model_copy(update={"strategy": plain}), device="meta")
         self.nproc = nproc
         self.global_batch = cfg.data.batch_size * nproc
-        self.cost_job = CostJob.of(job, cfg, nproc, 0, self.global_batch)
+        self.cost_job = replace(
+            CostJob.of(job, cfg, nproc, 0, self.global_batch), traces={}
+        )  # (its model's traces, shared by the strategies it prices)
         self.models: dict[bool | tuple[str, ...], nn.Module] = {False: job.model}
 
     def model(self, spec: Spec) -> nn.Module:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ OPTIMIZER_STATE = {
 HALF = {"bf16": 2, "fp16": 2}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL_STATE = ("params", "master_weights", "grads", "optimizer")
+T = TypeVar("T")
 
 
 @dataclass
@@ -129,6 +130,11 @@ class CostJob:
     backend: str = "gloo"  # torch.distributed's (gloo's reduce-scatter copies its buffer)
     accumulate: int = 1  # train.accumulate: a rank's batch runs in this many micro-batches
     num_nodes: int = 1  # hosts the ranks are spread over
+    # Traces of the model on fake tensors that the strategies priced for it share, kept by the
+    # planner's `config_plan.MetaJob` (None: each made anew). Keyed by the model itself, which
+    # they keep alive: a model made for one strategy (a tensor-parallel shard) and let go
+    # cannot leave its traces to another made later at the same address.
+    traces: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def shared_cores(self) -> bool:
@@ -157,6 +163,16 @@ class CostJob:
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def traced(self, key: tuple, make: Callable[[], T]) -> T:
+        """`make()`, a trace of this job's model that depends on nothing but the model and
+        `key`: made once per model and key where the job keeps traces (`traces`)."""
+        if self.traces is None:
+            return make()
+        key = (self.model, *key)
+        if key not in self.traces:
+            self.traces[key] = make()
+        return self.traces[key]
+
     def micro(self, samples: int) -> int:
         """The largest of the `accumulate` micro-batches a rank's batch of `samples` is cut
         into (`strategies.accumulation.split_batch`: as equal as they go)."""
@@ -183,7 +199,12 @@ class CostJob:
         def loss(out: torch.Tensor) -> torch.Tensor:
             return self.loss_fn(out, made["y"])
 
-        return saved_bytes(self.model if layers is None else layers, inputs, dtype, loss)
+        if layers is not None:
+            return saved_bytes(layers, inputs, dtype, loss)
+        total, per_layer = self.traced(
+            ("saved", samples, dtype), lambda: saved_bytes(self.model, inputs, dtype, loss)
+        )
+        return total, list(per_layer)
 
 
 def optimizer_bytes(numels: list[int], optimizer: str, elem: int = FP32) -> int:

@@ -72,19 +72,28 @@ def step_peak(
         return None
     state = sum(memory.values()) + batch_bytes(job.batch, samples) + buffers
     held = state - (made_grads or 0)
-    if backward is None:
-        backward = backward_peak(  # (under accumulation, its largest micro-batch's)
-            job.model,
-            lambda: job.batch(job.micro(samples)),
-            job.loss_fn,
-            dtype,
-            keep_grads=made_grads is not None,
-            emulation=emulation,
-        )
+    micro = lambda: job.batch(job.micro(samples))  # noqa: E731
+    if backward is None and emulation is not None:  # (the strategy's own: traced for it alone)
+        backward = backward_peak(job.model, micro, job.loss_fn, dtype, emulation=emulation)
+    elif backward is None:  # (under accumulation, its largest micro-batch's)
+        backward = _plain_backward_peak(job, samples, dtype, keep_grads=made_grads is not None)
     step = optimizer_peak(optimizer_numels, job.optimizer) + step_extra
     later = 0
     if job.accumulate > 1:
-        micro = lambda: job.batch(job.micro(samples))  # noqa: E731
         kept = made_grads or 0 if accumulated is None else accumulated
-        later = kept + backward_peak(job.model, micro, job.loss_fn, dtype, keep_grads=False)
+        later = kept + _plain_backward_peak(job, samples, dtype, keep_grads=False)
     return max(held + max(backward, later), state + step, state + after_step)
+
+
+def _plain_backward_peak(
+    job: CostJob, samples: int, dtype: torch.dtype | None, keep_grads: bool
+) -> int:
+    """`backward_peak` of the largest micro-batch of `samples`, with no strategy's hooks: the
+    same for every strategy that adds none (kept with the job's traces)."""
+    micro = job.micro(samples)
+    return job.traced(
+        ("backward", micro, dtype, keep_grads),
+        lambda: backward_peak(
+            job.model, lambda: job.batch(micro), job.loss_fn, dtype, keep_grads=keep_grads
+        ),
+    )

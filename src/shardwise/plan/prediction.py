@@ -19,7 +19,7 @@ def for_run(job: CostJob, strategy: StrategySection, calibration: dict | None = 
             trainer_comm(job.world_size).values()
         )
     if calibration is not None and step_timed(strategy) and job.batch is not None:
-        out["step_time_s"] = predict_step(job, strategy, calibration)
+        out["step_time_s"] = predict_step(job, strategy, calibration, costs)
     return out
 
 

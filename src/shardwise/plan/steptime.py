@@ -73,9 +73,12 @@ def step_timed(strategy: StrategySection) -> bool:
     return model is not None and model.compute is not None
 
 
-def predict_step(job: CostJob, strategy: StrategySection, cal: dict) -> dict[str, float]:
+def predict_step(
+    job: CostJob, strategy: StrategySection, cal: dict, costs: Costs | None = None
+) -> dict[str, float]:
     """Seconds per step by part (compute with the optimizer, the sharing of the machine and
-    the pipeline's waits, comm) and the total.
+    the pipeline's waits, comm) and the total; `costs`: the strategy's, where the caller has
+    them (`predictors.predict`), else priced here.
 
     Compute is the longer of two bounds: this rank's critical path (a pipeline's from running
     its schedule) at the rates of a rank alone, and every rank's work done at once: where
@@ -84,7 +87,8 @@ def predict_step(job: CostJob, strategy: StrategySection, cal: dict) -> dict[str
     if not step_timed(strategy):
         raise ValueError(f"no step-time model for strategy {strategy.name!r} yet")
     model = cost_model(strategy.name)
-    costs = model.costs(job, strategy)
+    if costs is None:
+        costs = model.costs(job, strategy)
     n = job.world_size
     shared = shared_rates(cal, n)
     work = model.compute(job, strategy, costs, cal, shared)

@@ -10,6 +10,7 @@ work takes at calibrated rates (`Compute`, the bounds `steptime.predict_step` we
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,10 +118,16 @@ def training_work(
     return trace(run, prepare)
 
 
-def after_backward_work(numels: list[int], optimizer: str) -> Work:
+def after_backward_work(numels: Sequence[int], optimizer: str) -> Work:
     """What a rank computes between backward and the next step on tensors of `numels`
     elements: the trainer's check that the gradients are finite, and one optimizer step (not
     the first, which also makes the state)."""
+    return _after_backward_work(tuple(numels), optimizer)
+
+
+# (a function of its arguments alone, which the strategies the planner weighs mostly share)
+@functools.lru_cache(maxsize=64)
+def _after_backward_work(numels: tuple[int, ...], optimizer: str) -> Work:
     checked = trace(all_finite, lambda: [torch.empty(n) for n in numels])
     return checked + trace(lambda opt: opt.step(), lambda: stepped_optimizer(numels, optimizer))
 
@@ -138,8 +145,9 @@ def replica_compute(
     elements, and reading the batch; each of the job's ranks does as much (at the `shared`
     rates, where ranks compute at once on cores of their own). Under accumulation, forward
     and backward run once per micro-batch (priced as `accumulate` of the largest)."""
-    traced = training_work(job, job.micro(samples)).times(job.accumulate)
-    traced += after_backward_work(numels, job.optimizer)
+    micro = job.micro(samples)
+    traced = job.traced(("work", micro), lambda: training_work(job, micro))
+    traced = traced.times(job.accumulate) + after_backward_work(numels, job.optimizer)
     path = traced.seconds(cal) + reading(samples, cal)
     alike = path if shared is None else traced.seconds(shared) + reading(samples, shared)
     return Compute(path, path, job.world_size * alike)
