@@ -9,6 +9,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
+import harness
 from harness import kill_processes_of
 
 # A test that asserts wall-clock bounds (heartbeats, hang and straggler timeouts, the time to
@@ -38,17 +39,19 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 
 
 # The files whose tests take longest, longest first (seconds of the `-n 2` run on 2 cores,
-# measured 2026-12-01: test_docs 98 ... test_emulated_cluster 18; test_compile 41 when
-# inductor's cache is cold, as in CI). xdist hands whole files to its two workers in collection
-# order (`--no-loadscope-reorder`, from pytest-xdist 3.6; its default order, by count of tests,
-# puts one-test files such as test_compile last): given out first, none of them is what one
-# worker still runs while the other idles at the end. Files not named follow, in their order.
+# measured 2026-12-01: test_cli 66 ... test_steptime 9; test_compile 41 when inductor's cache is
+# cold, as in CI). xdist hands whole files to its two workers in collection order
+# (`--no-loadscope-reorder`, from pytest-xdist 3.6; its default order, by count of tests, puts
+# one-test files such as test_compile last): given out first, none of them is what one worker
+# still runs while the other idles at the end. Files not named follow, in their order.
 LONGEST_FIRST = (
-    "test_docs", "test_cli", "test_ps", "test_resume", "test_faults", "test_hf_models",
-    "test_compile", "test_zero", "test_zygote", "test_model_parallel", "test_user_models",
-    "test_processes", "test_mesh3", "test_checkpoint", "test_layerwise_optim", "test_ddp",
-    "test_shared_memory", "test_mixed_precision", "test_evaluation", "test_hf_pretrained",
-    "test_meta_init", "test_report", "test_ps_fuzz", "test_emulated_cluster",
+    "test_cli", "test_ps", "test_zygote", "test_processes", "test_compile", "test_hf_models",
+    "test_layerwise_optim", "test_model_parallel", "test_zero", "test_checkpoint", "test_mesh3",
+    "test_docs", "test_evaluation", "test_ddp", "test_user_models", "test_shared_memory",
+    "test_meta_init", "test_emulated_cluster", "test_state", "test_hf_pretrained",
+    "test_ps_fuzz", "test_faults", "test_mixed_precision", "test_recompute", "test_relaxed",
+    "test_deferred_init", "test_resume", "test_weighted_batches", "test_compression",
+    "test_pipeline_schedules", "test_hf_export", "test_steptime",
 )  # fmt: skip
 
 
@@ -69,6 +72,15 @@ def run_dir(tmp_path) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def _empty_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def fresh_launchers(monkeypatch) -> None:
+    """`harness.run_cli` and `start_cli` start each command as a new Python process, as a
+    user's shell does, not as a fork of the test process's zygote: for the tests of what a
+    launcher's processes are (their command lines in /proc, their signals as they start, the
+    ports they listen on)."""
+    monkeypatch.setattr(harness, "FRESH_LAUNCHERS", True)
 
 
 @pytest.fixture

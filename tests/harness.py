@@ -9,6 +9,8 @@
     wait_until(log.exists, job=job)           # poll; the deadline only bounds a failure
     processes_of(run) / none_left(run)        # the job's processes, from /proc; all gone
 
+`run_cli` and `start_cli` run the command in a fork of a zygote of the test process, as a
+launcher runs its ranks (`_shardwise`: what it spares, and the tests left out of it).
 `run_*` capture stdout and stderr as text and time out after 240 s unless told otherwise;
 `start_*` merge stderr into a stdout pipe unless told otherwise. Every command runs in the
 test's environment plus `env`, with PYTHONUNBUFFERED=1: what it prints arrives as it prints it
@@ -21,6 +23,7 @@ stretches start-up and exit by many seconds, so each is far above what a pass ta
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -29,6 +32,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from shardwise.distributed import boot, zygote
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
 
@@ -104,7 +109,7 @@ def start_python(
 
 def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
     """`python -m shardwise ARGS...` to its end: `run_python`'s keywords (timeout 240 s)."""
-    return run_python("-m", "shardwise", *args, **kwargs)
+    return run_python(*_shardwise(args, kwargs), **kwargs)
 
 
 def main_in_process(capsys, *args: str) -> tuple[int, str, str]:
@@ -122,7 +127,40 @@ def main_in_process(capsys, *args: str) -> tuple[int, str, str]:
 
 def start_cli(*args: str, **kwargs) -> subprocess.Popen:
     """`python -m shardwise ARGS...` started: `start_python`'s keywords."""
-    return start_python("-m", "shardwise", *args, **kwargs)
+    return start_python(*_shardwise(args, kwargs), **kwargs)
+
+
+# A command is a fork of this test process's zygote (`distributed/zygote.py`, started at the
+# first command), as a launcher's ranks are: `python boot.py -m shardwise ARGS` hands it its
+# arguments, folder, environment and streams, passes on its signals and exits as it does. So
+# each command skips Python's start and the imports (torch, its compiler stack, shardwise:
+# ~3 s of CPU on these 2 cores, more than most commands' own work), and what runs is the same
+# module. Left out: a test of a launcher's own processes (the `fresh_launchers` fixture: their
+# command lines in /proc, signals as they start, the ports they listen on), a command with
+# zygotes off (SHARDWISE_ZYGOTE=0), and one whose process is set up as it starts (`preexec_fn`:
+# limits that a fork of another process would not have).
+FRESH_LAUNCHERS = False
+BOOT = boot.__file__  # (`python BOOT ARGS...` with `zygote_env()`: `python ARGS...`, forked)
+_zygote: str | None = None  # its name, once started
+
+
+def zygote_env() -> dict[str, str]:
+    """The environment variable that has `BOOT` fork its command from this test process's
+    zygote (started at the first call)."""
+    global _zygote
+    if _zygote is None:
+        process, _zygote = zygote.start(["tests"], _environment(None))
+        atexit.register(process.kill)  # (it dies with this process anyway: its parent)
+    return {boot.ZYGOTE_ENV: _zygote}
+
+
+def _shardwise(args: tuple[str, ...], kwargs: dict) -> list[str]:
+    """`python`'s arguments for `shardwise ARGS`; `kwargs["env"]` names the zygote to fork."""
+    env = kwargs.get("env") or {}
+    if FRESH_LAUNCHERS or "preexec_fn" in kwargs or _environment(env).get(boot.ZYGOTE_ENV) == "0":
+        return ["-m", "shardwise", *args]
+    kwargs["env"] = {**env, **zygote_env()}
+    return [BOOT, "-m", "shardwise", *args]
 
 
 def finish(*jobs: subprocess.Popen, timeout: float = 240) -> list[tuple[int, str]]:

@@ -3,9 +3,11 @@ link (and its #anchor) resolves, the strategy table's YAML and Python forms are 
 strategy, and the README stays a front door (under 250 lines).
 
 A block is runnable when the line right before its fence is `<!-- runnable -->` (invisible on
-GitHub). Python blocks run with this interpreter, shell blocks with `bash -e` and this
-interpreter's bin directory first on PATH; each in a fresh temporary directory (nothing lands in
-the repository), one thread per process, with an empty cache (no calibration of this machine).
+GitHub). Python blocks run as scripts of this interpreter (forked from the test process's
+zygote, as `harness.run_cli` runs a command), shell blocks with `bash -e`, `shardwise` run
+the same way and this interpreter's bin directory next on PATH; each in a fresh temporary
+directory (nothing lands in the repository), one thread per process, with an empty cache (no
+calibration of this machine).
 Mark only examples that take seconds: the whole file must stay well under a minute.
 """
 
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from harness import BOOT, zygote_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -83,16 +87,18 @@ BLOCKS = [block for page in PAGES for block in runnable_blocks(page)]
 def _environment(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env = {k: v for k, v in env.items() if not k.startswith("SHARDWISE_")}
-    bin_dir = Path(sys.executable).parent
-    path = [str(bin_dir)]
-    if not (bin_dir / "shardwise").exists():  # pytest run by a Python without the entry point
-        shim = tmp / ".bin"
-        shim.mkdir()
-        (shim / "shardwise").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m shardwise "$@"\n')
-        (shim / "shardwise").chmod(0o755)
-        path.insert(0, str(shim))
+    # `shardwise` is the module run in a fork of the test process's zygote, as `harness.run_cli`
+    # runs it (the entry point itself: test_cli's README example): a command spared Python's
+    # start and the imports, ~3 s of CPU, and the block's own environment for the rest.
+    shim = tmp / ".bin"
+    shim.mkdir(exist_ok=True)  # (a block run again there)
+    (zygote,) = (f"{k}={v}" for k, v in zygote_env().items())
+    (shim / "shardwise").write_text(
+        f'#!/bin/sh\nexport {zygote}\nexec "{sys.executable}" "{BOOT}" -m shardwise "$@"\n'
+    )
+    (shim / "shardwise").chmod(0o755)
     env.update(
-        PATH=os.pathsep.join([*path, env.get("PATH", "")]),
+        PATH=os.pathsep.join([str(shim), str(Path(sys.executable).parent), env.get("PATH", "")]),
         PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
         ),
@@ -115,19 +121,26 @@ def run(block: Block, tmp_path_factory: pytest.TempPathFactory) -> subprocess.Co
         script = tmp / ("block.py" if block.language == "python" else "block.sh")
         script.write_text(block.code)
         _RESULTS_DIRS[block] = tmp
-        command = [sys.executable, script.name] if block.language == "python" else ["bash", "-e"]
-        if block.language == "bash":
-            command.append(script.name)
-        _RESULTS[block] = subprocess.run(
-            command,
-            cwd=tmp,
-            env=_environment(tmp),
-            capture_output=True,
-            text=True,
-            timeout=BLOCK_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-        )
+        _RESULTS[block] = execute(block, tmp)
     return _RESULTS[block]
+
+
+def execute(block: Block, tmp: Path) -> subprocess.CompletedProcess:
+    """Run `block`'s script, written in `tmp`, there."""
+    env = _environment(tmp)
+    if block.language == "python":  # (forked from the zygote too, as a script `BOOT` runs)
+        command, env = [sys.executable, BOOT, "block.py"], {**env, **zygote_env()}
+    else:
+        command = ["bash", "-e", "block.sh"]
+    return subprocess.run(
+        command,
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_runnable_blocks_are_found_in_the_readme_and_the_docs():
@@ -158,15 +171,7 @@ def test_the_readme_own_loop_resumes_where_it_stopped(tmp_path_factory):
     _, own_loop = [b for b in BLOCKS if b.page == README and b.language == "python"]
     first = run(own_loop, tmp_path_factory)  # (in a directory of its own)
     assert first.returncode == 0 and "steps 1-10:" in first.stdout, first.stderr[-4000:]
-    again = subprocess.run(
-        [sys.executable, "block.py"],
-        cwd=_RESULTS_DIRS[own_loop],
-        env=_environment(_RESULTS_DIRS[own_loop]),
-        capture_output=True,
-        text=True,
-        timeout=BLOCK_TIMEOUT_S,
-        stdin=subprocess.DEVNULL,
-    )
+    again = execute(own_loop, _RESULTS_DIRS[own_loop])
     assert again.returncode == 0, again.stderr[-4000:]
     assert "(step 10)" in again.stdout and "steps 11-20:" in again.stdout, again.stdout
 

@@ -22,6 +22,8 @@ from harness import listening_ports, start_cli, train_args, wait_until
 from shardwise.comm import jobstore
 from shardwise.comm.jobstore import JobStoreClient, JobStoreError, JobStoreServer
 
+pytestmark = pytest.mark.usefixtures("fresh_launchers")  # (what /proc shows of a launcher)
+
 
 @pytest.fixture
 def server():

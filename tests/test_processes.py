@@ -33,6 +33,8 @@ from harness import (
 )
 from shardwise.distributed.launcher import AGENT_LOGS, agent_logs
 
+pytestmark = pytest.mark.usefixtures("fresh_launchers")  # (what /proc shows of a launcher)
+
 LONG = "train.steps=100000"
 PS = ["strategy.servers=1", "strategy.workers=2"]
 

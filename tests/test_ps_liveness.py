@@ -16,7 +16,10 @@ import pytest
 
 from harness import none_left, start_ps_job, wait_until
 
-pytestmark = pytest.mark.alone  # (heartbeats of 0.2 s and silences of 2 s, bounds in seconds)
+pytestmark = [
+    pytest.mark.alone,  # (heartbeats of 0.2 s and silences of 2 s, bounds in seconds)
+    pytest.mark.usefixtures("fresh_launchers"),  # (what /proc shows of a launcher)
+]
 
 HEARTBEAT_S, TIMEOUT_S, PROGRESS_S = 0.2, 2.0, 2.0
 BASE = [

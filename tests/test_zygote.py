@@ -21,6 +21,8 @@ import pytest
 from harness import finish, start_cli, wait_until
 from shardwise.distributed import boot, launcher, zygote
 
+pytestmark = pytest.mark.usefixtures("fresh_launchers")  # (what /proc shows of a launcher)
+
 REPORT = """
     import json, os, sys
     preloaded = "torch" in sys.modules  # (before this script imports anything)
