@@ -3,6 +3,7 @@
     run_cli("plan", "--json", timeout=60)     # `python -m shardwise plan --json`, to its end
     main_in_process(capsys, "plan", "--json") # the same through `cli.main`, in this process
     start_cli(*train_args(run, "a=1"))        # `... train digits --set a=1 --run-dir RUN` started
+    start_entry_point("run", script)          # `shardwise run SCRIPT` as a shell starts it
     finish(job_a, job_b)                      # jobs started together, each's (code, output)
     run_ps_job(run, "a=1") / start_ps_job(..) # `... train digits --set strategy.name=ps ...`
     run_python(script) / start_python(...)    # plain Python: a script, torchrun's module
@@ -123,6 +124,17 @@ def main_in_process(capsys, *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     printed = capsys.readouterr()
     return code, printed.out, printed.err
+
+
+def start_entry_point(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """`shardwise ARGS...` started as a user's shell starts it: the console script the install
+    made, a process of its own (`python -m shardwise` where pytest's Python has none); stdout
+    and stderr as `start_python`'s."""
+    script = Path(sys.executable).parent / "shardwise"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "shardwise"]
+    kwargs.setdefault("stdout", PIPE)
+    kwargs.setdefault("stderr", STDOUT)
+    return subprocess.Popen([*command, *args], env=_environment(env), text=True, **kwargs)
 
 
 def start_cli(*args: str, **kwargs) -> subprocess.Popen:

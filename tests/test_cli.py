@@ -17,6 +17,7 @@ from harness import (
     run_cli,
     set_args,
     start_cli,
+    start_entry_point,
     start_ps_job,
     start_python,
     wait_until,
@@ -191,7 +192,7 @@ def test_readme_example_runs_as_plain_python_and_under_both_launchers(tmp_path):
     script = str(ROOT / "examples" / "quickstart.py")
     (plain, plain_out), (ours, ours_out), (torchrun, torchrun_out) = finish(  # (all at once)
         start_python(script),
-        start_cli("run", "--nproc", "2", script, cwd=tmp_path),
+        start_entry_point("run", "--nproc", "2", script, cwd=tmp_path),  # (the console script)
         start_python(  # (torchrun's agent logs under tmp_path, not a directory of /tmp)
             "-m",
             "torch.distributed.run",

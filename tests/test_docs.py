@@ -88,8 +88,8 @@ def _environment(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env = {k: v for k, v in env.items() if not k.startswith("SHARDWISE_")}
     # `shardwise` is the module run in a fork of the test process's zygote, as `harness.run_cli`
-    # runs it (the entry point itself: test_cli's README example): a command spared Python's
-    # start and the imports, ~3 s of CPU, and the block's own environment for the rest.
+    # runs it (the console script itself: test_cli's README example, `start_entry_point`): a
+    # command spared Python's start and the imports, ~3 s of CPU; the block's own environment.
     shim = tmp / ".bin"
     shim.mkdir(exist_ok=True)  # (a block run again there)
     (zygote,) = (f"{k}={v}" for k, v in zygote_env().items())

@@ -16,9 +16,11 @@ from harness import run_cli
 pytestmark = pytest.mark.alone  # (a 4 s hang timeout, and bounds in seconds)
 
 SCRIPT = """
-    import sys, time, torch
+    import os, sys, time, torch
     import shardwise as sw
     rt = sw.init(timeout_s=300)  # the backend's own timeout: far longer than the test allows
+    # (the agent's logs are in the job's TMPDIR while it runs: that folder is the one checked)
+    assert any(p.startswith("shardwise-agent-") for p in os.listdir(os.environ["TMPDIR"]))
     t = torch.ones(3)
     for step in range(5):
         sw.comm.all_reduce(t)

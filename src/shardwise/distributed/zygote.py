@@ -265,6 +265,10 @@ def _become_rank(
     # itself after a fork; numpy's global generator would repeat the zygote's in every rank).
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
+    # Its temporary folder from its own environment's TMPDIR, as a fresh process finds it, not
+    # the one the zygote's imports asked for (torch's compiler stack, for its cache).
+    if "tempfile" in sys.modules:
+        sys.modules["tempfile"].tempdir = None
 
 
 def serve(listener: socket.socket) -> list[str]:
