@@ -92,9 +92,9 @@ def _environment(tmp: Path) -> dict[str, str]:
     # command spared Python's start and the imports, ~3 s of CPU; the block's own environment.
     shim = tmp / ".bin"
     shim.mkdir(exist_ok=True)  # (a block run again there)
-    (zygote,) = (f"{k}={v}" for k, v in zygote_env().items())
+    exports = "".join(f"export {name}={value}\n" for name, value in zygote_env().items())
     (shim / "shardwise").write_text(
-        f'#!/bin/sh\nexport {zygote}\nexec "{sys.executable}" "{BOOT}" -m shardwise "$@"\n'
+        f'#!/bin/sh\n{exports}exec "{sys.executable}" "{BOOT}" -m shardwise "$@"\n'
     )
     (shim / "shardwise").chmod(0o755)
     env.update(

@@ -72,8 +72,8 @@ def step_peak(
         return None
     state = sum(memory.values()) + batch_bytes(job.batch, samples) + buffers
     held = state - (made_grads or 0)
-    micro = lambda: job.batch(job.micro(samples))  # noqa: E731
     if backward is None and emulation is not None:  # (the strategy's own: traced for it alone)
+        micro = lambda: job.batch(job.micro(samples))  # noqa: E731
         backward = backward_peak(job.model, micro, job.loss_fn, dtype, emulation=emulation)
     elif backward is None:  # (under accumulation, its largest micro-batch's)
         backward = _plain_backward_peak(job, samples, dtype, keep_grads=made_grads is not None)
