@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import time
 from datetime import timedelta
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise import comm
 from shardwise.comm import shared_memory
 from shardwise.comm.shared_memory import SharedMemoryAllReduce, SharedMemoryCollectives
 from spawn import run
@@ -272,6 +274,109 @@ def test_an_all_gather_is_gloos_bits(world_size):
     for exact, refused in run(gathers_like_gloo, world_size):
         assert exact
         assert all("does not hold" in e for e in refused), refused
+
+
+def gathers_with_one_slot_refused():
+    """The gather slots where shared memory holds only the first of the two (the last rank
+    cannot make its second): gathers go through gloo on every rank, with gloo's bits, and no
+    slot is kept (one alone would be refilled before a slow peer copied out of it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    collectives = SharedMemoryCollectives(timeout=timedelta(seconds=30))
+    create = shared_memory._create
+    refused = f"{collectives._prefix}1-{world - 1}"  # (the second slot's file, the last rank's)
+    shared_memory._create = lambda path, nbytes: path.name != refused and create(path, nbytes)
+    try:
+        collectives.reserve_gathers(4 * 1000)
+    finally:
+        shared_memory._create = create
+    exact, through_shared_memory = True, 0
+    for i in range(3):  # (the second gather took the slot that was not there)
+        shard = torch.arange(1000, dtype=torch.float32) + 1000 * rank + 100_000 * i
+        output = torch.full((world * 1000,), -1.0)
+        if collectives.gathers(output, shard):  # (as ZeRO asks before each gather)
+            collectives.start_all_gather(output, shard).wait()
+            through_shared_memory += 1
+        else:
+            comm.all_gather_into_tensor(output, shard)
+        theirs = torch.empty_like(output)
+        dist.all_gather_into_tensor(theirs, shard)
+        exact &= torch.equal(output, theirs)
+    slots = len(collectives.slots)
+    collectives.close()
+    return exact, through_shared_memory, slots
+
+
+def test_gathers_go_through_gloo_where_only_one_slot_could_be_made():
+    for exact, through_shared_memory, slots in run(gathers_with_one_slot_refused, 2):
+        assert exact
+        assert through_shared_memory == 0 and slots == 0
+
+
+def fails_while_the_files_are_made(failing_call: int, token: int):
+    """`SharedMemoryAllReduce` made, then a buffer, with the group's `failing_call`-th barrier
+    raising on every rank as a lost peer's does (1: meeting over the counters' files; 2: over
+    the lock's; 3: over a buffer's): (this rank's error, what is left of the group's files in
+    /dev/shm)."""
+    calls, barrier = [0], dist.barrier
+
+    def breaks(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == failing_call:
+            raise RuntimeError("Connection closed by peer")
+        return barrier(*args, **kwargs)
+
+    randbits = shared_memory.secrets.randbits
+    shared_memory.secrets.randbits = lambda _bits: token  # (the group's files' names known)
+    dist.barrier = breaks
+    failed = ""
+    try:
+        summing = SharedMemoryAllReduce(timeout=timedelta(seconds=30))
+        summing.new_buffer(1 << 16, torch.float32, CPU)
+    except (RuntimeError, OSError) as e:  # (a peer's file gone as this rank maps it, too)
+        failed = str(e)
+    finally:
+        dist.barrier, shared_memory.secrets.randbits = barrier, randbits
+    dist.barrier()  # (every rank has failed, or unlinked its own, before any looks)
+    left = sorted(p.name for p in Path("/dev/shm").glob(f"shardwise-{token:x}-*"))
+    return failed, left
+
+
+@pytest.mark.parametrize("failing_call", [1, 2, 3])
+def test_no_file_is_left_in_shared_memory_when_the_ranks_fail_to_meet(failing_call):
+    token = int.from_bytes(np.random.default_rng().bytes(7), "little")  # (a job's own names)
+    for failed, left in run(fails_while_the_files_are_made, 2, failing_call, token):
+        assert failed
+        assert left == []
+
+
+def claims_while_a_peer_holds_the_lock():
+    """Rank 1 takes the blocks' claim lock and keeps it 3 s (a process stopped while it held
+    it); rank 0 asks for it with a 1 s timeout: (its error, seconds it waited)."""
+    summing = SharedMemoryAllReduce(timeout=timedelta(seconds=1))
+    error, waited = "", 0.0
+    if dist.get_rank() == 1:
+        fcntl.flock(summing._lock, fcntl.LOCK_EX)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(3)
+        fcntl.flock(summing._lock, fcntl.LOCK_UN)
+    else:
+        started = time.perf_counter()
+        try:
+            with summing._claims_locked():
+                pass
+        except RuntimeError as e:
+            error = str(e)
+        waited = time.perf_counter() - started
+    dist.barrier()
+    summing.close()
+    return error, waited
+
+
+def test_a_claim_lock_held_past_the_timeout_fails_the_claim_instead_of_hanging():
+    error, waited = run(claims_while_a_peer_holds_the_lock, 2)[0]
+    assert "claim lock was held by another process for over 1 s" in error
+    assert waited < 2.5
 
 
 def reads_each_shard_where_it_lies():

@@ -259,6 +259,19 @@ def _create(path: Path, nbytes: int) -> bool:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _unlinked_on_failure(path: Path | None) -> Iterator[None]:
+    """Where what follows this rank's making of `path` fails (a peer lost while the ranks meet,
+    a mapping refused), the file goes: nothing else would unlink it, and /dev/shm is memory
+    until the machine restarts."""
+    try:
+        yield
+    except BaseException:
+        if path is not None:
+            path.unlink(missing_ok=True)
+        raise
+
+
 class SharedMemoryAllReduce(ThreadedAllReduce):
     """Sums buffers it placed itself (`new_buffer`) through shared memory, on its thread; any
     other buffer (or all of them, where shared memory cannot be had) with gloo's all-reduce
@@ -299,9 +312,10 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         path = SHARED_MEMORY / f"{self._prefix}lock"
         if self.rank == 0:
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-        dist.barrier(group=self.group)
-        fd = os.open(path, os.O_RDWR)
-        dist.barrier(group=self.group)  # every rank holds it: gone with the last to close it
+        with _unlinked_on_failure(path if self.rank == 0 else None):
+            dist.barrier(group=self.group)
+            fd = os.open(path, os.O_RDWR)
+            dist.barrier(group=self.group)  # every rank holds it: gone with the last to close it
         if self.rank == 0:
             path.unlink()
         return fd
@@ -312,17 +326,18 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         tensors: a peer's memory is not this rank's, and tensor scans (`PeakMeter`) skip them."""
         paths = [SHARED_MEMORY / f"{self._prefix}{name}-{k}" for k in range(self.size)]
         made = supported() and _create(paths[self.rank], nbytes)
-        everyone = torch.tensor([int(made)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
-        if not everyone.item():
-            if made:
-                paths[self.rank].unlink()
-            return None
-        mapped = []
-        for path in paths:
-            with open(path, "r+b") as f:
-                mapped.append(np.frombuffer(mmap.mmap(f.fileno(), nbytes), dtype=np.uint8))
-        dist.barrier(group=self.group)  # every rank has mapped every file
+        with _unlinked_on_failure(paths[self.rank] if made else None):
+            everyone = torch.tensor([int(made)])
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
+            if not everyone.item():
+                if made:
+                    paths[self.rank].unlink()
+                return None
+            mapped = []
+            for path in paths:
+                with open(path, "r+b") as f:
+                    mapped.append(np.frombuffer(mmap.mmap(f.fileno(), nbytes), dtype=np.uint8))
+            dist.barrier(group=self.group)  # every rank has mapped every file
         paths[self.rank].unlink()
         return mapped
 
@@ -448,12 +463,22 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
     @contextlib.contextmanager
     def _claims_locked(self) -> Iterator[None]:
         """The claim lock held: for a read and a write of the count, so a waiter spins (yields
-        its core) rather than sleeps for it."""
+        its core) rather than sleeps for it, as long as an arrival is waited for at most (a
+        holder that died let go of it; one stopped for good, or a process forked from it that
+        kept its file open, would not)."""
+        since = None
         while True:
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                now = time.perf_counter()
+                since = now if since is None else since
+                if now - since > self.arrivals.timeout_s:
+                    raise RuntimeError(
+                        f"{self.arrivals.what}: the blocks' claim lock was held by another "
+                        f"process for over {self.arrivals.timeout_s:.0f} s"
+                    ) from None
                 time.sleep(0)
         try:
             yield
@@ -499,7 +524,10 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         """Make the gather slots, `nbytes` each (collective; none where shared memory cannot
         be had, on every rank: gathers then go through gloo)."""
         made = [self.new_buffer(nbytes, torch.uint8, CPU) for _ in range(self.SLOTS)]
-        self.slots = [slot for slot in made if slot.data_ptr() in self._peers]
+        # Both or none (all ranks agree on each: `_map_shared`): the turns of two slots are
+        # what makes one arrival a gather enough, and `start_all_gather` takes them in turn.
+        # (One made alone is forgotten with its memory, dropped here.)
+        self.slots = made if all(slot.data_ptr() in self._peers for slot in made) else []
 
     def placed(self, full: torch.Tensor) -> bool:
         """Whether `full` starts a buffer of `new_buffer`'s, within it, and N ranks divide it."""
