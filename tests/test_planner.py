@@ -29,7 +29,8 @@ FIGURE_1 = {"DP": 120e9, "ZeRO-1": 31.4e9, "ZeRO-2": 16.6e9, "ZeRO-3": 1.875e9}
 
 
 @pytest.mark.alone  # (bounded in seconds)
-def test_plan_reproduces_zero_figure_1_from_the_command_line():
+def test_plan_reproduces_zero_figure_1_from_the_command_line(fresh_launchers):
+    # (a new Python process, as a user's shell starts it: the bound is on what they wait)
     argv = ["plan", "--params", "7.5e9", "--devices", "64", "--precision", "mixed", "--json"]
     started = time.perf_counter()
     done = run_cli(*argv, timeout=60)
