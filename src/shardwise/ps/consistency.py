@@ -35,6 +35,7 @@ class ServerView(Protocol):
     active and alive, and the updates it may apply or announce."""
 
     version: int
+    start_version: int  # the version this server's life began at (0, or a snapshot's)
     clock: dict[int, int]
 
     def active(self) -> set[int]:
@@ -92,6 +93,13 @@ class Async:
         """Whether a push of `client` waits to be applied (it may not push again before)."""
         return False
 
+    def first_clock(self, server: ServerView) -> int:
+        """The clock a greeted client begins at: where every client began in this server's
+        life, each counting its own pushes from there. (Not the version: that counts every
+        client's updates, and a worker greeted after the others had pushed began that far
+        ahead, which let SSP's others run ahead of it by as much.)"""
+        return server.start_version
+
     def may_answer(self, server: ServerView, client: int, clock: int) -> bool:
         return True
 
@@ -140,6 +148,10 @@ class Sync:
 
     def holds(self, client: int) -> bool:
         return client in self.pending
+
+    def first_clock(self, server: ServerView) -> int:
+        """The round in hand: a sync clock is a round, and the server's version counts them."""
+        return server.version
 
     def may_answer(self, server: ServerView, client: int, clock: int) -> bool:
         return sync_pull_ready(client, self.pending, server.version, clock, server.active())

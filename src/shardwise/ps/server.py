@@ -144,6 +144,7 @@ class Server:
         self.snapshots = None
         if options.snapshot_every:
             self._resume()
+        self.start_version = self.version  # (0, or a resumed server's: `first_clock`)
 
     def _make_bookkeeping(self, clients: list[int]) -> None:
         """Who is served, their clocks, the consistency mode, and what is held for them."""
@@ -360,9 +361,9 @@ class Server:
             codecs = f"compression {self.o.compression}, pull_compression {self.o.pull_codec}"
             problem = f"its codecs are not this server's ({codecs})"
         if problem is None:
-            self.clock[src] = self.version  # a resumed server: workers continue from here
+            self.clock[src] = clock = self.mode.first_clock(self)
             self.clock_unsaid.add(src)  # (its first PULL says which clock it goes on from)
-            self.outbox.send(src, Kind.OK, self.version)
+            self.outbox.send(src, Kind.OK, clock)
         else:  # refuse this worker, keep serving the others
             self.report.rejected[src] = problem
             self.peers.live.discard(src)
