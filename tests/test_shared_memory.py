@@ -276,6 +276,32 @@ def test_an_all_gather_is_gloos_bits(world_size):
         assert all("does not hold" in e for e in refused), refused
 
 
+def scatters_of_other_parts_or_buffers():
+    """Two placed buffers: both ranks reduce-scatter part 7 from buffer 0 (summed), then rank 1
+    takes buffer 1 for it, then both take buffer 0 with rank 1 naming part 8: what each rank
+    is told of each."""
+    rank = dist.get_rank()
+    collectives = SharedMemoryCollectives(timeout=timedelta(seconds=30))
+    buffers = [collectives.new_buffer(8, torch.float32, CPU) for _ in range(2)]
+    said = []
+    for which, key in ((0, 7), (rank, 7), (0, 7 + rank)):
+        buffers[which].fill_(rank + 1)
+        try:
+            collectives.start_reduce_scatter(buffers[which], torch.empty(4), key=key).wait()
+            said.append("")
+        except RuntimeError as e:
+            said.append(str(e))
+    collectives.close()
+    return said
+
+
+def test_ranks_that_reduce_other_parts_or_buffers_are_refused_on_every_rank():
+    for rank, said in enumerate(run(scatters_of_other_parts_or_buffers, 2)):
+        assert said[0] == ""
+        other = 1 - rank
+        assert all(f"rank(s) [{other}] reduce something else than part" in e for e in said[1:])
+
+
 def gathers_with_one_slot_refused():
     """The gather slots where shared memory holds only the first of the two (the last rank
     cannot make its second): gathers go through gloo on every rank, with gloo's bits, and no

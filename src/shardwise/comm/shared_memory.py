@@ -175,6 +175,9 @@ class Progress:
         self.stamps = [t[: 8 * self.blocks].view(np.int64) for t in tails]
         self.mine = self.stamps[rank]
         self.claims = tails[0][8 * self.blocks : 8 * self.blocks + 8].view(np.int64)
+        # Each rank's (arrival, key) of its last reduce-scatter from this buffer: what the
+        # ranks check that they reduce one thing from it (`_sum_slices`)
+        self.owners = [t[8 * self.blocks + 8 : 8 * self.blocks + 24].view(np.int64) for t in tails]
         self.sizes = [block] * (self.blocks - 1) + [numel - block * (self.blocks - 1)]
         # Of this rank's blocks, the elements not yet written for the next all-reduce: Python's
         # numbers, not an array's (`written` runs in every gradient's hook: a numpy element's
@@ -184,7 +187,7 @@ class Progress:
 
     @staticmethod
     def tail_bytes(numel: int, block: int) -> int:
-        return 8 * (-(-numel // block) + 1)
+        return 8 * (-(-numel // block) + 3)
 
     def written(self, start: int, stop: int) -> None:
         """Elements [start, stop) of this rank's buffer hold their part of the next all-reduce;
@@ -541,19 +544,21 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         )
 
     def start_reduce_scatter(
-        self, full: torch.Tensor, out: torch.Tensor, here: bool = False
+        self, full: torch.Tensor, out: torch.Tensor, here: bool = False, key: int = 0
     ) -> Handle:
         """`out` (this rank's slice of `full`'s size: a tensor of its own, or that slice of
         `full` itself, which no peer reads) becomes the sum of that slice over every rank's
         `full`: in rank order, or into `full`'s own slice this rank's part first, then the
-        others' in rank order. `here`: summed now, on the calling thread (`_post`)."""
+        others' in rank order. `here`: summed now, on the calling thread (`_post`). `key`
+        names what `full` holds (ZeRO: the unit): every rank must reduce the same from the
+        same buffer, and one that does not is refused on every rank before any sum."""
         if not self.placed(full) or out.numel() * self.size != full.numel():
             raise ValueError(
                 f"shared-memory reduce-scatter: {tuple(full.shape)} is not a buffer it placed "
                 f"that {self.size} ranks divide into outputs of {tuple(out.shape)}"
             )
         volume = native_volume("reduce_scatter", full.numel() * full.element_size(), self.size)
-        call = partial(self._sum_slices, full, out)
+        call = partial(self._sum_slices, full, out, key)
         return self._post("reduce_scatter", volume, call, full, here)
 
     def _post(
@@ -579,12 +584,23 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         submit = partial(self._thread.submit, call)
         return _issue(op, volume, submit, True, self.group, tensor, recorded)
 
-    def _sum_slices(self, full: torch.Tensor, out: torch.Tensor) -> None:
+    def _sum_slices(self, full: torch.Tensor, out: torch.Tensor, key: int) -> None:
         # (the peers' buffers as tensors only while summed: a peer's memory is not this rank's)
         n, peers = full.numel(), self._peers[full.data_ptr()]
         slots = [full if p is None else torch.from_numpy(p).view(full.dtype)[:n] for p in peers]
         slices = [slot.tensor_split(self.size)[self.rank] for slot in slots]
+        # Marked with this arrival's number, which is every rank's for this call: a peer that
+        # reduces from another buffer now left this one's mark older, whatever it holds.
+        owners, arrival = self._progress[full.data_ptr()].owners, self.arrivals.arrivals + 1
+        owners[self.rank][:] = (arrival, key)
         self.arrivals.wait("shared-memory reduce-scatter")  # every rank's buffer holds its part
+        others = [k for k, o in enumerate(owners) if o[0] != arrival or o[1] != key]
+        if others:  # (every rank reads the same marks: all of them refuse)
+            raise RuntimeError(
+                f"shared-memory reduce-scatter: rank(s) {others} reduce something else than "
+                f"part {key} from this rank's buffer (every rank must run the model's parts "
+                "in the same order)"
+            )
         if out.data_ptr() == slices[self.rank].data_ptr():  # (`full`'s own slice: this rank's
             for k, more in enumerate(slices):  # part first, then the others' in rank order)
                 if k != self.rank:

@@ -247,7 +247,9 @@ class ZeroStage1(DistributedModel):
                 unit.reduced = unit.own(unit.grad_full)
             else:
                 unit.reduced = torch.empty(unit.shard_numel, dtype=unit.full.dtype)
-            unit.handle = self.shared.start_reduce_scatter(unit.grad_full, unit.reduced, here)
+            unit.handle = self.shared.start_reduce_scatter(
+                unit.grad_full, unit.reduced, here, key=index
+            )
             return
         if self.exchanges_slices:  # (summed as it completes: `_sum_received`)
             unit.received = torch.empty_like(unit.grad_full)
