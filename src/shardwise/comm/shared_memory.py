@@ -595,7 +595,9 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         owners[self.rank][:] = (arrival, key)
         self.arrivals.wait("shared-memory reduce-scatter")  # every rank's buffer holds its part
         others = [k for k, o in enumerate(owners) if o[0] != arrival or o[1] != key]
-        if others:  # (every rank reads the same marks: all of them refuse)
+        # (each rank reads its own buffer's marks; all match on one rank only where every
+        # rank reduced this key from this buffer, so all of them match or all refuse)
+        if others:
             raise RuntimeError(
                 f"shared-memory reduce-scatter: rank(s) {others} reduce something else than "
                 f"part {key} from this rank's buffer (every rank must run the model's parts "
