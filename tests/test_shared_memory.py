@@ -7,6 +7,7 @@ import fcntl
 import itertools
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -299,7 +300,50 @@ def test_ranks_that_reduce_other_parts_or_buffers_are_refused_on_every_rank():
     for rank, said in enumerate(run(scatters_of_other_parts_or_buffers, 2)):
         assert said[0] == ""
         other = 1 - rank
-        assert all(f"rank(s) [{other}] reduce something else than part" in e for e in said[1:])
+        # (another buffer, then another part: what each rank came for is named)
+        assert f"rank {other} for the reduce-scatter of part 7 from buffer {other}" in said[1]
+        assert f"rank {other} for the reduce-scatter of part {7 + other} from buffer 0" in said[2]
+        assert all("ranks arrived for different calls" in e for e in said[1:])
+
+
+def meetings_before_exchanges():
+    """Both ranks say they exchange part 3 next through gloo (they go on), then parts 3 and 4;
+    then rank 0 reduce-scatters part 5 in shared memory while rank 1 says it exchanges part 5
+    through gloo (a staging buffer free on one rank only): what each rank is told, and when."""
+    rank = dist.get_rank()
+    collectives = SharedMemoryCollectives(timeout=timedelta(seconds=30))
+    buffer = collectives.new_buffer(8, torch.float32, CPU)
+
+    def reduce_scatter() -> None:
+        collectives.start_reduce_scatter(buffer, torch.empty(4), key=5).wait()
+
+    meet = collectives.meet_before_exchange
+    said, start = [], time.monotonic()
+    for call in (
+        partial(meet, 3),
+        partial(meet, 3 + rank),
+        reduce_scatter if rank == 0 else partial(meet, 5),
+    ):
+        try:
+            call()
+            said.append("")
+        except RuntimeError as e:
+            said.append(str(e))
+    took_s = time.monotonic() - start
+    collectives.close()
+    return said, took_s
+
+
+def test_a_rank_that_exchanges_a_part_through_gloo_meets_first_and_is_refused_with_its_peers():
+    # Before, the rank bound for gloo waited there for a peer that waited in shared memory,
+    # each until the group's timeout.
+    (said_0, took_0), (said_1, took_1) = run(meetings_before_exchanges, 2)
+    assert said_0[0] == said_1[0] == ""
+    assert "rank 1 for the exchange of part 4 through the process group" in said_0[1]
+    assert "rank 0 for the exchange of part 3 through the process group" in said_1[1]
+    assert "rank 1 for the exchange of part 5 through the process group" in said_0[2]
+    assert "rank 0 for the reduce-scatter of part 5 from buffer 0" in said_1[2]
+    assert max(took_0, took_1) < 10  # (refused at once, well within the 30 s timeout)
 
 
 def gathers_with_one_slot_refused():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -380,29 +381,38 @@ class _SwappedOnRankOne(nn.Module):
         return second(torch.tanh(first(x)))
 
 
-def _units_in_another_order() -> tuple[str, bool]:
+def _units_in_another_order(stage: int) -> tuple[str, bool, float]:
     torch.manual_seed(0)
     model, opt = sw.prepare(
-        _SwappedOnRankOne(), sw.ZeRO(stage=3), optimizer=torch.optim.SGD, lr=0.1
+        # (units of one block each: 16.6 KB apiece)
+        _SwappedOnRankOne(),
+        sw.ZeRO(stage=stage, bucket_mb=0.02),
+        optimizer=torch.optim.SGD,
+        lr=0.1,
     )
     before = sw.full_state_dict(model)
-    said = ""
+    said, start = "", time.monotonic()
     try:
         model(torch.randn(8, 64)).square().mean().backward()
         opt.step()
     except RuntimeError as e:
         said = str(e)
+    took_s = time.monotonic() - start
     model.zero_grad()  # (the backward that raised, taken back)
-    return said, all(torch.equal(v, before[k]) for k, v in sw.full_state_dict(model).items())
+    untouched = all(torch.equal(v, before[k]) for k, v in sw.full_state_dict(model).items())
+    return said, untouched, took_s
 
 
 @pytest.mark.skipif(not shared_memory.supported(), reason="stages gradients in /dev/shm")
-def test_zero3_refuses_ranks_that_run_its_units_in_another_order():
-    # Before, the staged reduce-scatters summed one rank's unit with another's: 1.5e-3 off
-    # after one SGD step, said nowhere.
-    for said, untouched in run(_units_in_another_order, 2):
-        assert "rank(s) [" in said and "in the same order" in said and "\n" not in said
-        assert untouched
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_refuses_ranks_that_run_its_units_in_another_order(stage):
+    # Before: ZeRO-3's staged reduce-scatters summed one rank's unit with another's (1.5e-3
+    # off after one SGD step, said nowhere), and ZeRO-2's too. (ZeRO-1 launches its units in
+    # their order, whatever order their gradients come in: each is its own buffer's.)
+    for said, untouched, took_s in run(_units_in_another_order, 2, stage):
+        assert "ranks arrived for different calls" in said, said
+        assert "in the same order" in said and "\n" not in said
+        assert untouched and took_s < 20
 
 
 def _refusals() -> list[str]:

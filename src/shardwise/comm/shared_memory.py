@@ -96,9 +96,36 @@ def process_ended(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] in "ZX"  # (the state follows the command's parenthesis)
 
 
+# What a rank arrives for, marked beside its counter (`Arrivals.wait`): a call's kind in the top
+# bits, then the buffer it reduces from and the part it holds (a reduce-scatter), or the part
+# it exchanges next another way (a meeting before it). Any other arrival is marked 0.
+REDUCE_SCATTER, EXCHANGE = 1, 2
+KEY_BITS, BUFFER_BITS = 32, 28
+
+
+def mark(kind: int, key: int = 0, buffer: int = 0) -> int:
+    if not (0 <= key < 1 << KEY_BITS and 0 <= buffer < 1 << BUFFER_BITS):
+        raise ValueError(f"a part's key (0 to 2^{KEY_BITS}) or a buffer out of range: {key}")
+    return kind << (KEY_BITS + BUFFER_BITS) | buffer << KEY_BITS | key
+
+
+def arrived_for(marked: int) -> str:
+    """What a mark says, in words."""
+    kind, key = marked >> (KEY_BITS + BUFFER_BITS), marked & ((1 << KEY_BITS) - 1)
+    buffer = (marked >> KEY_BITS) & ((1 << BUFFER_BITS) - 1)
+    if kind == REDUCE_SCATTER:
+        return f"the reduce-scatter of part {key} from buffer {buffer}"
+    if kind == EXCHANGE:
+        return f"the exchange of part {key} through the process group"
+    return "another collective"
+
+
 class Arrivals:
     """A barrier among processes that each map every rank's counter (one int64 in a file of
     its own): an arrival raises this rank's counter, then waits until every counter is as high.
+    Each arrival is marked with what it is for, and every rank reads every rank's mark once all
+    arrived: ranks that came for different calls are refused on every rank, where they would
+    have summed each other's unrelated buffers, or waited on each other until the timeout.
 
     x86-64 keeps a process's stores in order, and its loads: a peer that reads this rank's new
     count also reads what this rank wrote before it (`supported` allows no other machine).
@@ -119,14 +146,27 @@ class Arrivals:
         self.peers = {k: pid for k, pid in enumerate(pids) if k != rank}
         self.arrivals = 0
 
-    def wait(self, what: str | None = None) -> None:
+    def wait(self, what: str | None = None, marked: int = 0) -> None:
         """`what`: the collective this arrival is for, as its errors name it (default: the
-        one given when made)."""
+        one given when made); `marked`: what for (`mark`), every rank's checked against it.
+
+        The marks of arrival n lie in word 1 + n % 2 of each counter's line, written before the
+        count: a rank writes arrival n + 2's only once every rank has arrived at n + 1, after
+        reading n's marks."""
         self.arrivals += 1
-        n, counters = self.arrivals, self.counters
+        n, counters, word = self.arrivals, self.counters, 1 + self.arrivals % 2
+        self.mine[word] = marked
         self.mine[0] = n
         if any(c[0] < n for c in counters):
             self.until(lambda: [k for k, c in enumerate(counters) if c[0] < n], what)
+        if any(c[word] != marked for c in counters):
+            others = {k: int(c[word]) for k, c in enumerate(counters) if c[word] != marked}
+            theirs = "; ".join(f"rank {k} for {arrived_for(m)}" for k, m in others.items())
+            raise RuntimeError(
+                f"{what or self.what}: ranks arrived for different calls: this rank for "
+                f"{arrived_for(marked)}; {theirs} (every rank must run the model's parts in "
+                "the same order)"
+            )
 
     def until(
         self, missing: Callable[[], list[int]], what: str | None = None, longest: float = PAUSE_S
@@ -175,9 +215,6 @@ class Progress:
         self.stamps = [t[: 8 * self.blocks].view(np.int64) for t in tails]
         self.mine = self.stamps[rank]
         self.claims = tails[0][8 * self.blocks : 8 * self.blocks + 8].view(np.int64)
-        # Each rank's (arrival, key) of its last reduce-scatter from this buffer: what the
-        # ranks check that they reduce one thing from it (`_sum_slices`)
-        self.owners = [t[8 * self.blocks + 8 : 8 * self.blocks + 24].view(np.int64) for t in tails]
         self.sizes = [block] * (self.blocks - 1) + [numel - block * (self.blocks - 1)]
         # Of this rank's blocks, the elements not yet written for the next all-reduce: Python's
         # numbers, not an array's (`written` runs in every gradient's hook: a numpy element's
@@ -187,7 +224,7 @@ class Progress:
 
     @staticmethod
     def tail_bytes(numel: int, block: int) -> int:
-        return 8 * (-(-numel // block) + 3)
+        return 8 * (-(-numel // block) + 1)
 
     def written(self, start: int, stop: int) -> None:
         """Elements [start, stop) of this rank's buffer hold their part of the next all-reduce;
@@ -295,6 +332,7 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         # of this rank's: dropped with it (a finalizer), since a rebucketed model makes new ones.
         self._peers: dict[int, list[np.ndarray | None]] = {}
         self._progress: dict[int, Progress] = {}  # (by the same address)
+        self._numbers: dict[int, int] = {}  # (by the same address) its order of making
         self.arrivals: Arrivals | None = None
         counters = self._map_shared("arrivals", LINE)
         if counters is not None:
@@ -361,9 +399,10 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         mine = torch.from_numpy(array).view(dtype)
         self._peers[mine.data_ptr()] = mapped
         self._progress[mine.data_ptr()] = progress
+        self._numbers[mine.data_ptr()] = index
         # Forgotten with the memory (the array lives as long as any tensor on its storage does),
         # not with this tensor: a parameter made of it is another tensor object.
-        for known in (self._peers, self._progress):
+        for known in (self._peers, self._progress, self._numbers):
             weakref.finalize(array, known.pop, mine.data_ptr(), None)
         return mine
 
@@ -492,6 +531,7 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         super().close()
         self._peers.clear()
         self._progress.clear()
+        self._numbers.clear()
         if self._close_lock is not None:
             self._close_lock()
 
@@ -552,13 +592,14 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         others' in rank order. `here`: summed now, on the calling thread (`_post`). `key`
         names what `full` holds (ZeRO: the unit): every rank must reduce the same from the
         same buffer, and one that does not is refused on every rank before any sum."""
+        marked = mark(REDUCE_SCATTER, key, self._numbers.get(full.data_ptr(), 0))
         if not self.placed(full) or out.numel() * self.size != full.numel():
             raise ValueError(
                 f"shared-memory reduce-scatter: {tuple(full.shape)} is not a buffer it placed "
                 f"that {self.size} ranks divide into outputs of {tuple(out.shape)}"
             )
         volume = native_volume("reduce_scatter", full.numel() * full.element_size(), self.size)
-        call = partial(self._sum_slices, full, out, key)
+        call = partial(self._sum_slices, full, out, marked)
         return self._post("reduce_scatter", volume, call, full, here)
 
     def _post(
@@ -584,25 +625,14 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         submit = partial(self._thread.submit, call)
         return _issue(op, volume, submit, True, self.group, tensor, recorded)
 
-    def _sum_slices(self, full: torch.Tensor, out: torch.Tensor, key: int) -> None:
+    def _sum_slices(self, full: torch.Tensor, out: torch.Tensor, marked: int) -> None:
         # (the peers' buffers as tensors only while summed: a peer's memory is not this rank's)
         n, peers = full.numel(), self._peers[full.data_ptr()]
         slots = [full if p is None else torch.from_numpy(p).view(full.dtype)[:n] for p in peers]
         slices = [slot.tensor_split(self.size)[self.rank] for slot in slots]
-        # Marked with this arrival's number, which is every rank's for this call: a peer that
-        # reduces from another buffer now left this one's mark older, whatever it holds.
-        owners, arrival = self._progress[full.data_ptr()].owners, self.arrivals.arrivals + 1
-        owners[self.rank][:] = (arrival, key)
-        self.arrivals.wait("shared-memory reduce-scatter")  # every rank's buffer holds its part
-        others = [k for k, o in enumerate(owners) if o[0] != arrival or o[1] != key]
-        # (each rank reads its own buffer's marks; all match on one rank only where every
-        # rank reduced this key from this buffer, so all of them match or all refuse)
-        if others:
-            raise RuntimeError(
-                f"shared-memory reduce-scatter: rank(s) {others} reduce something else than "
-                f"part {key} from this rank's buffer (every rank must run the model's parts "
-                "in the same order)"
-            )
+        # (every rank's buffer holds its part; where one holds another part, or another
+        # buffer is reduced, every rank is refused here, before any sum)
+        self.arrivals.wait("shared-memory reduce-scatter", marked)
         if out.data_ptr() == slices[self.rank].data_ptr():  # (`full`'s own slice: this rank's
             for k, more in enumerate(slices):  # part first, then the others' in rank order)
                 if k != self.rank:
@@ -666,6 +696,16 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
             and output.is_contiguous()
             and output.numel() == shard.numel() * self.size
         )
+
+    def meet_before_exchange(self, key: int) -> None:
+        """Every rank arrives, on the calling thread (after the thread's calls), saying that it
+        exchanges part `key` next through the process group: where a peer arrives for another
+        call (a reduce-scatter here, or another part's exchange), every rank is refused now,
+        instead of one waiting in shared memory for a peer that waits in gloo until the
+        timeout."""
+        marked = mark(EXCHANGE, key)
+        call = partial(self._here, self.arrivals.wait, "shared-memory meeting", marked)
+        _issue("barrier", 0, call, False, self.group, None, "barrier_shared", blocking=True)
 
     def start_meeting(self, here: bool = False) -> Handle:
         """Every rank arrives, and none goes on before: whatever a rank wrote into its buffers

@@ -119,6 +119,12 @@ class ZeroStage2(ZeroStage1):
         if self.staging is not None and self.staging.holds(unit.grad_full):
             self.deferred.append(index)  # (reduced with the others staged: `_flush`)
             return
+        if self.staging is not None and self.staging.buffers:
+            # Exchanged through the process group, where a peer that runs the units in another
+            # order may have staged it: the ranks first meet in shared memory, saying which
+            # unit each exchanges, and are all refused if they differ (before, this rank
+            # waited in gloo for a peer that waited in shared memory, until the timeout).
+            self.shared.meet_before_exchange(index)
         # At most two reductions in flight: the one launched before this one is waited for
         # now, so its full gradient goes while backward runs on (left to the end of backward,
         # every unit's would be alive at once, as much as stage 1 keeps).
