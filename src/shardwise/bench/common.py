@@ -81,12 +81,16 @@ def timed(step: Callable[[], None], steps: int) -> float:
 
 
 def interleaved_times(
-    variants: dict[str, Callable[[], None]], steps: int, reps: int
+    variants: dict[str, Callable[[], None]],
+    steps: int,
+    reps: int,
+    each_step: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Warm every variant up, then time them in `reps` rounds of `steps` steps each: one step of
     every variant in turn, in an order shuffled afresh each time (the same on every rank), each
     after a barrier that is not timed. Returns each round's seconds per step by variant: its
-    mean step on each rank, the slowest rank's.
+    mean step on each rank, the slowest rank's. `each_step`: also every step's seconds on this
+    rank, by variant, in the order run (step s of round r at `r * steps + s`).
 
     Step by step, not a block of steps per variant: this machine's speed drifts within seconds,
     and a round's variants then share its every second (the GPT's DDP step over its floor
@@ -108,7 +112,10 @@ def interleaved_times(
                 dist.barrier()
                 t0 = time.perf_counter()
                 variants[key]()
-                spent[key] += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                spent[key] += took
+                if each_step is not None:
+                    each_step.setdefault(key, []).append(took)
         means = torch.tensor([spent[key] / steps for key in names], dtype=torch.float64)
         dist.all_reduce(means, op=dist.ReduceOp.MAX)
         for key, mean in zip(names, means.tolist(), strict=True):
