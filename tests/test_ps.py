@@ -167,12 +167,14 @@ def _ssp_run(staleness: int):
     if strategy.is_server():
         sw.ps.serve(mlp(), strategy, torch.optim.SGD, lr=1e-2)
         return None
+    hello_at = []  # (the straggler's: when its HELLO left)
     if rank == 1:  # the straggler says HELLO after the others pushed: it begins at clock 0
         send = PSClient._send  # all the same (before: at the server's version, far ahead)
 
         def late_hello(self, server, kind, *ints, payload=None):
             if kind == Kind.HELLO:
                 time.sleep(0.3)
+                hello_at.append(time.monotonic())
             return send(self, server, kind, *ints, payload=payload)
 
         PSClient._send = late_hello
@@ -188,7 +190,7 @@ def _ssp_run(staleness: int):
         returned.append(time.monotonic())
         opt.zero_grad()
     strategy.close(model)
-    return pushed, returned
+    return pushed, returned, hello_at
 
 
 def _late_joiner_run(mode: str):
@@ -249,10 +251,12 @@ def test_a_hello_that_is_not_a_model_signature_is_refused_in_words():
 def test_ssp_never_lets_a_worker_run_more_than_s_clocks_ahead():
     staleness = 2
     logs = [log for log in run(_ssp_run, 4, staleness) if log is not None]
+    (hello_at,) = logs[0][2]  # (worker rank 1's)
+    assert any(pushed[0] < hello_at for pushed, _, _ in logs[1:])  # others pushed before it
     lead = 0  # the largest lead the logs prove a worker had when its pull returned
-    for w, (_, returned) in enumerate(logs):
+    for w, (_, returned, _) in enumerate(logs):
         for clock, t in enumerate(returned, start=1):
-            for v, (pushed, _) in enumerate(logs):
+            for v, (pushed, _, _) in enumerate(logs):
                 if v == w:
                     continue
                 # Worker w may start clock `clock` only once every other worker pushed

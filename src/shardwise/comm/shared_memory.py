@@ -105,7 +105,10 @@ KEY_BITS, BUFFER_BITS = 32, 28
 
 def mark(kind: int, key: int = 0, buffer: int = 0) -> int:
     if not (0 <= key < 1 << KEY_BITS and 0 <= buffer < 1 << BUFFER_BITS):
-        raise ValueError(f"a part's key (0 to 2^{KEY_BITS}) or a buffer out of range: {key}")
+        raise ValueError(
+            f"a part's key must be in [0, 2^{KEY_BITS}) and a buffer's number in "
+            f"[0, 2^{BUFFER_BITS}): key {key}, buffer {buffer}"
+        )
     return kind << (KEY_BITS + BUFFER_BITS) | buffer << KEY_BITS | key
 
 
@@ -152,7 +155,9 @@ class Arrivals:
 
         The marks of arrival n lie in word 1 + n % 2 of each counter's line, written before the
         count: a rank writes arrival n + 2's only once every rank has arrived at n + 1, after
-        reading n's marks."""
+        reading n's marks. (Not where a wait failed, a peer's process ended or the timeout
+        passed: the group is done with then, and a peer may read a later mark than the one it
+        waited for, and say so instead of what failed.)"""
         self.arrivals += 1
         n, counters, word = self.arrivals, self.counters, 1 + self.arrivals % 2
         self.mine[word] = marked
@@ -641,7 +646,9 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
             torch.add(slices[0], slices[1], out=out)  # (rank order: the exchange's bits)
             for more in slices[2:]:
                 out.add_(more)
-        self.arrivals.wait("shared-memory reduce-scatter")  # every rank has read its slice
+        # (every rank has read its slice; marked as the first: a rank that left this call
+        # after the first arrival, raising, is not taken for a peer's next call here)
+        self.arrivals.wait("shared-memory reduce-scatter", marked)
 
     def gathers(self, output: torch.Tensor, shard: torch.Tensor) -> bool:
         """Whether `start_all_gather` takes these: CPU tensors of one dtype, contiguous, the
@@ -704,7 +711,8 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         instead of one waiting in shared memory for a peer that waits in gloo until the
         timeout."""
         marked = mark(EXCHANGE, key)
-        call = partial(self._here, self.arrivals.wait, "shared-memory meeting", marked)
+        what = "shared-memory meeting before an exchange through the process group"
+        call = partial(self._here, self.arrivals.wait, what, marked)
         _issue("barrier", 0, call, False, self.group, None, "barrier_shared", blocking=True)
 
     def start_meeting(self, here: bool = False) -> Handle:

@@ -36,8 +36,9 @@ class Kind(IntEnum):
     """What a message is. "Worker" is the asking side: a worker, or a relay for its group."""
 
     HELLO = 1  # worker -> server: [codec fingerprint, going over (1: to a backup server whose
-    #            primary it lost)] + the model's signature; reply OK [version] or ERROR (going
-    #            over: OK [the client's clock there, the batch it holds there (-1: none)])
+    #            primary it lost)] + the model's signature; reply OK [its first clock] or
+    #            ERROR (going over: OK [the client's clock there, the batch it holds there (-1:
+    #            none)])
     PULL = 2  # worker -> server: [clock]; reply OK [version, codec fingerprint] + parameters
     #           (compressed: the codec's bytes of the difference from the worker's copy)
     PUSH = 3  # worker -> server: [clock, version used, workers summed (0: one), codec

@@ -43,8 +43,8 @@ class Turn:
 
     greeted: bool  # its HELLO was accepted
     # The clock of its next PUSH (and of the PULL after it); None until its first PULL says it
-    # (a client takes its clock from server 0's version, which another server's may not equal
-    # in async modes, where every server counts its own updates)
+    # (a client takes its first clock from server 0's answer to its HELLO, which another
+    # server's may not equal in sync mode, where it is the round in hand there)
     clock: int | None
     pulling: bool  # a PULL of its waits for an answer
     pushed: bool  # a PUSH of its waits to be applied (sync: its round is not complete)

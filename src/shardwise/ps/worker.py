@@ -293,7 +293,7 @@ class PSClient:
                 self.close(say_done=False)
                 raise
             clocks.append(int(h[1]))
-        self.clock = clocks[0]  # (every server's `first_clock`: 0, or a resumed server's)
+        self.clock = clocks[0]  # (server 0's `first_clock`: sync, its round in hand)
         self.pull()
 
     def _send(self, server: int, kind: Kind, *ints: int, payload=None) -> None:

@@ -145,6 +145,7 @@ class FlatUnit:
         self.gather_handle = self.all_gather(self.full, shard.detach(), self.group, async_op=True)
 
     def wait_gather(self) -> None:
-        if self.gather_handle is not None:
-            self.gather_handle.wait()
-            self.gather_handle = None
+        # (let go of before its wait: one that failed is not waited for, and raised, again)
+        handle, self.gather_handle = self.gather_handle, None
+        if handle is not None:
+            handle.wait()
