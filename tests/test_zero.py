@@ -381,12 +381,12 @@ class _SwappedOnRankOne(nn.Module):
         return second(torch.tanh(first(x)))
 
 
-def _units_in_another_order(stage: int) -> tuple[str, bool, float]:
+def _units_in_another_order(stage: int, precision: str | None) -> tuple[str, bool, float]:
     torch.manual_seed(0)
     model, opt = sw.prepare(
         # (units of one block each: 16.6 KB apiece)
         _SwappedOnRankOne(),
-        sw.ZeRO(stage=stage, bucket_mb=0.02),
+        sw.ZeRO(stage=stage, bucket_mb=0.02, mixed_precision=precision),
         optimizer=torch.optim.SGD,
         lr=0.1,
     )
@@ -404,12 +404,13 @@ def _units_in_another_order(stage: int) -> tuple[str, bool, float]:
 
 
 @pytest.mark.skipif(not shared_memory.supported(), reason="stages gradients in /dev/shm")
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_refuses_ranks_that_run_its_units_in_another_order(stage):
+@pytest.mark.parametrize(("stage", "precision"), [(2, None), (3, None), (3, "bf16")])
+def test_zero_refuses_ranks_that_run_its_units_in_another_order(stage, precision):
     # Before: ZeRO-3's staged reduce-scatters summed one rank's unit with another's (1.5e-3
     # off after one SGD step, said nowhere), and ZeRO-2's too. (ZeRO-1 launches its units in
-    # their order, whatever order their gradients come in: each is its own buffer's.)
-    for said, untouched, took_s in run(_units_in_another_order, 2, stage):
+    # their order, whatever order their gradients come in: each is its own buffer's. In bf16,
+    # ZeRO-3 gathers its units from fp32 masters, not where they lie.)
+    for said, untouched, took_s in run(_units_in_another_order, 2, stage, precision):
         assert "ranks arrived for different calls" in said, said
         assert "in the same order" in said and "\n" not in said
         assert untouched and took_s < 20
