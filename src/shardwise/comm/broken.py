@@ -4,7 +4,16 @@ rank that fails on one is usually the victim of another rank's death, not its ca
 
 from __future__ import annotations
 
-PHRASES = ("Connection closed by peer", "Connection reset by peer", "Read error")
+# (gloo's tcp pair: a read of EOF, a read or a sync-mode write that failed (EPIPE: "writev ...:
+# Broken pipe"), and any call on a pair that closed meanwhile)
+PHRASES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "Broken pipe",
+    "Socket closed",
+    "Socket unexpectedly closed",
+)
 
 
 def broken_connection(text: str) -> str | None:
