@@ -215,7 +215,10 @@ class Progress:
     keeps other processes out, not this rank's other threads: a rank runs its all-reduces one
     at a time (its communication thread in order, and `start_last` after it)."""
 
-    def __init__(self, tails: list[np.ndarray], rank: int, numel: int, block: int) -> None:
+    def __init__(
+        self, tails: list[np.ndarray], rank: int, numel: int, block: int, number: int = 0
+    ) -> None:
+        self.number = number  # the buffer's, in the order the ranks made them (its marks')
         self.block, self.blocks = block, -(-numel // block)
         self.stamps = [t[: 8 * self.blocks].view(np.int64) for t in tails]
         self.mine = self.stamps[rank]
@@ -337,7 +340,6 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         # of this rank's: dropped with it (a finalizer), since a rebucketed model makes new ones.
         self._peers: dict[int, list[np.ndarray | None]] = {}
         self._progress: dict[int, Progress] = {}  # (by the same address)
-        self._numbers: dict[int, int] = {}  # (by the same address) its order of making
         self.arrivals: Arrivals | None = None
         counters = self._map_shared("arrivals", LINE)
         if counters is not None:
@@ -398,16 +400,15 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         mapped = self._map_shared(str(index), data + Progress.tail_bytes(numel, block))
         if mapped is None:
             return torch.zeros(numel, dtype=dtype, device=device)
-        progress = Progress([m[data:] for m in mapped], self.rank, numel, block)
+        progress = Progress([m[data:] for m in mapped], self.rank, numel, block, index)
         mapped = [m[:nbytes] for m in mapped]
         array, mapped[self.rank] = mapped[self.rank], None
         mine = torch.from_numpy(array).view(dtype)
         self._peers[mine.data_ptr()] = mapped
         self._progress[mine.data_ptr()] = progress
-        self._numbers[mine.data_ptr()] = index
         # Forgotten with the memory (the array lives as long as any tensor on its storage does),
         # not with this tensor: a parameter made of it is another tensor object.
-        for known in (self._peers, self._progress, self._numbers):
+        for known in (self._peers, self._progress):
             weakref.finalize(array, known.pop, mine.data_ptr(), None)
         return mine
 
@@ -536,7 +537,6 @@ class SharedMemoryAllReduce(ThreadedAllReduce):
         super().close()
         self._peers.clear()
         self._progress.clear()
-        self._numbers.clear()
         if self._close_lock is not None:
             self._close_lock()
 
@@ -597,12 +597,12 @@ class SharedMemoryCollectives(SharedMemoryAllReduce):
         others' in rank order. `here`: summed now, on the calling thread (`_post`). `key`
         names what `full` holds (ZeRO: the unit): every rank must reduce the same from the
         same buffer, and one that does not is refused on every rank before any sum."""
-        marked = mark(REDUCE_SCATTER, key, self._numbers.get(full.data_ptr(), 0))
         if not self.placed(full) or out.numel() * self.size != full.numel():
             raise ValueError(
                 f"shared-memory reduce-scatter: {tuple(full.shape)} is not a buffer it placed "
                 f"that {self.size} ranks divide into outputs of {tuple(out.shape)}"
             )
+        marked = mark(REDUCE_SCATTER, key, self._progress[full.data_ptr()].number)
         volume = native_volume("reduce_scatter", full.numel() * full.element_size(), self.size)
         call = partial(self._sum_slices, full, out, marked)
         return self._post("reduce_scatter", volume, call, full, here)
