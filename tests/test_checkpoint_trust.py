@@ -168,6 +168,83 @@ def test_cli_export_of_a_malformed_checkpoint_exits_2_with_one_line(ckpt, tmp_pa
     assert not (tmp_path / "w.safetensors").exists()
 
 
+# ---- a final checkpoint (the run's consolidated weights), and where an export writes -------------
+def _final(tmp_path, model):
+    """A run's final checkpoint as the trainer writes it (`save_model`): weights and meta.json."""
+    directory = tmp_path / "final"
+    checkpoint.save_model(directory, sw.full_state_dict(model), {"step": 2, "name": "t"})
+    return directory
+
+
+def _flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset : offset + 4] = bytes(255 - b for b in data[offset : offset + 4])
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[:100]),
+    "empty": lambda p: p.write_bytes(b""),
+    "header length": lambda p: p.write_bytes(b"\xff" * 8 + p.read_bytes()[8:]),
+    "weights flipped": lambda p: _flip(p, p.stat().st_size - 8),  # (a valid file still)
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("recorded", [True, False], ids=["checksum", "older-no-checksum"])
+def test_a_damaged_final_checkpoint_is_one_line_naming_its_file(
+    ckpt, tmp_path, capsys, damage, recorded
+):
+    """Before, each of these was a safetensors traceback, or (flipped weights) exported as if
+    whole: a final checkpoint carried no checksum. One saved by an older shardwise (no
+    checksum in its meta.json) is still read, its file's own header the only check."""
+    directory = _final(tmp_path, ckpt[1])
+    weights = directory / "model.safetensors"
+    meta = json.loads((directory / "meta.json").read_text())
+    assert meta["sha256"] == {"model.safetensors": sha256_file(weights)}
+    if not recorded:
+        (directory / "meta.json").write_text(json.dumps({"step": 2, "name": "t"}))
+    whole = load_file(weights)
+    DAMAGE[damage](weights)
+    out = tmp_path / "w.safetensors"
+    code, _, err = main_in_process(capsys, "export", str(directory), str(out))
+    if damage == "weights flipped" and not recorded:  # (no check can tell: what it was)
+        assert code == 0 and load_file(out).keys() == whole.keys()
+        return
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert str(weights) in line and ("checksum" if recorded else "not a safetensors") in line
+    assert not out.exists()
+
+
+def test_an_export_to_a_path_it_cannot_write_is_one_line_and_leaves_nothing(
+    ckpt, tmp_path, capsys, monkeypatch
+):
+    """Before: a traceback each, after reading the whole checkpoint, and an export to a
+    directory left its temporary file (`.out.tmp`) where the command ran."""
+    directory, *_ = ckpt
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    cases = {
+        "folder": "it is a directory",
+        "afile/x.safetensors": "afile is not a directory",
+        "/proc/nope/x.safetensors": "No such file or directory",
+    }
+    for out, why in cases.items():
+        code, _, err = main_in_process(capsys, "export", str(directory), out)
+        assert code == 2, (out, err)
+        (line,) = err.strip().splitlines()
+        assert line.startswith(f"shardwise: cannot write {out}: ") and why in line, line
+    code, _, err = main_in_process(capsys, "export", str(directory), "afile", "--hf")
+    assert code == 2 and err.strip() == (
+        "shardwise: cannot write a Hugging Face folder to afile: it is a file"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert list((tmp_path / "folder").iterdir()) == []
+
+
 # ---- shard files that do not match the layout ----------------------------------------------------
 def _edit_shard(directory, edit) -> None:
     """Change rank0.safetensors and give the manifest its new checksum, as a buggy or hostile

@@ -115,6 +115,14 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
             ["--set", "faults=['kill:rank=7:step=3']"],  # (never fired, silently)
             "config error: faults: kill on rank 7, in a job of 2 ranks",
         ),
+        (
+            ["--set", "strategy.algorithm=hierarchical", "--set", "strategy.group_size=3"],
+            "config error: strategy: hierarchical group_size must divide the world size 2, got 3",
+        ),
+        (
+            ["--set", "train.delay_s=[0, 0, 0]"],  # (the third: never used, silently)
+            "config error: train.delay_s has 3 delays for 2 data-parallel ranks (one per rank",
+        ),
         (["--resume"], "--resume: which run directory? (--resume RUN_DIR)"),
         (["--resume", "TMP/nope"], "--resume: no run directory TMP/nope"),
         (
@@ -134,6 +142,8 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
         "shard-group-world",
         "mesh-world",
         "fault-rank-world",
+        "hierarchical-world",
+        "delays-world",
         "resume-which",
         "resume-nothing",
         "resume-no-config",
@@ -473,3 +483,25 @@ def test_a_new_job_refuses_a_run_directory_with_another_runs_outputs(tmp_path, c
         "was saved)"
     )
     assert sorted(p.name for p in run.rglob("*")) == ["faults", "kill-rank1-step5", "metrics.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--threads-per-rank", "0", "SCRIPT"], "--threads-per-rank must be at least 1, got 0"),
+        (["--threads-per-rank", "-2", "SCRIPT"], "--threads-per-rank must be at least 1, got -2"),
+        (
+            ["--hang-timeout", "0", "SCRIPT"],
+            "--hang-timeout must be a positive number of seconds: 0.0",
+        ),
+        (["TMP/nope.py"], "no such script: TMP/nope.py"),
+    ],
+    ids=["threads-0", "threads-negative", "hang-timeout-0", "no-script"],
+)
+def test_run_refuses_bad_options_in_one_line_before_any_rank_starts(tmp_path, capsys, args, says):
+    """(Before, --threads-per-rank 0 or -2 ran the script as if not given.)"""
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('started')\n")
+    args = [str(script) if a == "SCRIPT" else a.replace("TMP", str(tmp_path)) for a in args]
+    code, _, err = main_in_process(capsys, "run", "--nproc", "2", *args)
+    assert code == 2 and err == f"shardwise: {says.replace('TMP', str(tmp_path))}\n"

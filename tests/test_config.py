@@ -101,6 +101,15 @@ def test_layerwise_optimizers_are_refused_on_a_parameter_server():
             "prune.pattern: YAML read an unquoted 2:4 as the number 124: quote it",
         ),
         ("data.dataset=digits", "data.path is read by dataset 'text' or 'verses' only"),
+        # (before: each accepted, the boolean as the number 1, the seed failing in every rank
+        # as "Overflow when unpacking long long", the codec failing there too)
+        ("train.steps=true", "config error: train: steps should be a number, not true"),
+        ("train.clip_grad_norm=false", "train: clip_grad_norm should be a number, not false"),
+        ("strategy.bucket_mb=true", "strategy.ddp: bucket_mb should be a number, not true"),
+        ("train.seed=99999999999999999999999", "train.seed = 99999999999999999999999: Input"),
+        ("train.seed=-1", "train.seed = -1: Input should be greater than or equal to 0"),
+        ("train.skip_batches=[0]", "train.skip_batches: global batches count from 1"),
+        ("strategy.compression=powersgd:0", "strategy.compression: PowerSGD rank must be >= 1"),
         (
             "data.stages=[{at: 5}, {at: 9, tokens: genesis_kjv.txt, path: genesis_kjv.txt}]",
             "data.stages[1]: data.path is read by dataset 'text' or 'verses' only, and this "
@@ -179,7 +188,20 @@ def test_config_command_lists_every_field_with_default_and_description(capsys):
         assert f" {default} " in line and "│" in line
     assert "Literal[1, 2, 3]" in out  # the allowed values, not only the type
     assert main(["config"]) == 0
-    assert "zero" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "zero" in listed
+    # Every section it lists is described; the optional ones (none unless given) too, their
+    # fields that must be given marked so (before, these three crashed with a traceback).
+    sections = listed.splitlines()[0].removeprefix("sections: ").split(", ")
+    assert {"distill", "prune", "start"} <= set(sections)
+    for section in sections:
+        assert main(["config", section]) == 0, section
+        described = capsys.readouterr().out
+        assert "PydanticUndefined" not in described, section
+    assert main(["config", "start"]) == 0
+    described = capsys.readouterr().out
+    line = next(row for row in described.splitlines() if " checkpoint " in row)
+    assert " (required) " in line and "start (optional: none unless given)" in described
     assert main(["config", "nope"]) == 2
     assert "no section or strategy named 'nope'" in capsys.readouterr().err
 

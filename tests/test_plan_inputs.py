@@ -56,6 +56,9 @@ BAD = [
     (["calibrate", "--nproc", "0"], "--nproc must be a whole number >= 1, got '0'"),
     (["calibrate", "--passes", "three"], "--passes must be a whole number >= 1"),
     (["calibrate", "--calls", "1.5"], "--calls must be a whole number >= 1"),
+    # (before: a traceback after the whole measurement, a minute at the defaults)
+    (["calibrate", "--out", "/proc/nope/c.json"], "cannot write /proc/nope/c.json: No such"),
+    (["calibrate", "--out", "/"], "cannot write /: it is a directory (give a file's path)"),
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -211,6 +212,34 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):
     resumed = _finish(_train(tmp_path / "run", *sets, extra=["--resume", str(tmp_path / "run")]))
     assert f"resumed from {previous} (step 50)" in resumed
     assert [p.name for p in run_checkpoint.complete(root)] == ["step-000000055"]
+
+    # Resumed once more with no step left to train, or fewer steps than it has trained: one
+    # line, and the run untouched. (Before: exit 0 after writing over its summary with an
+    # empty one, NaN losses and no bytes; with fewer steps, config.yaml's and the final
+    # checkpoint's step too, the weights being the later step's.)
+    from shardwise.cli import main
+
+    run, before = tmp_path / "run", _files(tmp_path / "run")
+    for sets, where in [([], "at train.steps=55"), (["train.steps=30"], "past train.steps=30")]:
+        assert main(["train", "--resume", str(run), *set_args(*sets)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(
+            f"shardwise: --resume {run}: its newest checkpoint is at step 55, {where}: raise "
+            "train.steps to train further, or start a new run from it"
+        ), line
+    assert _files(run) == before
+    # A finished run that saved no checkpoint on the way: resuming it would train over it from
+    # step 0 (before: it did, exit 0).
+    shutil.rmtree(root)
+    before = _files(run)
+    assert main(["train", "--resume", str(run), *set_args("train.steps=70")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "the run finished and saved no checkpoint to resume from" in line
+    assert main(["train", "--resume", str(run), "--run-dir", str(tmp_path / "other")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"shardwise: --resume {run} goes on in its own run directory: leave --run-dir out"
+    )
+    assert _files(run) == before and not (tmp_path / "other").exists()
 
 
 # Batch sizes such that the resumed part crosses the end of the first epoch.

@@ -104,6 +104,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if resume:
         if not args.resume:
             raise ConfigError("--resume: which run directory? (--resume RUN_DIR)")
+        if run_dir is not None and Path(run_dir) != Path(args.resume):
+            raise ConfigError(
+                f"--resume {args.resume} goes on in its own run directory: leave --run-dir out"
+            )
         run_dir = args.resume
     return run_job(fit_ranks(cfg, nproc_given=args.nproc is not None), run_dir, resume)
 

@@ -10,7 +10,7 @@ the strategy), and how a config is found, read, overridden, validated, described
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Union, get_args
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -470,7 +470,12 @@ def describe_section(name: str) -> tuple[str, list[tuple[str, str, str, str]]]:
     if name in by_strategy:
         section, title = by_strategy[name], f"strategy: {name}"
     elif name in section_names():
-        section, title = Config.model_fields[name].default_factory, name
+        field = Config.model_fields[name]
+        # (a section that is off unless given, `distill: X | None`, has no factory: its class)
+        section = field.default_factory or next(
+            kind for kind in get_args(field.annotation) if kind is not type(None)
+        )
+        title = name if field.default_factory else f"{name} (optional: none unless given)"
     else:
         known = ", ".join([*section_names(), *by_strategy])
         raise ConfigError(f"config error: no section or strategy named {name!r} ({known})")
@@ -478,7 +483,8 @@ def describe_section(name: str) -> tuple[str, list[tuple[str, str, str, str]]]:
     for field_name, info in section.model_fields.items():
         kind = info.annotation
         kind = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
-        rows.append((field_name, kind, repr(info.default), info.description or ""))
+        default = "(required)" if info.is_required() else repr(info.default)
+        rows.append((field_name, kind, default, info.description or ""))
     return title, rows
 
 

@@ -421,7 +421,7 @@ class StartConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(200, ge=1, description="optimizer steps to run")
-    seed: int = Field(0, description="seed for model initialisation and data order")
+    seed: int = Field(0, ge=0, lt=2**63, description="seed for model initialisation and data order")
     log_every: int = Field(10, ge=1, description="steps between logged (globally averaged) losses")
     eval_batch_size: int = Field(256, ge=1, description="per-rank batch size for evaluation")
     clip_grad_norm: float | None = Field(
@@ -505,6 +505,13 @@ class TrainConfig(Section):
         description="move the delays one rank on every step (transient stragglers: each rank "
         "is slow one step in N) instead of keeping them on the same ranks",
     )
+
+    @field_validator("skip_batches")
+    @classmethod
+    def _batches_from_one(cls, batches: list[int]) -> list[int]:
+        if any(b < 1 for b in batches):
+            raise ValueError(f"global batches count from 1 (the run's first), got {batches}")
+        return batches
 
     @field_validator("trace_steps")
     @classmethod

@@ -86,7 +86,9 @@ def export_hf(
 ) -> Path:
     """Write checkpoint `checkpoint` as a Hugging Face folder `out`; `config`: a config.json
     to use where the run recorded none."""
-    checkpoint = Path(checkpoint)
+    checkpoint, out = Path(checkpoint), Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"cannot write a Hugging Face folder to {out}: it is a file")
     where = Path(config) if config is not None else find_hf_config(checkpoint)
     if where is None:
         raise ValueError(
@@ -97,8 +99,11 @@ def export_hf(
     weights = {
         k: v.float() if v.is_floating_point() else v for k, v in full_weights(checkpoint).items()
     }
-    save_hf(weights, hf_config, Path(out), max_shard_bytes)
-    return Path(out)
+    try:
+        save_hf(weights, hf_config, out, max_shard_bytes)
+    except OSError as e:
+        raise ValueError(f"cannot write {out}: {e.strerror or e} ({e.filename})") from None
+    return out
 
 
 def save_hf(

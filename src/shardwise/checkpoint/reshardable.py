@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shardwise import comm
+from shardwise.observe.run_output import check_writable_file
 from shardwise.strategies.base import DistributedModel
 
 FORMAT = "shardwise-sharded-v1"
@@ -43,11 +44,16 @@ class CheckpointError(ValueError):
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write to a temporary sibling, fsync, then rename: a reader never sees a partial file."""
+    """Write to a temporary sibling, fsync, then rename: a reader never sees a partial file,
+    and a write that fails leaves no temporary behind."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    fsync_path(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_path(path: Path) -> None:
@@ -59,18 +65,45 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+WEIGHTS = "model.safetensors"  # a final checkpoint's weights, beside its meta.json
+
+
 def save_model(directory: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Save `state` (a full state dict) and `meta` under `directory`; returns the weights path."""
+    """Save `state` (a full state dict) and `meta` under `directory`, the weights' SHA-256 in
+    the meta (`load_model` checks it); returns the weights path."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-    weights = directory / "model.safetensors"
-    _atomic(weights, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    weights = directory / WEIGHTS
+    digests = {}
+
+    def write(path: Path) -> None:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        digests[WEIGHTS] = sha256_file(path)
+
+    _atomic(weights, write)
+    meta = {**meta, "sha256": digests}
     _atomic(directory / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=2)))
     return weights
 
 
 def load_model(directory: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(directory) / "model.safetensors"))
+    """A final checkpoint's weights (`save_model`), checked against the SHA-256 its meta.json
+    records (where it records one: an older shardwise's does not); a file that is not one is
+    a `CheckpointError` naming it."""
+    directory = Path(directory)
+    path = directory / WEIGHTS
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError):  # (none, or unreadable: the file's own header is the check)
+        meta = None
+    digests = meta.get("sha256") if isinstance(meta, dict) else None
+    expected = digests.get(WEIGHTS) if isinstance(digests, dict) else None
+    if expected is not None:
+        return _verified(path, expected)
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
 
 
 def make_manifest(
@@ -382,9 +415,12 @@ def full_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(directory: str | Path, out: str | Path) -> Path:
     """Consolidate a checkpoint into one safetensors file of full fp32 weights."""
+    out = Path(out)
+    check_writable_file(out)  # (before reading a checkpoint that may be large)
     weights = full_weights(directory)
     weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic(out, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
+    try:
+        _atomic(out, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
     return out

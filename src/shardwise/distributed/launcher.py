@@ -132,6 +132,8 @@ def launch_script(
         raise ValueError(f"no such script: {script}")
     if not 0 < hang_timeout_s < float("inf"):
         raise ValueError(f"--hang-timeout must be a positive number of seconds: {hang_timeout_s}")
+    if threads_per_rank is not None and threads_per_rank < 1:
+        raise ValueError(f"--threads-per-rank must be at least 1, got {threads_per_rank}")
     with _environment({WATCHDOG_ENV: str(hang_timeout_s)}):
         _launch([script, *args], nproc, threads_per_rank, bind_cores=bind_cores)
 

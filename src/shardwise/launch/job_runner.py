@@ -49,6 +49,11 @@ def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
             f"config error: data.rank_weights has {len(weights)} weights for {replicas} "
             f"data-parallel ranks"
         )
+    if len(cfg.train.delay_s) > replicas:  # (a delay for a rank the job has not: never used)
+        raise ConfigError(
+            f"config error: train.delay_s has {len(cfg.train.delay_s)} delays for {replicas} "
+            f"data-parallel ranks (one per rank at most)"
+        )
     return cfg
 
 
@@ -153,10 +158,30 @@ def check_resume(cfg: Config, run_dir: Path) -> None:
     from shardwise.checkpoint import run_checkpoint
     from shardwise.jobs import build_job
 
-    if not run_checkpoint.complete(run_dir / "checkpoints"):
-        return  # nothing to resume from: the ranks say so and start afresh
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise ConfigError(f"--resume {run_dir}: {checkpoints} is not a directory")
+    further = (
+        f"start a new run from it (--set start.mode=continue --set start.checkpoint={run_dir})"
+    )
+    if not run_checkpoint.complete(checkpoints):
+        # Nothing to resume from: the ranks say so and start afresh, unless the run finished
+        # (its final weights, metrics and summary would be trained over from step 0).
+        if (run_dir / "checkpoint" / "meta.json").is_file():
+            raise ConfigError(
+                f"--resume {run_dir}: the run finished and saved no checkpoint to resume "
+                f"from; to train further, {further}"
+            )
+        return
     job = run_checkpoint.job_signature(build_job(cfg).model, cfg.optim.name, cfg.strategy.name)
     try:
-        run_checkpoint.resumable(run_dir, cfg.launch.nproc, job)
+        found = run_checkpoint.resumable(run_dir, cfg.launch.nproc, job)
     except run_checkpoint.RunCheckpointError as e:
         raise ConfigError(f"--resume {run_dir}: {e}") from None
+    if found is not None and found.step >= cfg.train.steps:
+        # (it would train no step, and write over the run's summary with an empty one)
+        past = "at" if found.step == cfg.train.steps else "past"
+        raise ConfigError(
+            f"--resume {run_dir}: its newest checkpoint is at step {found.step}, {past} "
+            f"train.steps={cfg.train.steps}: raise train.steps to train further, or {further}"
+        )

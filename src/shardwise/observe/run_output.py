@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +36,22 @@ def writing(path: Path):
         raise
     except OSError as e:
         raise WriteError(e.errno, e.strerror or str(e), str(path)) from e
+
+
+def check_writable_file(out: Path) -> None:
+    """Before the work whose result goes to `out`: it can be written as a file (its folder made
+    where missing), else a one-line `ValueError` saying why."""
+    if out.is_dir():
+        raise ValueError(f"cannot write {out}: it is a directory (give a file's path)")
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"cannot write {out}: {existing} is not a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write {out}: {e.strerror or e} ({e.filename})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise ValueError(f"cannot write {out}: its folder {out.parent} is not writable")
 
 
 class MetricsFile:

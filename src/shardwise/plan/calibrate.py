@@ -330,6 +330,7 @@ def _count(flag: str, text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from shardwise.distributed.launcher import LaunchError, launch
+    from shardwise.observe.run_output import check_writable_file
 
     try:
         for flag in ("nproc", "passes", "calls"):
@@ -338,6 +339,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise: calibrate: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else cache_path(args.nproc)
+    try:
+        check_writable_file(out)  # (before the measuring, a minute at the defaults)
+    except ValueError as e:
+        print(f"shardwise: calibrate: {e}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     try:
         worker = ["--worker", str(out), str(args.passes), str(args.calls)]

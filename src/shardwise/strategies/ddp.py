@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from shardwise import comm
@@ -484,6 +484,21 @@ class DDPConfig(StrategySection):
         "powersgd:RANK",
         pattern=CODEC_PATTERN,
     )
+
+    @field_validator("compression")
+    @classmethod
+    def _a_codec(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            make_codec(spec)  # (what the pattern cannot say: a PowerSGD rank of 0, say)
+        return spec
+
+    def check_world(self, world_size: int) -> None:
+        hierarchical = self.algorithm == "hierarchical" and self.compression is None
+        if hierarchical and self.group_size is not None and world_size % self.group_size:
+            raise ValueError(
+                f"hierarchical group_size must divide the world size {world_size}, got "
+                f"{self.group_size}"
+            )
 
     def build(self, world_size: int, run_dir: Path) -> DDP:
         return DDP(**self.options())

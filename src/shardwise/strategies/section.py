@@ -8,9 +8,10 @@ into one `Config`; nothing else needs to know the strategy exists.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from shardwise.strategies.base import Strategy
@@ -19,6 +20,22 @@ if TYPE_CHECKING:
 class Section(BaseModel):
     # No field means "never" by infinity: a timeout of .inf would overflow where it is used.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, given: Any) -> Any:
+        # pydantic reads YAML's `true` as the number 1: `steps: true` would train one step.
+        for name, value in given.items() if isinstance(given, dict) else ():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None and _a_number(field.annotation):
+                raise ValueError(f"{name} should be a number, not {str(value).lower()}")
+        return given
+
+
+def _a_number(annotation: Any) -> bool:
+    """Whether a field of this type holds a number and never a boolean (`int | None`, say)."""
+    kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return bool not in kinds and any(kind in (int, float) for kind in kinds)
 
 
 class StrategySection(Section):
