@@ -120,6 +120,16 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
             "config error: strategy: hierarchical group_size must divide the world size 2, got 3",
         ),
         (
+            ["--set", "start.mode=finetune", "--set", "start.checkpoint=TMP/nope"],
+            "config error: start.checkpoint: no such path TMP/nope",
+        ),
+        (
+            set_args(
+                "strategy.name=zero", "strategy.offload=disk", "strategy.offload_dir=TMP/a_file/x"
+            ),
+            "config error: strategy.offload_dir: [Errno 20] Not a directory: TMP/a_file/x",
+        ),
+        (
             ["--set", "train.delay_s=[0, 0, 0]"],  # (the third: never used, silently)
             "config error: train.delay_s has 3 delays for 2 data-parallel ranks (one per rank",
         ),
@@ -143,6 +153,8 @@ ROOT_USER = os.geteuid() == 0  # (root writes where the mode bits say no)
         "mesh-world",
         "fault-rank-world",
         "hierarchical-world",
+        "start-missing",
+        "offload-dir-under-file",
         "delays-world",
         "resume-which",
         "resume-nothing",

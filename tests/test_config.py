@@ -144,6 +144,13 @@ def test_yaml_file_errors_are_one_line(tmp_path):
     latin.write_bytes("name: caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin.yaml is not UTF-8 text \(invalid"):
         load_config(str(latin))
+    empty = tmp_path / "empty.yaml"  # (before: the default job, in silence)
+    for text in ("", "# all commented out\n"):
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty.yaml holds no config \(give its sections"):
+            load_config(str(empty))
+    empty.write_text("{}\n")
+    assert load_config(str(empty)).strategy.name == "ddp"  # (said so: the defaults)
 
 
 def test_a_strategy_named_on_the_command_line_keeps_the_options_given_beside_it(tmp_path):

@@ -141,6 +141,20 @@ def test_packing_config_errors_are_one_line(overrides, expected):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("reader", [datasets.text, datasets.verses])
+def test_a_text_file_that_is_not_utf8_or_empty_is_one_line_naming_it(tmp_path, reader):
+    """(Before: "'utf-8' codec can't decode byte 0xff ...", naming no file; an empty verses
+    file: "data.test_fraction 0.2 holds out no evaluation sample".)"""
+    cases = [(b"ab\xffcd", "not UTF-8 text (byte 2: invalid start byte)")]
+    cases += [(b"", "no text in it"), (b" \n\n", "no text in it")]
+    for content, says in cases:
+        path = tmp_path / "data.txt"
+        path.write_bytes(content)
+        with pytest.raises(ValueError) as err:
+            reader(path)
+        assert str(err.value) == f"{path}: {says}"
+
+
 @pytest.mark.usefixtures("uncalibrated")
 def test_verses_gpt_trains_packed_on_two_ranks_as_on_one(tmp_path):
     small = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "train.steps=4"]

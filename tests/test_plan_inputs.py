@@ -53,6 +53,12 @@ BAD = [
     (["plan", "--spec", "SPEC", "devices: 64\nnetwork_gbit: fast\n"], "got 'fast'"),
     (["plan", "--spec", "SPEC", "devices: true\n"], "devices must be a whole number"),
     (["plan", "--spec", "SPEC", "devices: [64\n"], "not YAML at line"),
+    (["plan", "--spec", "SPEC", "devices: 8\ndevices: 64\n"], "key 'devices' given twice"),
+    # Flags another question reads (before: ignored in silence)
+    (["plan", "--params", "7e9", "--preset", "70b", "--devices", "2"], "alone: not with --preset"),
+    (["plan", "--params", "7e9", "--devices", "8", "--layers", "3"], "alone: not with --layers"),
+    (["plan", "--config", "digits", "--devices", "2"], "on this machine: not with --devices"),
+    (["plan", "--preset", "70b", "--devices", "64", "--nproc", "2"], "--nproc: only with --config"),
     (["calibrate", "--nproc", "0"], "--nproc must be a whole number >= 1, got '0'"),
     (["calibrate", "--passes", "three"], "--passes must be a whole number >= 1"),
     (["calibrate", "--calls", "1.5"], "--calls must be a whole number >= 1"),

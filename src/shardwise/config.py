@@ -406,13 +406,15 @@ def load_config(name_or_path: str | None = None, overrides: list[str] = ()) -> C
     """Read, override and validate; raises `ConfigError` with a one-line message."""
     path = find_config(name_or_path)
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeys)
     except yaml.YAMLError as e:
         raise ConfigError(f"config error: {path} is not valid YAML: {e}".splitlines()[0]) from e
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"config error: {path} is not UTF-8 text ({e.reason} at byte {e.start})"
         ) from None
+    if raw is None:  # (not the default job in silence: `{}` says that)
+        raise ConfigError(f"config error: {path} holds no config (give its sections, or {{}})")
     if not isinstance(raw, dict):
         raise ConfigError(f"config error: {path} must hold a mapping at the top level")
     parsed = parse_overrides(list(overrides))
@@ -426,7 +428,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] = ()) -> C
     return validate(raw)
 
 
-class _UniqueKeys(yaml.SafeLoader):
+class UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (where the last would win
     in silence: `train:` twice loses the first one's settings)."""
 

@@ -112,7 +112,7 @@ def build_splits(cfg: Config, run_text: str | None = None) -> datasets.Splits:
 def run_text_of(data: DataConfig) -> str | None:
     """The text whose characters a run's character model reads (its data.path's), or None."""
     if data.dataset in ("text", "verses"):
-        return resolve_data_path(data.path).read_text(encoding="utf-8")
+        return datasets.read_text_file(resolve_data_path(data.path))
     return None
 
 

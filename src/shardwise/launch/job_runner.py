@@ -49,6 +49,13 @@ def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
             f"config error: data.rank_weights has {len(weights)} weights for {replicas} "
             f"data-parallel ranks"
         )
+    if cfg.start is not None and not Path(cfg.start.checkpoint).exists():
+        raise ConfigError(f"config error: start.checkpoint: no such path {cfg.start.checkpoint}")
+    if (where := cfg.strategy.disk_offload_dir()) is not None:
+        try:  # (what each rank makes its own directory in)
+            Path(where).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"config error: strategy.offload_dir: {os_reason(e)}") from None
     if len(cfg.train.delay_s) > replicas:  # (a delay for a rank the job has not: never used)
         raise ConfigError(
             f"config error: train.delay_s has {len(cfg.train.delay_s)} delays for {replicas} "

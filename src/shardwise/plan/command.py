@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from shardwise.config import UniqueKeys
 from shardwise.plan.config_plan import plan_config
 from shardwise.plan.model_states import PRECISIONS, print_model_states
 from shardwise.plan.search import (
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     ranked (--preset / --spec / --layers ...)."""
     try:
         read_numbers(args)
+        _one_question(args)
         if args.params is not None:
             if args.devices is None:
                 raise ValueError("--params needs --devices")
@@ -131,6 +133,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_plans(spec, cluster, fits, rejected, elapsed, args.top)
     return 0 if fits else 1  # (the same answer whatever the output's form)
+
+
+def _one_question(args: argparse.Namespace) -> None:
+    """The flags given ask one of the three questions (`run`): else a one-line `ValueError`
+    naming those another one reads, which would be ignored in silence."""
+
+    def given(names) -> list[str]:
+        return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, [])]
+
+    transformer = given(("preset", "spec", *SPEC_HELP))
+    if args.params is not None and (others := transformer + given(("config", "nproc", "set"))):
+        raise ValueError(f"--params prices model states alone: not with {', '.join(others)}")
+    if args.config is not None and (others := transformer + given(CLUSTER_FLAGS)):
+        raise ValueError(
+            f"--config prices the config on this machine: not with {', '.join(others)}"
+        )
+    if args.config is None and (others := given(("nproc", "set"))):
+        raise ValueError(f"{', '.join(others)}: only with --config")
 
 
 def _spec_and_cluster(args: argparse.Namespace) -> tuple[TransformerSpec, ClusterSpec]:
@@ -156,7 +176,7 @@ def _spec_and_cluster(args: argparse.Namespace) -> tuple[TransformerSpec, Cluste
 def _read_spec(path: str) -> dict:
     """The plan flags a YAML file sets, each checked (`number`); a null is left unset."""
     try:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = yaml.load(Path(path).read_text(), Loader=UniqueKeys) or {}
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as e:

@@ -62,6 +62,10 @@ class StrategySection(Section):
         """A `ValueError` where the options cannot run on `world_size` ranks: before any rank
         starts (`ranks_needed` is checked beside it)."""
 
+    def disk_offload_dir(self) -> str | None:
+        """The directory given for state offloaded to disk, if any (made before ranks start)."""
+        return None
+
     def data_parallel_ranks(self, world_size: int) -> int:
         """The ranks of `world_size` that each take a slice of the global batch."""
         return world_size

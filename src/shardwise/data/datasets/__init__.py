@@ -87,12 +87,23 @@ def _characters(path: Path, content: str, run_text: str | None) -> list[str]:
     return vocab
 
 
+def read_text_file(path: Path) -> str:
+    """A text dataset's content: UTF-8 and not empty, else a one-line `ValueError` naming it."""
+    try:
+        content = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not content.strip():
+        raise ValueError(f"{path}: no text in it")
+    return content
+
+
 def text(
     path: Path, seq_len: int = 128, test_fraction: float = 0.1, run_text: str | None = None
 ) -> Splits:
     """A character-level language-modelling dataset: the last `test_fraction` is held out.
     `run_text`: the text whose characters are the vocabulary (a stage's, the run's own)."""
-    content = Path(path).read_text(encoding="utf-8")
+    content = read_text_file(path)
     vocab = _characters(path, content, run_text)
     index = {ch: i for i, ch in enumerate(vocab)}
     tokens = torch.tensor([index[ch] for ch in content], dtype=torch.long)
@@ -117,7 +128,7 @@ def verses(
     as `text`'s."""
     if packing not in ("none", "pack"):
         raise ValueError(f"packing must be 'none' or 'pack', got {packing!r}")
-    content = Path(path).read_text(encoding="utf-8")
+    content = read_text_file(path)
     vocab = _characters(path, content, run_text)
     index = {ch: i for i, ch in enumerate(vocab)}
     bos = len(vocab)

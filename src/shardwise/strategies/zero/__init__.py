@@ -289,6 +289,9 @@ class ZeROConfig(StrategySection):
     def check_world(self, world_size: int) -> None:
         check_shard_size(self.shard_group, world_size)
 
+    def disk_offload_dir(self) -> str | None:
+        return self.offload_dir if self.offload == "disk" else None
+
     def build(self, world_size: int, run_dir: Path) -> ZeRO:
         check_shard_size(self.shard_group, world_size)
         offload_dir = self.offload_dir or str(run_dir)
