@@ -103,9 +103,11 @@ def test_layerwise_optimizers_are_refused_on_a_parameter_server():
         ("data.dataset=digits", "data.path is read by dataset 'text' or 'verses' only"),
         # (before: each accepted, the boolean as the number 1, the seed failing in every rank
         # as "Overflow when unpacking long long", the codec failing there too)
-        ("train.steps=true", "config error: train: steps should be a number, not true"),
-        ("train.clip_grad_norm=false", "train: clip_grad_norm should be a number, not false"),
-        ("strategy.bucket_mb=true", "strategy.ddp: bucket_mb should be a number, not true"),
+        ("train.steps=true", "config error: train: steps takes numbers, not booleans: got True"),
+        ("train.clip_grad_norm=false", "train: clip_grad_norm takes numbers, not booleans"),
+        ("strategy.bucket_mb=true", "strategy.ddp: bucket_mb takes numbers, not booleans"),
+        ("train.skip_batches=[3, true]", "skip_batches takes numbers, not booleans: got [3, True]"),
+        ("data.stages=[{at: 5, seed: -1}]", "data.stages.0.seed = -1: Input should be greater"),
         ("train.seed=99999999999999999999999", "train.seed = 99999999999999999999999: Input"),
         ("train.seed=-1", "train.seed = -1: Input should be greater than or equal to 0"),
         ("train.skip_batches=[0]", "train.skip_batches: global batches count from 1"),

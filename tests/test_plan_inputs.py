@@ -57,13 +57,14 @@ BAD = [
     # Flags another question reads (before: ignored in silence)
     (["plan", "--params", "7e9", "--preset", "70b", "--devices", "2"], "alone: not with --preset"),
     (["plan", "--params", "7e9", "--devices", "8", "--layers", "3"], "alone: not with --layers"),
+    (["plan", "--params", "7e9", "--devices", "8", "--tflops", "9"], "alone: not with --tflops"),
     (["plan", "--config", "digits", "--devices", "2"], "on this machine: not with --devices"),
     (["plan", "--preset", "70b", "--devices", "64", "--nproc", "2"], "--nproc: only with --config"),
     (["calibrate", "--nproc", "0"], "--nproc must be a whole number >= 1, got '0'"),
     (["calibrate", "--passes", "three"], "--passes must be a whole number >= 1"),
     (["calibrate", "--calls", "1.5"], "--calls must be a whole number >= 1"),
     # (before: a traceback after the whole measurement, a minute at the defaults)
-    (["calibrate", "--out", "/proc/nope/c.json"], "cannot write /proc/nope/c.json: No such"),
+    (["calibrate", "--out", "/proc/nope/c.json"], "c.json: [Errno 2] No such file or directory"),
     (["calibrate", "--out", "/"], "cannot write /: it is a directory (give a file's path)"),
 ]
 

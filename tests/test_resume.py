@@ -192,7 +192,7 @@ def test_sigterm_to_one_worker_saves_and_resume_uses_the_runs_own_config(tmp_pat
     assert '"name": "small"' in (run / "summary.json").read_text()
 
 
-def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):
+def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys, monkeypatch):
     _finish(_train(tmp_path / "run"))
     root = tmp_path / "run" / "checkpoints"
     newest, previous = run_checkpoint.complete(root)[-1], run_checkpoint.complete(root)[-2]
@@ -208,38 +208,57 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):
     assert "holds another run's checkpoints (the newest step-000000060)" in refused
     # Resumed from the one before, the run keeps its next save and drops the one it left
     # behind, which a restart would resume from (pruned by step, the new save went instead).
+    # (Its final weights gone: a run that finished is not resumed, as tested below.)
+    shutil.rmtree(tmp_path / "run" / "checkpoint")
     sets = ("train.steps=55", "train.checkpoint_every=5", "train.keep_checkpoints=1")
     resumed = _finish(_train(tmp_path / "run", *sets, extra=["--resume", str(tmp_path / "run")]))
     assert f"resumed from {previous} (step 50)" in resumed
     assert [p.name for p in run_checkpoint.complete(root)] == ["step-000000055"]
 
-    # Resumed once more with no step left to train, or fewer steps than it has trained: one
-    # line, and the run untouched. (Before: exit 0 after writing over its summary with an
-    # empty one, NaN losses and no bytes; with fewer steps, config.yaml's and the final
-    # checkpoint's step too, the weights being the later step's.)
+    # The run finished (its summary and final weights written): resumed with no step left to
+    # train, one line, and the run untouched. (Before: exit 0 after writing over its summary
+    # with an empty one, NaN losses and no bytes; with fewer steps, config.yaml's and the
+    # final checkpoint's step too, the weights being the later step's.)
     from shardwise.cli import main
 
     run, before = tmp_path / "run", _files(tmp_path / "run")
-    for sets, where in [([], "at train.steps=55"), (["train.steps=30"], "past train.steps=30")]:
-        assert main(["train", "--resume", str(run), *set_args(*sets)]) == 2
-        (line,) = capsys.readouterr().err.splitlines()
-        assert line.startswith(
-            f"shardwise: --resume {run}: its newest checkpoint is at step 55, {where}: raise "
-            "train.steps to train further, or start a new run from it"
-        ), line
+    start_from = f"start a new run from it (--set start.checkpoint={run} --set start.mode="
+    for steps in (55, 30):
+        assert main(["train", "--resume", str(run), *set_args(f"train.steps={steps}")]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"shardwise: --resume {run}: the run finished at step 55, train.steps is {steps}: "
+            f"raise train.steps to train further, or {start_from}continue)"
+        ]
     assert _files(run) == before
-    # A finished run that saved no checkpoint on the way: resuming it would train over it from
-    # step 0 (before: it did, exit 0).
+    # Stopped at its last step, after that step's checkpoint and before its final weights (a
+    # signal in the last step): it resumes, and finishes.
+    shutil.rmtree(run / "checkpoint")
+    assert main(["train", "--resume", str(run), *set_args("train.steps=50")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardwise: --resume {run}: its newest checkpoint is at step 55, past "
+        f"train.steps=50: raise train.steps, or {start_from}continue)"
+    ]
+    out = _finish(start_cli("train", "--resume", str(run)))
+    assert f"resumed from {root / 'step-000000055'} (step 55)" in out
+    assert (run / "checkpoint" / "model.safetensors").is_file()
+    # Finished, with no checkpoint saved on the way: a resume would train over it from step 0
+    # (before: it did, exit 0). The way on is a new run from its final weights.
     shutil.rmtree(root)
     before = _files(run)
     assert main(["train", "--resume", str(run), *set_args("train.steps=70")]) == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert "the run finished and saved no checkpoint to resume from" in line
-    assert main(["train", "--resume", str(run), "--run-dir", str(tmp_path / "other")]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"shardwise: --resume {run} goes on in its own run directory: leave --run-dir out"
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardwise: --resume {run}: the run finished and saved no checkpoint to resume from; "
+        f"to train further, {start_from}finetune)"
+    ]
+    other = tmp_path / "other"
+    assert main(["train", "--resume", str(run), "--run-dir", str(other)]) == 2
+    assert capsys.readouterr().err == (
+        f"shardwise: --resume {run} goes on in its own run directory: leave --run-dir out\n"
     )
-    assert _files(run) == before and not (tmp_path / "other").exists()
+    monkeypatch.chdir(tmp_path)  # (the same directory, named relative: not another)
+    assert main(["train", "--resume", str(run), "--run-dir", "run", *set_args("train.steps=70")])
+    assert "the run finished and saved no checkpoint" in capsys.readouterr().err
+    assert _files(run) == before and not other.exists()
 
 
 # Batch sizes such that the resumed part crosses the end of the first epoch.

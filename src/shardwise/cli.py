@@ -104,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if resume:
         if not args.resume:
             raise ConfigError("--resume: which run directory? (--resume RUN_DIR)")
-        if run_dir is not None and Path(run_dir) != Path(args.resume):
+        if run_dir is not None and Path(run_dir).resolve() != Path(args.resume).resolve():
             raise ConfigError(
                 f"--resume {args.resume} goes on in its own run directory: leave --run-dir out"
             )

@@ -6,7 +6,7 @@ assembles them into one `Config`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, PositiveInt, field_validator, model_validator
 
@@ -14,6 +14,10 @@ from shardwise import user_code
 from shardwise.strategies.section import Section
 
 PACKAGE_DATA = Path(__file__).resolve().parent / "data" / "datasets"
+
+
+# A seed torch's generators take (`manual_seed`: a 64-bit integer), numpy's too (non-negative).
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 def resolve_data_path(path: str) -> Path:
@@ -80,7 +84,7 @@ class MixturePart(DataSource):
 
 class DataStage(DataSource):
     at: int = Field(ge=2, description="the step this stage's data starts at")
-    seed: int | None = Field(
+    seed: Seed | None = Field(
         None, description="the order's seed from here (default train.seed; the split stays)"
     )
     seq_len: int | None = Field(None, ge=1, description="windows of this many tokens from here")
@@ -420,8 +424,8 @@ class StartConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(200, ge=1, description="optimizer steps to run")
-    seed: int = Field(0, ge=0, lt=2**63, description="seed for model initialisation and data order")
+    steps: int = Field(200, ge=1, lt=2**63, description="optimizer steps to run")
+    seed: Seed = Field(0, description="seed for model initialisation and data order")
     log_every: int = Field(10, ge=1, description="steps between logged (globally averaged) losses")
     eval_batch_size: int = Field(256, ge=1, description="per-rank batch size for evaluation")
     clip_grad_norm: float | None = Field(

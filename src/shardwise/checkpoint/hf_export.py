@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardwise.checkpoint.reshardable import _atomic, full_weights
+from shardwise.observe.run_output import os_reason
 
 CONFIG = "hf_config.json"
 MAX_SHARD_BYTES = 5 << 30  # transformers' default max_shard_size (5 GB)
@@ -102,7 +103,7 @@ def export_hf(
     try:
         save_hf(weights, hf_config, out, max_shard_bytes)
     except OSError as e:
-        raise ValueError(f"cannot write {out}: {e.strerror or e} ({e.filename})") from None
+        raise ValueError(f"cannot write {out}: {os_reason(e)}") from None
     return out
 
 

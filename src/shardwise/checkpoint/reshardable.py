@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shardwise import comm
-from shardwise.observe.run_output import check_writable_file
+from shardwise.observe.run_output import check_writable_file, os_reason
 from shardwise.strategies.base import DistributedModel
 
 FORMAT = "shardwise-sharded-v1"
@@ -80,6 +80,8 @@ def save_model(directory: Path, state: dict[str, torch.Tensor], meta: dict[str, 
         save_file(tensors, str(path), metadata={"format": "pt"})
         digests[WEIGHTS] = sha256_file(path)
 
+    # (weights, then their checksum: a kill between the two renames, where a resumed run
+    # saves its final weights again, leaves new weights beside the old checksum, refused)
     _atomic(weights, write)
     meta = {**meta, "sha256": digests}
     _atomic(directory / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=2)))
@@ -422,5 +424,5 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> Path:
     try:
         _atomic(out, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
     except OSError as e:
-        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
     return out

@@ -115,23 +115,14 @@ class Handle:
         # From the issue to this wait the operation could progress while the caller computed:
         # that long, at most, it overlapped compute.
         start = time.perf_counter()
-        call = self._call
-        if call is None or interrupt.waits_interrupted or isinstance(pending, Future):
-            _wait_recorded(pending, call, start)
-        else:  # (`_wait_recorded`'s common case, inline: its code runs cold after the wait)
-            thread, waiting = threading.get_ident(), recorder.waiting
-            waiting[thread] = (call, start)
-            try:
-                pending.wait()
-            finally:
-                waiting.pop(thread, None)
+        _wait_recorded(pending, self._call, start)
         self._pending = None
-        end = time.perf_counter()
+        blocked, in_flight = time.perf_counter() - start, start - self._issued
         if self._counted is None:
-            stats.add_waited(self.op, start - self._issued, end - start)
+            stats.add_waited(self.op, in_flight, blocked)
         else:
             nbytes, issuing = self._counted
-            stats.record_waited(self.op, nbytes, issuing + end - start, start - self._issued)
+            stats.record_waited(self.op, nbytes, issuing + blocked, in_flight)
 
 
 _DONE = Handle("done", None, None, 0.0)  # what a call that has finished returns

@@ -10,15 +10,17 @@ A resume first checks, before it writes anything, that the run's checkpoint fits
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
 
 from shardwise.config import Config, ConfigError, dump_config
 from shardwise.faults.injection import parse as parse_faults
+from shardwise.observe.run_output import os_reason
 from shardwise.ps.worker import PSConfig
 from shardwise.train.ps_training import run_role
-from shardwise.train.run_dir import new_run_dir, os_reason
+from shardwise.train.run_dir import new_run_dir
 from shardwise.train.trainer import train
 
 
@@ -49,13 +51,6 @@ def fit_ranks(cfg: Config, nproc_given: bool = False) -> Config:
             f"config error: data.rank_weights has {len(weights)} weights for {replicas} "
             f"data-parallel ranks"
         )
-    if cfg.start is not None and not Path(cfg.start.checkpoint).exists():
-        raise ConfigError(f"config error: start.checkpoint: no such path {cfg.start.checkpoint}")
-    if (where := cfg.strategy.disk_offload_dir()) is not None:
-        try:  # (what each rank makes its own directory in)
-            Path(where).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"config error: strategy.offload_dir: {os_reason(e)}") from None
     if len(cfg.train.delay_s) > replicas:  # (a delay for a rank the job has not: never used)
         raise ConfigError(
             f"config error: train.delay_s has {len(cfg.train.delay_s)} delays for {replicas} "
@@ -84,8 +79,11 @@ def run_job(cfg: Config, run_dir: str | Path | None = None, resume: bool = False
     ps = isinstance(cfg.strategy, PSConfig)
     if resume and not ps:
         check_resume(cfg, Path(run_dir))
-    elif run_dir is not None and not ps:
-        refuse_other_runs(Path(run_dir))
+    else:
+        if run_dir is not None and not ps:
+            refuse_other_runs(Path(run_dir))
+        check_start(cfg)
+    make_offload_dir(cfg)
     run_dir = new_run_dir(cfg, run_dir)
     print(f"shardwise: {cfg.name} on {cfg.launch.nproc} rank(s), run directory {run_dir}")
     # A resume's ranks write config.yaml once their checkpoint is loaded: until then nothing in
@@ -158,6 +156,31 @@ def refuse_other_runs(run_dir: Path) -> None:
         )
 
 
+def check_start(cfg: Config) -> None:
+    """A run that starts from another run's checkpoint (`start:`): that it is there."""
+    if cfg.start is not None and not Path(cfg.start.checkpoint).exists():
+        raise ConfigError(f"config error: start.checkpoint: no such path {cfg.start.checkpoint}")
+
+
+def make_offload_dir(cfg: Config) -> None:
+    """The directory given for state offloaded to disk, made now (each rank makes its own in
+    it): where it cannot be, one line before any rank starts."""
+    if (where := cfg.strategy.disk_offload_dir()) is not None:
+        try:
+            Path(where).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"config error: strategy.offload_dir: {os_reason(e)}") from None
+
+
+def _finished_at(run_dir: Path) -> int | None:
+    """The step a run finished at (its final weights' meta.json), or None where it has not."""
+    try:
+        step = json.loads((run_dir / "checkpoint" / "meta.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def check_resume(cfg: Config, run_dir: Path) -> None:
     """Before a resume starts any rank, and before anything in `run_dir` changes: the checkpoint
     it will resume from was saved by the job `cfg` describes (the same model, optimizer and
@@ -168,27 +191,30 @@ def check_resume(cfg: Config, run_dir: Path) -> None:
     checkpoints = run_dir / "checkpoints"
     if checkpoints.exists() and not checkpoints.is_dir():
         raise ConfigError(f"--resume {run_dir}: {checkpoints} is not a directory")
-    further = (
-        f"start a new run from it (--set start.mode=continue --set start.checkpoint={run_dir})"
-    )
+    # A run that finished has its summary and final weights, which a resume writes over: only
+    # to train further (a run stopped at its last step, before those, resumes).
+    finished, steps = _finished_at(run_dir), cfg.train.steps
+    start_from = f"start a new run from it (--set start.checkpoint={run_dir} --set start.mode="
+    if finished is not None and finished >= steps:
+        raise ConfigError(
+            f"--resume {run_dir}: the run finished at step {finished}, train.steps is {steps}: "
+            f"raise train.steps to train further, or {start_from}continue)"
+        )
     if not run_checkpoint.complete(checkpoints):
-        # Nothing to resume from: the ranks say so and start afresh, unless the run finished
-        # (its final weights, metrics and summary would be trained over from step 0).
-        if (run_dir / "checkpoint" / "meta.json").is_file():
+        if finished is not None:  # (from step 0, over its final weights)
             raise ConfigError(
                 f"--resume {run_dir}: the run finished and saved no checkpoint to resume "
-                f"from; to train further, {further}"
+                f"from; to train further, {start_from}finetune)"
             )
+        check_start(cfg)  # (nothing to resume from: the ranks start afresh, from `start:`)
         return
     job = run_checkpoint.job_signature(build_job(cfg).model, cfg.optim.name, cfg.strategy.name)
     try:
         found = run_checkpoint.resumable(run_dir, cfg.launch.nproc, job)
     except run_checkpoint.RunCheckpointError as e:
         raise ConfigError(f"--resume {run_dir}: {e}") from None
-    if found is not None and found.step >= cfg.train.steps:
-        # (it would train no step, and write over the run's summary with an empty one)
-        past = "at" if found.step == cfg.train.steps else "past"
+    if found is not None and found.step > steps:
         raise ConfigError(
-            f"--resume {run_dir}: its newest checkpoint is at step {found.step}, {past} "
-            f"train.steps={cfg.train.steps}: raise train.steps to train further, or {further}"
+            f"--resume {run_dir}: its newest checkpoint is at step {found.step}, past "
+            f"train.steps={steps}: raise train.steps, or {start_from}continue)"
         )

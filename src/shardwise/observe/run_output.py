@@ -38,6 +38,12 @@ def writing(path: Path):
         raise WriteError(e.errno, e.strerror or str(e), str(path)) from e
 
 
+def os_reason(error: OSError) -> str:
+    """An OS error in one line, with the path it names (where it names one)."""
+    where = f": {error.filename}" if error.filename else ""
+    return f"[Errno {error.errno}] {error.strerror}{where}" if error.strerror else str(error)
+
+
 def check_writable_file(out: Path) -> None:
     """Before the work whose result goes to `out`: it can be written as a file (its folder made
     where missing), else a one-line `ValueError` saying why."""
@@ -49,7 +55,7 @@ def check_writable_file(out: Path) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot write {out}: {e.strerror or e} ({e.filename})") from None
+        raise ValueError(f"cannot write {out}: {os_reason(e)}") from None
     if not os.access(out.parent, os.W_OK):
         raise ValueError(f"cannot write {out}: its folder {out.parent} is not writable")
 

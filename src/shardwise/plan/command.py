@@ -143,7 +143,8 @@ def _one_question(args: argparse.Namespace) -> None:
         return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, [])]
 
     transformer = given(("preset", "spec", *SPEC_HELP))
-    if args.params is not None and (others := transformer + given(("config", "nproc", "set"))):
+    others = transformer + given((*CLUSTER_FLAGS[1:], "config", "nproc", "set"))
+    if args.params is not None and others:  # (it reads --devices alone of the cluster's)
         raise ValueError(f"--params prices model states alone: not with {', '.join(others)}")
     if args.config is not None and (others := transformer + given(CLUSTER_FLAGS)):
         raise ValueError(

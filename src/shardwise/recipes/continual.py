@@ -124,7 +124,8 @@ def fit_to(
                 f"model{hint}"
             )
         # (a generator per tensor: a pipeline stage grows its own tensors as one process would)
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        mixed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63  # (what manual_seed takes)
+        generator = torch.Generator().manual_seed(mixed)
         params[name] = grow_rows(params[name], wanted[0], generator)
         states[name] = {
             key: _zero_rows(value, wanted[0]) if value.shape == saved else value

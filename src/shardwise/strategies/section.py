@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,18 +24,41 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_boolean_for_a_number(cls, given: Any) -> Any:
-        # pydantic reads YAML's `true` as the number 1: `steps: true` would train one step.
+        # pydantic reads YAML's `true` as the number 1: `steps: true` would train one step,
+        # `stage: true` be stage 1, `skip_batches: [true]` skip the first batch.
         for name, value in given.items() if isinstance(given, dict) else ():
             field = cls.model_fields.get(name)
-            if isinstance(value, bool) and field is not None and _a_number(field.annotation):
-                raise ValueError(f"{name} should be a number, not {str(value).lower()}")
+            if field is not None and _boolean_for_a_number(field.annotation, value):
+                raise ValueError(f"{name} takes numbers, not booleans: got {value!r}")
         return given
 
 
-def _a_number(annotation: Any) -> bool:
-    """Whether a field of this type holds a number and never a boolean (`int | None`, say)."""
-    kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return bool not in kinds and any(kind in (int, float) for kind in kinds)
+def _boolean_for_a_number(kind: Any, value: Any) -> bool:
+    """Whether `value` is, or holds, a boolean where type `kind` takes a number."""
+    origin = get_origin(kind)
+    if origin is Annotated:
+        return _boolean_for_a_number(get_args(kind)[0], value)
+    if isinstance(value, bool):
+        return _a_number(kind)
+    if origin in (Union, UnionType):
+        return any(_boolean_for_a_number(k, value) for k in get_args(kind))
+    if origin in (list, tuple) and isinstance(value, list | tuple) and get_args(kind):
+        return any(_boolean_for_a_number(get_args(kind)[0], item) for item in value)
+    return False
+
+
+def _a_number(kind: Any) -> bool:
+    """Whether a value of type `kind` is a number, never a boolean (`int | None`, `Literal[1,
+    2]`, `NonNegativeFloat`)."""
+    origin = get_origin(kind)
+    if origin is Annotated:
+        return _a_number(get_args(kind)[0])
+    if origin is Literal:
+        return all(type(v) in (int, float) for v in get_args(kind))
+    if origin in (Union, UnionType):
+        kinds = [k for k in get_args(kind) if k is not type(None)]
+        return bool(kinds) and all(_a_number(k) for k in kinds)
+    return kind in (int, float)
 
 
 class StrategySection(Section):

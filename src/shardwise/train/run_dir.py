@@ -11,6 +11,7 @@ from shardwise.checkpoint import run_checkpoint
 from shardwise.config import Config, ConfigError, dump_config
 from shardwise.distributed import runtime
 from shardwise.distributed.runtime import Runtime
+from shardwise.observe.run_output import os_reason
 
 RUN_DIR_KEY = "shardwise/run_dir"  # where rank 0 tells the others the run directory
 
@@ -27,11 +28,6 @@ def new_run_dir(cfg: Config, requested: str | Path | None = None) -> Path:
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"run directory {run_dir} is not writable")
     return run_dir
-
-
-def os_reason(error: OSError) -> str:
-    where = f": {error.filename}" if error.filename else ""
-    return f"[Errno {error.errno}] {error.strerror}{where}" if error.strerror else str(error)
 
 
 def _make_run_dir(cfg: Config, requested: str | Path | None) -> Path:
