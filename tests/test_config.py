@@ -261,3 +261,11 @@ def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_launch():
         with pytest.raises(ConfigError, match=r"does not divide data\.batch_size 32"):
             load_config("digits", sets)
     load_config("digits", ["strategy.name=pp", "strategy.microbatches=8"])
+
+
+def test_a_boolean_is_no_choice_of_numbers():
+    """`stage: true` was stage 1 (pydantic reads a boolean as the number)."""
+    with pytest.raises(ConfigError, match=r"strategy.zero: stage takes numbers, not booleans"):
+        load_config("digits", ["strategy.name=zero", "strategy.stage=true"])
+    on = load_config("digits", ["strategy.activation_checkpointing=true"])  # (a boolean's field)
+    assert on.strategy.activation_checkpointing is True
