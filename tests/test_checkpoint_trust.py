@@ -217,6 +217,23 @@ def test_a_damaged_final_checkpoint_is_one_line_naming_its_file(
     assert not out.exists()
 
 
+def test_a_run_checkpoint_without_its_reshardable_part_is_named_so(ckpt, tmp_path, capsys):
+    """(Before: "malformed checkpoint manifest .../manifest.json: 'num_shards': Field required",
+    the run checkpoint's own manifest read as the reshardable part's.)"""
+    step = tmp_path / "run" / "checkpoints" / "step-000000002"
+    shutil.copytree(ckpt[0], step / "sharded")
+    (step / "manifest.json").write_text('{"format": "shardwise-run-checkpoint-v2"}')
+    (step / "rank0.json").write_text("{}")
+    code, _, err = main_in_process(capsys, "export", str(step), str(tmp_path / "w.safetensors"))
+    assert code == 0, err  # (whole: its reshardable part is read)
+    shutil.rmtree(step / "sharded")
+    code, _, err = main_in_process(capsys, "export", str(step), str(tmp_path / "w.safetensors"))
+    assert code == 2 and err == (
+        f"shardwise: {step}: a run checkpoint without its reshardable part "
+        f"({step / 'sharded' / 'manifest.json'} is missing)\n"
+    )
+
+
 def test_an_export_to_a_path_it_cannot_write_is_one_line_and_leaves_nothing(
     ckpt, tmp_path, capsys, monkeypatch
 ):

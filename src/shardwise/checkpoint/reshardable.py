@@ -411,6 +411,11 @@ def full_weights(directory: str | Path) -> dict[str, torch.Tensor]:
         directory = directory / "sharded"
     if (directory / "model.safetensors").is_file() and not (directory / "manifest.json").exists():
         return load_model(directory)  # a final checkpoint is already consolidated
+    if (directory / "rank0.json").is_file():  # (a run checkpoint's own files, its part gone)
+        raise CheckpointError(
+            f"{directory}: a run checkpoint without its reshardable part "
+            f"({directory / 'sharded' / 'manifest.json'} is missing)"
+        )
     weights, _, _ = read_full_state(directory)
     return weights
 
