@@ -217,6 +217,33 @@ def test_a_damaged_final_checkpoint_is_one_line_naming_its_file(
     assert not out.exists()
 
 
+def test_a_bad_step_or_clip_norm_is_one_line_and_changes_nothing(ckpt, tmp_path):
+    """Found by probing the Python API. Before: `save_checkpoint(step="x")` (or 2.7, None, -1)
+    replaced a good checkpoint with one no load accepts; `clip_grad_norm_` with a negative
+    `max_norm` flipped every gradient's sign, with NaN made them all NaN."""
+    directory, model, opt, _ = ckpt
+    saved = {p.name: p.read_bytes() for p in directory.iterdir()}
+    for step in ("x", 2.7, None, -1, True):
+        with pytest.raises(CheckpointError, match=r"step must be a whole number >= 0"):
+            sw.save_checkpoint(model, opt, directory, step=step)
+        with pytest.raises(ValueError, match=r"step must be a whole number >= 0"):
+            sw.Checkpointer(tmp_path / "run", model, opt).save(step)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == saved
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+    F.cross_entropy(model(torch.ones(2, 5)), torch.tensor([0, 1])).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    for max_norm in (-1.0, math.nan):
+        with pytest.raises(ValueError, match=r"max_norm must be a number >= 0"):
+            sw.clip_grad_norm_(model, max_norm)
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.equal(a, b) for a, b in zip(grads, after, strict=True))
+    norm = sw.clip_grad_norm_(model, math.inf)  # (torch's way to ask the norm alone)
+    assert torch.allclose(norm, torch.stack([g.norm() for g in grads]).norm())
+    assert all(torch.equal(a, b) for a, b in zip(grads, after, strict=True))
+
+
 def test_a_run_checkpoint_without_its_reshardable_part_is_named_so(ckpt, tmp_path, capsys):
     """(Before: "malformed checkpoint manifest .../manifest.json: 'num_shards': Field required",
     the run checkpoint's own manifest read as the reshardable part's.)"""

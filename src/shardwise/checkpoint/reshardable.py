@@ -152,6 +152,9 @@ def save_checkpoint(
     Beside the reshardable per-parameter state, each rank writes its strategy state (the
     model's `extra_state()`: codec residuals, counters, loss scale), restored when the
     checkpoint is loaded by the same strategy on as many ranks."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        # (saved, a checkpoint whose manifest no load accepts, in place of the one it replaced)
+        raise CheckpointError(f"a checkpoint's step must be a whole number >= 0, got {step!r}")
     directory = Path(os.path.abspath(directory))  # "ckpt/.." has no name to make siblings of
     rt = model.runtime
     tmp, _ = _siblings(directory)

@@ -132,6 +132,9 @@ class DistributedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most `max_norm`; return the norm
         before. The formula of `torch.nn.utils.clip_grad_norm_`, over every rank's share."""
+        if isinstance(max_norm, bool) or not max_norm >= 0:  # (NaN fails it too; inf: no clip)
+            # (a negative one flipped every gradient's sign; NaN made them all NaN)
+            raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
         total_norm = self.grad_square_sum().sqrt()
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in self.local_grads():
