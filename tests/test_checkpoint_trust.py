@@ -244,6 +244,38 @@ def test_a_bad_step_or_clip_norm_is_one_line_and_changes_nothing(ckpt, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(grads, after, strict=True))
 
 
+def test_a_checkpointer_that_never_resumed_prunes_only_its_own_saves(tmp_path):
+    """Found by probing the Python API: a fresh `Checkpointer` given a directory that held
+    another run's checkpoints deleted them all at its first save (each save drops every later
+    step, for a run gone back to an earlier one, and the oldest past `keep`)."""
+    run = tmp_path / "run"
+
+    def names() -> list[int]:
+        return [
+            int(p.name.removeprefix("step-")) for p in run_checkpoint.complete(run / "checkpoints")
+        ]
+
+    model, opt = _prepared()
+    first = sw.Checkpointer(run, model, opt, keep=2, asynchronous=False)
+    for step in (10, 20, 30):
+        first.save(step)
+    first.close()
+    assert names() == [20, 30]  # (its own, past `keep`: pruned)
+    torch.manual_seed(1)
+    other_model, other_opt = sw.prepare(MLP([5, 6, 3]), sw.ZeRO(stage=2), lr=1e-2)
+    other = sw.Checkpointer(run, other_model, other_opt, keep=2, asynchronous=False)
+    for step in (1, 2, 3):
+        other.save(step)
+    other.close()
+    assert names() == [2, 3, 20, 30]  # (before: [1], then [2, 3])
+    # Resumed, a checkpointer adopts what the directory holds: its saves prune them as its own.
+    again = sw.Checkpointer(run, model, opt, keep=2, asynchronous=False)
+    assert again.resume()[0] == 30
+    again.save(40)
+    again.close()
+    assert names() == [30, 40]
+
+
 def test_a_run_checkpoint_without_its_reshardable_part_is_named_so(ckpt, tmp_path, capsys):
     """(Before: "malformed checkpoint manifest .../manifest.json: 'num_shards': Field required",
     the run checkpoint's own manifest read as the reshardable part's.)"""

@@ -108,8 +108,16 @@ class Checkpointer:
             }
         return None
 
+    def adopt(self) -> None:
+        """The checkpoints already in the run directory are this run's: its saves prune them
+        as their own (`keep`; and where it went back to an earlier one, those after it). A
+        load or `resume` adopts them; a checkpointer that never does prunes only its own
+        saves, never another run's."""
+        self.saver.adopted = True
+
     def load(self, found: Found) -> tuple[int, dict[str, Any]]:
         """Restore the state `found` holds; its step and the `extra` saved with it."""
+        self.adopt()
         restored = run_checkpoint.load(found, self.model, self.optimizer, self.scheduler)
         return restored["step"], restored["data"]
 
@@ -117,6 +125,7 @@ class Checkpointer:
         """Load the newest complete checkpoint of the run: its step and `extra`; (0, None)
         where the run has none."""
         found = self.newest(fresh_start_ok=False)
+        self.adopt()  # (none: nothing to adopt but what this run saves from here)
         if found is None:
             if self.rt.is_main:
                 where = f"no checkpoint in {self.run_dir}"

@@ -91,6 +91,11 @@ class Saver:
         self.store = runtime.store()
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.saves = 0
+        # Whether the checkpoints already in the directory are this run's (it resumed from
+        # them, or goes on from its peers' state): else a save prunes only its own, never those
+        # of another run that used the directory (`Checkpointer.adopt`).
+        self.adopted = False
+        self._own: set[str] = set()  # (rank 0's saves' names)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.done: list[tuple[int, Path, float]] = []  # (step, directory, seconds to write)
@@ -186,7 +191,9 @@ class Saver:
         # This save stays, and the `keep` - 1 before it. A checkpoint of a later step belongs to
         # a past the run left (it resumed from an earlier one, that one being unreadable or
         # named): kept, it would be what a restart or the next --resume continues.
+        self._own.add(final.name)
         others = [p for p in complete(self.root) if p != final]
+        others = [p for p in others if self.adopted or p.name in self._own]
         later = [p for p in others if p.name > final.name]  # (zero-padded: by step)
         earlier = [p for p in others if p.name < final.name]
         for old in later + earlier[: max(0, len(earlier) - (self.keep - 1))]:

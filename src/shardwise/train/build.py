@@ -108,6 +108,7 @@ def build(
         run.trace = StepTrace(timeline, tuple(train.trace_steps), out, rt, run.phases)
     if recovered is not None:
         _recover(run, recovered)
+        run.checkpointer.adopt()  # (the job's own run directory, gone on from its peers)
     elif resume:
         step, data = run.checkpointer.resume()
         if data is not None:
