@@ -24,6 +24,7 @@ from typing import Any
 
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.hf_export import record_hf_config
+from shardwise.checkpoint.reshardable import check_step
 from shardwise.checkpoint.run_checkpoint import Found, RunCheckpointError
 from shardwise.checkpoint.run_saver import Saver
 from shardwise.comm import store as store_wait
@@ -71,8 +72,7 @@ class Checkpointer:
         """Copy this rank's state after `step` now (the only stall) and write it in the
         background; `extra`: what else the next step depends on (tensors and JSON values, e.g.
         a loader's `state_dict()`). Returns the directory the checkpoint will have."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise RunCheckpointError(f"a checkpoint's step must be a whole number >= 0: {step!r}")
+        check_step(step)
         self.record_model_config()
         started = time.perf_counter()
         path = self.saver.save(self.model, self.optimizer, self.scheduler, step, extra or {})

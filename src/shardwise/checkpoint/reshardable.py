@@ -100,12 +100,14 @@ def load_model(directory: Path) -> dict[str, torch.Tensor]:
         meta = None
     digests = meta.get("sha256") if isinstance(meta, dict) else None
     expected = digests.get(WEIGHTS) if isinstance(digests, dict) else None
-    if expected is not None:
-        return _verified(path, expected)
-    try:
-        return load_file(str(path))
-    except SafetensorError as e:
-        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
+    return _read(path) if expected is None else _verified(path, expected)
+
+
+def check_step(step: Any) -> None:
+    """A checkpoint's step is a whole number >= 0 (saved, any other makes a checkpoint that no
+    load accepts, in place of the one it replaced); else a one-line `CheckpointError`."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"a checkpoint's step must be a whole number >= 0, got {step!r}")
 
 
 def make_manifest(
@@ -152,9 +154,7 @@ def save_checkpoint(
     Beside the reshardable per-parameter state, each rank writes its strategy state (the
     model's `extra_state()`: codec residuals, counters, loss scale), restored when the
     checkpoint is loaded by the same strategy on as many ranks."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        # (saved, a checkpoint whose manifest no load accepts, in place of the one it replaced)
-        raise CheckpointError(f"a checkpoint's step must be a whole number >= 0, got {step!r}")
+    check_step(step)
     directory = Path(os.path.abspath(directory))  # "ckpt/.." has no name to make siblings of
     rt = model.runtime
     tmp, _ = _siblings(directory)
@@ -235,9 +235,13 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def _verified(path: Path, expected: str) -> dict[str, torch.Tensor]:
     if not path.is_file() or sha256_file(path) != expected:
         raise CheckpointError(f"checkpoint file missing or corrupt (checksum): {path}")
+    return _read(path)  # (the checksum may match a file that was never valid)
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
-    except SafetensorError as e:  # the checksum matches a file that was never valid
+    except SafetensorError as e:
         raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
 
 
@@ -412,7 +416,7 @@ def full_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     directory = Path(directory)
     if (directory / "sharded" / "manifest.json").is_file():  # run_checkpoint.SHARDED
         directory = directory / "sharded"
-    if (directory / "model.safetensors").is_file() and not (directory / "manifest.json").exists():
+    if (directory / WEIGHTS).is_file() and not (directory / "manifest.json").exists():
         return load_model(directory)  # a final checkpoint is already consolidated
     if (directory / "rank0.json").is_file():  # (a run checkpoint's own files, its part gone)
         raise CheckpointError(

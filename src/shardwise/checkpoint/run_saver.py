@@ -192,8 +192,9 @@ class Saver:
         # a past the run left (it resumed from an earlier one, that one being unreadable or
         # named): kept, it would be what a restart or the next --resume continues.
         self._own.add(final.name)
-        others = [p for p in complete(self.root) if p != final]
-        others = [p for p in others if self.adopted or p.name in self._own]
+        others = [
+            p for p in complete(self.root) if p != final and (self.adopted or p.name in self._own)
+        ]
         later = [p for p in others if p.name > final.name]  # (zero-padded: by step)
         earlier = [p for p in others if p.name < final.name]
         for old in later + earlier[: max(0, len(earlier) - (self.keep - 1))]:
