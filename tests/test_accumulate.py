@@ -236,7 +236,7 @@ def test_bad_accumulation_is_one_line():
 def test_trainer_accumulates_with_the_bytes_of_one_batch(tmp_path):
     """`shardwise train digits --set train.accumulate=2`: it trains, and each step sends what
     a step without accumulation sends (test_cli's count: 26,122 fp32 gradients once, and the
-    40-byte agreement)."""
+    48-byte agreement)."""
     run_dir = tmp_path / "run"
     sets = ["train.accumulate=2", "train.steps=2", "data.rank_weights=[3,1]"]
     result = run_cli(*train_args(run_dir, *sets), cwd=tmp_path)
@@ -244,7 +244,8 @@ def test_trainer_accumulates_with_the_bytes_of_one_batch(tmp_path):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in lines)
-    assert all(r["comm_bytes"] == 26_122 * 4 + 48 for r in lines)  # (+ the agreement)
+    # (+ the agreement; in the first step, the check of the declared global batch)
+    assert [r["comm_bytes"] for r in lines] == [26_122 * 4 + 48 + 40, 26_122 * 4 + 48]
 
 
 def _batchnorm_mlp() -> nn.Module:

@@ -44,8 +44,10 @@ def test_default_job_trains_on_two_ranks_and_writes_a_run_directory(tmp_path):
     assert {"loss", "lr", "samples_per_s", "comm_bytes", "comm_wait_s"} <= lines[0].keys()
     # One bucket (the default's smallest, 1 MiB) holds all 26,122 gradients: 4 bytes each,
     # sent 2(n-1)/n = once at n=2, plus the 48-byte agreement after backward (loss sum,
-    # count, stop, replacements waiting, a flag per rank).
-    assert lines[0]["comm_bytes"] == 26_122 * 4 + 48
+    # count, stop, replacements waiting, a flag per rank); in the first step, 40 bytes more:
+    # the check of the global batch the loader declares (`batch_share`: once).
+    assert lines[0]["comm_bytes"] == 26_122 * 4 + 48 + 40
+    assert all(r["comm_bytes"] == 26_122 * 4 + 48 for r in lines[1:])
     # Predicted before step 1 (prediction.json), beside the measurement in the summary.
     predicted = json.loads((run_dir / "prediction.json").read_text())
     assert predicted["comm_bytes_per_step"] == 26_122 * 4 + 48

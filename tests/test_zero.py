@@ -270,14 +270,14 @@ def test_model_state_memory_matches_the_zero_paper(world_size):
 
 
 def test_bad_stage_is_a_value_error():
-    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+    with pytest.raises(ValueError, match=r"ZeRO\(stage=4\): Input should be 1, 2 or 3"):
         sw.ZeRO(stage=4)
 
 
 def test_keeping_gathered_units_is_stage_3_only():
     with pytest.raises(ValueError, match=r"keep_gathered_mb=1\.0 applies to stage 3"):
         sw.ZeRO(stage=2, keep_gathered_mb=1.0)
-    with pytest.raises(ValueError, match="keep_gathered_mb must be >= 0"):
+    with pytest.raises(ValueError, match=r"keep_gathered_mb=-1\.0\): Input should be greater"):
         sw.ZeRO(stage=3, keep_gathered_mb=-1.0)
 
 
@@ -467,6 +467,8 @@ def test_zero_refuses_what_it_cannot_train_in_one_line_each():
         lambda: sw.DDP(compression="powersgd:2:"),
         lambda: sw.ZeRO(compression="fp16:"),
     ):
-        with pytest.raises(ValueError, match=r"^(compression must be|bucket_mb must be)"):
+        with pytest.raises(
+            ValueError, match=r"^(compression must be|(DDP|ZeRO)\((compression|bucket_mb)=)"
+        ):
             made()
     assert sw.ZeRO(compression="topk:0.5:3").compression == "topk:0.5:3"  # (still taken)

@@ -13,10 +13,15 @@ from torch import nn
 
 from shardwise.distributed import runtime
 from shardwise.distributed.runtime import WATCHDOG_ENV, Runtime
+from shardwise.distributed.same_everywhere import check_same_everywhere, describe_options
 from shardwise.faults.watchdog import Watchdog
 from shardwise.nn.meta_init import ParameterSource, buffers_to, has_meta_parameters
 from shardwise.strategies.accumulation import accumulated_step, local_gradients
-from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
+from shardwise.strategies.base import (
+    DistributedModel,
+    DistributedOptimizer,
+    Strategy,
+)
 
 
 def _script_watchdog(rt: Runtime) -> None:
@@ -44,11 +49,19 @@ def prepare(
     built inside `sw.empty_parameters()` (parameters on the meta device) takes its values from
     `source` (e.g. `sw.HFWeights(dir)`), each rank reading only what it keeps.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(strategy, Strategy):
         raise TypeError(f"strategy must be a shardwise strategy (e.g. sw.DDP()), got {strategy!r}")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
     rt = init()  # the existing runtime, or a world of one
+    if strategy.every_rank_prepares:
+        # (before anything sized by the model is made: a segment of shared memory, say; and
+        # before any rank refuses alone, leaving the others in a collective)
+        check_same_everywhere(_alike(model, strategy), "sw.prepare: the model", None, rt.device)
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"the model ({type(model).__name__}) has no parameters: nothing to train")
     if has_meta_parameters(model):
         if source is None:
             raise ValueError(
@@ -60,6 +73,20 @@ def prepare(
     else:
         wrapped = strategy.wrap(model.to(rt.device), rt)
     return wrapped, wrapped.make_optimizer(optimizer, **optimizer_kwargs)
+
+
+def _alike(model: nn.Module, strategy: Strategy) -> list[str]:
+    """What every rank's `prepare` must hold alike: the strategy's options, and the model's
+    parameters and buffers (names, dtypes, shapes, which train)."""
+    lines = [f"strategy {describe_options(strategy)}"]
+    for name, p in model.named_parameters():
+        frozen = "" if p.requires_grad else " (frozen)"
+        lines.append(
+            f"parameter {name!r} {str(p.dtype).removeprefix('torch.')}{list(p.shape)}{frozen}"
+        )
+    for name, b in model.named_buffers():
+        lines.append(f"buffer {name!r} {str(b.dtype).removeprefix('torch.')}{list(b.shape)}")
+    return lines
 
 
 def _distributed(model: nn.Module) -> DistributedModel:

@@ -24,7 +24,7 @@ from typing import Any
 
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.hf_export import record_hf_config
-from shardwise.checkpoint.reshardable import check_step
+from shardwise.checkpoint.reshardable import check_paired, check_step
 from shardwise.checkpoint.run_checkpoint import Found, RunCheckpointError
 from shardwise.checkpoint.run_saver import Saver
 from shardwise.comm import store as store_wait
@@ -49,8 +49,9 @@ class Checkpointer:
         """`model`, `optimizer`: what `sw.prepare` returned; `keep`: how many checkpoints stay;
         `job`: `run_checkpoint.job_signature` of the job, recorded in each checkpoint and
         checked by a resume (None: not checked)."""
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be a whole number >= 1, got {keep!r}")
+        check_paired(model, optimizer)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler

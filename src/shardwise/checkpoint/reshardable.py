@@ -33,8 +33,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shardwise import comm
+from shardwise.distributed.same_everywhere import check_same_everywhere
 from shardwise.observe.run_output import check_writable_file, os_reason
-from shardwise.strategies.base import DistributedModel
+from shardwise.strategies.base import DistributedModel, DistributedOptimizer
 
 FORMAT = "shardwise-sharded-v1"
 
@@ -103,6 +104,21 @@ def load_model(directory: Path) -> dict[str, torch.Tensor]:
     return _read(path) if expected is None else _verified(path, expected)
 
 
+def check_paired(model: DistributedModel, optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer` is the one `sw.prepare` returned with `model`: another's state was saved, or
+    loaded, as this model's (and lost: a checkpoint with no moments, an AdamW's loaded into an
+    SGD), without a word."""
+    if not (isinstance(optimizer, DistributedOptimizer) and model.is_stepped_by(optimizer)):
+        raise ValueError(
+            "the optimizer is not this model's: pass the one sw.prepare returned with it"
+        )
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The class of the torch optimizer that steps (a `DistributedOptimizer`'s inner one)."""
+    return type(getattr(optimizer, "inner", None) or optimizer).__name__
+
+
 def check_step(step: Any) -> None:
     """A checkpoint's step is a whole number >= 0 (saved, any other makes a checkpoint that no
     load accepts, in place of the one it replaced); else a one-line `CheckpointError`."""
@@ -116,13 +132,16 @@ def make_manifest(
     layout: dict[str, Any],
     shards: dict[str, str],
     strategy_state: dict[str, str] | None = None,
+    optimizer: str = "",
 ) -> dict[str, Any]:
-    """A sharded checkpoint's manifest: its layout and every file's SHA-256."""
+    """A sharded checkpoint's manifest: its layout, the optimizer class whose state it holds
+    (`optimizer_name`), and every file's SHA-256."""
     return {
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
         **layout,
+        "optimizer": optimizer,
         "sha256": shards,
         "strategy_state_sha256": strategy_state or {},
     }
@@ -154,9 +173,16 @@ def save_checkpoint(
     Beside the reshardable per-parameter state, each rank writes its strategy state (the
     model's `extra_state()`: codec residuals, counters, loss scale), restored when the
     checkpoint is loaded by the same strategy on as many ranks."""
-    check_step(step)
     directory = Path(os.path.abspath(directory))  # "ckpt/.." has no name to make siblings of
     rt = model.runtime
+    # What every rank must give alike, compared before any rank may refuse alone (leaving the
+    # others in a collective): one checkpoint, every rank's shard in it (a directory per rank
+    # was half-written each), of one step, saved with the model's own optimizer.
+    paired = isinstance(optimizer, DistributedOptimizer) and model.is_stepped_by(optimizer)
+    alike = [f"directory {directory}", f"step {step!r}", f"its model's optimizer {paired}"]
+    check_same_everywhere(alike, "save_checkpoint: what was given", rt.group, rt.device)
+    check_step(step)
+    check_paired(model, optimizer)
     tmp, _ = _siblings(directory)
     _check_replaceable(directory)  # on every rank, before anyone waits for anyone
     layout, tensors = model.checkpoint_shard(optimizer)
@@ -179,6 +205,7 @@ def save_checkpoint(
             layout,
             {name: sha256_file(tmp / name) for name in files},
             {name: sha256_file(tmp / name) for name in extra_files},
+            optimizer_name(optimizer),
         )
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         fsync_path(tmp / "manifest.json")
@@ -266,6 +293,7 @@ class Manifest(BaseModel):
     units: list[_Unit]
     sha256: dict[str, str]
     strategy_state_sha256: dict[str, str] = {}
+    optimizer: str = ""  # (older checkpoints name none)
 
     def shard_files(self) -> list[str]:
         return [f"rank{r}.safetensors" for r in range(self.num_shards)]
@@ -377,10 +405,24 @@ def load_checkpoint(
     model: DistributedModel, optimizer: torch.optim.Optimizer, directory: str | Path
 ) -> int:
     """Load a sharded checkpoint saved at any world size; returns its step."""
+    check_paired(model, optimizer)
+    check_optimizer(directory, optimizer)  # (before its shards are read)
     params, states, step = read_full_state(directory)
     model.load_full_state(optimizer, params, states)
     _load_strategy_state(model, _readable(Path(directory)))
     return step
+
+
+def check_optimizer(directory: str | Path, optimizer: torch.optim.Optimizer) -> None:
+    """The sharded checkpoint at `directory` holds the state of `optimizer`'s class, where it
+    says (an older one does not): an AdamW's moments loaded into an SGD, in silence, before."""
+    saved_by = read_manifest(_readable(Path(directory))).optimizer
+    if saved_by not in ("", optimizer_name(optimizer)):
+        raise CheckpointError(
+            f"{directory}: holds {saved_by} state, not this {optimizer_name(optimizer)}'s "
+            "(its weights alone load into any optimizer: "
+            "model.load_state_dict(shardwise.checkpoint.reshardable.full_weights(directory)))"
+        )
 
 
 def _load_strategy_state(model: DistributedModel, directory: Path) -> None:

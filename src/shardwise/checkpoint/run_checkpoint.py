@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from shardwise.checkpoint import state_tree
 from shardwise.checkpoint.reshardable import (
     CheckpointError,
+    check_optimizer,
     read_full_state,
     read_manifest,
     sha256_file,
@@ -303,6 +304,7 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
         return {"step": int(state["step"]), "data": state["data"]}
     state = _rank_state(found.directory, min(rank, found.world_size - 1))
     check_rank_state(state, scheduler)
+    check_optimizer(found.directory / SHARDED, optimizer)
     params, states, _ = read_full_state(found.directory / SHARDED)
     model.load_full_state(optimizer, params, states)
     # What every rank of the saved run held alike (counters, the loss scale), from the rank

@@ -17,7 +17,12 @@ import torch
 from safetensors.torch import save_file
 
 from shardwise.checkpoint import state_tree
-from shardwise.checkpoint.reshardable import fsync_path, make_manifest, sha256_file
+from shardwise.checkpoint.reshardable import (
+    fsync_path,
+    make_manifest,
+    optimizer_name,
+    sha256_file,
+)
 from shardwise.checkpoint.run_checkpoint import (
     FORMAT,
     PREFIX,
@@ -53,6 +58,7 @@ class Snapshot:
 
     step: int
     strategy: str  # the model's checkpoint_name()
+    optimizer: str  # the class whose state it holds (`optimizer_name`)
     save_no: int  # the how-many-th save of this process: the same on every rank
     meta: Any  # JSON of the exact state, tensors replaced by their keys
     tensors: dict[str, torch.Tensor]
@@ -71,7 +77,8 @@ def snapshot(
         layout, shard = None, None
     if shard is not None:
         shard = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in shard.items()}
-    return Snapshot(step, model.checkpoint_name(), save_no, meta, tensors, layout, shard)
+    name = optimizer_name(optimizer)
+    return Snapshot(step, model.checkpoint_name(), name, save_no, meta, tensors, layout, shard)
 
 
 class Saver:
@@ -180,7 +187,7 @@ class Saver:
         }
         if snap.layout is not None:
             shards = {n.removeprefix(f"{SHARDED}/"): s for n, s in sums.items() if n not in exact}
-            sharded = make_manifest(snap.step, world, snap.layout, shards)
+            sharded = make_manifest(snap.step, world, snap.layout, shards, optimizer=snap.optimizer)
             _write_json(tmp / SHARDED / "manifest.json", sharded)
         fsync_path(tmp / SHARDED)
         _write_json(tmp / "manifest.json", manifest)  # last: the directory is now complete

@@ -53,15 +53,15 @@ def all_gather_named(
     every = torch.empty(n * 2, dtype=torch.int64, device=device)
     all_gather_into_tensor(every, lengths, group)
     sizes = every.view(n, 2).cpu().tolist()
-    heads = _gather_padded(torch.frombuffer(bytearray(head), dtype=torch.uint8), n, group, device)
-    bodies = _gather_padded(body, n, group, device)
+    heads = all_gather_bytes(torch.frombuffer(bytearray(head), dtype=torch.uint8), n, group, device)
+    bodies = all_gather_bytes(body, n, group, device)
     return [
         _read(heads[r][:head_len], bodies[r][:body_len], r)
         for r, (head_len, body_len) in enumerate(sizes)
     ]
 
 
-def _gather_padded(data: torch.Tensor, n: int, group, device) -> list[torch.Tensor]:
+def all_gather_bytes(data: torch.Tensor, n: int, group, device) -> list[torch.Tensor]:
     """Every rank's bytes, each padded to the longest (whose length is all-gathered first)."""
     longest = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(n, dtype=torch.int64, device=device)

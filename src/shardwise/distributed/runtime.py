@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -66,7 +67,18 @@ def _pick_backend(backend: str | None) -> str:
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError(
+            "backend 'nccl' needs a CUDA GPU and a torch built with NCCL; this process has "
+            "neither (use 'gloo', or 'auto' to pick)"
+        )
     return backend
+
+
+def _a_duration(seconds: object) -> bool:
+    """A finite number of seconds > 0 (not a boolean, a string, NaN or infinity)."""
+    number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    return number and 0 < seconds < math.inf
 
 
 def _device(backend: str, local_rank: int) -> torch.device:
@@ -85,11 +97,11 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
     after that long instead of a silent hang. Calling `init` again returns the same runtime.
     """
     global _runtime, _store, _job_keys
+    if not _a_duration(timeout_s):  # (NaN passed `<= 0`, to fail inside the group's bring-up)
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    backend = _pick_backend(backend)  # (checked here too: a bad one is not taken in silence)
     if _runtime is not None:
         return _runtime
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    backend = _pick_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))

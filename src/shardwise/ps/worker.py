@@ -35,7 +35,7 @@ from shardwise.ps.liveness import HeartbeatSender, UpstreamGuard
 from shardwise.ps.protocol import Kind
 from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
-from shardwise.strategies.section import StrategySection
+from shardwise.strategies.section import StrategySection, check_options
 
 MODES = ("sync", "async", "ssp")
 PS_CODEC_PATTERN = r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$"
@@ -93,6 +93,8 @@ class ParameterServer(Strategy):
         often each worker was late (`ServerReport.late`). No relays.
     """
 
+    every_rank_prepares = False  # (servers serve; workers meet them over sockets)
+
     servers: int = 1
     mode: str = "sync"
     staleness: int = 2
@@ -111,20 +113,11 @@ class ParameterServer(Strategy):
     replicas: int = 1
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"ps mode must be one of {MODES}, got {self.mode!r}")
-        if self.rule not in ("gradient", "average"):
-            raise ValueError(f"ps rule must be 'gradient' or 'average', got {self.rule!r}")
-        if self.servers < 1 or self.staleness < 0 or not 0 <= self.beta <= 1:
-            raise ValueError("ps needs servers >= 1, staleness >= 0 and 0 <= beta <= 1")
+        check_options(self, PSConfig)
         if self.timeout_s <= self.heartbeat_s:
             raise ValueError("ps timeout_s must exceed heartbeat_s")
-        if self.progress_timeout_s <= 0:
-            raise ValueError("ps progress_timeout_s must be > 0")
         if self.snapshot_every and self.snapshot_dir is None:
             raise ValueError("ps snapshot_every needs a snapshot_dir to write to")
-        if self.relays < 0:
-            raise ValueError(f"ps relays must be >= 0, got {self.relays}")
         if self.relays and self.mode == "ssp":
             raise ValueError(
                 "ps relays work with mode sync or async: SSP bounds each worker by the slowest "
@@ -135,8 +128,6 @@ class ParameterServer(Strategy):
                 f"ps backup_workers needs mode sync and no relays (got mode {self.mode!r}, "
                 f"relays {self.relays}): async and ssp never wait for a worker"
             )
-        if self.replicas not in (1, 2):
-            raise ValueError(f"ps replicas must be 1 or 2, got {self.replicas}")
         if self.replicas == 2 and (
             self.relays or self.compression or self.pull_codec or self.snapshot_every
         ):
@@ -144,8 +135,6 @@ class ParameterServer(Strategy):
                 "ps replicas: 2 needs relays 0, no compression and snapshot_every 0 (the backup "
                 "servers replace snapshots)"
             )
-        if self.backup_workers < 0:
-            raise ValueError(f"ps backup_workers must be >= 0, got {self.backup_workers}")
         for spec in (self.compression, self.pull_codec):
             ps_codec(spec)  # validates the spec
         if (self.compression or self.pull_codec) and (self.relays or self.rule != "gradient"):
@@ -515,7 +504,7 @@ class PSWorkerModel(DistributedModel):
     def data_shard(self) -> tuple[int, int]:
         return self._data_shard
 
-    def close(self) -> None:
+    def release(self) -> None:
         self.client.close()
 
 

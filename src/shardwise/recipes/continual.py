@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from shardwise.checkpoint import run_checkpoint
-from shardwise.checkpoint.reshardable import full_weights, read_full_state
+from shardwise.checkpoint.reshardable import check_optimizer, full_weights, read_full_state
 from shardwise.checkpoint.run_checkpoint import SHARDED, Found, RunCheckpointError
 
 Mode = Literal["resume", "continue", "finetune"]
@@ -66,6 +66,7 @@ def start_from(
     shapes = model.full_shapes()
     if mode == "continue":
         found = _run_checkpoint(path, model.runtime.world_size)
+        check_optimizer(found.directory / SHARDED, optimizer)
         params, states, _ = read_full_state(found.directory / SHARDED)
     else:
         params, states = _weights(path), {}

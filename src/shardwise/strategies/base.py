@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,6 +40,10 @@ EXTRA = "_shardwise."  # state-dict keys of strategy state that is not a module 
 
 class Strategy(ABC):
     """Base class; subclasses are small frozen dataclasses holding the user's options."""
+
+    # Whether every rank of the world prepares a model with it (a parameter server's workers
+    # alone do): `sw.prepare` then checks that all of them hold the same model and options.
+    every_rank_prepares: ClassVar[bool] = True
 
     @abstractmethod
     def wrap(self, model: nn.Module, runtime: Runtime) -> DistributedModel:
@@ -66,6 +70,7 @@ class DistributedModel(nn.Module):
         super().__init__()
         self.module = module
         self.runtime = runtime
+        self.closed = False  # (`close`)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -146,10 +151,19 @@ class DistributedModel(nn.Module):
         """What this rank's optimizer steps: every parameter here; ZeRO: its shards."""
         return list(self.module.parameters())
 
+    def is_stepped_by(self, optimizer: DistributedOptimizer) -> bool:
+        """Whether `optimizer` is the one `make_optimizer` made for this model."""
+        return optimizer.model is self
+
     def make_optimizer(
         self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
     ) -> DistributedOptimizer:
-        inner = optimizer_cls(self.optimizer_params(), **kwargs)
+        try:
+            inner = optimizer_cls(self.optimizer_params(), **kwargs)
+        except (TypeError, ValueError) as e:  # (`lr="a"`: torch's own words, this call named)
+            given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(f"{optimizer_cls.__name__}({given}): {e}") from e
         if isinstance(inner, LayerwiseOptimizer):  # LARS, LAMB: norms of whole parameters
             inner.norms = self.parameter_norms()
         return DistributedOptimizer(self, inner)
@@ -272,7 +286,28 @@ class DistributedModel(nn.Module):
             load_parameter(optimizer, p, params[name], states.get(name, {}))
 
     def close(self) -> None:
-        """Release threads, hooks or groups the strategy created."""
+        """Release threads, hooks, groups and files the strategy made (`release`), once. The
+        model then refuses to run or step: DDP's replicas went on training without their
+        hooks, each apart from the others; ZeRO's shards were gone (a `KeyError`)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.release()
+        self.register_forward_pre_hook(_refuse_closed)
+
+    def release(self) -> None:
+        """What `close` releases: threads, hooks or groups the strategy created."""
+
+
+def _refuse_closed(model: DistributedModel, _args: Any) -> None:
+    raise RuntimeError(_closed_message(model))
+
+
+def _closed_message(model: DistributedModel) -> str:
+    return (
+        f"this {type(model).__name__} was closed (model.close() released what its strategy "
+        "holds): prepare the model again to go on training it"
+    )
 
 
 class UnsplitCheckpointsOnly:
@@ -323,6 +358,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
     def step(self, closure: Callable | None = None) -> Any:
+        if self.model.closed:
+            raise RuntimeError(_closed_message(self.model))
         self.model.settle_gradients()
         if not self.model.before_step():
             return None

@@ -11,7 +11,11 @@ A rank declares n_r before its backward (`sw.train_step` does, from the batch's 
 dimension). N is either declared too (a loader that plans every rank's batch size knows it:
 free) or summed over the data-parallel group by one small asynchronous all-reduce started at
 once, so it travels while the forward pass runs and is waited for only when the first gradient
-bucket is about to be reduced.
+bucket is about to be reduced. A declared N is checked once, by that all-reduce, in the first
+step that declares it: a wrong one weighed every gradient wrong in silence, and one declared on
+some ranks only left the others waiting in the all-reduce the declaring ranks never joined.
+(Once only, as a declared N is meant to be free: a later step that declares it on some ranks
+alone still leaves the others waiting, until the timeout names the all-reduce.)
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class BatchShare:
         self.even = False
         self._count: torch.Tensor | None = None
         self._handle: comm.Handle | None = None
+        self._total_checked = False  # (a declared total: by the all-reduce, once)
 
     def declare(self, samples: int, total: int | None = None) -> None:
         """This rank's samples for the next synchronised backward, and the group's (None: sum
@@ -68,26 +73,57 @@ class BatchShare:
             raise ValueError(f"total samples must be an int >= samples ({samples}), got {total!r}")
         self.local, self.total = samples, total
         world = self.runtime.world_size
-        if total is None and world > 1:
+        if world == 1 and total not in (None, samples):
+            raise ValueError(f"total={total} samples, but the only replica declared {samples}")
+        if world > 1 and (total is None or not self._total_checked):
             # The counts and their squares, summed: equal shares if and only if the sum of
-            # squares is N * (N/W)^2, i.e. W * squares == N^2 (exact in float64 up to 2^26).
-            count = [samples, samples * samples]
-            self._count = torch.tensor(count, dtype=torch.float64, device=self.runtime.device)
+            # squares is N * (N/W)^2, i.e. W * squares == N^2. Then how many ranks declared a
+            # total, their totals and those squared (`_check_total`). Whole numbers: summed
+            # exactly in int64. (Always five, whether a total is declared or not: every rank
+            # must send the same; 24 bytes more than the two counts alone, a step.)
+            declared = total or 0
+            count = [samples, samples * samples, total is not None, declared, declared**2]
+            self._count = torch.tensor(count, dtype=torch.int64, device=self.runtime.device)
             self._handle = comm.all_reduce(self._count, group=self.runtime.group, async_op=True)
-        elif total is None:
-            self.total, self.even = samples, True
-        else:
-            self.even = world == 1 and samples == total
+        else:  # (one replica: its share is all; or a total checked before, each its own share)
+            self.total = samples if total is None else total
+            self.even = world == 1
 
     def _resolve(self) -> None:
         if self._handle is not None:
             self._handle.wait()
-            total, squares = self._count.tolist()
-            self.total = int(total)
-            self.even = self.runtime.world_size * squares == total * total
+            summed, squares, declared, totals, total_squares = self._count.tolist()
             self._handle = self._count = None
+            if declared:
+                self._check_total(summed, declared, totals, total_squares)
+            else:
+                self.total = summed
+                self.even = self.runtime.world_size * squares == summed * summed
         if self.total == 0:
             raise ValueError("no rank declared any samples for this step")
+
+    def _check_total(self, summed: int, declared: int, totals: int, total_squares: int) -> None:
+        """The declared total against the samples the ranks declared, from the all-reduce's
+        sums alone: the same answer, and the same words, on every rank."""
+        world = self.runtime.world_size
+        if declared != world:
+            raise ValueError(
+                f"a total of the step's samples was declared on {declared} of the {world} "
+                "data-parallel ranks: declare it on every rank, or on none"
+            )
+        if world * total_squares != totals * totals:  # (all equal: no spread about the mean)
+            raise ValueError(
+                f"the {world} data-parallel ranks declared different totals of the step's "
+                "samples: each declares the same, the sum of every rank's samples"
+            )
+        if totals != world * summed:
+            raise ValueError(
+                f"total={totals // world} samples declared, but the {world} data-parallel "
+                f"ranks declared {summed} between them: the total is the sum of every rank's "
+                "samples"
+            )
+        self._total_checked = True
+        self.even = False  # (each weighed by its own share: a rank does not see the others')
 
     def weigh(self, grad: torch.Tensor) -> None:
         """Multiply `grad` (this rank's local mean gradient) by its weight, in place."""

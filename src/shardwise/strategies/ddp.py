@@ -27,7 +27,6 @@ How it works, top to bottom:
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,7 +41,6 @@ from shardwise.comm.algorithms import (
     AllReduceAlgorithm,
     AllReduceName,
     NativeAllReduce,
-    check_all_reduce_name,
     make_all_reduce,
 )
 from shardwise.comm.compressed_collectives import CODEC_PATTERN, CompressedAllReduce, make_codec
@@ -65,7 +63,7 @@ from shardwise.strategies.grad_buckets import (
     shares_cores,
 )
 from shardwise.strategies.linear_into_bucket import MIN_BYTES, WritesIntoSlots
-from shardwise.strategies.section import StrategySection
+from shardwise.strategies.section import StrategySection, check_options
 
 # The slot of a gradient of `ALIGNED_BYTES` or more (those `linear_into_bucket` writes from the
 # GEMM) starts on a cache line. Packed end to end, the bench MLP's 16.8 MB weight gradient
@@ -341,6 +339,7 @@ class DataParallelModel(DistributedModel):
 
     def settle_gradients(self) -> None:
         self.reducer.backward.end_deferred()
+        self.reducer.backward.check_reduced()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside."""
@@ -362,7 +361,7 @@ class DataParallelModel(DistributedModel):
     def checkpoint_name(self) -> str:
         return "ddp"
 
-    def close(self) -> None:
+    def release(self) -> None:
         if self.linears is not None:
             self.linears.remove()
         self.reducer.remove()
@@ -394,12 +393,9 @@ class DDP(Strategy):
     compression: str | None = None
 
     def __post_init__(self) -> None:
+        check_options(self, DDPConfig)
         if self.compression is not None:
             make_codec(self.compression)  # validates the spec
-        if self.bucket_mb is not None and not 0 < self.bucket_mb < math.inf:
-            raise ValueError(f"bucket_mb must be > 0 and finite, got {self.bucket_mb}")
-        if self.algorithm is not None:
-            check_all_reduce_name(self.algorithm)
 
     def all_reduce_name(self, runtime: Runtime) -> AllReduceName:
         """The all-reduce this job's DDP uses (`resolve_all_reduce`)."""

@@ -98,6 +98,9 @@ class BucketedBackward:
         self.find_unused_parameters = find_unused_parameters
         self.if_intended = if_intended
         self.enabled = True  # False inside no_sync(): gradients stay local
+        # Whether a backward inside no_sync() made gradients that no backward outside it has
+        # reduced since (`check_reduced`).
+        self.held_back = False
         self.rebucket(buckets)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.bucket_of
@@ -134,14 +137,17 @@ class BucketedBackward:
                 "torch.utils.checkpoint(..., use_reentrant=False)), or a backward runs again "
                 "after one that raised (call zero_grad() on every rank first)"
             )
-        self.callbacks.on_grad(p)
         if not self.enabled:
+            self.callbacks.on_grad(p)
+            self.held_back = True
             return
         task = torch._C._current_graph_task_id()
         if task not in self._ends_asked:  # (this backward's first hook, or a nested one's)
             self._ends_asked.add(task)
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
+        # (after the backward is known begun: where this raises, `take_back` undoes it all)
+        self.callbacks.on_grad(p)
         self._nested_ended_early = False  # (the outer backward went on making ours)
         self.ready.add(p)
         self.pending[self.bucket_of[p]] -= 1
@@ -181,10 +187,25 @@ class BucketedBackward:
         if self._in_backward and self._nested_ended_early:
             self._end_of_backward()
 
+    def check_reduced(self) -> None:
+        """Refuse to read gradients (the step, clipping) where the last backward ran inside
+        no_sync() and none outside it followed: they are this rank's alone. DDP's replicas
+        stepped apart from each other from then on; ZeRO-2/3 dropped them (the shards' own
+        gradients come only from a reduction)."""
+        if self.held_back:
+            raise RuntimeError(
+                "the gradients of the last backward were never reduced: it ran inside "
+                "model.no_sync(), and no backward outside it followed (run the last "
+                "micro-batch's backward outside no_sync(), as sw.train_step(..., accumulate=K) "
+                "does, or zero_grad() to drop them)"
+            )
+
     def take_back(self, undo: Callable[[], None]) -> None:
         """Where a backward began and never ended (it raised: autograd runs no callback of a
         backward that raised, so `_end_of_backward` never came), `undo()` what it launched,
-        then forget it: its launches and counts. (`zero_grad` asks, on every rank.)"""
+        then forget it: its launches and counts. (`zero_grad` asks, on every rank: what
+        no_sync() held back goes with the gradients too.)"""
+        self.held_back = False
         if self._in_backward:
             undo()
             self._in_backward = False
@@ -229,6 +250,7 @@ class BucketedBackward:
             self._launch_next()
         self._reset()
         self.callbacks.finish()
+        self.held_back = False  # (reduced with the rest)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -49,7 +49,7 @@ from shardwise.strategies.mesh_state import (
     grad_pieces,
 )
 from shardwise.strategies.pipeline import Pipeline, PipelineModel
-from shardwise.strategies.section import StrategySection
+from shardwise.strategies.section import StrategySection, check_options
 from shardwise.strategies.tensor_parallel import (
     TensorParallel,
     TensorParallelModel,
@@ -146,6 +146,9 @@ class MeshModel(DistributedModel):
         if coords["tp"] != 0 and id(p) not in self.sliced:
             return False  # replicated over the tp group (layer norms, row-parallel biases)
         return self.pipeline is None or self.pipeline.tied.counted_here(p)
+
+    def is_stepped_by(self, optimizer) -> bool:
+        return self.data.is_stepped_by(optimizer)  # (the data axis's model makes it)
 
     def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         optimizer = self.data.make_optimizer(optimizer_cls, **kwargs)
@@ -262,7 +265,7 @@ class MeshModel(DistributedModel):
         local = cut_state(params, states, keys, full_name, self.splits, tp_rank)
         self.data.load_full_state(optimizer, *local)
 
-    def close(self) -> None:
+    def release(self) -> None:
         self.data.close()
         comm.barrier(self.runtime.group)  # every rank of the mesh
 
@@ -287,6 +290,7 @@ class MeshParallel(Strategy):
     pipeline: Pipeline = field(default_factory=Pipeline)
 
     def __post_init__(self) -> None:
+        check_options(self, MeshConfig, skip=frozenset({"data"}))
         if not isinstance(self.data, (DDP, ZeRO)):
             raise ValueError(f"data must be sw.DDP() or sw.ZeRO(stage=1|2|3), got {self.data!r}")
 

@@ -13,6 +13,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -20,18 +21,23 @@ from torch import nn
 
 
 class DiskStore:
-    """Tensors backed by files in one directory; pages are dropped after each use."""
+    """Tensors backed by files in one directory (removed by `remove`; one made `fresh` also
+    when the store is collected or the process exits: a script that never closes its model
+    leaves no files behind); pages are dropped after each use."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._maps: dict[str, mmap.mmap] = {}
+        self._removal: weakref.finalize | None = None  # (`fresh`: the directory is its own)
 
     @classmethod
     def fresh(cls, parent: Path, prefix: str) -> DiskStore:
         """A store in a new directory of its own under `parent` (made if missing)."""
         parent.mkdir(parents=True, exist_ok=True)
-        return cls(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        store = cls(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        store._removal = weakref.finalize(store, _remove_in, os.getpid(), store.directory)
+        return store
 
     def place(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A file-backed tensor holding `value` (same dtype and shape)."""
@@ -60,7 +66,17 @@ class DiskStore:
     def remove(self) -> None:
         """Delete the files (the tensors that map them must not be used afterwards)."""
         self._maps.clear()  # the mappings close once no tensor refers to them
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self._removal is not None:
+            self._removal()  # (once: then neither collection nor the exit runs it again)
+        else:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_in(pid: int, directory: Path) -> None:
+    """Remove a fresh store's directory, from the process that made it (a forked child that
+    exits runs its parent's exit handlers too)."""
+    if os.getpid() == pid:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class DiskOffloadedStep:

@@ -57,7 +57,7 @@ from shardwise.strategies.base import (
 from shardwise.strategies.ddp import DDP, broadcast_module_state
 from shardwise.strategies.hf_stages import hf_layers, is_hf_model
 from shardwise.strategies.pipeline_messages import StepMessages
-from shardwise.strategies.pipeline_schedule import SCHEDULES, schedule_order
+from shardwise.strategies.pipeline_schedule import schedule_order
 from shardwise.strategies.pipeline_stages import (
     Microbatch,
     PipelineStage,
@@ -68,7 +68,7 @@ from shardwise.strategies.pipeline_stages import (
     read_stage,
 )
 from shardwise.strategies.pipeline_tied import TiedWeights, shared_parameters
-from shardwise.strategies.section import StrategySection
+from shardwise.strategies.section import StrategySection, check_options
 from shardwise.strategies.zero_bubble import (
     NOTHING_DEFERRED,
     DeferredWeights,
@@ -350,8 +350,9 @@ class Pipeline(Strategy):
     virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        check_options(self, PPConfig)
+        if self.stages is None:  # (the YAML's None is the world's size: here it is given)
+            raise ValueError("Pipeline(stages=None): give the number of stages")
         if self.schedule == "interleaved" and self.num_chunks < 2:
             raise ValueError(
                 f"interleaved needs virtual_stages >= 2 (with 1 it is '1f1b'), got "
@@ -362,10 +363,6 @@ class Pipeline(Strategy):
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved', not "
                 f"{self.schedule!r}"
             )
-        if self.stages < 1:
-            raise ValueError(f"pipeline stages must be >= 1, got {self.stages}")
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.balance not in ("params", "time"):
             raise ValueError(f"balance must be 'params' or 'time', got {self.balance!r}")
         if self.balance == "time" and self.sample_input is None and self.split is None:

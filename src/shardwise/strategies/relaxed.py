@@ -34,7 +34,7 @@ from shardwise.comm.flat import flatten, unflatten
 from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import DistributedModel, Strategy
 from shardwise.strategies.ddp import broadcast_module_state
-from shardwise.strategies.section import StrategySection
+from shardwise.strategies.section import StrategySection, check_options
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -253,10 +253,7 @@ class LocalSGD(Strategy):
     beta: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_int("LocalSGD period", self.period, least=1)
-        _check_int("LocalSGD warmup_steps", self.warmup_steps, least=0)
-        if not _is_number(self.beta) or not 0 < self.beta <= 1:
-            raise ValueError(f"LocalSGD beta must be in (0, 1], got {self.beta!r}")
+        check_options(self, LocalSGDConfig)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> LocalSGDModel:
         return LocalSGDModel(model, runtime, self)
@@ -320,9 +317,7 @@ class Gossip(Strategy):
     global_every: int | None = None
 
     def __post_init__(self) -> None:
-        neighbours(self.topology, 0, 4)  # validates the name
-        if self.global_every is not None:
-            _check_int("Gossip global_every", self.global_every, least=1)
+        check_options(self, GossipConfig)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> GossipModel:
         return GossipModel(model, runtime, self)
@@ -361,22 +356,10 @@ class AdaptiveSync(Strategy):
     threshold: float = 0.01
 
     def __post_init__(self) -> None:
-        if not _is_number(self.threshold) or not 0 < self.threshold < math.inf:
-            raise ValueError(
-                f"AdaptiveSync threshold must be > 0 and finite, got {self.threshold!r}"
-            )
+        check_options(self, AdaptiveSyncConfig)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> AdaptiveSyncModel:
         return AdaptiveSyncModel(model, runtime, self.threshold)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(what: str, value, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{what} must be an int >= {least}, got {value!r}")
 
 
 def Hybrid(local: str = "gossip", global_every: int = 8, topology: str = "ring") -> Strategy:

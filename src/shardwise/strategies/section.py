@@ -7,11 +7,14 @@ into one `Config`; nothing else needs to know the strategy exists.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 if TYPE_CHECKING:
     from shardwise.strategies.base import Strategy
@@ -45,6 +48,43 @@ def _boolean_for_a_number(kind: Any, value: Any) -> bool:
     if origin in (list, tuple) and isinstance(value, list | tuple) and get_args(kind):
         return any(_boolean_for_a_number(get_args(kind)[0], item) for item in value)
     return False
+
+
+def check_options(options: Any, section: type[Section], skip: frozenset[str] = frozenset()) -> None:
+    """The Python API's options (a strategy's dataclass) checked by the types and bounds of the
+    YAML section that describes them, field by field, strictly: no string, boolean or float for
+    a whole number (`sw.DDP(bucket_mb="25")`, `sw.ZeRO(stage=True)`, `group_size=2.5` were
+    taken, to fail deep inside, or never). `skip`: fields the dataclass types otherwise (a
+    strategy object where the YAML names one). A `ValueError` naming the field, one line."""
+    for name in (f.name for f in dataclasses.fields(options)):
+        field = section.model_fields.get(name)
+        if field is None or name in skip:
+            continue
+        value = getattr(options, name)
+        where = f"{type(options).__name__}({name}={value!r})"
+        if isinstance(value, os.PathLike):  # (a `Path` where the YAML writes a string: taken)
+            value = os.fspath(value)
+        if _boolean_for_a_number(field.annotation, value):
+            raise ValueError(f"{where}: takes numbers, not booleans")
+        try:  # (a tuple where the section lists: the same values)
+            _field_type(section, name).validate_python(
+                list(value) if isinstance(value, tuple) else value, strict=True
+            )
+        except ValidationError as e:
+            error = e.errors()[0]
+            if error["type"] == "string_pattern_mismatch":
+                continue  # (a regex says less than the strategy's own check of the spec, next)
+            raise ValueError(f"{where}: {error['msg']}") from None
+
+
+@functools.cache
+def _field_type(section: type[Section], name: str) -> TypeAdapter:
+    field = section.model_fields[name]
+    kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    return TypeAdapter(kind, config=_NO_INF_NAN)
+
+
+_NO_INF_NAN = ConfigDict(allow_inf_nan=False)  # (`Section`'s: its fields' types alone lack it)
 
 
 def _a_number(kind: Any) -> bool:

@@ -62,7 +62,7 @@ from shardwise.strategies.base import (
 )
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.plain_loss import check_plain_cross_entropy
-from shardwise.strategies.section import StrategySection
+from shardwise.strategies.section import StrategySection, check_options
 from shardwise.strategies.tp_plan import model_plan, parse_style, resolve
 
 
@@ -277,8 +277,7 @@ class TensorParallel(Strategy):
     loss_parallel: bool = True
 
     def __post_init__(self) -> None:
-        if self.size is not None and self.size < 1:
-            raise ValueError(f"tensor-parallel size must be >= 1, got {self.size}")
+        check_options(self, TPConfig)
         for style in (self.plan or {}).values():
             parse_style(style)
 

@@ -21,9 +21,8 @@ Any element-wise `torch.optim` optimizer (SGD, Adam, AdamW, ...) works unchanged
 
 from __future__ import annotations
 
-import math
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -33,6 +32,7 @@ from torch import nn
 
 from shardwise.comm.compressed_collectives import CODEC_PATTERN, CODEC_SPEC, make_codec
 from shardwise.distributed.runtime import Runtime
+from shardwise.distributed.same_everywhere import PER_RANK
 from shardwise.distributed.shard_groups import build_shard_groups, check_shard_size
 from shardwise.nn.meta_init import (
     ParameterSource,
@@ -41,11 +41,10 @@ from shardwise.nn.meta_init import (
     read_whole,
     swap_parameters,
 )
-from shardwise.nn.mixed_precision import compute_dtype
 from shardwise.nn.sync_batchnorm import convert_sync_batchnorm
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.ddp import broadcast_module_state
-from shardwise.strategies.section import StrategySection
+from shardwise.strategies.section import StrategySection, check_options
 from shardwise.strategies.zero.masters import FP32Masters, ShardViews
 from shardwise.strategies.zero.sole_rank import SOLE_RANK
 from shardwise.strategies.zero.stage1 import ZeroStage1
@@ -94,15 +93,14 @@ class ZeRO(Strategy):
     bucket_mb: float = 25.0
     mixed_precision: str | None = None
     offload: str | None = None
-    offload_dir: str | None = None
+    offload_dir: str | None = field(default=None, metadata={PER_RANK: True})
     sync_batchnorm: bool = True
     compression: str | None = None
     shard_group: int | None = None
     keep_gathered_mb: float | None = None
 
     def __post_init__(self) -> None:
-        compute_dtype(self.mixed_precision)  # validates the name
-        check_shard_size(self.shard_group)  # (the world is checked at wrap)
+        check_options(self, ZeROConfig)
         if self.compression is not None and self.shard_group is not None:
             raise ValueError(
                 f"ZeRO compression={self.compression!r} with shard_group={self.shard_group}: "
@@ -115,14 +113,6 @@ class ZeRO(Strategy):
                     f"ZeRO compression={self.compression!r} with mixed_precision='fp16' (loss "
                     "scaling): use 'bf16', or no compression"
                 )
-        if self.offload not in (None, "cpu", "disk"):
-            raise ValueError(f"offload must be None, 'cpu' or 'disk', got {self.offload!r}")
-        if self.stage not in STAGES:
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}")
-        if not 0 < self.bucket_mb < math.inf:
-            raise ValueError(f"bucket_mb must be > 0 and finite, got {self.bucket_mb}")
-        if self.keep_gathered_mb is not None and self.keep_gathered_mb < 0:
-            raise ValueError(f"keep_gathered_mb must be >= 0, got {self.keep_gathered_mb}")
         if self.keep_gathered_mb and self.stage != 3:
             raise ValueError(
                 f"keep_gathered_mb={self.keep_gathered_mb} applies to stage 3 (stages 1/2 keep "

@@ -377,6 +377,7 @@ class ZeroStage1(DistributedModel):
 
     def settle_gradients(self) -> None:
         self.backward.end_deferred()
+        self.backward.check_reduced()
 
     def before_step(self) -> bool:
         return self.masters.step_allowed(self.grad_shards())
@@ -542,7 +543,7 @@ class ZeroStage1(DistributedModel):
     def take_full_params(self, unit: FlatUnit, full: torch.Tensor) -> None:
         unit.full.copy_(full)  # the model's parameters are views of it
 
-    def close(self) -> None:
+    def release(self) -> None:
         self.backward.remove()
         if self.codec is not None:
             self.codec.close()

@@ -180,6 +180,14 @@ class ZeroStage2(ZeroStage1):
             unit.grad_full = None  # (what no_sync() accumulated, where it was discarded)
             shard.grad = None
 
+    def _take_back_abandoned(self) -> None:
+        super()._take_back_abandoned()
+        # A hook that raised left its parameter's gradient on the parameter (the hook moves it
+        # into the unit, then drops it): the next backward added to it.
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate every unit's full (unsharded) gradient locally,
         without communication; the next one outside adds its own and reduce-scatters each unit

@@ -315,8 +315,8 @@ class ZeroStage3(ZeroStage2):
     def take_full_params(self, unit: FlatUnit, full: torch.Tensor) -> None:
         pass  # the shard is the only copy: nothing else to update
 
-    def close(self) -> None:
-        super().close()
+    def release(self) -> None:
+        super().release()
         for unit in self.units:
             disown(unit.params)
 
