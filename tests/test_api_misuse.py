@@ -54,7 +54,7 @@ def test_bad_arguments_to_init_and_prepare_are_one_line():
     """Before: torch's own errors, from deep inside (`timeout_s=nan` got as far as the group's
     bring-up; `nccl` on a machine without a GPU; an optimizer's `lr="a"`)."""
     try:
-        with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
+        with pytest.raises(ValueError, match="timeout_s must be a finite number, got nan"):
             sw.init(timeout_s=math.nan)
         if not torch.cuda.is_available():
             with pytest.raises(ValueError, match="backend 'nccl' needs a CUDA GPU"):

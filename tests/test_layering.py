@@ -17,6 +17,7 @@ PACKAGE = Path(shardwise.__file__).parent
 # `__init__`: the `sw.*` facade, which gathers the public parts (the trainer's among them) for
 # users' scripts and the benchmarks, and which nothing below it imports.
 LAYERS = [
+    "arguments",
     "comm",
     "distributed",
     "nn",

@@ -70,6 +70,11 @@ def prepare(
             )
         buffers_to(model, rt.device)  # (the parameters stay on the meta device until read)
         wrapped = strategy.wrap_from(model, rt, source)
+    elif source is not None:  # (it was ignored: the model trained from its own values)
+        raise ValueError(
+            "source= gives the values of parameters on the meta device; this model's are made "
+            "already (build it inside sw.empty_parameters() to read them from the source)"
+        )
     else:
         wrapped = strategy.wrap(model.to(rt.device), rt)
     return wrapped, wrapped.make_optimizer(optimizer, **optimizer_kwargs)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.arguments import whole_number
 from shardwise.checkpoint import run_checkpoint
 from shardwise.checkpoint.hf_export import record_hf_config
 from shardwise.checkpoint.reshardable import check_paired, check_step
@@ -49,8 +50,7 @@ class Checkpointer:
         """`model`, `optimizer`: what `sw.prepare` returned; `keep`: how many checkpoints stay;
         `job`: `run_checkpoint.job_signature` of the job, recorded in each checkpoint and
         checked by a resume (None: not checked)."""
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be a whole number >= 1, got {keep!r}")
+        whole_number("keep", keep, least=1)
         check_paired(model, optimizer)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

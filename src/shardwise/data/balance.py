@@ -21,6 +21,7 @@ import statistics
 import torch
 
 from shardwise import comm
+from shardwise.arguments import finite_number, whole_number
 from shardwise.data.partition import proportional
 from shardwise.data.sharded_loader import ShardedLoader
 from shardwise.distributed.runtime import Runtime
@@ -40,8 +41,18 @@ class ThroughputBalancer:
         self, loader: ShardedLoader, every: int, runtime: Runtime, minimum: int = 1
     ) -> None:
         """`minimum`: the fewest samples a replica is given (one per accumulated micro-batch)."""
-        if every < 1:
-            raise ValueError(f"balance_every must be >= 1, got {every}")
+        if not isinstance(loader, ShardedLoader):  # (a partitioned one: an AttributeError)
+            raise TypeError(
+                f"ThroughputBalancer re-plans a sharded loader's batch sizes, not a "
+                f"{type(loader).__name__}'s (sw.data.loader without partition=)"
+            )
+        whole_number("balance_every", every, least=1)
+        whole_number("minimum", minimum, least=1)
+        if minimum * loader.replicas > loader.global_batch:  # (found only at the rebalance)
+            raise ValueError(
+                f"minimum={minimum} samples for each of {loader.replicas} replicas: more than "
+                f"the global batch of {loader.global_batch}"
+            )
         self.loader, self.every, self.runtime = loader, every, runtime
         self.minimum = minimum
         # ranks that share one replica's batch (tensor or pipeline parallel) count as one
@@ -53,6 +64,10 @@ class ThroughputBalancer:
 
     def observe(self, samples: int, busy_s: float) -> None:
         """One step of this rank: samples trained on, seconds of it not spent waiting."""
+        whole_number("samples", samples)
+        finite_number(
+            "busy_s", busy_s, least=0
+        )  # (a negative one gave this rank most of the batch)
         self.steps += 1
         if self.first_at_new_sizes and self.every > 1:
             self.first_at_new_sizes = False

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from shardwise.arguments import whole_number
 from shardwise.data.augment import Augmented, check_repeats, repeated_order
 from shardwise.data.partition import Partitioner, epoch_order, proportional
 from shardwise.distributed import runtime
@@ -27,6 +28,15 @@ def _checked_sizes(sizes: list[int], replicas: int) -> list[int]:
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
         raise ValueError(f"batch sizes must be ints >= 1, got {sizes}")
     return list(sizes)
+
+
+def _check_position(state: Any, keys: tuple[str, ...]) -> None:
+    """A saved data position (`state_dict`) holds `keys`, each a whole number >= 0: a negative
+    offset ended the epoch two batches in, a missing key was a `KeyError`."""
+    if not isinstance(state, dict) or any(key not in state for key in keys):
+        raise ValueError(f"a data position must hold {', '.join(keys)}; got {state!r:.200}")
+    for key in keys:
+        whole_number(f"data position {key}", state[key])
 
 
 def _fetch(
@@ -168,6 +178,12 @@ class ShardedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("queue"):
             raise ValueError("the data position was saved by a work queue (data.mode: queue)")
+        _check_position(state, ("epoch", "offset", "seed"))
+        if state["offset"] > len(self.dataset):  # (past the end: the epoch skipped whole)
+            raise ValueError(
+                f"data position offset {state['offset']} is past the dataset's "
+                f"{len(self.dataset)} samples"
+            )
         if state["seed"] != self.seed:
             raise ValueError(f"data position saved with seed {state['seed']}, not {self.seed}")
         layout = state.get("repeat_layout")
@@ -237,6 +253,7 @@ class PartitionedLoader:
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "parts": self.replicas}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        _check_position(state, ("epoch", "step", "seed", "parts"))
         if state["seed"] != self.seed or state["parts"] != self.replicas:
             raise ValueError(
                 f"data position saved with seed {state['seed']} over {state['parts']} parts, "
@@ -275,6 +292,10 @@ def loader(
         rt = runtime.init()  # the existing runtime, or a world of one
         shard = (rt.world_size, rt.rank)
     replicas, index = shard
+    whole_number("shard replicas", replicas, least=1)
+    if whole_number("shard index", index) >= replicas:
+        raise ValueError(f"shard index must be below its {replicas} replicas, got {index}")
+    whole_number("loader seed", seed)
     sizes = batch_size if isinstance(batch_size, list) else [batch_size] * replicas
     sizes = _checked_sizes(sizes, replicas)
     if isinstance(dataset, Augmented):

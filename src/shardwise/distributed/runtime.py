@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.arguments import finite_number
 from shardwise.comm import jobstore
 from shardwise.comm.collectives import forget_volumes
 from shardwise.distributed import leaving
@@ -75,12 +75,6 @@ def _pick_backend(backend: str | None) -> str:
     return backend
 
 
-def _a_duration(seconds: object) -> bool:
-    """A finite number of seconds > 0 (not a boolean, a string, NaN or infinity)."""
-    number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    return number and 0 < seconds < math.inf
-
-
 def _device(backend: str, local_rank: int) -> torch.device:
     """This rank's device (NCCL: its GPU, made the current one)."""
     if backend != "nccl":
@@ -97,8 +91,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ru
     after that long instead of a silent hang. Calling `init` again returns the same runtime.
     """
     global _runtime, _store, _job_keys
-    if not _a_duration(timeout_s):  # (NaN passed `<= 0`, to fail inside the group's bring-up)
-        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    finite_number("timeout_s", timeout_s, above=0)  # (NaN passed `<= 0`: failed in bring-up)
     backend = _pick_backend(backend)  # (checked here too: a bad one is not taken in silence)
     if _runtime is not None:
         return _runtime

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from shardwise.arguments import whole_number
 from shardwise.distributed.runtime import Runtime
 
 
@@ -41,8 +42,7 @@ def check_shard_size(shard_size: int | None, world_size: int | None = None) -> N
     (where `world_size` is known)."""
     if shard_size is None:
         return
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(f"shard_group must be a whole number >= 1, got {shard_size!r}")
+    whole_number("shard_group", shard_size, least=1)
     if world_size is not None and world_size % shard_size:
         raise ValueError(
             f"shard_group={shard_size} must divide the world size {world_size} "

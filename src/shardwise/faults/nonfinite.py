@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.arguments import whole_number
 from shardwise.distributed import runtime
 
 EXIT_NONFINITE = 4  # every rank's exit code when the non-finite policy stops the run
@@ -71,8 +72,7 @@ class NonFinitePolicy:
     def __init__(self, policy: str = "skip", max_bad_steps: int = 3, announce: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"non-finite policy must be one of {POLICIES}, got {policy!r}")
-        if max_bad_steps < 1:
-            raise ValueError(f"max_bad_steps must be >= 1, got {max_bad_steps}")
+        whole_number("max_bad_steps", max_bad_steps, least=1)  # (NaN: a run that never stopped)
         self.policy, self.max_bad_steps, self.announce = policy, max_bad_steps, announce
         self.streak = 0  # consecutive bad steps
         self.batches: list[int] = []  # the global batches of those steps (where told)

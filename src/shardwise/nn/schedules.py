@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.arguments import finite_number, whole_number
+
 SCHEDULES = ("constant", "step", "exponential", "cosine")
 DEFAULT_GAMMA = {"step": 0.1, "exponential": 0.98}  # per step_size steps; per step
 
@@ -40,11 +42,9 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.name not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.name!r}")
-        if self.total_steps < 1 or self.warmup_steps < 0 or self.step_size < 1:
-            raise ValueError(
-                f"schedule needs total_steps >= 1, warmup_steps >= 0, step_size >= 1; got "
-                f"{self.total_steps}, {self.warmup_steps}, {self.step_size}"
-            )
+        whole_number("schedule total_steps", self.total_steps, least=1)
+        whole_number("schedule warmup_steps", self.warmup_steps)  # (2.5: multipliers past 1)
+        whole_number("schedule step_size", self.step_size, least=1)
         if self.gamma is not None and not 0 < self.gamma <= 1:
             raise ValueError(f"schedule gamma must be in (0, 1], got {self.gamma}")
         if not 0 <= self.min_ratio <= 1:
@@ -80,6 +80,7 @@ def lr_scheduler(
 def scaled_lr(lr: float, global_batch: int, base_batch: int) -> float:
     """The linear scaling rule: `lr` was right for `base_batch` samples per step; a global
     batch k times larger takes a k times larger rate (with a warm-up, as its authors advise)."""
-    if global_batch < 1 or base_batch < 1:
-        raise ValueError(f"batch sizes must be >= 1, got {global_batch} and {base_batch}")
+    finite_number("lr", lr, above=0)
+    whole_number("global_batch", global_batch, least=1)
+    whole_number("base_batch", base_batch, least=1)
     return lr * global_batch / base_batch

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise import comm
+from shardwise.arguments import finite_number
 from shardwise.distributed import runtime
 from shardwise.observe.board import Board
 from shardwise.observe.run_output import MetricsFile, ProgressReporter
@@ -70,6 +71,7 @@ class MetricsWriter:
         """Rank 0: the step's line (loss, throughput over `samples` of the whole step,
         communication: `step_comm`, else `comm.stats` since the last step, and `fields`);
         every rank: the progress bar."""
+        finite_number("step_time", step_time, above=0)  # (a negative one wrote a negative rate)
         step_comm = step_comm or comm.stats.end_step()
         self.progress.update(step, loss, samples / step_time)
         line = {

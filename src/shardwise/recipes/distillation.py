@@ -28,8 +28,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardwise import comm
+from shardwise.arguments import finite_number, whole_number
 from shardwise.comm.parallel_ops import IGNORE_INDEX  # (F.cross_entropy's padding label)
 from shardwise.distributed import runtime
+from shardwise.observe.run_output import check_writable_file
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.zero import ZeRO
 
@@ -71,8 +73,7 @@ def distill_loss(
     """The loss of a student's logits against targets `(labels, teacher_logits)`: a mean over
     the rows (samples, or tokens), so it weighs like any per-sample mean loss. A row whose
     label is -100 (padding, as `F.cross_entropy` ignores it) is left out of both terms."""
-    if temperature <= 0:
-        raise ValueError(f"distillation temperature must be > 0, got {temperature}")
+    finite_number("distillation temperature", temperature, above=0)  # (NaN, inf: a NaN loss)
     if not 0 <= alpha <= 1:
         raise ValueError(f"distillation alpha must be in [0, 1], got {alpha}")
 
@@ -110,11 +111,32 @@ def soft_loss(
 def _dense(teacher: TeacherLogits, vocab: int, like: torch.Tensor) -> torch.Tensor:
     """The teacher's logits as rows of the vocabulary: top-K values scattered into -inf."""
     if isinstance(teacher, torch.Tensor):
+        if teacher.shape[-1:] != (vocab,) or teacher.numel() != like.numel():
+            raise ValueError(  # (reshaped, a [4, 6] teacher was read as a [6, 4] student's)
+                f"teacher logits of shape {list(teacher.shape)} for student logits of "
+                f"{like.shape[0]} rows of {vocab} classes: they must have the student's shape"
+            )
         return teacher.reshape(-1, vocab)
     values, indices = teacher
     k = values.shape[-1]
     rows = torch.full_like(like, float("-inf"), dtype=values.dtype)
     return rows.scatter(1, indices.reshape(-1, k), values.reshape(-1, k))
+
+
+def _check_rank0_writes(path: Path, rt) -> None:
+    """Before the teacher's forward over the whole dataset: rank 0, which writes, can write
+    `path`; its answer is every rank's (one refusing alone would leave the others in the
+    forward's collectives)."""
+    problem = ""
+    if rt.is_main:
+        try:
+            check_writable_file(path)
+        except ValueError as e:
+            problem = str(e)
+    said = torch.tensor([len(problem.encode())], dtype=torch.int64, device=rt.device)
+    comm.all_reduce(said)
+    if said.item():
+        raise ValueError(problem or f"rank 0 cannot write the teacher cache {path}")
 
 
 class TeacherCache:
@@ -144,6 +166,11 @@ class TeacherCache:
 
     def lookup(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached (values, indices) of these dataset samples."""
+        held = len(self.values)
+        if samples.numel() and not 0 <= int(samples.min()) <= int(samples.max()) < held:
+            raise IndexError(  # (-1 read the last sample's logits)
+                f"samples {int(samples.min())}..{int(samples.max())}: the cache holds 0..{held - 1}"
+            )
         return self.values[samples], self.indices[samples]
 
     @staticmethod
@@ -157,12 +184,15 @@ class TeacherCache:
         from torch.utils.data import DataLoader
 
         rt = runtime.init()
+        path = Path(path)
+        if k is not None:
+            whole_number("top-k k", k, least=1)  # (0 meant every class)
+        _check_rank0_writes(path, rt)
         rows = []
         for inputs, _ in DataLoader(dataset, batch_size=batch_size):
             rows.append(teacher(inputs.to(rt.device)).float().cpu())
         logits = torch.cat(rows)
-        values, indices = top_k_logits(logits, k or logits.shape[-1])
-        path = Path(path)
+        values, indices = top_k_logits(logits, logits.shape[-1] if k is None else k)
         if rt.is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")

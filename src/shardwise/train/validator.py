@@ -70,10 +70,13 @@ def evaluate(
             if count:
                 sums[0] += loss_fn(output, y).item() * count
             logits = output if isinstance(output, torch.Tensor) else class_logits(output, y)
-            if logits is None:
+            predicted = None if logits is None else api.predict(model, logits)
+            # (not one class per target: a regression's output, which compared, broadcast
+            # N x N, or scored its float targets against argmaxes)
+            if predicted is None or predicted.shape != y.shape or y.is_floating_point():
                 classified = False
             else:
-                sums[1] += (api.predict(model, logits) == y).sum().item()
+                sums[1] += (predicted == y).sum().item()
             sums[2] += count
     world = dist.get_world_size() if everyone and dist.is_initialized() else 1
     if world > 1:

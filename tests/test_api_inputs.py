@@ -1,0 +1,181 @@
+"""The Python API's helpers (evaluation, schedules, loaders, distillation, balancing, metrics)
+given bad or edge inputs, as a probe of them found: before, each gave a wrong result, took the
+value in silence, or failed deep inside; now each is a one-line error naming the input, or the
+right result. One process: shardwise runs in a world of one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import shardwise as sw
+from shardwise.distributed import runtime
+
+
+@pytest.fixture(autouse=True)
+def _alone():
+    yield
+    runtime.shutdown()  # leave no process group behind for the tests that follow
+
+
+def one_line(error: type[Exception], match: str, call) -> None:
+    with pytest.raises(error, match=match) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+
+
+def test_a_regression_is_scored_by_its_loss_alone():
+    """Before: the argmax of a [N] output against [N, 1] targets broadcast to N x N, and the
+    'accuracy' was 2.8."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(10, 4), torch.randn(10, 1)
+    scored = sw.evaluate(model, TensorDataset(x, y), F.mse_loss, 3)
+    assert scored.accuracy is None
+    assert scored.loss == pytest.approx(F.mse_loss(model(x), y).item(), rel=1e-6)
+    flat = sw.evaluate(model, TensorDataset(x, y[:, 0]), lambda o, t: F.mse_loss(o[:, 0], t), 3)
+    assert flat.accuracy is None  # (float targets, [N] like the argmaxes: no classes either)
+    classes = sw.evaluate(
+        nn.Linear(4, 3), TensorDataset(x, torch.zeros(10).long()), F.cross_entropy, 3
+    )
+    assert 0 <= classes.accuracy <= 1  # (a classifier is scored as before)
+
+
+def test_a_source_for_a_model_made_already_is_refused(tmp_path):
+    """Before: `source=` was ignored where the parameters were real: the model trained from its
+    own random values, and a source that did not fit was never noticed."""
+    save_file(
+        {"weight": torch.ones(3, 4), "bias": torch.ones(3)}, str(tmp_path / "model.safetensors")
+    )
+    one_line(
+        ValueError,
+        r"^source= gives the values of parameters on the meta device",
+        lambda: sw.prepare(nn.Linear(4, 3), sw.DDP(), source=sw.HFWeights(tmp_path)),
+    )
+
+
+def test_distillation_refuses_a_teacher_of_another_shape_and_a_temperature_not_finite():
+    """Before: [4, 6] teacher logits were reshaped into the [6, 4] student's rows, and a NaN or
+    infinite temperature gave a NaN loss."""
+    student, labels = torch.randn(6, 4), torch.randint(0, 4, (6,))
+    one_line(
+        ValueError,
+        r"teacher logits of shape \[4, 6\] for student logits of 6 rows of 4 classes",
+        lambda: sw.distill_loss()(student, (labels, torch.randn(4, 6))),
+    )
+    teacher = torch.randn(6, 4)
+    loss = sw.distill_loss(temperature=2.0, alpha=1.0)(student, (labels, teacher))
+    soft = F.kl_div(
+        F.log_softmax(student / 2, -1), F.softmax(teacher / 2, -1), reduction="batchmean"
+    )
+    assert loss.item() == pytest.approx(4 * soft.item(), rel=1e-5)  # (T^2 times the soft term)
+    for temperature in (math.nan, math.inf, 0.0):
+        one_line(
+            ValueError, "distillation temperature must be", lambda t=temperature: sw.distill_loss(t)
+        )
+
+
+def test_schedules_and_scaling_take_whole_numbers_and_a_rate_above_zero():
+    """Before: `warmup_steps=2.5` gave multipliers past 1 (0.4, 0.8, 1.2), `total_steps=True`
+    was taken, `scaled_lr(-0.1, ...)` gave -0.2."""
+    for options, said in [
+        ({"warmup_steps": 2.5}, "warmup_steps must be a whole number >= 0, got 2.5"),
+        ({"total_steps": True}, "total_steps must be a whole number >= 1, got True"),
+    ]:
+        one_line(ValueError, said, lambda o=options: sw.Schedule(**o))
+    warm = sw.Schedule("constant", total_steps=1, warmup_steps=4)  # (a constant rate: no end)
+    assert [warm(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    for lr in (-0.1, math.nan):
+        one_line(ValueError, "lr must be", lambda r=lr: sw.scaled_lr(r, 64, 32))
+    one_line(ValueError, "base_batch must be a whole number", lambda: sw.scaled_lr(0.1, 64, True))
+    assert sw.scaled_lr(0.1, 64, 32) == pytest.approx(0.2)
+
+
+def test_a_loader_refuses_a_shard_or_position_it_cannot_have():
+    """Before: `shard=(2, -1)` read rank 1's slice, (2, 5) was an IndexError; a negative offset
+    ended the epoch two batches in, one past the end skipped it, `{}` was a KeyError."""
+    data = TensorDataset(torch.arange(23.0))
+    for shard, said in [
+        ((2, -1), "shard index must be a whole number >= 0, got -1"),
+        ((2, 5), "shard index must be below its 2 replicas, got 5"),
+        ((0, 0), "shard replicas must be a whole number >= 1, got 0"),
+    ]:
+        one_line(ValueError, said, lambda s=shard: sw.data.loader(data, 2, shard=s))
+    one_line(ValueError, "loader seed must be", lambda: sw.data.loader(data, 2, seed=1.5))
+    loader = sw.data.loader(data, 2, seed=3, drop_last=False)
+    for state, said in [
+        ({"epoch": 0, "offset": -5, "seed": 3}, "data position offset must be a whole number"),
+        ({"epoch": 0, "offset": 24, "seed": 3}, "offset 24 is past the dataset's 23 samples"),
+        ({"epoch": -1, "offset": 0, "seed": 3}, "data position epoch must be a whole number"),
+        ({}, "a data position must hold epoch, offset, seed"),
+    ]:
+        one_line(ValueError, said, lambda s=state: loader.load_state_dict(s))
+    loader.load_state_dict({"epoch": 0, "offset": 20, "seed": 3})
+    assert sum(len(x) for (x,) in loader) == 3  # (the rest of the epoch: 23 - 20)
+
+
+def test_policies_balancers_and_metrics_refuse_numbers_that_would_mislead(tmp_path):
+    """Before: `max_bad_steps=nan` made a run that never stopped; a negative busy time gave its
+    rank most of the batch; a negative step time wrote a negative rate."""
+    one_line(
+        ValueError,
+        "max_bad_steps must be a whole number >= 1, got nan",
+        lambda: sw.NonFinitePolicy("skip", max_bad_steps=math.nan),
+    )
+    rt = sw.init()
+    loader = sw.data.loader(TensorDataset(torch.arange(16.0)), 4)
+    balancer = sw.ThroughputBalancer(loader, 2, rt)
+    one_line(ValueError, "busy_s must be >= 0, got -1.0", lambda: balancer.observe(4, -1.0))
+    one_line(
+        ValueError,
+        "minimum=5 samples for each of 1 replicas",
+        lambda: sw.ThroughputBalancer(loader, 2, rt, minimum=5),
+    )
+    partitioned = sw.data.loader(
+        TensorDataset(torch.arange(16.0)), 4, partition=sw.data.partition.Contiguous()
+    )
+    one_line(
+        TypeError,
+        "re-plans a sharded loader's batch sizes",
+        lambda: sw.ThroughputBalancer(partitioned, 2, rt),
+    )
+    writer = sw.MetricsWriter(tmp_path / "run", 10)
+    try:
+        one_line(ValueError, "step_time must be > 0", lambda: writer.log_step(1, 0.5, 8, -2.0))
+    finally:
+        writer.close()
+
+
+def test_a_teacher_cache_is_written_where_asked_or_refused_first(tmp_path):
+    """Before: building onto a directory left `.NAME.tmp` and a raw OS error (and the other
+    ranks went on as if built); k=0 meant every class; `lookup(-1)` read the last sample."""
+    torch.manual_seed(0)
+    teacher = nn.Linear(4, 5)
+    data = TensorDataset(torch.randn(6, 4), torch.zeros(6).long())
+    (tmp_path / "taken").mkdir()
+    one_line(
+        ValueError,
+        "it is a directory",
+        lambda: sw.TeacherCache.build(teacher, data, tmp_path / "taken", 2),
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    one_line(
+        ValueError,
+        r"top-k k must be a whole number >= 1, got 0",
+        lambda: sw.TeacherCache.build(teacher, data, tmp_path / "c", 0),
+    )
+    path = sw.TeacherCache.build(teacher, data, tmp_path / "cache.safetensors", 2)
+    cache = sw.TeacherCache(path, 6, 5)
+    values, _ = cache.lookup(torch.tensor([5]))
+    assert torch.allclose(values[0], teacher(data.tensors[0][5]).detach().topk(2).values)
+    one_line(
+        IndexError,
+        r"samples -1\.\.-1: the cache holds 0\.\.5",
+        lambda: cache.lookup(torch.tensor([-1])),
+    )
