@@ -213,7 +213,7 @@ def test_bad_accumulation_is_one_line():
     model = _mlp()
     cases = [
         (lambda: sw.train_step(model, x[:3], y[:3], F.cross_entropy, accumulate=4), "3 samples"),
-        (lambda: sw.train_step(model, x, y, F.cross_entropy, accumulate=0), "int >= 1"),
+        (lambda: sw.train_step(model, x, y, F.cross_entropy, accumulate=0), "a whole number >= 1"),
         (lambda: sw.train_step(model, x, y, F.cross_entropy, samples=9, accumulate=2), "function"),
         (lambda: check_accumulate(2, [7, 1]), "rank 1's batch of 1 samples"),  # rank_weights
     ]

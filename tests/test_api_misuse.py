@@ -219,7 +219,9 @@ def test_misuse_across_ranks_is_refused_on_every_rank(tmp_path):
     ranks = spawn.run(_misuse, 2, str(tmp_path), token)
     alone = _alone(range(2, 4))  # (what the steps after the refused ones must give)
     for said in ranks:  # (every rank: one refused alone would leave the other waiting)
-        assert said["models"].startswith("NotTheSame: sw.prepare: the model differs between ranks")
+        assert said["models"].startswith(
+            "NotTheSame: sw.prepare: the model or strategy differs between ranks"
+        )
         mine, theirs = "parameter '0.weight' float32[5, 6]", "parameter '0.weight' float32[6, 5]"
         assert f"rank 0 has {mine}, rank 1 has {theirs}" in said["models"]
         assert (

@@ -93,7 +93,7 @@ def test_shifted_digits_and_bad_options():
                 inside = 0 <= i - dy < 8 and 0 <= j - dx < 8
                 assert out[i, j] == (grid[i - dy, j - dx] if inside else 0)
     assert {dy for dy, _ in shifts} == {dx for _, dx in shifts} == {-1, 0, 1}
-    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+    with pytest.raises(ValueError, match="repeats must be a whole number >= 1"):
         Augmented(_dataset().dataset, _noise, repeats=0)
     with pytest.raises(ValueError, match="equal batch sizes"):
         sw.data.loader(_dataset(2), [2, 4], shard=(2, 0))

@@ -136,7 +136,7 @@ def _bad_declarations() -> list[str]:
 def test_bad_declarations_are_one_line_errors():
     (errors,) = run(_bad_declarations, 1)
     assert errors == [
-        "samples must be an int >= 0, got -1",
-        "total samples must be an int >= samples (5), got 4",
-        "samples must be an int >= 0, got 2.5",
+        "samples must be a whole number >= 0, got -1",
+        "total samples must be a whole number >= 5, got 4",
+        "samples must be a whole number >= 0, got 2.5",
     ]

@@ -17,11 +17,7 @@ from shardwise.distributed.same_everywhere import check_same_everywhere, describ
 from shardwise.faults.watchdog import Watchdog
 from shardwise.nn.meta_init import ParameterSource, buffers_to, has_meta_parameters
 from shardwise.strategies.accumulation import accumulated_step, local_gradients
-from shardwise.strategies.base import (
-    DistributedModel,
-    DistributedOptimizer,
-    Strategy,
-)
+from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
 
 
 def _script_watchdog(rt: Runtime) -> None:
@@ -59,7 +55,8 @@ def prepare(
     if strategy.every_rank_prepares:
         # (before anything sized by the model is made: a segment of shared memory, say; and
         # before any rank refuses alone, leaving the others in a collective)
-        check_same_everywhere(_alike(model, strategy), "sw.prepare: the model", None, rt.device)
+        shared = _what_every_rank_shares(model, strategy)
+        check_same_everywhere(shared, "sw.prepare: the model or strategy", None, rt.device)
     if next(model.parameters(), None) is None:
         raise ValueError(f"the model ({type(model).__name__}) has no parameters: nothing to train")
     if has_meta_parameters(model):
@@ -80,7 +77,7 @@ def prepare(
     return wrapped, wrapped.make_optimizer(optimizer, **optimizer_kwargs)
 
 
-def _alike(model: nn.Module, strategy: Strategy) -> list[str]:
+def _what_every_rank_shares(model: nn.Module, strategy: Strategy) -> list[str]:
     """What every rank's `prepare` must hold alike: the strategy's options, and the model's
     parameters and buffers (names, dtypes, shapes, which train)."""
     lines = [f"strategy {describe_options(strategy)}"]

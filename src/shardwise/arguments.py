@@ -10,7 +10,7 @@ from typing import Any
 
 def whole_number(name: str, value: Any, least: int = 0) -> int:
     """`value` if it is a whole number >= `least` (a bool is not), else a one-line ValueError."""
-    # (numpy's and torch's integers are whole numbers too; a bool is not)
+    # (numpy's integers are whole numbers too)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
     return int(value)

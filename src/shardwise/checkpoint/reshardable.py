@@ -108,10 +108,14 @@ def check_paired(model: DistributedModel, optimizer: torch.optim.Optimizer) -> N
     """`optimizer` is the one `sw.prepare` returned with `model`: another's state was saved, or
     loaded, as this model's (and lost: a checkpoint with no moments, an AdamW's loaded into an
     SGD), without a word."""
-    if not (isinstance(optimizer, DistributedOptimizer) and model.is_stepped_by(optimizer)):
+    if not _paired(model, optimizer):
         raise ValueError(
             "the optimizer is not this model's: pass the one sw.prepare returned with it"
         )
+
+
+def _paired(model: DistributedModel, optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, DistributedOptimizer) and model.is_stepped_by(optimizer)
 
 
 def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
@@ -131,8 +135,8 @@ def make_manifest(
     world_size: int,
     layout: dict[str, Any],
     shards: dict[str, str],
-    strategy_state: dict[str, str] | None = None,
-    optimizer: str = "",
+    strategy_state: dict[str, str] | None,
+    optimizer: str,
 ) -> dict[str, Any]:
     """A sharded checkpoint's manifest: its layout, the optimizer class whose state it holds
     (`optimizer_name`), and every file's SHA-256."""
@@ -178,8 +182,11 @@ def save_checkpoint(
     # What every rank must give alike, compared before any rank may refuse alone (leaving the
     # others in a collective): one checkpoint, every rank's shard in it (a directory per rank
     # was half-written each), of one step, saved with the model's own optimizer.
-    paired = isinstance(optimizer, DistributedOptimizer) and model.is_stepped_by(optimizer)
-    alike = [f"directory {directory}", f"step {step!r}", f"its model's optimizer {paired}"]
+    alike = [
+        f"directory {directory}",
+        f"step {step!r}",
+        f"its model's optimizer {_paired(model, optimizer)}",
+    ]
     check_same_everywhere(alike, "save_checkpoint: what was given", rt.group, rt.device)
     check_step(step)
     check_paired(model, optimizer)

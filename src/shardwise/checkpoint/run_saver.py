@@ -17,12 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardwise.checkpoint import state_tree
-from shardwise.checkpoint.reshardable import (
-    fsync_path,
-    make_manifest,
-    optimizer_name,
-    sha256_file,
-)
+from shardwise.checkpoint.reshardable import fsync_path, make_manifest, optimizer_name, sha256_file
 from shardwise.checkpoint.run_checkpoint import (
     FORMAT,
     PREFIX,
@@ -187,7 +182,7 @@ class Saver:
         }
         if snap.layout is not None:
             shards = {n.removeprefix(f"{SHARDED}/"): s for n, s in sums.items() if n not in exact}
-            sharded = make_manifest(snap.step, world, snap.layout, shards, optimizer=snap.optimizer)
+            sharded = make_manifest(snap.step, world, snap.layout, shards, None, snap.optimizer)
             _write_json(tmp / SHARDED / "manifest.json", sharded)
         fsync_path(tmp / SHARDED)
         _write_json(tmp / "manifest.json", manifest)  # last: the directory is now complete

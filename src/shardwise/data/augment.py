@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from shardwise.arguments import whole_number
+
 Augment = Callable[[Any, torch.Generator], Any]  # (sample's input, its generator) -> input
 
 
@@ -38,8 +40,7 @@ class Augmented(Dataset):
     repeat v % repeats. `set_epoch` (the loader calls it) picks the epoch's draws."""
 
     def __init__(self, dataset: Dataset, augment: Augment, seed: int = 0, repeats: int = 1):
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"augmentation repeats must be an int >= 1, got {repeats!r}")
+        whole_number("augmentation repeats", repeats, least=1)
         self.dataset, self.augment, self.seed, self.repeats = dataset, augment, seed, repeats
         self.epoch = 0
 

@@ -65,9 +65,8 @@ class ThroughputBalancer:
     def observe(self, samples: int, busy_s: float) -> None:
         """One step of this rank: samples trained on, seconds of it not spent waiting."""
         whole_number("samples", samples)
-        finite_number(
-            "busy_s", busy_s, least=0
-        )  # (a negative one gave this rank most of the batch)
+        # (a negative busy time gave this rank most of the batch)
+        finite_number("busy_s", busy_s, least=0)
         self.steps += 1
         if self.first_at_new_sizes and self.every > 1:
             self.first_at_new_sizes = False

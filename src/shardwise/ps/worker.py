@@ -37,7 +37,6 @@ from shardwise.ps.sharding import flat_values, plan_shards, signature, trainable
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer, Strategy
 from shardwise.strategies.section import StrategySection, check_options
 
-MODES = ("sync", "async", "ssp")
 PS_CODEC_PATTERN = r"^(fp16|bf16|int8|sign|(topk|randomk)(:(0?\.\d+|1(\.0*)?))?)$"
 
 

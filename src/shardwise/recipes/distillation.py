@@ -31,6 +31,7 @@ from shardwise import comm
 from shardwise.arguments import finite_number, whole_number
 from shardwise.comm.parallel_ops import IGNORE_INDEX  # (F.cross_entropy's padding label)
 from shardwise.distributed import runtime
+from shardwise.distributed.runtime import Runtime
 from shardwise.observe.run_output import check_writable_file
 from shardwise.strategies.ddp import broadcast_module_state
 from shardwise.strategies.zero import ZeRO
@@ -123,7 +124,7 @@ def _dense(teacher: TeacherLogits, vocab: int, like: torch.Tensor) -> torch.Tens
     return rows.scatter(1, indices.reshape(-1, k), values.reshape(-1, k))
 
 
-def _check_rank0_writes(path: Path, rt) -> None:
+def _check_rank0_writes(path: Path, rt: Runtime) -> None:
     """Before the teacher's forward over the whole dataset: rank 0, which writes, can write
     `path`; its answer is every rank's (one refusing alone would leave the others in the
     forward's collectives)."""
@@ -133,9 +134,9 @@ def _check_rank0_writes(path: Path, rt) -> None:
             check_writable_file(path)
         except ValueError as e:
             problem = str(e)
-    said = torch.tensor([len(problem.encode())], dtype=torch.int64, device=rt.device)
-    comm.all_reduce(said)
-    if said.item():
+    refused = torch.tensor([bool(problem)], dtype=torch.int64, device=rt.device)
+    comm.all_reduce(refused)
+    if refused.item():
         raise ValueError(problem or f"rank 0 cannot write the teacher cache {path}")
 
 

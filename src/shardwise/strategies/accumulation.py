@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from shardwise.arguments import whole_number
 from shardwise.strategies.base import DistributedModel, LossFn
 from shardwise.strategies.batch_share import batch_samples
 
@@ -33,10 +34,9 @@ Count = Callable[[Any], int]  # a (micro-)batch's samples, from its targets
 
 
 def check_accumulate(micro_batches: int, batch_sizes: list[int] | None = None) -> None:
-    """`micro_batches` is an int >= 1 and every rank's batch (`batch_sizes`, where known)
+    """`micro_batches` is a whole number >= 1 and every rank's batch (`batch_sizes`, where known)
     splits into that many micro-batches of at least one sample; else one-line ValueError."""
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"accumulate must be an int >= 1, got {micro_batches!r}")
+    whole_number("accumulate", micro_batches, least=1)
     for rank, size in enumerate(batch_sizes or []):
         if size < micro_batches:
             raise ValueError(

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.arguments import whole_number
 from shardwise.comm.mean import divide_, divide_into
 from shardwise.distributed.runtime import Runtime
 
@@ -67,10 +68,9 @@ class BatchShare:
         them over the group now, asynchronously). Every rank of the group must declare. Where
         the total is given, the shares count as uneven on every rank (each weighed by its
         own), as nothing tells a rank the others' counts."""
-        if not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-        if total is not None and (not isinstance(total, int) or total < max(samples, 1)):
-            raise ValueError(f"total samples must be an int >= samples ({samples}), got {total!r}")
+        samples = whole_number("samples", samples)
+        if total is not None:
+            total = whole_number("total samples", total, least=max(samples, 1))
         self.local, self.total = samples, total
         world = self.runtime.world_size
         if world == 1 and total not in (None, samples):

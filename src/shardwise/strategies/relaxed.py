@@ -30,6 +30,7 @@ from pydantic import Field
 from torch import nn
 
 from shardwise import comm
+from shardwise.arguments import whole_number
 from shardwise.comm.flat import flatten, unflatten
 from shardwise.distributed.runtime import Runtime
 from shardwise.strategies.base import DistributedModel, Strategy
@@ -109,9 +110,7 @@ class RelaxedModel(DistributedModel):
         broadcast_module_state(module, group=runtime.group)
 
     def declare_batch(self, samples: int, total: int | None = None) -> None:
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-        self.declared += samples
+        self.declared += whole_number("samples", samples)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.declared = 0  # (a step dropped: its samples were not trained on)

@@ -120,7 +120,8 @@ def _balance(run: TrainingRun, step: int, samples: int, work_s: float, record: d
     if run.balancer or run.cfg.data.rank_weights:
         record["batch_sizes"] = run.feed.loader.sizes
     if run.balancer:
-        run.balancer.observe(samples, max(0.0, work_s))  # (waits timed past the step: none)
+        # (the waits subtracted from the step's time can add up past it: no work, not less)
+        run.balancer.observe(samples, max(0.0, work_s))
         if (sizes := run.balancer.rebalance()) is not None and run.rt.is_main:
             rates = ", ".join(f"{r:.0f}" for r in run.balancer.rates)
             print(f"shardwise: step {step}: samples/s per rank [{rates}] -> batch sizes {sizes}")
