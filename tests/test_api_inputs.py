@@ -179,3 +179,44 @@ def test_a_teacher_cache_is_written_where_asked_or_refused_first(tmp_path):
         r"samples -1\.\.-1: the cache holds 0\.\.5",
         lambda: cache.lookup(torch.tensor([-1])),
     )
+
+
+def test_models_without_parameters_empty_sets_and_labels_that_are_not_classes():
+    """Before: `evaluate` of an empty dataset gave NaN loss and accuracy; `memory_report` and
+    `evaluate` of a model with no parameters a bare `StopIteration`; stratified labels 0.5 and
+    0.7 were both label 0; a teacher cache with a class twice in a sample's top-K loaded."""
+    x = torch.randn(4, 3)
+    one_line(
+        ValueError,
+        "evaluate: the dataset holds no sample",
+        lambda: sw.evaluate(nn.Linear(3, 2), TensorDataset(x[:0], x[:0]), F.mse_loss, 2),
+    )
+    scored = sw.evaluate(nn.Identity(), TensorDataset(x, x), F.mse_loss, 3)
+    assert scored.loss == 0.0 and scored.accuracy is None
+    report = sw.memory_report(nn.ReLU(), torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
+    assert report["peak"] >= 0
+    labels = sw.data.partition.Stratified([0.5, 0.7, 1.0, 0.0])
+    one_line(
+        ValueError,
+        "stratified labels must be whole numbers, got 0.5",
+        lambda: labels.split(4, 2, 0, 0),
+    )
+    parts = sw.data.partition.Stratified([0, 1, 0, 1]).split(4, 2, 0, 0)
+    assert sorted(i for part in parts for i in part) == [0, 1, 2, 3]
+    assert all(sorted(i % 2 for i in part) == [0, 1] for part in parts)  # (a label each)
+
+
+def test_a_teacher_cache_with_a_class_twice_in_a_row_is_refused(tmp_path):
+    path = tmp_path / "cache.safetensors"
+    indices = torch.tensor([[0, 1], [2, 2]], dtype=torch.int32)
+    save_file(
+        {"values": torch.ones(2, 2), "indices": indices}, str(path), metadata={"classes": "3"}
+    )
+    one_line(
+        ValueError,
+        "a class repeated within a sample's top-K indices",
+        lambda: sw.TeacherCache(path, 2),
+    )
+    fine = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    save_file({"values": torch.ones(2, 2), "indices": fine}, str(path), metadata={"classes": "3"})
+    assert sw.TeacherCache(path, 2).classes == 3

@@ -208,8 +208,8 @@ def test_a_damaged_cache_is_one_line(tmp_path):
         assert "\n" not in str(err.value)
     # Another teacher's: over 4 classes where the student has 10 (before: a traceback from
     # inside the loss for more classes, silently accepted for fewer).
-    save_file({"values": values, "indices": torch.zeros(5, 3, dtype=torch.int32)}, str(path),
-              metadata={"classes": "4"})  # fmt: skip
+    distinct = torch.arange(3, dtype=torch.int32).repeat(5, 1)  # (a class once in each row)
+    save_file({"values": values, "indices": distinct}, str(path), metadata={"classes": "4"})
     with pytest.raises(ValueError, match="logits over 4 classes, and the student has 10"):
         sw.TeacherCache(path, 5, student_classes=10)
     assert sw.TeacherCache(path, 5, student_classes=4).classes == 4

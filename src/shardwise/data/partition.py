@@ -124,7 +124,10 @@ class Stratified:
         order = epoch_order(size, seed, epoch, shuffle=True)
         by_label: dict[int, list[int]] = {}
         for i in order:
-            by_label.setdefault(int(self.labels[i]), []).append(i)
+            label = self.labels[i]
+            if label != int(label):  # (0.5 and 0.7 were both label 0: no stratification)
+                raise ValueError(f"stratified labels must be whole numbers, got {label!r}")
+            by_label.setdefault(int(label), []).append(i)
         dealt = [i for label in sorted(by_label) for i in by_label[label]]
         return [dealt[r::parts] for r in range(parts)]
 

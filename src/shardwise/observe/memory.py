@@ -7,6 +7,7 @@ bucket costs nothing beyond the bucket.
 from __future__ import annotations
 
 import gc
+import itertools
 import warnings
 from collections.abc import Iterable
 
@@ -178,13 +179,19 @@ def _all_tensors() -> list[torch.Tensor]:
         ]
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where `model` computes: its first parameter's or buffer's device (the CPU where it has
+    neither: `next(model.parameters())` was a bare `StopIteration`)."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return torch.device("cpu") if first is None else first.device
+
+
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Per-rank bytes in parameters, gradients and optimizer state (master weights included
     where a strategy keeps them), and the process's peak. Call it after backward, before the
     step, to see the model state at its fullest."""
     report = model_state_bytes(model, optimizer)
-    device = next(model.parameters()).device
-    report["peak"] = peak_bytes(device)
+    report["peak"] = peak_bytes(model_device(model))
     return report
 
 

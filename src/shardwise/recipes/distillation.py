@@ -215,4 +215,6 @@ def _cache_problem(values, indices, samples: int, classes: int) -> str | None:
         return "holds non-finite logits"
     if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < classes):
         return f"indices out of [0, {classes})"
+    if bool((indices.sort(dim=1).values.diff(dim=1) == 0).any()):  # (one class's logit, twice)
+        return "a class repeated within a sample's top-K indices"
     return None

@@ -21,6 +21,7 @@ from shardwise import api, comm
 from shardwise.data.datasets import PAD_TARGET
 from shardwise.data.sharded_loader import loader as make_loader
 from shardwise.nn.dict_batches import LABELS, class_logits
+from shardwise.observe.memory import model_device
 
 
 class Evaluation(NamedTuple):
@@ -49,10 +50,12 @@ def evaluate(
     world; otherwise this process scores all of it (a parameter-server worker, or the
     supervisor), with no message. `inputs_targets(batch)` splits a batch into what the model
     is called with and the targets (`jobs.Job.inputs_targets` for dict samples)."""
+    if len(dataset) == 0:  # (scored, it gave a loss and accuracy of NaN)
+        raise ValueError("evaluate: the dataset holds no sample")
     shard = api.data_shard(model) if everyone else (1, 0)
     loader = make_loader(dataset, batch_size, shuffle=False, drop_last=False, shard=shard)
     loss_fn = api.parallel_loss(model, loss_fn)
-    device = next(model.parameters()).device
+    device = model_device(model)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     classified = True  # every output a classifier's: accuracy means something
     was_training = model.training
