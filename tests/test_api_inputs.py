@@ -5,6 +5,7 @@ right result. One process: shardwise runs in a world of one."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import shardwise as sw
+from shardwise.checkpoint.reshardable import CheckpointError, export_checkpoint
 from shardwise.distributed import runtime
 
 
@@ -220,3 +222,85 @@ def test_a_teacher_cache_with_a_class_twice_in_a_row_is_refused(tmp_path):
     fine = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
     save_file({"values": torch.ones(2, 2), "indices": fine}, str(path), metadata={"classes": "3"})
     assert sw.TeacherCache(path, 2).classes == 3
+
+
+def test_the_third_probe_s_inputs_are_refused_in_one_line(tmp_path):
+    """Each of these failed inside torch or safetensors, or trained on: SyncBatchNorm's
+    statistics of one value a channel (a variance of 0: every output the bias, where
+    nn.BatchNorm refuses) and 1-D input; a pruning schedule of 1.5 steps, N:M of 2.5; top-k of
+    no tensor; rows grown to fewer; a teacher cache of no samples; a checkpoint exported into
+    /proc; a plain module saved or started from; metrics logged every 0 steps, of a tensor, or
+    after close."""
+    norm = sw.SyncBatchNorm(3)
+    one_line(
+        ValueError,
+        "more than 1 value per channel over all ranks, got 1",
+        lambda: norm(torch.randn(1, 3)),
+    )
+    one_line(ValueError, "expected at least 2D input", lambda: norm(torch.randn(3)))
+    # With no process group, as in a plain script: torch's own BatchNorm (whose running
+    # statistics the refused batches left alone)
+    x, reference = torch.randn(5, 3), nn.BatchNorm1d(3)
+    torch.testing.assert_close(norm(x), reference(x))
+    torch.testing.assert_close(norm.state_dict(), reference.state_dict())
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    one_line(
+        ValueError,
+        "pruning every must be a whole number >= 0, got 1.5",
+        lambda: sw.GlobalMagnitudePruner(model, opt, 0.5, start=0, end=4, every=1.5),
+    )
+    one_line(
+        ValueError,
+        "N:M sparsity's N must be a whole number",
+        lambda: sw.NMPruner(model, opt, n=2.5),
+    )
+    one_line(TypeError, "logits must be a tensor", lambda: sw.top_k_logits(None, 2))
+    one_line(
+        ValueError,
+        "rows must be a whole number >= 4",
+        lambda: sw.grow_rows(torch.ones(4, 2), 3, None),
+    )
+    teacher = nn.Linear(4, 5)
+    empty = TensorDataset(torch.zeros(0, 4), torch.zeros(0).long())
+    one_line(
+        ValueError,
+        "the dataset has no samples",
+        lambda: sw.TeacherCache.build(teacher, empty, tmp_path / "cache", 2),
+    )
+    prepared, prepared_opt = sw.prepare(nn.Linear(4, 4), sw.DDP(), lr=0.1)
+    sw.save_checkpoint(prepared, prepared_opt, tmp_path / "ckpt")
+    one_line(
+        CheckpointError,
+        "cannot write /proc/w.safetensors",
+        lambda: export_checkpoint(tmp_path / "ckpt", "/proc/w.safetensors"),
+    )
+    plain = nn.Linear(4, 4)
+    one_line(
+        TypeError,
+        "got a plain Linear",
+        lambda: sw.save_checkpoint(plain, prepared_opt, tmp_path / "c2"),
+    )
+    one_line(
+        TypeError,
+        "got a plain Linear",
+        lambda: sw.start_from(tmp_path / "ckpt", plain, prepared_opt, "finetune"),
+    )
+    assert not (tmp_path / "c2").exists()
+    one_line(
+        ValueError,
+        "log_every must be a whole number >= 1, got 0",
+        lambda: sw.MetricsWriter(tmp_path / "m", 5, log_every=0),
+    )
+    writer = sw.MetricsWriter(tmp_path / "run", 5)
+    one_line(
+        TypeError, "numbers, strings, lists", lambda: writer.log_step(1, 0.5, 8, 1.0, note=object())
+    )
+    writer.log_step(1, 0.5, 8, 1.0)
+    writer.close()
+    one_line(
+        ValueError, "written after its writer was closed", lambda: writer.log_step(2, 0.5, 8, 1.0)
+    )
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1]  # (the refused line: no trace)
+    prepared.close()

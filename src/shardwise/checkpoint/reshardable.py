@@ -108,9 +108,18 @@ def check_paired(model: DistributedModel, optimizer: torch.optim.Optimizer) -> N
     """`optimizer` is the one `sw.prepare` returned with `model`: another's state was saved, or
     loaded, as this model's (and lost: a checkpoint with no moments, an AdamW's loaded into an
     SGD), without a word."""
+    check_prepared(model)
     if not _paired(model, optimizer):
         raise ValueError(
             "the optimizer is not this model's: pass the one sw.prepare returned with it"
+        )
+
+
+def check_prepared(model) -> None:
+    """A plain module has no ranks, shards or runtime to save or load them by."""
+    if not isinstance(model, DistributedModel):
+        raise TypeError(
+            f"the model must be the one sw.prepare returned, got a plain {type(model).__name__}"
         )
 
 
@@ -177,6 +186,7 @@ def save_checkpoint(
     Beside the reshardable per-parameter state, each rank writes its strategy state (the
     model's `extra_state()`: codec residuals, counters, loss scale), restored when the
     checkpoint is loaded by the same strategy on as many ranks."""
+    check_prepared(model)  # (alone on its rank: a plain module takes part in no collective)
     directory = Path(os.path.abspath(directory))  # "ckpt/.." has no name to make siblings of
     rt = model.runtime
     # What every rank must give alike, compared before any rank may refuse alone (leaving the
@@ -486,4 +496,6 @@ def export_checkpoint(directory: str | Path, out: str | Path) -> Path:
         _atomic(out, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
     except OSError as e:
         raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
+    except SafetensorError as e:  # (its writer's I/O errors: /proc and /sys refuse files)
+        raise CheckpointError(f"cannot write {out}: {e}") from None
     return out

@@ -166,6 +166,11 @@ def group_size(group: ProcessGroup | TraceGroup | None = None) -> int:
     try:
         return (dist.GroupMember.WORLD if group is None else group).size()
     except AttributeError:  # (torch's stand-in for a group this rank is not in is a number)
+        if group is None:
+            raise ValueError(
+                "a collective with no process group: call sw.init() first (under torchrun or "
+                "shardwise run, or alone as a world of one)"
+            ) from None
         raise ValueError(
             "a collective over a group this rank is not a member of (torch would skip it; "
             "every rank that calls one of ours must be in its group)"

@@ -16,6 +16,13 @@ from torch import nn
 from shardwise import comm
 from shardwise.nn.meta_init import buffers_to
 
+ALONE = "alone"  # the group of a process with no process group: statistics its own, as torch's
+
+
+def _sum_over(group, t: torch.Tensor) -> None:
+    if group is not ALONE:
+        comm.all_reduce(t, group=group)
+
 
 def _channel_sum(t: torch.Tensor) -> torch.Tensor:
     dims = [d for d in range(t.dim()) if d != 1]
@@ -37,12 +44,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x = x.to(_statistics_dtype(x.dtype))
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
         sums = torch.cat([_channel_sum(x), count])
-        comm.all_reduce(sums, group=group)
+        _sum_over(group, sums)
         total = sums[-1]
         mean = sums[:-1] / total
         xmu = x - _broadcastable(mean, x)
         sq = _channel_sum(xmu * xmu)
-        comm.all_reduce(sq, group=group)
+        _sum_over(group, sq)
         var = sq / total
         invstd = torch.rsqrt(var + eps)
         xhat = xmu * _broadcastable(invstd, x)
@@ -69,7 +76,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         share = ctx.share.uneven_weight() if ctx.share is not None else None
         if share is not None:
             sums.mul_(share)
-        comm.all_reduce(sums, group=ctx.group)
+        _sum_over(ctx.group, sums)
         if share is not None:
             sums.div_(share)
         sum_dy, sum_dy_xhat = sums.chunk(2)
@@ -103,15 +110,24 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
         if not self.training and self.track_running_stats:
             return F.batch_norm(
                 x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
             )
+        # (no process group, as in a plain script: this process's batch alone, as torch's)
+        alone = self.group is None and not torch.distributed.is_initialized()
         y, mean, var, total = _SyncBatchNormFunction.apply(
-            x, self.weight, self.bias, self.eps, self.group, self.batch_share
+            x, self.weight, self.bias, self.eps, ALONE if alone else self.group, self.batch_share
         )
+        count = total.item()  # (the same on every rank: all refuse together)
+        if count <= 1:  # a variance of 0: every output would be the bias, as nn.BatchNorm refuses
+            raise ValueError(
+                "SyncBatchNorm: expected more than 1 value per channel over all ranks, got "
+                f"{count:.0f} (input size {tuple(x.shape)} on this rank)"
+            )
         if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), total.item())
+            self._update_running_stats(mean.detach(), var.detach(), count)
         return y
 
     @torch.no_grad()

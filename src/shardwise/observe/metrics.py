@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise import comm
-from shardwise.arguments import finite_number
+from shardwise.arguments import finite_number, whole_number
 from shardwise.distributed import runtime
 from shardwise.observe.board import Board
 from shardwise.observe.run_output import MetricsFile, ProgressReporter
@@ -43,6 +43,8 @@ class MetricsWriter:
     ) -> None:
         """`steps`: how many the run has (the progress bar's end); `keep_steps`: a resumed run
         keeps the lines of the steps up to its checkpoint's and drops the rest."""
+        whole_number("MetricsWriter steps", steps)
+        whole_number("MetricsWriter log_every", log_every, least=1)
         self.rt = rt or runtime.current_or_alone()
         out = Path(run_dir)
         (out / "timing").mkdir(parents=True, exist_ok=True)

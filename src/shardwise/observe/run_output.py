@@ -89,8 +89,17 @@ class MetricsFile:
             self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._file.closed:
+            raise ValueError(f"{self.path}: a line written after its writer was closed")
+        try:
+            line = strict_json(record)
+        except TypeError as e:  # (before anything is written: the file stays whole)
+            raise TypeError(
+                f"{self.path}: {e}: a line's fields are numbers, strings, lists and dicts of "
+                "them (a tensor's value: .item() or .tolist())"
+            ) from None
         with writing(self.path):
-            self._file.write(strict_json(record) + "\n")
+            self._file.write(line + "\n")
             self._file.flush()
 
     def close(self) -> None:

@@ -30,8 +30,14 @@ from typing import Any, Literal
 
 import torch
 
+from shardwise.arguments import whole_number
 from shardwise.checkpoint import run_checkpoint
-from shardwise.checkpoint.reshardable import check_optimizer, full_weights, read_full_state
+from shardwise.checkpoint.reshardable import (
+    check_optimizer,
+    check_paired,
+    full_weights,
+    read_full_state,
+)
 from shardwise.checkpoint.run_checkpoint import SHARDED, Found, RunCheckpointError
 
 Mode = Literal["resume", "continue", "finetune"]
@@ -54,6 +60,7 @@ def start_from(
     checkpoint cannot start this model."""
     if mode not in MODES:
         raise ValueError(f"start mode must be one of {', '.join(MODES)}, got {mode!r}")
+    check_paired(model, optimizer)
     path = Path(checkpoint)
     if not path.exists():
         raise RunCheckpointError(f"start from {path}: no such checkpoint or run directory")
@@ -138,7 +145,9 @@ def fit_to(
 def grow_rows(old: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
     """`old` with rows appended up to `rows`: drawn from N(mean, covariance) of the old rows
     (a vector's new entries: the old entries' mean). The old rows are the old tensor's bits."""
-    added = rows - old.shape[0]
+    if not isinstance(old, torch.Tensor) or old.dim() == 0 or old.shape[0] == 0:
+        raise ValueError(f"grow_rows: needs a tensor with rows to draw from, got {old!r}")
+    added = whole_number("grow_rows: rows", rows, least=old.shape[0]) - old.shape[0]
     flat = old.reshape(old.shape[0], -1).double()
     mean = flat.mean(0)
     if old.dim() == 1 or old.shape[0] < 2:

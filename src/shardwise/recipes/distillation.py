@@ -60,6 +60,9 @@ def prepare_teacher(module: nn.Module, shard: bool = False) -> nn.Module:
 def top_k_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` largest logits of each row (last dimension) and their indices: what an offline
     cache of the teacher keeps."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() == 0:
+        raise TypeError(f"top-k: logits must be a tensor of at least 1 dimension, got {logits!r}")
+    whole_number("top-k k", k, least=1)
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"top-k: k={k} must be in [1, {logits.shape[-1]}] (the vocabulary)")
     values, indices = logits.topk(k, dim=-1)
@@ -192,6 +195,8 @@ class TeacherCache:
         rows = []
         for inputs, _ in DataLoader(dataset, batch_size=batch_size):
             rows.append(teacher(inputs.to(rt.device)).float().cpu())
+        if not rows:  # (every rank reads the same dataset: all refuse)
+            raise ValueError(f"teacher cache {path}: the dataset has no samples")
         logits = torch.cat(rows)
         values, indices = top_k_logits(logits, logits.shape[-1] if k is None else k)
         if rt.is_main:

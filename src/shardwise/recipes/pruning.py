@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from shardwise.arguments import finite_number, whole_number
 from shardwise.optim.layerwise import ParameterNorms, Piece
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer
 from shardwise.strategies.mesh_parallel import MeshModel
@@ -51,8 +52,11 @@ class Pruner:
         end: int = 0,
         every: int = 1,
     ) -> None:
+        finite_number("pruning sparsity", sparsity)
         if not 0 <= sparsity < 1:
             raise ValueError(f"pruning sparsity must be in [0, 1), got {sparsity}")
+        for name, value in (("start", start), ("end", end), ("every", every)):
+            whole_number(f"pruning {name}", value)  # (steps: 1.5 never comes)
         if start < 0 or end < start or every < 1:
             raise ValueError(
                 f"pruning schedule: need 0 <= start <= end and every >= 1, got start={start}, "
@@ -190,6 +194,8 @@ class NMPruner(Pruner):
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, n: int = 2, m: int = 4, start=0
     ) -> None:
+        whole_number("N:M sparsity's N", n)
+        whole_number("N:M sparsity's M", m)
         if not 0 < n < m:
             raise ValueError(f"N:M sparsity needs 0 < N < M, got {n}:{m}")
         super().__init__(model, optimizer, 1 - n / m, start=start, end=start)
