@@ -227,7 +227,8 @@ def test_a_teacher_cache_with_a_class_twice_in_a_row_is_refused(tmp_path):
 def test_the_third_probe_s_inputs_are_refused_in_one_line(tmp_path):
     """Each of these failed inside torch or safetensors, or trained on: SyncBatchNorm's
     statistics of one value a channel (a variance of 0: every output the bias, where
-    nn.BatchNorm refuses) and 1-D input; a pruning schedule of 1.5 steps, N:M of 2.5; top-k of
+    nn.BatchNorm refuses) and 1-D input; a pruning schedule of 1.5 steps, N:M of 2.5, another
+    model's optimizer; a cosine schedule's gamma (ignored); top-k of
     no tensor; rows grown to fewer; a teacher cache of no samples; a checkpoint exported into
     /proc; a plain module saved or started from; metrics logged every 0 steps, of a tensor, or
     after close."""
@@ -254,6 +255,17 @@ def test_the_third_probe_s_inputs_are_refused_in_one_line(tmp_path):
         ValueError,
         "N:M sparsity's N must be a whole number",
         lambda: sw.NMPruner(model, opt, n=2.5),
+    )
+    other = torch.optim.SGD(nn.Linear(8, 4).parameters(), lr=0.1)
+    one_line(
+        ValueError,
+        "tensors that are not the model's",
+        lambda: sw.GlobalMagnitudePruner(model, other, 0.5),
+    )
+    one_line(
+        ValueError,
+        "gamma decays 'step' and 'exponential' schedules, not 'cosine'",
+        lambda: sw.Schedule("cosine", total_steps=10, gamma=0.5),
     )
     one_line(TypeError, "logits must be a tensor", lambda: sw.top_k_logits(None, 2))
     one_line(

@@ -47,6 +47,10 @@ class Schedule:
         whole_number("schedule step_size", self.step_size, least=1)
         if self.gamma is not None and not 0 < self.gamma <= 1:
             raise ValueError(f"schedule gamma must be in (0, 1], got {self.gamma}")
+        if self.gamma is not None and self.name not in DEFAULT_GAMMA:  # (ignored: a typo?)
+            raise ValueError(
+                f"schedule gamma decays 'step' and 'exponential' schedules, not {self.name!r}"
+            )
         if not 0 <= self.min_ratio <= 1:
             raise ValueError(f"schedule min_ratio must be in [0, 1], got {self.min_ratio}")
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from shardwise.arguments import finite_number, whole_number
+from shardwise.checkpoint.reshardable import check_paired
 from shardwise.optim.layerwise import ParameterNorms, Piece
 from shardwise.strategies.base import DistributedModel, DistributedOptimizer
 from shardwise.strategies.mesh_parallel import MeshModel
@@ -66,6 +67,10 @@ class Pruner:
         inner = optimizer.inner if isinstance(optimizer, DistributedOptimizer) else optimizer
         self.optimizer = inner
         stepped = [p for group in inner.param_groups for p in group["params"]]
+        if isinstance(model, DistributedModel):
+            check_paired(model, optimizer)
+        elif not {id(p) for p in stepped} <= {id(p) for p in model.parameters()}:
+            raise ValueError("pruning: the optimizer steps tensors that are not the model's")
         if isinstance(model, DistributedModel):
             stages = model.pipeline if isinstance(model, MeshModel) else model
             if isinstance(stages, PipelineModel):
