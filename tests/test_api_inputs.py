@@ -241,6 +241,8 @@ def test_the_third_probe_s_inputs_are_refused_in_one_line(tmp_path):
     one_line(ValueError, "expected at least 2D input", lambda: norm(torch.randn(3)))
     # With no process group, as in a plain script: torch's own BatchNorm (whose running
     # statistics the refused batches left alone)
+    assert not torch.distributed.is_initialized()
+    assert norm(torch.randn(0, 3)).shape == (0, 3)  # (no statistics: the running ones kept)
     x, reference = torch.randn(5, 3), nn.BatchNorm1d(3)
     torch.testing.assert_close(norm(x), reference(x))
     torch.testing.assert_close(norm.state_dict(), reference.state_dict())
@@ -248,7 +250,7 @@ def test_the_third_probe_s_inputs_are_refused_in_one_line(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     one_line(
         ValueError,
-        "pruning every must be a whole number >= 0, got 1.5",
+        "pruning every must be a whole number >= 1, got 1.5",
         lambda: sw.GlobalMagnitudePruner(model, opt, 0.5, start=0, end=4, every=1.5),
     )
     one_line(

@@ -50,6 +50,7 @@ def _compile_once() -> None:
 
 def _compiled(strategy_name: str) -> dict[str, torch.Tensor]:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch._dynamo.utils.counters.clear()  # (this strategy's graphs, not the one's before)
     model = _model()
     if strategy_name == "zero3":
         for block in model.blocks:  # the units' forwards; the hooks on them stay outside

@@ -115,18 +115,19 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             return F.batch_norm(
                 x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
             )
-        # (no process group, as in a plain script: this process's batch alone, as torch's)
+        # (no process group, as in a plain script: this process's batch alone, as torch's; a
+        # model compiled then keeps that choice, dynamo taking is_initialized as a constant)
         alone = self.group is None and not torch.distributed.is_initialized()
         y, mean, var, total = _SyncBatchNormFunction.apply(
             x, self.weight, self.bias, self.eps, ALONE if alone else self.group, self.batch_share
         )
         count = total.item()  # (the same on every rank: all refuse together)
-        if count <= 1:  # a variance of 0: every output would be the bias, as nn.BatchNorm refuses
+        if count == 1:  # a variance of 0: every output would be the bias, as nn.BatchNorm refuses
             raise ValueError(
                 "SyncBatchNorm: expected more than 1 value per channel over all ranks, got "
                 f"{count:.0f} (input size {tuple(x.shape)} on this rank)"
             )
-        if self.track_running_stats:
+        if self.track_running_stats and count:  # (an empty batch has no statistics: 0/0)
             self._update_running_stats(mean.detach(), var.detach(), count)
         return y
 

@@ -145,8 +145,10 @@ def fit_to(
 def grow_rows(old: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
     """`old` with rows appended up to `rows`: drawn from N(mean, covariance) of the old rows
     (a vector's new entries: the old entries' mean). The old rows are the old tensor's bits."""
-    if not isinstance(old, torch.Tensor) or old.dim() == 0 or old.shape[0] == 0:
-        raise ValueError(f"grow_rows: needs a tensor with rows to draw from, got {old!r}")
+    if not isinstance(old, torch.Tensor):
+        raise TypeError(f"grow_rows: old must be a tensor, got {type(old).__name__}")
+    if old.dim() == 0 or old.shape[0] == 0:
+        raise ValueError(f"grow_rows: needs rows to draw from, got a tensor of {tuple(old.shape)}")
     added = whole_number("grow_rows: rows", rows, least=old.shape[0]) - old.shape[0]
     flat = old.reshape(old.shape[0], -1).double()
     mean = flat.mean(0)

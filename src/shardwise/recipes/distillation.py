@@ -60,10 +60,12 @@ def prepare_teacher(module: nn.Module, shard: bool = False) -> nn.Module:
 def top_k_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` largest logits of each row (last dimension) and their indices: what an offline
     cache of the teacher keeps."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() == 0:
-        raise TypeError(f"top-k: logits must be a tensor of at least 1 dimension, got {logits!r}")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"top-k: logits must be a tensor, got {type(logits).__name__}")
+    if logits.dim() == 0:
+        raise ValueError("top-k: logits must have at least 1 dimension, got a scalar")
     whole_number("top-k k", k, least=1)
-    if not 1 <= k <= logits.shape[-1]:
+    if k > logits.shape[-1]:
         raise ValueError(f"top-k: k={k} must be in [1, {logits.shape[-1]}] (the vocabulary)")
     values, indices = logits.topk(k, dim=-1)
     return values, indices

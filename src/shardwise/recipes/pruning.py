@@ -56,8 +56,8 @@ class Pruner:
         finite_number("pruning sparsity", sparsity)
         if not 0 <= sparsity < 1:
             raise ValueError(f"pruning sparsity must be in [0, 1), got {sparsity}")
-        for name, value in (("start", start), ("end", end), ("every", every)):
-            whole_number(f"pruning {name}", value)  # (steps: 1.5 never comes)
+        for name, value, least in (("start", start, 0), ("end", end, 0), ("every", every, 1)):
+            whole_number(f"pruning {name}", value, least)  # (steps: 1.5 never comes)
         if start < 0 or end < start or every < 1:
             raise ValueError(
                 f"pruning schedule: need 0 <= start <= end and every >= 1, got start={start}, "
