@@ -94,6 +94,8 @@ class Handle:
     on the path of a call; every asynchronous call is waited for before its result is used).
     A communication thread's future counts only its waiting: its thread counts its calls."""
 
+    __slots__ = ("_call", "_counted", "_issued", "_pending", "op")
+
     def __init__(
         self,
         op: str,
@@ -115,7 +117,19 @@ class Handle:
         # From the issue to this wait the operation could progress while the caller computed:
         # that long, at most, it overlapped compute.
         start = time.perf_counter()
-        _wait_recorded(pending, self._call, start)
+        call = self._call
+        if call is None:
+            _wait(pending)
+        else:  # (`_wait_recorded` inline: a frame less on every asynchronous call's path)
+            thread, waiting = threading.get_ident(), recorder.waiting
+            waiting[thread] = (call, start)
+            try:
+                if interrupt.waits_interrupted or isinstance(pending, Future):
+                    _wait(pending)
+                else:
+                    pending.wait()
+            finally:
+                waiting.pop(thread, None)
         self._pending = None
         blocked, in_flight = time.perf_counter() - start, start - self._issued
         if self._counted is None:
@@ -126,6 +140,7 @@ class Handle:
 
 
 _DONE = Handle("done", None, None, 0.0)  # what a call that has finished returns
+_NEW_HANDLE = object.__new__  # (a Handle without running `__init__`: `_issue`)
 
 
 def _wait_recorded(
@@ -248,7 +263,11 @@ def _issue(
         return _DONE
     if async_op:  # counted as it is waited for
         issued = time.perf_counter()
-        return Handle(op, work, recorded, issued, (nbytes, issued - start))
+        # (made in this frame, not `Handle.__init__`'s: a frame less on the path)
+        handle = _NEW_HANDLE(Handle)
+        handle.op, handle._pending, handle._call = op, work, recorded
+        handle._issued, handle._counted = issued, (nbytes, issued - start)
+        return handle
     _wait_recorded(work, recorded, start)
     stats.record(op, nbytes, time.perf_counter() - start)
     return _DONE
