@@ -475,6 +475,30 @@ def test_a_run_checkpoint_of_another_job_is_one_line_before_a_resume_and_at_load
         assert why in message and "\n" not in message and len(message) < 500
 
 
+def test_a_malformed_job_record_falls_back_and_an_edited_step_is_refused(tmp_path):
+    """A job record of `null` is a damaged checkpoint, which a resume falls back from (it was
+    refused as another job's, so the older good one was never tried); a manifest edited to
+    another step than its ranks saved is refused at load (the resume went on from the ranks'
+    step, whatever the manifest said)."""
+    model, opt, schedule = _for_run(4)
+    job = run_checkpoint.job_signature(MLP([5, 4, 3]), "adamw", "ddp")
+    saver = run_saver.Saver(tmp_path, runtime.current(), keep=2, sync=True, job=job)
+    for step in (1, 2):
+        _train(model, opt, 1)
+        saver.save(model, opt, schedule, step, data={})
+    older, newer = run_checkpoint.complete(tmp_path / "checkpoints")
+    _edit_manifest(newer, lambda manifest: manifest.update(job=None))
+    found = run_checkpoint.resumable(tmp_path, 1, job)
+    assert (found.directory, found.step) == (older, 1)
+    _edit_manifest(older, lambda manifest: manifest.update(step=7))
+    found = run_checkpoint.resumable(tmp_path, 1, job)
+    with pytest.raises(run_checkpoint.RunCheckpointError) as info:
+        run_checkpoint.load(found, *_for_run(4))
+    assert str(info.value) == (
+        f"{older}: its manifest says step 7, its ranks' state step 1 (an edited manifest)"
+    )
+
+
 def _top(tree: dict, key: str) -> list:
     """The [key, node] pair of `key` in a rank file's top mapping."""
     return next(pair for pair in tree["dict"] if pair[0] == key)

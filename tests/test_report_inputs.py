@@ -132,6 +132,7 @@ MALFORMED: dict[str, tuple[Callable[[Path], None], str]] = {
     "summary.json not UTF-8": (_text("summary.json", b'{"a": "\xff"}'), "summary.json: not UTF-8"),
     "summary.json nested deep": (_text("summary.json", "[" * 100_000), "nested too deeply"),
     "summary.json a directory": (_summary_a_directory, " is not a finished run"),
+    "summary.json {}": (_text("summary.json", "{}"), "summary.json: no 'strategy'"),
     "world_size a string": (_summary(world_size="2"), "world_size must be a whole number"),
     "world_size 1e9 (float)": (_text("summary.json", '{"world_size": 1e9}'), "world_size must"),
     "world_size 2.0": (_summary(world_size=2.0), "world_size must be a whole number >= 1"),

@@ -66,12 +66,14 @@ def job_signature(model: torch.nn.Module, optimizer: str, strategy: str) -> dict
 
 
 def job_mismatch(saved: Any, job: dict[str, Any]) -> str | None:
-    """How `job` differs from the job a checkpoint recorded (None: it does not)."""
+    """How `job` differs from the job a checkpoint recorded (None: it does not). A record that
+    is malformed is a `RunCheckpointError`: a damaged checkpoint, which a resume falls back
+    from, not another job's, which it refuses."""
     try:
         theirs = {str(name): [int(n) for n in shape] for name, shape in saved["model"]}
         their_optimizer, their_strategy = str(saved["optimizer"]), str(saved["strategy"])
     except (KeyError, TypeError, ValueError):
-        return "its record of the job is malformed"
+        raise RunCheckpointError("its record of the job is malformed") from None
     if their_strategy != job["strategy"]:
         return f"strategy {their_strategy!r} saved it, this config has {job['strategy']!r}"
     if their_optimizer != job["optimizer"]:
@@ -187,8 +189,13 @@ def check(
     expected = {f"rank{r}.{ext}" for r in range(saved_world) for ext in ("safetensors", "json")}
     if set(files) != expected:
         raise RunCheckpointError(f"{path}: lists {sorted(files)}, expected {sorted(expected)}")
-    if job is not None and "job" in manifest and (why := job_mismatch(manifest["job"], job)):
-        raise JobMismatch(f"{directory} was saved by another job: {why}")
+    if job is not None and "job" in manifest:
+        try:
+            why = job_mismatch(manifest["job"], job)
+        except RunCheckpointError as e:
+            raise RunCheckpointError(f"{path}: malformed ({e})") from None
+        if why:
+            raise JobMismatch(f"{directory} was saved by another job: {why}")
     if strategy is not None and saved_strategy != strategy:
         raise RunCheckpointError(f"{directory}: saved by {saved_strategy}, this run is {strategy}")
     if saved_world != world_size and not reshardable:
@@ -259,6 +266,8 @@ def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[st
     older than the job record in its manifest) is a `RunCheckpointError`, in one line."""
     try:
         return _load(found, model, optimizer, scheduler)
+    except RunCheckpointError:
+        raise  # (named already)
     except (
         RuntimeError,
         ValueError,
@@ -296,6 +305,7 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
     if found.world_size == model.runtime.world_size:
         state = _rank_state(found.directory, rank)
         check_rank_state(state, scheduler)
+        _check_step(found, state)
         model.load_state_dict(state["model"])
         _load_optimizer(optimizer, state["optimizer"])
         if scheduler is not None:
@@ -304,6 +314,7 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
         return {"step": int(state["step"]), "data": state["data"]}
     state = _rank_state(found.directory, min(rank, found.world_size - 1))
     check_rank_state(state, scheduler)
+    _check_step(found, state)
     check_optimizer(found.directory / SHARDED, optimizer)
     params, states, _ = read_full_state(found.directory / SHARDED)
     model.load_full_state(optimizer, params, states)
@@ -318,6 +329,16 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
     else:  # a rank the saved run did not have
         own_generators(int(state["step"]), rank)
     return {"step": int(state["step"]), "data": state["data"]}
+
+
+def _check_step(found: Found, state: dict[str, Any]) -> None:
+    """The manifest's step is the one its ranks saved: the checksums cover the rank files, not
+    the manifest, and a resume goes on from the rank state's step whatever the manifest says."""
+    if int(state["step"]) != found.step:
+        raise RunCheckpointError(
+            f"{found.directory}: its manifest says step {found.step}, its ranks' state step "
+            f"{int(state['step'])} (an edited manifest)"
+        )
 
 
 def load_schedule(scheduler, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

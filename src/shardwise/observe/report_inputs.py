@@ -208,6 +208,8 @@ def _summary(file: Path) -> dict[str, Any]:
     """The summary's fields the report reads, checked; of the prediction, the rows the report
     compares that have both figures (a null one was not finite)."""
     summary = _checked(_json(_read(file), str(file)), SUMMARY, str(file))
+    if "strategy" not in summary:  # (every run's has one, a parameter server's too: `{}` was read)
+        raise ReportError(f"{file}: no 'strategy': not the summary a run writes")
     if "predicted" in summary:
         rows = summary["predicted"].get("rows") or {}
         if not isinstance(rows, dict):
