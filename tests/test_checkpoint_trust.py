@@ -477,9 +477,9 @@ def test_a_run_checkpoint_of_another_job_is_one_line_before_a_resume_and_at_load
 
 def test_a_malformed_job_record_falls_back_and_an_edited_step_is_refused(tmp_path):
     """A job record of `null` is a damaged checkpoint, which a resume falls back from (it was
-    refused as another job's, so the older good one was never tried); a manifest edited to
-    another step than its ranks saved is refused at load (the resume went on from the ranks'
-    step, whatever the manifest said)."""
+    refused as another job's, so the older good one was never tried); so is a manifest edited
+    to another step than its ranks saved (the resume went on from the ranks' step, whatever the
+    manifest said)."""
     model, opt, schedule = _for_run(4)
     job = run_checkpoint.job_signature(MLP([5, 4, 3]), "adamw", "ddp")
     saver = run_saver.Saver(tmp_path, runtime.current(), keep=2, sync=True, job=job)
@@ -490,13 +490,15 @@ def test_a_malformed_job_record_falls_back_and_an_edited_step_is_refused(tmp_pat
     _edit_manifest(newer, lambda manifest: manifest.update(job=None))
     found = run_checkpoint.resumable(tmp_path, 1, job)
     assert (found.directory, found.step) == (older, 1)
-    _edit_manifest(older, lambda manifest: manifest.update(step=7))
-    found = run_checkpoint.resumable(tmp_path, 1, job)
+    _edit_manifest(newer, lambda manifest: manifest.update(job=job))
+    _edit_manifest(newer, lambda manifest: manifest.update(step=7))
     with pytest.raises(run_checkpoint.RunCheckpointError) as info:
-        run_checkpoint.load(found, *_for_run(4))
+        run_checkpoint.check(newer, 1, None, job)
     assert str(info.value) == (
-        f"{older}: its manifest says step 7, its ranks' state step 1 (an edited manifest)"
+        f"{newer}: its manifest says step 7, its ranks' state step 2 (an edited manifest)"
     )
+    found = run_checkpoint.resumable(tmp_path, 1, job)
+    assert (found.directory, found.step) == (older, 1)
 
 
 def _top(tree: dict, key: str) -> list:

@@ -89,13 +89,19 @@ def _zero3_waits(model_name: str, keep_mb: float | None, tmp: str) -> tuple[dict
 
     events: list[tuple] = []  # ("issue" | "wait", call) and ("compute",), in order
 
+    class Observed:  # (a handle whose wait is noted: ZeRO-3 only waits on what it is given)
+        def __init__(self, handle, call) -> None:
+            self.handle, self.call = handle, call
+
+        def wait(self) -> None:
+            events.append(("wait", self.call))
+            self.handle.wait()
+
     def observed(start, op):
         def issue(*args, **kwargs):
             handle, call = start(*args, **kwargs), (op, len(events))
             events.append(("issue", call))
-            wait = handle.wait
-            handle.wait = lambda: (events.append(("wait", call)), wait())
-            return handle
+            return Observed(handle, call)
 
         return issue
 

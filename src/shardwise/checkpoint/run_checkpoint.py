@@ -206,9 +206,26 @@ def check(
     for name, digest in files.items():
         if sha256_file(directory / name) != digest:
             raise RunCheckpointError(f"checkpoint file corrupt (checksum): {directory / name}")
+    # (the checksums cover the rank files, not the manifest; a resume goes on from the step
+    # the ranks saved, whatever the manifest says)
+    if (saved := _saved_step(directory)) != step:
+        raise RunCheckpointError(
+            f"{directory}: its manifest says step {step}, its ranks' state step {saved} "
+            "(an edited manifest)"
+        )
     if saved_world != world_size:
         read_manifest(directory / SHARDED)  # its own files are checked when they are read
     return Found(directory, step, saved_world)
+
+
+def _saved_step(directory: Path) -> Any:
+    """The step rank 0 saved (its state tree's top-level `step`, read without its tensors)."""
+    path = directory / "rank0.json"
+    try:
+        tree = json.loads(path.read_text())
+        return dict(tree["dict"])["step"]["value"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise RunCheckpointError(f"{path}: malformed (no step)") from None
 
 
 def newest(
@@ -266,8 +283,6 @@ def load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[st
     older than the job record in its manifest) is a `RunCheckpointError`, in one line."""
     try:
         return _load(found, model, optimizer, scheduler)
-    except RunCheckpointError:
-        raise  # (named already)
     except (
         RuntimeError,
         ValueError,
@@ -305,7 +320,6 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
     if found.world_size == model.runtime.world_size:
         state = _rank_state(found.directory, rank)
         check_rank_state(state, scheduler)
-        _check_step(found, state)
         model.load_state_dict(state["model"])
         _load_optimizer(optimizer, state["optimizer"])
         if scheduler is not None:
@@ -314,7 +328,6 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
         return {"step": int(state["step"]), "data": state["data"]}
     state = _rank_state(found.directory, min(rank, found.world_size - 1))
     check_rank_state(state, scheduler)
-    _check_step(found, state)
     check_optimizer(found.directory / SHARDED, optimizer)
     params, states, _ = read_full_state(found.directory / SHARDED)
     model.load_full_state(optimizer, params, states)
@@ -329,16 +342,6 @@ def _load(found: Found, model: DistributedModel, optimizer, scheduler) -> dict[s
     else:  # a rank the saved run did not have
         own_generators(int(state["step"]), rank)
     return {"step": int(state["step"]), "data": state["data"]}
-
-
-def _check_step(found: Found, state: dict[str, Any]) -> None:
-    """The manifest's step is the one its ranks saved: the checksums cover the rank files, not
-    the manifest, and a resume goes on from the rank state's step whatever the manifest says."""
-    if int(state["step"]) != found.step:
-        raise RunCheckpointError(
-            f"{found.directory}: its manifest says step {found.step}, its ranks' state step "
-            f"{int(state['step'])} (an edited manifest)"
-        )
 
 
 def load_schedule(scheduler, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -200,7 +200,7 @@ def load_run(path: Path) -> RunRecord:
     world = summary.get("world_size", 1)
     files = [(r, file) for r, file in _numbered(path / "timing", "rank") if r < world]
     timing = [_timing(file) for _, file in files]
-    label = f"{summary.get('strategy', _name(path))} ({world} ranks)"
+    label = f"{summary['strategy']} ({world} ranks)"
     return RunRecord(path, _plain(label), summary, metrics, timing, trace, [r for r, _ in files])
 
 
@@ -297,6 +297,6 @@ def _parameter_server_run(path: Path, summary: dict[str, Any], trace: dict | Non
     summary = {"steps": max((len(rows) for rows in workers), default=0), **summary}
     if workers and workers[0] and workers[0][-1].get("loss") is not None:
         summary.setdefault("final_train_loss", workers[0][-1]["loss"])
-    label = _plain(summary.get("strategy", _name(path)))
+    label = _plain(summary["strategy"])
     metrics = workers[0] if workers else []
     return RunRecord(path, label, summary, metrics, timing, trace, [n for n, _ in numbered])
