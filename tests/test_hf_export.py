@@ -79,6 +79,22 @@ def test_sharded_export_and_one_line_refusals(tmp_path, capsys):
     code, _, err = main_in_process(capsys, "export", str(checkpoint), str(tmp_path / "x"), "--hf")
     assert code != 0 and "pass --hf-config" in err
     assert len(err.strip().splitlines()) == 1, err
+    # Another model's config, or another size's: refused, nothing written (a folder that
+    # transformers loaded as a fresh model, every weight unused, before).
+    for kind, why in [
+        ("gpt2", "which the GPT2LMHeadModel of"),
+        ("llama", "a config of another size"),
+    ]:
+        other = H.config(kind)
+        if kind == "llama":
+            other.intermediate_size += 2
+        other.architectures = [H.model_class(kind).__name__]
+        other.save_pretrained(tmp_path / f"other_{kind}")
+        with pytest.raises(ValueError, match=why):
+            export_hf(
+                checkpoint, tmp_path / "wrong", config=tmp_path / f"other_{kind}" / "config.json"
+            )
+        assert not (tmp_path / "wrong").exists()
     # With a config of its own, the same checkpoint exports.
     good = Path(out) / "config.json"
     export_hf(checkpoint, tmp_path / "given", config=good)

@@ -71,6 +71,9 @@ import torch.nn.functional as F
 
 def smoothed(output, target):
     return F.cross_entropy(output, target, label_smoothing=0.1)
+
+def corrupt(output, target):
+    raise ValueError("corrupt record 77")
 """
 BROKEN = "raise RuntimeError('this module is broken')\n"
 USER_YAML = f"""
@@ -287,6 +290,22 @@ WRONG_RETURNS = [
 ]
 
 
+def test_a_value_error_in_the_users_code_keeps_its_type_and_traceback(project, run_dir):
+    """Our refusals are one line; a ValueError raised in the user's own loss (or dataset, or
+    model) was printed as one too, its type and place lost: `shardwise: rank 0: corrupt
+    record 77`."""
+    out = _train(
+        project,
+        "user.yaml",
+        "--run-dir",
+        str(run_dir),
+        *set_args("model.loss=my_losses:corrupt", "train.steps=2"),
+        code=1,
+    )
+    assert "Traceback (most recent call last)" in out, out[-3000:]
+    assert 'my_losses.py", line 8, in corrupt' in out and "ValueError: corrupt record 77" in out
+
+
 def test_a_factory_that_returns_the_wrong_thing_is_one_line_naming_it(project, monkeypatch):
     monkeypatch.chdir(project)
     for overrides, says in WRONG_RETURNS:
@@ -321,6 +340,9 @@ def test_token_windows_read_the_file_mapped_and_resume_at_the_exact_sample(tmp_p
     (tmp_path / "odd.bin").write_bytes(b"\0" * 7)
     with pytest.raises(ValueError, match="7 bytes is not a whole number of uint16 tokens"):
         open_tokens(tmp_path / "odd.bin", "uint16")
+    (tmp_path / "empty.bin").write_bytes(b"")  # (0 bytes is a whole number of tokens: none)
+    with pytest.raises(ValueError, match=r"empty\.bin: the token file is empty"):
+        open_tokens(tmp_path / "empty.bin", "uint16")
     # Ids of another tokenizer's: a line naming the file and the id, not an embedding's error.
     small = token_splits(tmp_path / "train.bin", "uint16", 10, 0.2, vocab_size=300).train
     assert torch.equal(small[3][0], torch.arange(30, 40) * 7)  # (all below 300)

@@ -12,6 +12,7 @@ transformers writes it; loading ties it again.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardwise.checkpoint.reshardable import _atomic, full_weights
+from shardwise.nn.hf_loading import hf_config, model_class
 from shardwise.observe.run_output import os_reason
 
 CONFIG = "hf_config.json"
@@ -100,11 +102,38 @@ def export_hf(
     weights = {
         k: v.float() if v.is_floating_point() else v for k, v in full_weights(checkpoint).items()
     }
+    _check_fits(weights, where, checkpoint)
     try:
         save_hf(weights, hf_config, out, max_shard_bytes)
     except OSError as e:
         raise ValueError(f"cannot write {out}: {os_reason(e)}") from None
     return out
+
+
+def _check_fits(weights: dict[str, torch.Tensor], where: Path, checkpoint: Path) -> None:
+    """Every tensor of the checkpoint is one of the config's model, of its shape: with another
+    architecture's config the folder was written, and transformers loaded it as a fresh model,
+    every weight unused, without a word. (Where transformers is installed: the model is built
+    on the meta device; its tensors the checkpoint leaves out, tied ones, load as its own.)"""
+    if importlib.util.find_spec("transformers") is None:
+        return
+    config = hf_config(where)
+    with torch.device("meta"):
+        model = model_class(config, where)._from_config(config, dtype=torch.float32)
+    tensors = [*model.named_parameters(remove_duplicate=False)]
+    tensors += model.named_buffers(remove_duplicate=False)  # (non-persistent ones too: saved)
+    shapes = {name: tuple(t.shape) for name, t in tensors}
+    for name, tensor in weights.items():
+        if name not in shapes:
+            raise ValueError(
+                f"{checkpoint} holds {name!r}, which the {type(model).__name__} of {where} has "
+                "not: a config of another model"
+            )
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{checkpoint}'s {name} is {tuple(tensor.shape)}, the {type(model).__name__} of "
+                f"{where} has {shapes[name]}: a config of another size"
+            )
 
 
 def save_hf(

@@ -30,7 +30,9 @@ def open_tokens(path: Path | str, dtype: str) -> np.memmap:
     if dtype not in DTYPES:
         raise ValueError(f"token dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     size, item = Path(path).stat().st_size, np.dtype(dtype).itemsize
-    if size == 0 or size % item:
+    if size == 0:
+        raise ValueError(f"{path}: the token file is empty")
+    if size % item:
         raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} tokens")
     return np.memmap(path, dtype=dtype, mode="r")
 
