@@ -318,3 +318,23 @@ def test_the_third_probe_s_inputs_are_refused_in_one_line(tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1]  # (the refused line: no trace)
     prepared.close()
+
+
+def test_only_shardwise_s_own_value_errors_are_refusals_of_one_line():
+    """`our_refusal`, which a rank's exit and the command line follow: a ValueError raised in
+    our code is a refusal (its message says it all); one raised in a user's or torch's code
+    keeps its traceback."""
+    from shardwise.arguments import our_refusal
+
+    def users_loss():
+        raise ValueError("corrupt record 77")
+
+    for call, ours in [
+        (lambda: sw.optim.LARS([torch.zeros(2, requires_grad=True)], lr=-1), True),
+        (lambda: sw.Schedule("cosine", total_steps=0), True),
+        (users_loss, False),
+        (lambda: F.cross_entropy(torch.zeros(2, 3), torch.zeros(5).long()), False),
+    ]:
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert our_refusal(raised.value) is ours, raised.value

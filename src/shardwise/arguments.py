@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any
+
+PACKAGE = os.path.dirname(os.path.abspath(__file__))  # (shardwise's own code)
 
 
 def whole_number(name: str, value: Any, least: int = 0) -> int:
@@ -36,3 +39,15 @@ def _finite(value: numbers.Real) -> bool:
         return math.isfinite(float(value))
     except OverflowError:  # (an int past a float's range)
         return False
+
+
+def our_refusal(error: BaseException) -> bool:
+    """A ValueError raised by shardwise's own code: a refusal whose message says it all, which
+    a command or a rank prints as one line. One raised in a user's dataset, model or loss (or
+    in torch) keeps its type and traceback: in one line, its place was lost."""
+    if not isinstance(error, ValueError):
+        return False
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is None or tb.tb_frame.f_code.co_filename.startswith(PACKAGE + os.sep)

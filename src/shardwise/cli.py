@@ -38,9 +38,11 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from shardwise.arguments import our_refusal
 from shardwise.config import BUILTIN_CONFIGS, ConfigError, load_config
 from shardwise.distributed.boot import in_rank
 from shardwise.plan import calibrate as calibrate_module
@@ -376,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError) as e:
+        if not (isinstance(e, ConfigError) or our_refusal(e)):  # (a user's code raised it)
+            traceback.print_exc()
+            return 1
         print(f"shardwise: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -99,10 +99,12 @@ def export_hf(
             "pass --hf-config PATH/config.json"
         )
     hf_config = read_hf_config(where)
+    shapes = _model_tensors(where)  # (before the checkpoint, which may be large, is read)
     weights = {
         k: v.float() if v.is_floating_point() else v for k, v in full_weights(checkpoint).items()
     }
-    _check_fits(weights, where, checkpoint)
+    if shapes is not None:
+        _check_fits(weights, shapes, where, checkpoint)
     try:
         save_hf(weights, hf_config, out, max_shard_bytes)
     except OSError as e:
@@ -110,28 +112,41 @@ def export_hf(
     return out
 
 
-def _check_fits(weights: dict[str, torch.Tensor], where: Path, checkpoint: Path) -> None:
+def _model_tensors(where: Path) -> tuple[str, dict[str, tuple]] | None:
+    """The class name and tensor shapes of the model the config at `where` builds, made on the
+    meta device (its non-persistent buffers too: a checkpoint saves them); None where it cannot
+    be built here (no transformers; a class of the user's own, or of remote code: not checked)."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    try:
+        config = hf_config(where)
+        cls = model_class(config, where)
+    except ValueError:
+        return None
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=torch.float32)
+    tensors = [*model.named_parameters(remove_duplicate=False)]
+    tensors += model.named_buffers(remove_duplicate=False)
+    return cls.__name__, {name: tuple(t.shape) for name, t in tensors}
+
+
+def _check_fits(
+    weights: dict[str, torch.Tensor], model: tuple[str, dict[str, tuple]], where: Path, checkpoint
+) -> None:
     """Every tensor of the checkpoint is one of the config's model, of its shape: with another
     architecture's config the folder was written, and transformers loaded it as a fresh model,
-    every weight unused, without a word. (Where transformers is installed: the model is built
-    on the meta device; its tensors the checkpoint leaves out, tied ones, load as its own.)"""
-    if importlib.util.find_spec("transformers") is None:
-        return
-    config = hf_config(where)
-    with torch.device("meta"):
-        model = model_class(config, where)._from_config(config, dtype=torch.float32)
-    tensors = [*model.named_parameters(remove_duplicate=False)]
-    tensors += model.named_buffers(remove_duplicate=False)  # (non-persistent ones too: saved)
-    shapes = {name: tuple(t.shape) for name, t in tensors}
+    every weight unused, without a word. (Its tensors the checkpoint leaves out, tied ones,
+    load as its own.)"""
+    name_of_class, shapes = model
     for name, tensor in weights.items():
         if name not in shapes:
             raise ValueError(
-                f"{checkpoint} holds {name!r}, which the {type(model).__name__} of {where} has "
-                "not: a config of another model"
+                f"{checkpoint} holds {name!r}, which the {name_of_class} of {where} has not: "
+                "a config of another model"
             )
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(
-                f"{checkpoint}'s {name} is {tuple(tensor.shape)}, the {type(model).__name__} of "
+                f"{checkpoint}'s {name} is {tuple(tensor.shape)}, the {name_of_class} of "
                 f"{where} has {shapes[name]}: a config of another size"
             )
 

@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from safetensors import SafetensorError
 
+from shardwise.arguments import our_refusal
 from shardwise.comm.broken import PHRASES
 from shardwise.comm.interrupt import PeerLost
 from shardwise.comm.shared_memory import PeerProcessEnded
@@ -53,7 +54,7 @@ def leave(error: Exception) -> NoReturn:
     # Expected: a file of the run that cannot be written or read (OSError, SafetensorError), a
     # checkpoint or config that does not fit (ValueError: RunCheckpointError, ConfigError), our
     # own refusals; a ValueError raised in the user's code or torch's keeps its traceback.
-    if isinstance(error, (OSError, SafetensorError)) or _our_refusal(error):
+    if isinstance(error, (OSError, SafetensorError)) or our_refusal(error):
         reason = " ".join(str(error).split())
         print(f"shardwise: rank {rank}: {reason}", file=sys.stderr, flush=True)
     elif gone := _ranks_that_left(int(rank)):  # a collective broken by their exit: no bug here
@@ -68,21 +69,7 @@ def leave(error: Exception) -> NoReturn:
     runtime.announce_leaving(reason)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(2 if _our_refusal(error) else 1)  # (2: what was given; 1: a failure, a bug's)
-
-
-PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (shardwise's own)
-
-
-def _our_refusal(error: Exception) -> bool:
-    """A ValueError raised by shardwise's own code: a refusal whose message says it all (one
-    from a user's dataset, model or loss lost its type and place in one line, before)."""
-    if not isinstance(error, ValueError):
-        return False
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is None or tb.tb_frame.f_code.co_filename.startswith(PACKAGE + os.sep)
+    os._exit(2 if our_refusal(error) else 1)  # (2: what was given; 1: a failure, a bug's)
 
 
 def _peer_lost(error: Exception) -> str | None:
