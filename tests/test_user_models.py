@@ -386,6 +386,16 @@ def test_a_token_file_feeds_the_builtin_gpt_and_hf_models_as_pairs_or_dicts(tmp_
         assert job.dict_batches == dicts == isinstance(job.splits.train[0], dict)
         x, y = job.batch_like()(2)  # (what the planner traces)
         assert torch.isfinite(job.loss_fn(job.model(x), y))  # HF on pairs: its logits' loss
+    # Another tokenizer's ids, and windows past GPT-2's 16 learned positions: one line each,
+    # as the built-in GPT's (an embedding's IndexError of 80-170 lines, before)
+    np.array([5, 40, *range(38)], dtype=np.uint16).tofile("wide.bin")
+    wide = ["data.tokens=wide.bin", "data.test_fraction=0.5"]
+    with pytest.raises(
+        ValueError, match=r"token id 40 \(window 0\) is not within the model's vocab_size 37$"
+    ):
+        build_job(load_config("hf.yaml", wide))  # (its first sample is read as it is built)
+    with pytest.raises(ValueError, match=r"^data\.seq_len 17 is past the model's 16 positions"):
+        build_job(load_config("hf.yaml", ["data.seq_len=17"]))
 
 
 def test_hf_pretrained_loads_the_saved_weights_sharded_or_not(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from shardwise import user_code
 from shardwise.config import Config
 from shardwise.data import datasets
 from shardwise.data.augment import Augmented, shift_pixels
-from shardwise.data.token_file import token_splits
+from shardwise.data.token_file import TokenWindows, token_splits
 from shardwise.job_sections import (
     DataConfig,
     ModelConfig,
@@ -198,6 +198,7 @@ def _user_job(cfg: Config, splits: datasets.Splits, device) -> Job:
     """The user's or a Hugging Face model, and its loss: `model.loss`; for dict samples the
     model's own; else cross-entropy over the output's last dimension (or its `.logits`)."""
     (model, source), m = _user_model(cfg.model, device), cfg.model
+    _fit_windows(model, splits)
     dicts = isinstance(splits.train[0], Mapping)
     if dicts:
         dict_batches.call_with_keywords(model)
@@ -207,6 +208,27 @@ def _user_job(cfg: Config, splits: datasets.Splits, device) -> Job:
         loss = dict_batches.output_loss if dicts else logits_loss
     apart = dicts and m.loss is not None
     return Job(model, splits, loss, dict_batches=dicts, labels_apart=apart, source=source)
+
+
+def _fit_windows(model: nn.Module, splits: datasets.Splits) -> None:
+    """A token file fed to a Hugging Face model: each window's ids checked against the config's
+    vocab_size as it is read, and seq_len against a GPT-2's learned positions (`n_positions`),
+    each in one line, as the built-in GPT's are (an embedding's IndexError of 80-170 lines,
+    before). (A rotary model's max_position_embeddings is no hard bound: not checked.)"""
+    config = getattr(model, "config", None)
+    windows = [s for s in (splits.train, splits.test) if isinstance(s, TokenWindows)]
+    if config is None or not windows:
+        return
+    vocab = getattr(config, "vocab_size", None)
+    for w in windows:
+        if not w.vocab_size and isinstance(vocab, int) and vocab > 0:
+            w.vocab_size, w.vocab_named = vocab, "the model's vocab_size"
+    positions = getattr(config, "n_positions", None)
+    if isinstance(positions, int) and windows[0].seq_len > positions:
+        raise ValueError(
+            f"data.seq_len {windows[0].seq_len} is past the model's {positions} positions "
+            "(its config's n_positions)"
+        )
 
 
 def _user_model(m: ModelConfig, device) -> tuple[nn.Module, ParameterSource | None]:

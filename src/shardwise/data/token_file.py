@@ -59,6 +59,7 @@ class TokenWindows(Dataset):
             )
         self.tokens, self.seq_len, self.start, self.stop = tokens, seq_len, start, stop
         self.as_dicts, self.vocab_size = as_dicts, vocab_size
+        self.vocab_named = "data.vocab_size"  # (where the bound comes from, for its error)
 
     def __len__(self) -> int:
         # Each window needs one token past its end (the last target).
@@ -73,7 +74,7 @@ class TokenWindows(Dataset):
             bad = window[(window < 0) | (window >= self.vocab_size)][0]
             raise ValueError(
                 f"{getattr(self.tokens, 'filename', 'the token file')}: token id {int(bad)} "
-                f"(window {i}) is not within data.vocab_size {self.vocab_size}"
+                f"(window {i}) is not within {self.vocab_named} {self.vocab_size}"
             )
         x, y = window[:-1], window[1:]
         if self.as_dicts:
