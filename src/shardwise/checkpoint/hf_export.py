@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardwise.checkpoint.reshardable import _atomic, full_weights
-from shardwise.nn.hf_loading import hf_config, model_class
+from shardwise.nn.hf_loading import from_config
 from shardwise.observe.run_output import os_reason
 
 CONFIG = "hf_config.json"
@@ -119,15 +119,13 @@ def _model_tensors(where: Path) -> tuple[str, dict[str, tuple]] | None:
     if importlib.util.find_spec("transformers") is None:
         return None
     try:
-        config = hf_config(where)
-        cls = model_class(config, where)
+        with torch.device("meta"):
+            model = from_config(where)
     except ValueError:
         return None
-    with torch.device("meta"):
-        model = cls._from_config(config, dtype=torch.float32)
     tensors = [*model.named_parameters(remove_duplicate=False)]
     tensors += model.named_buffers(remove_duplicate=False)
-    return cls.__name__, {name: tuple(t.shape) for name, t in tensors}
+    return type(model).__name__, {name: tuple(t.shape) for name, t in tensors}
 
 
 def _check_fits(

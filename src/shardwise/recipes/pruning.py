@@ -69,9 +69,6 @@ class Pruner:
         stepped = [p for group in inner.param_groups for p in group["params"]]
         if isinstance(model, DistributedModel):
             check_paired(model, optimizer)
-        elif not {id(p) for p in stepped} <= {id(p) for p in model.parameters()}:
-            raise ValueError("pruning: the optimizer steps tensors that are not the model's")
-        if isinstance(model, DistributedModel):
             stages = model.pipeline if isinstance(model, MeshModel) else model
             if isinstance(stages, PipelineModel):
                 raise ValueError(
@@ -80,6 +77,8 @@ class Pruner:
                 )
             self.layout = model.parameter_norms()
         else:
+            if not {id(p) for p in stepped} <= {id(p) for p in model.parameters()}:
+                raise ValueError("pruning: the optimizer steps tensors that are not the model's")
             self.layout = ParameterNorms.whole(stepped)
         self.stepped = stepped
         self.masks: dict[int, torch.Tensor] = {}  # by stepped tensor's id: True where kept
